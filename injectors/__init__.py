@@ -1,0 +1,1 @@
+"""injectors: corrupt real tensors on purpose during real distributed training."""

@@ -1,0 +1,1 @@
+"""scenarios: run small DDP trainings on several ranks, inject faults, measure the checks."""

@@ -1,0 +1,76 @@
+"""Check "nonfinite": NaN/Inf in the gradients, before and after the all-reduce.
+
+The comm hook keeps two device-side flags per step (any bucket non-finite
+locally / after the reduction). After the backward pass this check gathers
+``[local, reduced]`` from every rank in one small collective and decides:
+
+* ranks whose *local* gradients were non-finite are the suspects;
+* if the reduced result is non-finite on some rank while every local gradient
+  was finite, the fault is in the reduction or the link: a detection that names
+  the ranks that saw it (a single rank's bad result is its own; all ranks alike
+  means the reduction itself, with no suspect).
+
+With a ``GradScaler`` (fp16 mixed precision) Inf gradients are expected: the
+scaler skips the step and lowers the scale. Then local non-finite gradients are
+not reported; a non-finite *reduced* result while every local gradient was
+finite still is (averaging finite values cannot overflow).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from sdc_guard.comm_hook import GuardCommHook
+from sdc_guard.report import Detection
+from sdc_guard.vote import all_gather_rows
+
+
+class NonFiniteCheck:
+    def __init__(
+        self,
+        hook: GuardCommHook,
+        *,
+        group: dist.ProcessGroup | None = None,
+        expect_overflow: bool = False,
+    ) -> None:
+        self.hook = hook
+        self.group = group
+        self.expect_overflow = expect_overflow
+
+    def verdict(self, step: int, device: torch.device) -> list[Detection]:
+        """Gather the flags of ``step`` from every rank and judge them (one collective)."""
+        rows = all_gather_rows(self.hook.flags(device), self.group).tolist()
+        local = tuple(r for r, row in enumerate(rows) if row[0])
+        reduced = tuple(r for r, row in enumerate(rows) if row[1])
+        evidence = {"local_nonfinite": list(local), "reduced_nonfinite": list(reduced)}
+        if local and not self.expect_overflow:
+            return [
+                Detection(
+                    "nonfinite",
+                    step,
+                    local,
+                    detail=f"non-finite local gradients on rank(s) {list(local)} "
+                    "before the all-reduce",
+                    evidence=evidence,
+                )
+            ]
+        if reduced and not local:
+            world = len(rows)
+            suspects = reduced if len(reduced) < world else ()
+            where = (
+                f"only on rank(s) {list(reduced)}: a fault in their reduction or link"
+                if suspects
+                else "on every rank: the reduction itself, no rank to blame"
+            )
+            return [
+                Detection(
+                    "nonfinite",
+                    step,
+                    suspects,
+                    detail="all local gradients finite but the all-reduced result is "
+                    f"non-finite {where}",
+                    evidence=evidence,
+                )
+            ]
+        return []

@@ -1,0 +1,81 @@
+"""Check "weights": replicas must hold bit-identical weights (and optimizer state).
+
+After ``optimizer.step()`` each rank fingerprints its parameters (in
+``named_parameters`` order) and, optionally, its optimizer state tensors
+(param groups in order, parameters in order, state keys sorted), then one
+``all_gather`` of a single 64-bit word per rank and a majority vote: ranks
+outside a strict majority are suspects; no strict majority (or world size 2)
+is a detection without a suspect.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from sdc_guard.fingerprint import fingerprint_tensor, to_unsigned64
+from sdc_guard.report import Detection
+from sdc_guard.vote import all_gather_rows, majority_outliers
+
+
+def state_tensors(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> list[torch.Tensor]:
+    """The replicated state in canonical order: parameters, then optimizer state tensors."""
+    tensors = [p.detach() for _, p in model.named_parameters()]
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                st = optimizer.state.get(p, {})
+                for key in sorted(st, key=str):
+                    v = st[key]
+                    if isinstance(v, torch.Tensor):
+                        tensors.append(v.detach())
+    return tensors
+
+
+class WeightsCheck:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        include_optimizer_state: bool,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.include_optimizer_state = include_optimizer_state
+        self.group = group
+
+    def local_fingerprint(self) -> torch.Tensor:
+        opt = self.optimizer if self.include_optimizer_state else None
+        return fingerprint_tensor(state_tensors(self.model, opt))
+
+    def verdict(self, step: int, device: torch.device) -> list[Detection]:
+        fp = self.local_fingerprint().to(device).reshape(1)
+        values = [to_unsigned64(v) for v in all_gather_rows(fp, self.group)[:, 0].tolist()]
+        outliers = majority_outliers(values)
+        if outliers == ():
+            return []
+        evidence = {"fingerprints": [f"{v:016x}" for v in values]}
+        if outliers is None:
+            return [
+                Detection(
+                    "weights",
+                    step,
+                    (),
+                    detail="weight fingerprints differ across ranks and no strict majority "
+                    "agrees: cannot attribute",
+                    evidence=evidence,
+                )
+            ]
+        return [
+            Detection(
+                "weights",
+                step,
+                outliers,
+                detail=f"rank(s) {list(outliers)} hold weights that differ from the majority",
+                evidence=evidence,
+            )
+        ]

@@ -1,0 +1,134 @@
+"""The guard's DDP communication hook: the one place gradients are seen before and after the all-reduce.
+
+Per bucket, in this order::
+
+    before-callbacks (fault injectors: site "gradient_before_allreduce")
+    -> local non-finite flag (on device, no host sync)
+    -> local gradient observers (the replay audit's per-parameter fingerprints)
+    -> the all-reduce (ours, or the user's own comm hook)
+    -> after-callbacks (fault injectors: site "gradient_after_allreduce")
+    -> reduced non-finite flag
+
+so whatever an injector writes is exactly what the checks see.
+
+Our default all-reduce reproduces DDP's built-in reducer bit for bit: the
+built-in path multiplies each gradient by ``1/world`` (``mul``, not ``div``)
+before a SUM all-reduce, and so do we.
+
+Composing with a hook of your own (fp16 compression, PowerSGD, ...): DDP
+accepts one comm hook per model, so give yours to the guard instead of to DDP:
+``SDCGuard(..., comm_hook=my_hook, comm_hook_state=my_state)``. The guard
+checks the local bucket before calling ``my_hook(my_state, bucket)`` and the
+result of its future afterwards. Your hook then owns the scaling by
+``1/world``, exactly as it would without the guard.
+"""
+
+# No "from __future__ import annotations": DDP inspects the hook's annotations at runtime.
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+BucketCallback = Callable[[dist.GradBucket], None]
+"""Called with the bucket; may modify ``bucket.buffer()`` in place."""
+ReducedCallback = Callable[[dist.GradBucket, torch.Tensor], None]
+"""Called with the bucket and the reduced tensor; may modify the tensor in place."""
+
+
+def _bad(buf: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor: does ``buf`` hold a NaN or Inf? One read pass, no host sync.
+
+    ``isfinite(sum)`` is about 20x cheaper than ``isfinite(buf).all()``; the sum
+    is accumulated in float32 for 16-bit buffers (an fp16 sum would overflow at
+    65504 and raise false alarms). NaN and Inf always propagate through a sum;
+    a false alarm needs finite gradients whose float32 sum exceeds 3.4e38.
+    """
+    if buf.dtype in (torch.float16, torch.bfloat16):
+        s = buf.sum(dtype=torch.float32)
+    elif buf.is_floating_point():
+        s = buf.sum()
+    else:  # integer buffers cannot hold non-finite values
+        return torch.zeros((), dtype=torch.bool, device=buf.device)
+    return ~torch.isfinite(s)
+
+
+class GuardCommHook:
+    """State and hook function for ``DistributedDataParallel.register_comm_hook``."""
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        check_nonfinite: bool = True,
+        inner_hook: CommHook | None = None,
+        inner_state: Any = None,
+    ) -> None:
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.check_nonfinite = check_nonfinite
+        self.inner_hook = inner_hook
+        self.inner_state = inner_state
+        self.before: list[BucketCallback] = []
+        self.local_observers: list[BucketCallback] = []
+        self.after: list[ReducedCallback] = []
+        self.step = -1
+        self.local_bad: torch.Tensor | None = None
+        self.reduced_bad: torch.Tensor | None = None
+        self.buckets_seen = 0
+
+    def begin_step(self, step: int) -> None:
+        """Reset the per-step flags; call before the backward pass of ``step``."""
+        self.step = step
+        self.local_bad = None
+        self.reduced_bad = None
+        self.buckets_seen = 0
+
+    def flags(self, device: torch.device) -> torch.Tensor:
+        """int32 ``[local_bad, reduced_bad]`` for this step, on ``device``."""
+        out = torch.zeros(2, dtype=torch.int32, device=device)
+        if self.local_bad is not None:
+            out[0] = self.local_bad.to(device)
+        if self.reduced_bad is not None:
+            out[1] = self.reduced_bad.to(device)
+        return out
+
+    def _or_local(self, flag: torch.Tensor) -> None:
+        self.local_bad = flag if self.local_bad is None else self.local_bad | flag
+
+    def _or_reduced(self, flag: torch.Tensor) -> None:
+        self.reduced_bad = flag if self.reduced_bad is None else self.reduced_bad | flag
+
+    def _allreduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buf = bucket.buffer()
+        buf.mul_(1.0 / self.world_size)
+        work = dist.all_reduce(buf, group=self.process_group, async_op=True)
+        assert work is not None  # async_op=True always returns a Work handle
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    @staticmethod
+    def hook(state: "GuardCommHook", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """The function registered with DDP (``state`` is the ``GuardCommHook``)."""
+        state.buckets_seen += 1
+        for cb in state.before:
+            cb(bucket)
+        if state.check_nonfinite:
+            state._or_local(_bad(bucket.buffer()))
+        for cb in state.local_observers:
+            cb(bucket)
+        if state.inner_hook is None:
+            fut = state._allreduce(bucket)
+        else:
+            fut = state.inner_hook(state.inner_state, bucket)
+
+        def _after(f: torch.futures.Future[Any]) -> torch.Tensor:
+            value = f.value()
+            out = value[0] if isinstance(value, list) else value
+            for cb in state.after:
+                cb(bucket, out)
+            if state.check_nonfinite:
+                state._or_reduced(_bad(out))
+            return out
+
+        return fut.then(_after)

@@ -1,0 +1,51 @@
+"""Typed, validated configuration for SDCGuard."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(kw_only=True, slots=True)
+class GuardConfig:
+    """Which checks run, how often, and what happens on a detection."""
+
+    nonfinite: bool = True
+    """Check gradients for NaN/Inf before and after the all-reduce (every step)."""
+
+    weights_interval: int = 1
+    """Compare fingerprints of the updated weights across ranks every N steps (0 = off)."""
+
+    replay_interval: int = 0
+    """Ring replay audit every N steps (0 = off). Needs ``batch_for`` and deterministic mode."""
+
+    include_optimizer_state: bool = True
+    """Fold the optimizer state tensors (Adam moments, momentum buffers) into the weight check."""
+
+    skip_step_on_detection: bool = True
+    """Containment: withhold ``optimizer.step()`` on every rank when a pre-step check fires."""
+
+    event_log: str | Path | None = None
+    """Append one JSON line per detection (and per injection, from the injectors) to this file."""
+
+    def __post_init__(self) -> None:
+        for name in ("weights_interval", "replay_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(
+                    f"GuardConfig.{name} must be an int (steps between checks, 0 = off), "
+                    f"got {value!r} of type {type(value).__name__}."
+                )
+            if value < 0:
+                raise ValueError(
+                    f"GuardConfig.{name} must be >= 0 (0 turns the check off), got {value}."
+                )
+        for name in ("nonfinite", "include_optimizer_state", "skip_step_on_detection"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"GuardConfig.{name} must be True or False, got {value!r}.")
+        if self.event_log is not None and not isinstance(self.event_log, (str, Path)):
+            raise ValueError(
+                f"GuardConfig.event_log must be a path (str or pathlib.Path) or None, "
+                f"got {type(self.event_log).__name__}."
+            )

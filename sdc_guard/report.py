@@ -1,0 +1,45 @@
+"""What a checked step reports: detections and the step's outcome."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+CHECKS = ("nonfinite", "replay", "weights")
+
+
+@dataclass(frozen=True, slots=True)
+class Detection:
+    """One check firing at one step."""
+
+    check: str
+    """Which check fired: "nonfinite", "replay" or "weights"."""
+    step: int
+    """The training step at which it fired."""
+    suspect_ranks: tuple[int, ...]
+    """The ranks the evidence blames; empty when it cannot attribute (e.g. world size 2)."""
+    detail: str = ""
+    """A sentence for humans: what differed and why these suspects."""
+    evidence: dict[str, Any] = field(default_factory=dict, compare=False)
+    """Machine-readable evidence (fingerprints per rank, flags per rank, ...)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "event": "detection",
+            "check": self.check,
+            "step": self.step,
+            "suspect_ranks": list(self.suspect_ranks),
+            "detail": self.detail,
+            "evidence": self.evidence,
+        }
+
+
+@dataclass(slots=True)
+class StepReport:
+    """The result of ``SDCGuard.step``."""
+
+    step: int
+    loss: float
+    skipped: bool = False
+    """True when the optimizer step was withheld on every rank (containment)."""
+    detections: list[Detection] = field(default_factory=list)
