@@ -6,7 +6,7 @@ Public API (stable): ``fingerprint``, ``GuardConfig``, ``SDCGuard``, ``StepRepor
 
 from sdc_guard.config import GuardConfig
 from sdc_guard.events import EventLog, read_events
-from sdc_guard.fingerprint import fingerprint, fingerprint_tensor
+from sdc_guard.fingerprints import fingerprint, fingerprint_tensor
 from sdc_guard.guard import SDCGuard
 from sdc_guard.report import Detection, StepReport
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from sdc_guard.fingerprint import fingerprint_tensor, to_unsigned64
+from sdc_guard.fingerprints import fingerprint_tensor, to_unsigned64
 from sdc_guard.report import Detection
 from sdc_guard.vote import all_gather_rows, majority_outliers
 

@@ -1,0 +1,177 @@
+"""Properties and known answers for sdc_guard.fingerprint."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sdc_guard.fingerprints as fpmod
+from sdc_guard import fingerprint
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
+          torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
+INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+M64 = (1 << 64) - 1
+
+
+def _ref_value(t: torch.Tensor) -> int:
+    """Pure-Python S1 + K*S2 over the tensor's bytes, for cross-checking the fast path."""
+    raw = bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist())
+    raw += b"\0" * (-len(raw) % 8)
+    s1 = s2 = 0
+    for i in range(len(raw) // 8):
+        w = int.from_bytes(raw[8 * i : 8 * i + 8], "little", signed=True)
+        s1 += (2 * i + 1) * w
+        s2 += (2 * i + 1) * (w >> 32)
+    return (s1 + fpmod._K * s2) & M64
+
+
+def _random_tensor(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    size = torch.empty((), dtype=dtype).element_size()
+    bits = torch.randint(-(2**15), 2**15, (n * size // 2 + 1,), generator=g, dtype=torch.int16)
+    return bits.view(torch.uint8)[: n * size].clone().view(INT_VIEW[size]).view(dtype)
+
+
+@pytest.mark.parametrize("n_words", [0, 1, 5, 255, 256, 257, 1000, (1 << 16) + 3, 300_001])
+def test_fast_path_matches_python_reference(n_words: int) -> None:
+    t = _random_tensor(torch.int64, n_words, seed=n_words)
+    got = int(fpmod._tensor_value(t).item()) & M64
+    assert got == _ref_value(t)
+
+
+def test_fast_path_matches_reference_with_tail_bytes() -> None:
+    for n in (1, 3, 7, 9, 13):
+        t = _random_tensor(torch.uint8, n, seed=n)
+        assert int(fpmod._tensor_value(t).item()) & M64 == _ref_value(t)
+
+
+def test_large_chunked_path_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Force several chunks (and a partial last chunk and a remainder row) on a small tensor.
+    monkeypatch.setattr(fpmod, "_CPU_CHUNK_WORDS", 1024)
+    monkeypatch.setattr(fpmod, "_SMALL_WORDS", 64)
+    t = _random_tensor(torch.float32, 2 * (5 * 1024 + 3 * 256 + 17), seed=7)
+    assert int(fpmod._tensor_value(t).item()) & M64 == _ref_value(t)
+
+
+@settings(max_examples=300, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), n=st.integers(1, 200), data=st.data())
+def test_any_single_element_change_changes_fingerprint(dtype: torch.dtype, n: int,
+                                                         data: st.DataObject) -> None:
+    t = _random_tensor(dtype, n, seed=data.draw(st.integers(0, 2**31)))
+    if dtype == torch.bool:
+        t = t.view(torch.uint8).remainder(2).to(torch.bool)
+    i = data.draw(st.integers(0, n - 1))
+    size = t.element_size()
+    u = t.clone()
+    iv = u.view(INT_VIEW[size]) if dtype != torch.bool else u.view(torch.uint8)
+    width = 1 if dtype == torch.bool else 8 * size
+    bit = data.draw(st.integers(0, width - 1))
+    mask = 1 << bit
+    if width == 8 * size and bit == width - 1:
+        mask = -(1 << bit)  # the sign bit as a signed integer of this width
+    iv[i] ^= mask
+    assert not torch.equal(t.view(torch.uint8), u.view(torch.uint8))
+    assert fingerprint(t) != fingerprint(u)
+
+
+@settings(max_examples=300, deadline=None)
+@given(dtype=st.sampled_from(DTYPES[:-1]), n=st.integers(2, 300), data=st.data())
+def test_swapping_two_unequal_elements_changes_fingerprint(dtype: torch.dtype, n: int,
+                                                            data: st.DataObject) -> None:
+    t = _random_tensor(dtype, n, seed=data.draw(st.integers(0, 2**31)))
+    i = data.draw(st.integers(0, n - 1))
+    j = data.draw(st.integers(0, n - 1).filter(lambda k: k != i))
+    raw = t.view(INT_VIEW[t.element_size()])
+    if raw[i] == raw[j]:
+        return
+    u = t.clone()
+    u[i], u[j] = t[j], t[i]
+    assert fingerprint(t) != fingerprint(u)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_sign_only_swaps_that_defeat_a_plain_weighted_sum(dtype: torch.dtype) -> None:
+    # Words that differ only in their top bits: a single odd-weighted sum over
+    # 64-bit words misses these swaps; the high-half sum catches them.
+    for pair in ((1.0, -1.0), (0.0, -0.0)):
+        for n in (4, 8, 64, 1024):
+            for i, j in {(1, 3), (3, n - 1), (n // 2 - 1, n - 1)} - {(3, 3)}:
+                t = torch.ones(n, dtype=dtype)
+                t[i], t[j] = pair
+                u = t.clone()
+                u[i], u[j] = t[j], t[i]
+                assert fingerprint(t) != fingerprint(u), (pair, n, i, j)
+
+
+def test_exact_bits_count() -> None:
+    assert fingerprint(torch.tensor([0.0])) != fingerprint(torch.tensor([-0.0]))
+    a = torch.tensor([float("nan")])
+    b = a.clone()
+    b.view(torch.int32)[0] ^= 1  # another NaN payload
+    assert torch.isnan(b).all()
+    assert fingerprint(a) != fingerprint(b)
+
+
+def test_shape_length_dtype_and_list_order_count() -> None:
+    assert fingerprint(torch.zeros(4)) != fingerprint(torch.zeros(5))
+    assert fingerprint(torch.zeros(2, 3)) != fingerprint(torch.zeros(3, 2))
+    assert fingerprint(torch.zeros(4, dtype=torch.int32)) != fingerprint(torch.zeros(4))
+    a, b = torch.arange(3.0), torch.arange(4.0)
+    assert fingerprint([a, b]) != fingerprint([b, a])
+    assert fingerprint([a]) != fingerprint(a)
+    assert fingerprint([a, b]) == fingerprint((a, b))
+
+
+def test_views_equal_their_contiguous_copies() -> None:
+    x = torch.randn(100, 33)
+    assert fingerprint(x.t()) == fingerprint(x.t().contiguous())
+    assert fingerprint(x[:, 3]) == fingerprint(x[:, 3].clone())
+    assert fingerprint(x[1:, 1:]) == fingerprint(x[1:, 1:].clone())
+    assert fingerprint(x.view(-1)[3:]) == fingerprint(x.view(-1)[3:].clone())
+
+
+def test_empty_bool_and_every_dtype_in_range() -> None:
+    for dtype in DTYPES:
+        for shape in ((0,), (3,), (2, 5), (0, 4)):
+            v = fingerprint(torch.zeros(shape, dtype=dtype))
+            assert 0 <= v < 2**64
+    assert fingerprint(torch.empty(0)) != fingerprint(torch.empty(0, 1))
+
+
+def test_known_answers_are_stable() -> None:
+    # Pinned values: a change here breaks fingerprints stored by earlier versions.
+    assert fingerprint(torch.arange(10, dtype=torch.float32)) == 5202456844007523662
+    t = [torch.arange(6, dtype=torch.int64).view(2, 3), torch.tensor([True, False])]
+    assert fingerprint(t) == 4458058318568653439
+
+
+def test_same_value_in_a_fresh_process() -> None:
+    code = ("import torch, sdc_guard; "
+            "print(sdc_guard.fingerprint(torch.linspace(-3, 3, 1001, dtype=torch.float64)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    here = fingerprint(torch.linspace(-3, 3, 1001, dtype=torch.float64))
+    assert int(out.stdout.strip()) == here
+
+
+def test_order_and_cancellation_that_blind_torch_hash_tensor() -> None:
+    x = torch.arange(10, dtype=torch.float32)
+    assert int(torch.hash_tensor(x)) == int(torch.hash_tensor(x.flip(0)))  # XOR: order-blind
+    assert fingerprint(x) != fingerprint(x.flip(0))
+    y = x.clone()
+    y.view(torch.int32)[2] ^= 1 << 4
+    y.view(torch.int32)[6] ^= 1 << 4  # the same flip twice cancels in an XOR reduction
+    assert int(torch.hash_tensor(x)) == int(torch.hash_tensor(y))
+    assert fingerprint(x) != fingerprint(y)
+
+
+def test_bad_input_is_named() -> None:
+    with pytest.raises(TypeError, match="item 1 is a int"):
+        fingerprint([torch.zeros(2), 3])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="not supported"):
+        fingerprint(torch.zeros(2, dtype=torch.float8_e4m3fnuz))
