@@ -15,15 +15,15 @@ where ``R`` are the row sums and ``C`` the column sums. Row and column sums are
 plain reductions, done chunk by chunk so the second read hits the cache.
 The tensor value is ``V = S1 + K * S2`` (``K`` an odd constant below 2**31); it
 is folded with the dtype and shape through a bijective 64-bit mixer
-(splitmix64's finaliser), and a list of tensors is chained through the same
-mixer in order.
+(splitmix64's finaliser); the tensors of a list each contribute a mixed,
+position-keyed term to a wrapping sum (see ``fingerprint_tensor``).
 
 What is guaranteed (proved in the comments of ``_tensor_value``, tested with
 hypothesis in ``tests/test_fingerprint.py``):
 
 * any change to a single element of any dtype changes the fingerprint (the
-  weight of every word is odd, and the chain ``h -> mix(h + v)`` is a bijection
-  in ``h`` and in ``v``);
+  weight of every word is odd, and the mixer is a bijection
+  applied to each tensor's value before the sum, and to the sum);
 * swapping two unequal elements changes it for every dtype of up to 32 bits
   whose two elements sit at the same offset within their 8-byte words (the
   usual case), and for 64-bit dtypes, in tensors of fewer than 2**31 words;
@@ -169,6 +169,18 @@ def _odd_weights(n: int, device: torch.device) -> torch.Tensor:
     return w[:n]
 
 
+_arange_cache: dict[torch.device, torch.Tensor] = {}
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """0..n-1 as int64, a view of one cached vector per device."""
+    a = _arange_cache.get(device)
+    if a is None or a.numel() < n:
+        a = torch.arange(max(n, 1 << 12), dtype=torch.int64, device=device)
+        _arange_cache[device] = a
+    return a[:n]
+
+
 def _weighted_sum_small(x: torch.Tensor, first_index: int) -> torch.Tensor:
     """sum_i (2(first_index + i) + 1) * x_i, wrapping, for a short vector."""
     w = _odd_weights(x.numel(), x.device)
@@ -210,7 +222,7 @@ def _weighted_sums(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             torch.sum(h2, 1, out=row_sums2[r0:r1])
             torch.sum(h2, 0, out=col_sums2[k])
         # sum over word index i = r*P + c of (2i+1) X = 2P * sum_r r R_r + sum_c (2c+1) C_c
-        r_idx = torch.arange(rows, dtype=torch.int64, device=dev)
+        r_idx = _arange(rows, dev)
         cw = _odd_weights(_ROW, dev)
         s1 = 2 * _ROW * (row_sums1 * r_idx).sum() + (col_sums1.sum(0) * cw).sum()
         s2 = 2 * _ROW * (row_sums2 * r_idx).sum() + (col_sums2.sum(0) * cw).sum()
@@ -242,12 +254,36 @@ def _tensor_value(t: torch.Tensor) -> torch.Tensor:
     return s1 + _K * s2
 
 
+_key_cache: dict[tuple[torch.device, bool, tuple[int, ...]], torch.Tensor] = {}
+
+
+def _keys(device: torch.device, is_list: bool, metas: tuple[int, ...]) -> torch.Tensor:
+    """Per-position keys: the tensor's dtype/shape word mixed with its index in the list."""
+    key = (device, is_list, metas)
+    k = _key_cache.get(key)
+    if k is None:
+        words = [
+            to_signed64(_mix64_int(_mix64_int(m + i * _SEED) ^ (0xA5A5 if is_list else 0x5A5A)))
+            for i, m in enumerate(metas)
+        ]
+        k = torch.tensor(words, dtype=torch.int64, device=device)
+        if len(_key_cache) > 256:
+            _key_cache.clear()
+        _key_cache[key] = k
+    return k
+
+
 def fingerprint_tensor(x: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor:
     """The fingerprint as a 0-d int64 tensor on the (first) tensor's device. No host sync.
 
     The int64 holds the same bits as the unsigned value ``fingerprint`` returns.
+    Tensor k of a list contributes ``mix(V_k + key_k)`` to a wrapping sum, where
+    ``key_k`` encodes its dtype, shape and position; a change to one element of one
+    tensor changes exactly one term (``mix`` is a bijection), so it always changes
+    the sum, and the final ``mix`` keeps it changed.
     """
-    tensors = [x] if isinstance(x, torch.Tensor) else list(x)
+    is_list = not isinstance(x, torch.Tensor)
+    tensors = list(x) if is_list else [x]  # type: ignore[list-item, arg-type]
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(
@@ -255,14 +291,13 @@ def fingerprint_tensor(x: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor
                 "pass a tensor or an iterable of tensors."
             )
     device = tensors[0].device if tensors else torch.device("cpu")
-    h = torch.tensor(to_signed64(_SEED), dtype=torch.int64, device=device)
-    if not isinstance(x, torch.Tensor):
-        h = mix64(h + to_signed64(_mix64_int(len(tensors) ^ 0xA5A5)))
-    for t in tensors:
-        h = mix64(h + to_signed64(_meta_word(t)))
-        v = _tensor_value(t)
-        h = mix64(h + v.to(device, non_blocking=True))
-    return h
+    metas = tuple(_meta_word(t) for t in tensors)
+    total = torch.tensor(to_signed64(_mix64_int(len(tensors) + (_SEED if is_list else 0))),
+                         dtype=torch.int64, device=device)
+    if tensors:
+        values = torch.stack([_tensor_value(t).to(device, non_blocking=True) for t in tensors])
+        total = total + mix64(values + _keys(device, is_list, metas)).sum()
+    return mix64(total)
 
 
 def fingerprint(x: torch.Tensor | Iterable[torch.Tensor]) -> int:

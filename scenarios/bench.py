@@ -1,0 +1,221 @@
+"""Benchmarks behind ``nox -s bench``: fingerprint throughput and per-check step-time overhead.
+
+Every number is a median over alternated repetitions measured in one run, and
+is written next to the ratio it is judged by. Results go to
+``bench/results.json`` and ``bench/RESULTS.md`` (quoted in the README).
+
+    python -m scenarios.bench [--quick] [--out bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import hashlib
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from scenarios.launch import run_ranks
+from scenarios.models import classification_batch, cross_entropy_loss, reference_mlp
+from sdc_guard import GuardConfig, SDCGuard, fingerprint, fingerprint_tensor
+from sdc_guard.checks import state_tensors
+
+GIB = 1024**3
+
+
+# -- fingerprint throughput ------------------------------------------------------------------
+def _time(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def fingerprint_throughput(mib: int, rounds: int) -> dict[str, Any]:
+    """GiB/s of each way to summarise the same float32 tensor, alternated round by round."""
+    x = torch.randn(mib * 1024 * 1024 // 4)
+    nbytes = x.numel() * 4
+    mv = memoryview(x.numpy()).cast("B")
+    methods: dict[str, Callable[[], object]] = {
+        "torch.sum (one read pass)": lambda: float(x.sum()),
+        "sdc_guard.fingerprint": lambda: fingerprint(x),
+        "torch.hash_tensor (XOR, order-blind)": lambda: int(torch.hash_tensor(x)),
+        "sha256 over the bytes": lambda: hashlib.sha256(mv).digest(),
+    }
+    try:
+        import xxhash
+
+        methods["xxh3_64 over the bytes"] = lambda: xxhash.xxh3_64_intdigest(mv)
+    except ImportError:  # pragma: no cover - xxhash is in the dev extra
+        pass
+    times: dict[str, list[float]] = {k: [] for k in methods}
+    for fn in methods.values():
+        fn()  # warm up
+    for _ in range(rounds):
+        for name, fn in methods.items():
+            times[name].append(_time(fn))
+    base = statistics.median(times["torch.sum (one read pass)"])
+    out: dict[str, Any] = {"tensor_mib": mib, "threads": torch.get_num_threads(), "methods": {}}
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        out["methods"][name] = {
+            "median_s": med,
+            "gib_per_s": nbytes / med / GIB,
+            "ratio_to_sum": base / med,
+        }
+    return out
+
+
+# -- per-check overhead ---------------------------------------------------------------------
+CONFIGS: dict[str, dict[str, Any] | None] = {
+    "plain DDP": None,
+    "guard, all checks off": {"nonfinite": False, "weights_interval": 0},
+    "nonfinite": {"nonfinite": True, "weights_interval": 0},
+    "weights (+ AdamW state)": {"nonfinite": False, "weights_interval": 1},
+    "nonfinite + weights": {"nonfinite": True, "weights_interval": 1},
+}
+
+
+def _overhead_rank(rank: int, world: int, rounds: int, block: int, batch: int) -> dict[str, Any]:
+    d_in, n_out = 512, 10
+    batch_for = functools.partial(classification_batch, batch=batch, d_in=d_in, n_out=n_out)
+    runners: dict[str, Callable[[int], None]] = {}
+    keep: list[Any] = []
+    weights_guard: SDCGuard | None = None
+    for name, cfg in CONFIGS.items():
+        model = DDP(reference_mlp())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if cfg is None:
+            def plain(step: int, model: DDP = model, opt: torch.optim.Optimizer = opt) -> None:
+                opt.zero_grad(set_to_none=True)
+                cross_entropy_loss(model, batch_for(rank, step)).backward()
+                opt.step()
+
+            runners[name] = plain
+        else:
+            guard = SDCGuard(model, opt, loss_fn=cross_entropy_loss, batch_for=batch_for,
+                             config=GuardConfig(**cfg))
+            runners[name] = guard.step
+            if name == "weights (+ AdamW state)":
+                weights_guard = guard
+            keep.append(guard)
+        keep += [model, opt]
+    params = sum(p.numel() for p in reference_mlp().parameters())
+    times: dict[str, list[float]] = {k: [] for k in runners}
+    step = 0
+    for name, run in runners.items():  # warm-up: Adam state exists, caches are hot
+        for _ in range(2):
+            run(step)
+            step += 1
+    direct: dict[str, list[float]] = {"weights verdict": [], "fingerprint of the same bytes": [],
+                                       "all_gather of 8 bytes": []}
+    assert weights_guard is not None
+    flat = torch.cat([t.reshape(-1).float() for t in state_tensors(weights_guard.model,
+                                                                    weights_guard.optimizer)])
+    word = torch.zeros(1, dtype=torch.int64)
+    for _ in range(rounds):
+        for name, run in runners.items():
+            for _ in range(block):
+                dist.barrier()
+                t0 = time.perf_counter()
+                run(step)
+                dist.barrier()
+                times[name].append(time.perf_counter() - t0)
+                step += 1
+        for _ in range(block):
+            dist.barrier()
+            direct["weights verdict"].append(_time(lambda: weights_guard.weights.verdict(0, word.device)))
+            dist.barrier()
+            direct["fingerprint of the same bytes"].append(
+                _time(lambda: fingerprint_tensor(flat).item()))
+            dist.barrier()
+            outs = [torch.empty_like(word) for _ in range(world)]
+            direct["all_gather of 8 bytes"].append(_time(lambda: dist.all_gather(outs, word)))
+    result = {
+        "params": params,
+        "state_bytes": flat.numel() * 4,
+        "step_s": {k: statistics.median(v) for k, v in times.items()},
+        "direct_s": {k: statistics.median(v) for k, v in direct.items()},
+    }
+    del keep, runners, weights_guard
+    gc.collect()
+    return result
+
+
+def check_overhead(world: int, rounds: int, block: int, batch: int) -> dict[str, Any]:
+    res = run_ranks(_overhead_rank, world, rounds, block, batch, timeout=1800)[0]
+    base = res["step_s"]["plain DDP"]
+    res["overhead_vs_plain_ddp"] = {k: v / base - 1.0 for k, v in res["step_s"].items()}
+    d = res["direct_s"]
+    res["weights_cost_ratio"] = d["weights verdict"] / (
+        d["fingerprint of the same bytes"] + d["all_gather of 8 bytes"])
+    res.update({"world": world, "batch": batch, "rounds": rounds, "block": block,
+                "optimizer": "AdamW", "threads_per_rank": 1})
+    return res
+
+
+# -- report ---------------------------------------------------------------------------------
+def _markdown(results: dict[str, Any]) -> str:
+    lines = [f"# Benchmark results ({results['machine']})", "",
+             "Produced by `nox -s bench` (`python -m scenarios.bench`). Medians of alternated "
+             "repetitions in one run.", ""]
+    fp = results["fingerprint"]
+    lines += [f"## Fingerprint throughput: {fp['tensor_mib']} MiB float32, "
+              f"{fp['threads']} threads", "",
+              "| method | GiB/s | ratio to torch.sum |", "|---|---|---|"]
+    for name, m in fp["methods"].items():
+        lines.append(f"| {name} | {m['gib_per_s']:.2f} | {m['ratio_to_sum']:.2f} |")
+    ov = results["overhead"]
+    lines += ["", f"## Step-time overhead: {ov['world']} ranks x 1 thread, MLP of "
+              f"{ov['params']/1e6:.2f}M parameters, batch {ov['batch']}, AdamW", "",
+              "| configuration | median step (ms) | overhead vs plain DDP |", "|---|---|---|"]
+    for name, s in ov["step_s"].items():
+        lines.append(f"| {name} | {s*1e3:.2f} | {ov['overhead_vs_plain_ddp'][name]*100:+.1f}% |")
+    d = ov["direct_s"]
+    lines += ["", "Weight check cost, measured directly (parameters + AdamW state, "
+              f"{ov['state_bytes']/2**20:.1f} MiB):", "",
+              "| part | median (ms) |", "|---|---|"]
+    for name, s in d.items():
+        lines.append(f"| {name} | {s*1e3:.3f} |")
+    lines += ["", f"weights verdict / (fingerprint + all_gather) = "
+              f"**{ov['weights_cost_ratio']:.2f}x** (target <= 1.5x)", ""]
+    for name, r in results.get("replay", {}).items():
+        lines.append(f"| {name} | {r} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions, smaller tensor")
+    ap.add_argument("--out", default="bench", help="directory for results.json and RESULTS.md")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
+                   f"torch {torch.__version__}",
+        "quick": args.quick,
+    }
+    results["fingerprint"] = fingerprint_throughput(64 if args.quick else 256,
+                                                    3 if args.quick else 9)
+    print(json.dumps(results["fingerprint"], indent=1))
+    results["overhead"] = check_overhead(3, rounds=2 if args.quick else 6,
+                                         block=3 if args.quick else 8, batch=128)
+    print(json.dumps(results["overhead"], indent=1))
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "RESULTS.md").write_text(_markdown(results))
+    print((out / "RESULTS.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
