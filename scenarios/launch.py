@@ -45,6 +45,7 @@ def _entry(
     world: int,
     store_path: str,
     args: tuple[Any, ...],
+    kwargs: dict[str, Any],
     results: Any,
     timeout_s: float,
 ) -> None:
@@ -59,7 +60,7 @@ def _entry(
             world_size=world,
             timeout=timedelta(seconds=timeout_s),
         )
-        out = fn(rank, world, *args)
+        out = fn(rank, world, *args, **kwargs)
         results.put((rank, "ok", out))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
@@ -79,8 +80,9 @@ def run_ranks(
     world_size: int,
     *args: Any,
     timeout: float = 120.0,
+    **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return results by rank.
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned ranks; return results by rank.
 
     ``fn`` must be importable (module level) and return picklable data; it should drop
     its DDP model and optimizer before returning. Raises ``RankFailure`` if a rank
@@ -95,7 +97,7 @@ def run_ranks(
         procs = [
             ctx.Process(
                 target=_entry,
-                args=(fn, r, world_size, store, args, results, timeout),
+                args=(fn, r, world_size, store, args, kwargs, results, timeout),
                 daemon=True,
             )
             for r in range(world_size)

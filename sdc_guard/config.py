@@ -25,6 +25,17 @@ class GuardConfig:
     skip_step_on_detection: bool = True
     """Containment: withhold ``optimizer.step()`` on every rank when a pre-step check fires."""
 
+    deterministic: bool = False
+    """Deterministic kernels and one RNG stream per (rank, step, micro-batch); see
+    ``sdc_guard.determinism``. Required by the replay audit."""
+
+    seed: int = 0
+    """Root seed of the per-(rank, step, micro-batch) random streams."""
+
+    micro_batches: int = 1
+    """Gradient accumulation: ``batch_for`` returns this many micro-batches per step; all
+    but the last run under ``no_sync``. Scale the loss inside ``loss_fn`` if you want a mean."""
+
     event_log: str | Path | None = None
     """Append one JSON line per detection (and per injection, from the injectors) to this file."""
 
@@ -40,7 +51,24 @@ class GuardConfig:
                 raise ValueError(
                     f"GuardConfig.{name} must be >= 0 (0 turns the check off), got {value}."
                 )
-        for name in ("nonfinite", "include_optimizer_state", "skip_step_on_detection"):
+        if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or (
+            self.micro_batches < 1
+        ):
+            raise ValueError(
+                f"GuardConfig.micro_batches must be an int >= 1 (1 = no gradient accumulation), "
+                f"got {self.micro_batches!r}."
+            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"GuardConfig.seed must be an int >= 0, got {self.seed!r}.")
+        if self.replay_interval and not self.deterministic:
+            raise ValueError(
+                f"GuardConfig.replay_interval={self.replay_interval} needs deterministic=True: "
+                "the replay audit compares recomputations bit for bit, which only holds with "
+                "deterministic kernels and per-(rank, step) random streams. Set "
+                "GuardConfig(deterministic=True, ...) or replay_interval=0."
+            )
+        for name in ("nonfinite", "include_optimizer_state", "skip_step_on_detection",
+                     "deterministic"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"GuardConfig.{name} must be True or False, got {value!r}.")

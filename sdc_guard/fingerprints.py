@@ -46,7 +46,15 @@ from typing import Final
 
 import torch
 
-__all__ = ["fingerprint", "fingerprint_tensor", "mix64", "to_signed64", "to_unsigned64"]
+__all__ = [
+    "fingerprint",
+    "fingerprint_tensor",
+    "index_key",
+    "indexed_terms",
+    "mix64",
+    "to_signed64",
+    "to_unsigned64",
+]
 
 _MASK64: Final = (1 << 64) - 1
 # Odd, below 2**31 (see the proof in _tensor_value).
@@ -298,6 +306,27 @@ def fingerprint_tensor(x: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor
         values = torch.stack([_tensor_value(t).to(device, non_blocking=True) for t in tensors])
         total = total + mix64(values + _keys(device, is_list, metas)).sum()
     return mix64(total)
+
+
+def index_key(index: int) -> int:
+    """The signed 64-bit key of position ``index`` in an unordered, indexed collection."""
+    return to_signed64(_mix64_int(_mix64_int(index + 0x51ED27) ^ _SEED))
+
+
+def indexed_terms(pairs: Iterable[tuple[int, torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """Sum of ``mix(V(t) + key(index))`` over (index, tensor) pairs, a 0-d int64 tensor.
+
+    The sum is commutative, so partial sums computed in any grouping (e.g. per DDP
+    bucket) add up to the same total; ``mix64`` of the total is then a fingerprint of
+    the indexed collection that does not depend on how it was split. A change to one
+    element of one tensor changes exactly one term, hence the total.
+    """
+    items = list(pairs)
+    if not items:
+        return torch.zeros((), dtype=torch.int64, device=device)
+    values = torch.stack([_tensor_value(t).to(device) for _, t in items])
+    keys = torch.tensor([index_key(i) for i, _ in items], dtype=torch.int64, device=device)
+    return mix64(values + keys).sum()
 
 
 def fingerprint(x: torch.Tensor | Iterable[torch.Tensor]) -> int:

@@ -10,7 +10,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+import contextlib
+
 from sdc_guard.checks import NonFiniteCheck, WeightsCheck
+from sdc_guard.checks.replay import ReplayAudit, micro_batches
+from sdc_guard.determinism import enable_determinism, rng_stream
 from sdc_guard.comm_hook import CommHook, GuardCommHook
 from sdc_guard.config import GuardConfig
 from sdc_guard.events import EventLog
@@ -73,11 +77,6 @@ class SDCGuard:
                 "replay audit recomputes a neighbour's micro-batch, so pass "
                 "SDCGuard(..., batch_for=lambda rank, step: ...) or set replay_interval=0."
             )
-        if config.replay_interval:
-            raise NotImplementedError(
-                "GuardConfig.replay_interval: the ring replay audit is not available in this "
-                "version; set replay_interval=0."
-            )
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "SDCGuard needs an initialised torch.distributed process group "
@@ -113,6 +112,23 @@ class SDCGuard:
             include_optimizer_state=config.include_optimizer_state,
             group=process_group,
         )
+        self.replay: ReplayAudit | None = None
+        if config.deterministic:
+            enable_determinism(config.seed)
+        if config.replay_interval:
+            assert batch_for is not None  # validated above
+            self.replay = ReplayAudit(
+                model,
+                loss_fn=loss_fn,
+                batch_for=batch_for,
+                comm=self.comm,
+                rank=self.rank,
+                world_size=self.world_size,
+                seed=config.seed,
+                micro_batch_count=config.micro_batches,
+                group=process_group,
+                scale=grad_scaler.scale if grad_scaler is not None else None,
+            )
         self.events: EventLog | None = (
             EventLog(config.event_log, rank=self.rank) if config.event_log is not None else None
         )
@@ -129,16 +145,29 @@ class SDCGuard:
             )
         for hook in self.before_step:
             hook(step)
-        batch = self.batch_for(self.rank, step)
+        cfg = self.config
+        batches = micro_batches(self.batch_for(self.rank, step), cfg.micro_batches)
+        audit = bool(cfg.replay_interval) and step % cfg.replay_interval == 0
+        if self.replay is not None:
+            self.replay.begin(audit)
         self.optimizer.zero_grad(set_to_none=True)
         self.comm.begin_step(step)
-        loss = self.loss_fn(self.model, batch)
-        scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
-        scaled.backward()
+        losses = []
+        for i, mb in enumerate(batches):
+            last = i == len(batches) - 1
+            with contextlib.nullcontext() if last else self.model.no_sync():
+                with (rng_stream(cfg.seed, self.rank, step, i, self.device)
+                      if cfg.deterministic else contextlib.nullcontext()):
+                    loss = self.loss_fn(self.model, mb)
+                scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
+                scaled.backward()
+            losses.append(loss.detach())
 
         detections: list[Detection] = []
-        if self.config.nonfinite:
+        if cfg.nonfinite:
             detections += self.nonfinite.verdict(step, self.device)
+        if audit and self.replay is not None:
+            detections += self.replay.verdict(step, losses)
         skipped = bool(detections) and self.config.skip_step_on_detection
         if not skipped:
             if self.before_optimizer_step is not None:
@@ -151,7 +180,8 @@ class SDCGuard:
         if self.config.weights_interval and step % self.config.weights_interval == 0:
             detections += self.weights.verdict(step, self.device)
 
-        report = StepReport(step=step, loss=float(loss.detach().item()), skipped=skipped,
+        mean_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+        report = StepReport(step=step, loss=float(mean_loss.item()), skipped=skipped,
                             detections=detections)
         for d in detections:
             self._record(d, skipped)
@@ -164,6 +194,11 @@ class SDCGuard:
             self.events.write({**d.to_json(), "optimizer_step_skipped": skipped})
         if self.on_detection is not None:
             self.on_detection(d)
+
+    @property
+    def phase(self) -> str:
+        """What the model is computing now: "train", or "replay"/"arbitrate" inside the audit."""
+        return self.replay.phase if self.replay is not None else "train"
 
     def log_event(self, record: dict[str, Any]) -> None:
         """Append a record to the event log (no-op without one). Injectors write here."""

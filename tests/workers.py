@@ -90,3 +90,74 @@ def plain_run(rank: int, world: int, steps: int, opt: str = "adamw") -> dict[str
     del model, optimizer
     gc.collect()
     return out
+
+
+# -- replay audit ----------------------------------------------------------------------------
+class DropMLP(nn.Module):
+    """An MLP with dropout (random ops must replay exactly) and optionally BatchNorm."""
+
+    def __init__(self, batchnorm: bool = False) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.norm: nn.Module = nn.BatchNorm1d(32) if batchnorm else nn.Identity()
+        self.act1 = nn.ReLU()
+        self.drop = nn.Dropout(0.1)
+        self.fc2 = nn.Linear(32, 32)
+        self.act2 = nn.ReLU()
+        self.fc3 = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.act1(self.norm(self.fc1(x))))
+        return self.fc3(self.act2(self.fc2(h)))
+
+
+def _micro_batches(k: int):  # type: ignore[no-untyped-def]
+    def batches(rank: int, step: int) -> Any:
+        if k == 1:
+            return batch_for(rank, step)
+        return [batch_for(rank, 1000 * step + i) for i in range(k)]
+    return batches
+
+
+def replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
+               fault: dict[str, Any] | None = None, batchnorm: bool = False,
+               micro: int = 1, skip_steps: tuple[int, ...] = ()) -> dict[str, Any]:
+    """Guarded training with the replay audit; optionally a bit flip in an activation of one rank.
+
+    fault = {"rank", "step", "phase": "train"|"replay"|"any", "bit", "permanent": bool}
+    ``skip_steps``: steps this run leaves out entirely (the "never saw the fault" oracle).
+    """
+    torch.manual_seed(0)
+    model = DDP(DropMLP(batchnorm))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = GuardConfig(replay_interval=interval, deterministic=True, micro_batches=micro,
+                      weights_interval=1)
+    guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=_micro_batches(micro),
+                     config=cfg)
+    fault = fault or {}
+    current = {"step": -1}
+    if fault and fault["rank"] == rank:
+        def hook(mod: nn.Module, inp: Any, out: torch.Tensor) -> torch.Tensor:
+            s = current["step"]
+            hit = (s >= fault["step"]) if fault.get("permanent") else (s == fault["step"])
+            if hit and fault.get("phase", "train") in ("any", guard.phase):
+                out = out.clone()
+                # the largest activation: positive after the ReLU, so the flip propagates
+                i = int(out.view(-1).argmax())
+                out.view(-1).view(torch.int32)[i] ^= 1 << fault.get("bit", 2)
+            return out
+        getattr(model.module, fault.get("module", "act2")).register_forward_hook(hook)
+    reports = []
+    for s in range(steps):
+        if s in skip_steps:
+            continue
+        current["step"] = s
+        reports.append(guard.step(s))
+    out = {
+        "detections": _summary(reports),
+        "skipped": [r.step for r in reports if r.skipped],
+        "final": sdc_guard.fingerprint(list(model.module.parameters())),
+    }
+    del guard, model, optimizer
+    gc.collect()
+    return out

@@ -1,0 +1,58 @@
+"""Deterministic mode: the precondition for a bit-exact replay audit.
+
+``enable_determinism(seed)`` turns on PyTorch's deterministic algorithms, pins
+cuDNN, sets the cuBLAS workspace (``CUBLAS_WORKSPACE_CONFIG``; set before the
+first CUDA call for it to take effect) and seeds every generator.
+``rng_stream(seed, rank, step, micro)`` then gives each micro-batch of each
+(rank, step) its own random stream, restoring the previous RNG state on exit, so
+dropout and other random ops replay exactly on another rank.
+
+What the user must guarantee: ``batch_for(rank, step)`` returns the same batch
+every time it is called with the same arguments (no iterator state, no
+data-dependent host randomness), and the loss function draws randomness only
+from torch's generators. The guard refuses to build a replay audit without
+``GuardConfig(deterministic=True)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def enable_determinism(seed: int = 0) -> None:
+    """Deterministic kernels, pinned cuDNN, the cuBLAS workspace setting, seeded generators."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.manual_seed(seed)
+
+
+def stream_seed(seed: int, rank: int, step: int, micro: int = 0) -> int:
+    """A 63-bit seed for one (rank, step, micro-batch); the same in every process."""
+    z = seed & _MASK64
+    for part in (rank, step, micro):
+        z = (z + 0x9E3779B97F4A7C15 + part) & _MASK64
+        z ^= z >> 30
+        z = (z * 0xBF58476D1CE4E5B9) & _MASK64
+        z ^= z >> 27
+        z = (z * 0x94D049BB133111EB) & _MASK64
+        z ^= z >> 31
+    return z >> 1
+
+
+@contextlib.contextmanager
+def rng_stream(
+    seed: int, rank: int, step: int, micro: int, device: torch.device
+) -> Iterator[None]:
+    """Run a block on the random stream of (rank, step, micro); restore the RNG state after."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(stream_seed(seed, rank, step, micro))
+        yield

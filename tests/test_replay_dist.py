@@ -1,0 +1,68 @@
+"""The ring replay audit on real gloo groups: detection, localisation, arbitration, containment."""
+
+from __future__ import annotations
+
+import pytest
+
+from scenarios.launch import run_ranks
+from tests import workers
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_clean_run_every_step_audited_has_no_false_positive(world: int) -> None:
+    res = run_ranks(workers.replay_run, world, 40)
+    assert all(r["detections"] == [] for r in res)
+    assert len({r["final"] for r in res}) == 1
+
+
+def test_replay_on_and_off_end_bit_identical() -> None:
+    on = run_ranks(workers.replay_run, 3, 12)
+    off = run_ranks(workers.replay_run, 3, 12, interval=0)
+    assert on[0]["final"] == off[0]["final"]
+
+
+@pytest.mark.parametrize("phase", ["train", "replay"])
+def test_transient_activation_flip_on_rank_1_is_localised(phase: str) -> None:
+    fault = {"rank": 1, "step": 4, "phase": phase, "bit": 2}
+    res = run_ranks(workers.replay_run, 3, 6, fault=fault)
+    for r in res:
+        assert ("replay", 4, (1,)) in r["detections"], r["detections"]
+        assert r["skipped"] == [4]
+        assert [d for d in r["detections"] if d[0] == "weights"] == []
+
+
+def test_flip_on_non_audit_step_is_a_documented_blind_spot() -> None:
+    fault = {"rank": 1, "step": 3, "phase": "train", "bit": 2}
+    res = run_ranks(workers.replay_run, 3, 6, interval=2, fault=fault)
+    for r in res:
+        assert r["detections"] == []
+
+
+def test_permanent_fault_on_rank_2_caught_at_first_audit_step() -> None:
+    fault = {"rank": 2, "step": 2, "phase": "any", "bit": 9, "permanent": True}
+    res = run_ranks(workers.replay_run, 4, 9, interval=3, fault=fault)
+    for r in res:
+        first = [d for d in r["detections"] if d[0] == "replay"][0]
+        assert first == ("replay", 3, (2,))
+
+
+def test_contained_detection_equals_run_that_never_saw_the_step() -> None:
+    fault = {"rank": 1, "step": 4, "phase": "train", "bit": 2}
+    faulty = run_ranks(workers.replay_run, 3, 8, fault=fault)
+    oracle = run_ranks(workers.replay_run, 3, 8, skip_steps=(4,))
+    assert faulty[0]["skipped"] == [4]
+    assert {r["final"] for r in faulty} == {oracle[0]["final"]}
+
+
+@pytest.mark.parametrize("variant", [{"batchnorm": True}, {"micro": 3}])
+def test_batchnorm_and_gradient_accumulation(variant: dict[str, object]) -> None:
+    clean = run_ranks(workers.replay_run, 3, 10, **variant)
+    assert all(r["detections"] == [] for r in clean)
+    fault = {"rank": 1, "step": 5, "phase": "replay", "bit": 2}
+    hit = run_ranks(workers.replay_run, 3, 7, fault=fault, **variant)
+    for r in hit:
+        assert ("replay", 5, (1,)) in r["detections"], r["detections"]
+    off = run_ranks(workers.replay_run, 3, 10, interval=0, **variant)
+    assert clean[0]["final"] == off[0]["final"]
