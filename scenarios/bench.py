@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import hashlib
 import json
 import platform
@@ -112,13 +111,15 @@ def _overhead_rank(rank: int, world: int, rounds: int, block: int, batch: int) -
     params = sum(p.numel() for p in reference_mlp().parameters())
     times: dict[str, list[float]] = {k: [] for k in runners}
     step = 0
-    for name, run in runners.items():  # warm-up: Adam state exists, caches are hot
+    for run in runners.values():  # warm-up: Adam state exists, caches are hot
         for _ in range(2):
             run(step)
             step += 1
     direct: dict[str, list[float]] = {"weights verdict": [], "fingerprint of the same bytes": [],
                                        "all_gather of 8 bytes": []}
-    assert weights_guard is not None
+    if weights_guard is None:
+        raise RuntimeError("the weights configuration is missing from CONFIGS")
+    wg = weights_guard
     flat = torch.cat([t.reshape(-1).float() for t in state_tensors(weights_guard.model,
                                                                     weights_guard.optimizer)])
     word = torch.zeros(1, dtype=torch.int64)
@@ -133,22 +134,83 @@ def _overhead_rank(rank: int, world: int, rounds: int, block: int, batch: int) -
                 step += 1
         for _ in range(block):
             dist.barrier()
-            direct["weights verdict"].append(_time(lambda: weights_guard.weights.verdict(0, word.device)))
+            direct["weights verdict"].append(_time(lambda: wg.weights.verdict(0, word.device)))
             dist.barrier()
             direct["fingerprint of the same bytes"].append(
                 _time(lambda: fingerprint_tensor(flat).item()))
             dist.barrier()
             outs = [torch.empty_like(word) for _ in range(world)]
-            direct["all_gather of 8 bytes"].append(_time(lambda: dist.all_gather(outs, word)))
+            direct["all_gather of 8 bytes"].append(
+                _time(functools.partial(dist.all_gather, outs, word)))
     result = {
         "params": params,
         "state_bytes": flat.numel() * 4,
         "step_s": {k: statistics.median(v) for k, v in times.items()},
         "direct_s": {k: statistics.median(v) for k, v in direct.items()},
     }
-    del keep, runners, weights_guard
-    gc.collect()
     return result
+
+
+REPLAY_INTERVALS = (1, 2, 5, 10, 50)
+
+
+def _replay_rank(rank: int, world: int, rounds: int, batch: int) -> dict[str, Any]:
+    """Step time with the replay audit at several intervals, alternated with replay off.
+
+    Every configuration runs the same number of steps (a multiple of 50), so exactly
+    1/k of interval k's steps are audits and the mean step time carries the audit cost.
+    """
+    d_in, n_out = 512, 10
+    batch_for = functools.partial(classification_batch, batch=batch, d_in=d_in, n_out=n_out)
+    guards: dict[int, SDCGuard] = {}
+    for k in (0, *REPLAY_INTERVALS):
+        model = DDP(reference_mlp())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        guards[k] = SDCGuard(model, opt, loss_fn=cross_entropy_loss, batch_for=batch_for,
+                             config=GuardConfig(nonfinite=False, weights_interval=0,
+                                                deterministic=True, replay_interval=k))
+    module = reference_mlp()
+    params = list(module.parameters())
+    per_block = 10
+    steps = {k: 0 for k in guards}
+    times: dict[int, list[float]] = {k: [] for k in guards}
+    fwd_bwd: list[float] = []
+    for g in guards.values():  # warm-up
+        g.step(1)
+    for _ in range(rounds):
+        for k, g in guards.items():
+            for _ in range(per_block):
+                dist.barrier()
+                t0 = time.perf_counter()
+                g.step(steps[k])
+                dist.barrier()
+                times[k].append(time.perf_counter() - t0)
+                steps[k] += 1
+        for _ in range(3):
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = cross_entropy_loss(module, batch_for(rank, 0))
+            torch.autograd.grad(loss, params)
+            fwd_bwd.append(time.perf_counter() - t0)
+    off = statistics.fmean(times[0])
+    fb = statistics.median(fwd_bwd)
+    out: dict[str, Any] = {"step_s_replay_off": off, "forward_backward_s": fb,
+                           "steps_per_config": len(times[0]), "intervals": {}}
+    for k in REPLAY_INTERVALS:
+        mean = statistics.fmean(times[k])
+        out["intervals"][str(k)] = {
+            "step_s": mean,
+            "overhead": mean / off - 1.0,
+            "ideal_overhead": fb / k / off,
+            "ratio_to_ideal": (mean / off - 1.0) / (fb / k / off),
+        }
+    return out
+
+
+def replay_overhead(world: int, rounds: int, batch: int) -> dict[str, Any]:
+    res = run_ranks(_replay_rank, world, rounds, batch, timeout=3600)[0]
+    res.update({"world": world, "batch": batch})
+    return res
 
 
 def check_overhead(world: int, rounds: int, block: int, batch: int) -> dict[str, Any]:
@@ -188,8 +250,18 @@ def _markdown(results: dict[str, Any]) -> str:
         lines.append(f"| {name} | {s*1e3:.3f} |")
     lines += ["", f"weights verdict / (fingerprint + all_gather) = "
               f"**{ov['weights_cost_ratio']:.2f}x** (target <= 1.5x)", ""]
-    for name, r in results.get("replay", {}).items():
-        lines.append(f"| {name} | {r} |")
+    rp = results.get("replay")
+    if rp:
+        lines += [f"## Replay audit overhead ({rp['world']} ranks, batch {rp['batch']}, "
+                  f"{rp['steps_per_config']} steps per configuration, alternated)", "",
+                  f"Replay off: {rp['step_s_replay_off']*1e3:.2f} ms/step; one forward+backward "
+                  f"of the module: {rp['forward_backward_s']*1e3:.2f} ms.", "",
+                  "| interval | mean step (ms) | measured overhead | ideal (fwd+bwd / interval) "
+                  "| measured / ideal |", "|---|---|---|---|---|"]
+        for k, r in rp["intervals"].items():
+            lines.append(f"| {k} | {r['step_s']*1e3:.2f} | {r['overhead']*100:+.1f}% | "
+                         f"{r['ideal_overhead']*100:.1f}% | {r['ratio_to_ideal']:.2f} |")
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -211,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     results["overhead"] = check_overhead(3, rounds=2 if args.quick else 6,
                                          block=3 if args.quick else 8, batch=128)
     print(json.dumps(results["overhead"], indent=1))
+    results["replay"] = replay_overhead(3, rounds=1 if args.quick else 5, batch=128)
+    print(json.dumps(results["replay"], indent=1))
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "RESULTS.md").write_text(_markdown(results))
     print((out / "RESULTS.md").read_text())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,3 +30,174 @@ def classification_batch(
 def cross_entropy_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
     return F.cross_entropy(model(x), y)
+
+
+# -- scenario models ---------------------------------------------------------------------------
+# Four small models, each with deterministic synthetic data that is a function of
+# (seed, rank, step, micro-batch) alone, so a golden run and every trial see the same
+# batches in every process, and the guard's replay audit can recompute a neighbour's batch.
+
+MODEL_KINDS = ("mlp", "cnn", "cnn_bn", "transformer")
+"""Model names accepted by scenario files (``[model] kind = ...``)."""
+
+_MLP_IN, _CLASSES = 16, 4
+_IMAGE = 12
+_VOCAB, _SEQ = 16, 12
+
+
+def _generator(seed: int, rank: int, step: int, micro: int) -> torch.Generator:
+    key = ((seed * 1_000_003 + rank) * 1_000_033 + step) * 1_009 + micro
+    return torch.Generator().manual_seed(key & ((1 << 63) - 1))
+
+
+class MLP(nn.Module):
+    """``depth`` hidden ReLU layers of ``width`` units; 16 inputs, 4 classes."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        d = _MLP_IN
+        for _ in range(depth):
+            layers += [nn.Linear(d, width), nn.ReLU()]
+            d = width
+        layers.append(nn.Linear(d, _CLASSES))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class SmallCNN(nn.Module):
+    """Two 3x3 convolutions (optionally each followed by BatchNorm), pooling, a linear head."""
+
+    def __init__(self, width: int, batchnorm: bool) -> None:
+        super().__init__()
+
+        def norm(c: int) -> nn.Module:
+            return nn.BatchNorm2d(c) if batchnorm else nn.Identity()
+
+        self.conv1 = nn.Conv2d(1, width, 3, padding=1)
+        self.norm1 = norm(width)
+        self.act1 = nn.ReLU()
+        self.pool = nn.MaxPool2d(2)
+        self.conv2 = nn.Conv2d(width, 2 * width, 3, padding=1)
+        self.norm2 = norm(2 * width)
+        self.act2 = nn.ReLU()
+        self.gap = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(2 * width, _CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pool(self.act1(self.norm1(self.conv1(x))))
+        h = self.gap(self.act2(self.norm2(self.conv2(h))))
+        return self.head(h.flatten(1))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // self.heads))
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        return self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = CausalSelfAttention(d, heads)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.act = nn.GELU()
+        self.out = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(self.act(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    """A decoder-only transformer: token + position embeddings, ``depth`` pre-norm blocks."""
+
+    def __init__(self, width: int, depth: int, heads: int = 2) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(_VOCAB, width)
+        self.pos = nn.Embedding(_SEQ, width)
+        self.blocks = nn.Sequential(*(Block(width, heads) for _ in range(depth)))
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, _VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.head(self.ln_f(self.blocks(self.tok(idx) + self.pos(pos))))
+
+
+def build_model(kind: str, *, width: int, depth: int, seed: int) -> nn.Module:
+    """A freshly initialised model of ``kind``; the same weights for the same seed everywhere."""
+    torch.manual_seed(seed)
+    if kind == "mlp":
+        return MLP(width, depth)
+    if kind in ("cnn", "cnn_bn"):
+        return SmallCNN(width, batchnorm=kind == "cnn_bn")
+    if kind == "transformer":
+        if width % 2:
+            raise ValueError(f"transformer width must be even (2 heads), got {width}.")
+        return TinyGPT(width, depth)
+    raise ValueError(f"unknown model kind {kind!r}; use one of {list(MODEL_KINDS)}.")
+
+
+def synthetic_batch(
+    kind: str, seed: int, rank: int, step: int, micro: int, *, batch: int,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (inputs, targets) of one micro-batch: a pure function of its arguments.
+
+    Labels come from a fixed rule, so the loss falls as the model learns: the MLP's
+    from a random linear teacher (seeded by ``seed``), the CNN's from the brightest
+    image quadrant, the transformer's from arithmetic sequences (next token =
+    previous + a per-sequence stride, mod the vocabulary).
+    """
+    g = _generator(seed, rank, step, micro)
+    if kind == "mlp":
+        x = torch.randn(batch, _MLP_IN, generator=g)
+        teacher = torch.randn(_MLP_IN, _CLASSES, generator=torch.Generator().manual_seed(seed))
+        return x.to(dtype), (x @ teacher).argmax(dim=1)
+    if kind in ("cnn", "cnn_bn"):
+        x = torch.randn(batch, 1, _IMAGE, _IMAGE, generator=g)
+        h = _IMAGE // 2
+        quads = torch.stack([x[:, 0, :h, :h].sum((1, 2)), x[:, 0, :h, h:].sum((1, 2)),
+                             x[:, 0, h:, :h].sum((1, 2)), x[:, 0, h:, h:].sum((1, 2))], dim=1)
+        return x.to(dtype), quads.argmax(dim=1)
+    if kind == "transformer":
+        start = torch.randint(0, _VOCAB, (batch, 1), generator=g)
+        stride = torch.randint(1, 4, (batch, 1), generator=g)
+        seq = (start + stride * torch.arange(_SEQ + 1)) % _VOCAB
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+    raise ValueError(f"unknown model kind {kind!r}; use one of {list(MODEL_KINDS)}.")
+
+
+def scenario_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Cross-entropy in float32 (also for bfloat16 models); sequence models over every position."""
+    x, y = batch
+    logits = model(x).float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def activation_targets(model: nn.Module) -> list[str]:
+    """Module names whose forward output is one Tensor: leaf modules that compute something."""
+    skip = (nn.Identity, nn.Dropout)
+    return [n for n, m in model.named_modules()
+            if n and not list(m.children()) and not isinstance(m, skip)]
+
+
+def parameter_targets(model: nn.Module) -> list[str]:
+    """Names of the trainable parameters (targets of the gradient, state and weight sites)."""
+    return [n for n, p in model.named_parameters() if p.requires_grad]

@@ -29,11 +29,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import GradBucket
 
-CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
-BucketCallback = Callable[[dist.GradBucket], None]
+CommHook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
+BucketCallback = Callable[[GradBucket], None]
 """Called with the bucket; may modify ``bucket.buffer()`` in place."""
-ReducedCallback = Callable[[dist.GradBucket, torch.Tensor], None]
+ReducedCallback = Callable[[GradBucket, torch.Tensor], None]
 """Called with the bucket and the reduced tensor; may modify the tensor in place."""
 
 
@@ -100,15 +101,19 @@ class GuardCommHook:
     def _or_reduced(self, flag: torch.Tensor) -> None:
         self.reduced_bad = flag if self.reduced_bad is None else self.reduced_bad | flag
 
-    def _allreduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def _allreduce(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         buf = bucket.buffer()
         buf.mul_(1.0 / self.world_size)
         work = dist.all_reduce(buf, group=self.process_group, async_op=True)
-        assert work is not None  # async_op=True always returns a Work handle
-        return work.get_future().then(lambda fut: fut.value()[0])
+        if work is None:  # pragma: no cover - async_op=True always returns a Work handle
+            raise RuntimeError("torch.distributed.all_reduce(async_op=True) returned no Work")
+        fut: torch.futures.Future[torch.Tensor] = work.get_future().then(
+            lambda f: f.value()[0]
+        )
+        return fut
 
     @staticmethod
-    def hook(state: "GuardCommHook", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def hook(state: "GuardCommHook", bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         """The function registered with DDP (``state`` is the ``GuardCommHook``)."""
         state.buckets_seen += 1
         for cb in state.before:
@@ -124,7 +129,7 @@ class GuardCommHook:
 
         def _after(f: torch.futures.Future[Any]) -> torch.Tensor:
             value = f.value()
-            out = value[0] if isinstance(value, list) else value
+            out: torch.Tensor = value[0] if isinstance(value, list) else value
             for cb in state.after:
                 cb(bucket, out)
             if state.check_nonfinite:

@@ -291,7 +291,7 @@ def fingerprint_tensor(x: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor
     the sum, and the final ``mix`` keeps it changed.
     """
     is_list = not isinstance(x, torch.Tensor)
-    tensors = list(x) if is_list else [x]  # type: ignore[list-item, arg-type]
+    tensors: list[torch.Tensor] = [x] if isinstance(x, torch.Tensor) else list(x)
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -10,13 +11,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-import contextlib
-
 from sdc_guard.checks import NonFiniteCheck, WeightsCheck
 from sdc_guard.checks.replay import ReplayAudit, micro_batches
-from sdc_guard.determinism import enable_determinism, rng_stream
 from sdc_guard.comm_hook import CommHook, GuardCommHook
 from sdc_guard.config import GuardConfig
+from sdc_guard.determinism import enable_determinism, rng_stream
 from sdc_guard.events import EventLog
 from sdc_guard.report import Detection, StepReport
 
@@ -102,7 +101,7 @@ class SDCGuard:
             inner_hook=comm_hook,
             inner_state=comm_hook_state,
         )
-        model.register_comm_hook(self.comm, GuardCommHook.hook)  # type: ignore[arg-type]
+        model.register_comm_hook(self.comm, GuardCommHook.hook)
         self.nonfinite = NonFiniteCheck(
             self.comm, group=process_group, expect_overflow=grad_scaler is not None
         )

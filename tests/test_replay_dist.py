@@ -44,7 +44,7 @@ def test_permanent_fault_on_rank_2_caught_at_first_audit_step() -> None:
     fault = {"rank": 2, "step": 2, "phase": "any", "bit": 9, "permanent": True}
     res = run_ranks(workers.replay_run, 4, 9, interval=3, fault=fault)
     for r in res:
-        first = [d for d in r["detections"] if d[0] == "replay"][0]
+        first = next(d for d in r["detections"] if d[0] == "replay")
         assert first == ("replay", 3, (2,))
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import torch
@@ -66,8 +65,6 @@ def guarded_run(rank: int, world: int, steps: int, fault: dict[str, Any] | None 
         "losses": [r.loss for r in reports],
         "final": sdc_guard.fingerprint(list(model.module.parameters())),
     }
-    del guard, model, optimizer
-    gc.collect()
     return out
 
 
@@ -87,8 +84,6 @@ def plain_run(rank: int, world: int, steps: int, opt: str = "adamw") -> dict[str
         optimizer.step()
         losses.append(float(loss.item()))
     out = {"losses": losses, "final": sdc_guard.fingerprint(list(model.module.parameters()))}
-    del model, optimizer
-    gc.collect()
     return out
 
 
@@ -158,6 +153,4 @@ def replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
         "skipped": [r.step for r in reports if r.skipped],
         "final": sdc_guard.fingerprint(list(model.module.parameters())),
     }
-    del guard, model, optimizer
-    gc.collect()
     return out

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._C._distributed_c10d import GradBucket
 from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.comm_hook import GuardCommHook
@@ -105,7 +106,7 @@ class ReplayAudit:
         comm.local_observers.append(self._observe)
 
     # -- own computation, seen in the comm hook --------------------------------------------
-    def _observe(self, bucket: dist.GradBucket) -> None:
+    def _observe(self, bucket: GradBucket) -> None:
         if not self._observing:
             return
         pairs = [(self.index[id(p)], g) for p, g in zip(bucket.parameters(), bucket.gradients(),
