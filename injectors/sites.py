@@ -1,0 +1,301 @@
+"""The six fault sites: how an armed fault reaches its tensor, and the record it leaves.
+
+``Injector`` turns a fault and a tensor into a corruption and a ground-truth
+record; one ``install_*`` function per site wires an injector into the model,
+the comm hook or the step hooks of an ``InjectionContext`` and returns the
+undo actions that remove exactly what it added.
+
+=========================  =====================================================
+site                       how
+=========================  =====================================================
+activation                 forward hook on the module: the output is cloned, the
+                           clone corrupted and returned (the producer may have
+                           saved its output for backward, so it is never
+                           modified in place). Gradients flow through the clone
+                           as through the identity.
+activation_grad            the same forward hook registers a tensor hook on the
+                           output; it returns a corrupted clone of the incoming
+                           gradient.
+gradient_before_allreduce  ``comm.before`` callback: the parameter's view in the
+                           bucket (``bucket.gradients()[j]``, a view into
+                           ``bucket.buffer()``), before the non-finite check and
+                           the all-reduce.
+gradient_after_allreduce   ``comm.after`` callback: the parameter's slice of the
+                           reduced tensor (same offset as in the bucket buffer).
+optimizer_state            start-of-step hook: ``optimizer.state[param][key]``.
+weight_storage             start-of-step hook: the parameter itself.
+=========================  =====================================================
+
+Every firing writes one record (see ``Injector.corrupt``) to the context's
+sink and to the handle's ``records``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from injectors import bits as B
+from injectors.context import InjectionContext, Record
+from injectors.fault import Fault, FaultError
+
+if TYPE_CHECKING:  # the class behind torch.distributed.GradBucket (annotations only)
+    from torch._C._distributed_c10d import GradBucket
+
+__all__ = ["INSTALLERS", "Injector", "Undo"]
+
+Undo = Callable[[], None]
+
+
+class Injector:
+    """One armed fault on its rank: decides when it fires and corrupts the tensor it is given."""
+
+    def __init__(
+        self, fault: Fault, ctx: InjectionContext, records: list[Record], target: Any
+    ) -> None:
+        self.fault = fault
+        self.ctx = ctx
+        self.records = records
+        self.target = target
+        """The resolved target: an ``nn.Module`` (activation sites) or an ``nn.Parameter``."""
+
+    def fires(self, step: int) -> bool:
+        return step >= 0 and self.fault.active_at(step)
+
+    def fires_in_forward(self, mod: torch.nn.Module) -> int | None:
+        """Activation sites: the step if the fault fires in this forward call, else None."""
+        if mod is not self.target:  # a deepcopy of the model carries the hook along
+            return None
+        if self.fault.phase not in ("any", self.ctx.phase):
+            return None
+        step = self.ctx.step
+        return step if self.fires(step) else None
+
+    def corrupt(self, t: torch.Tensor, step: int, phase: str | None = None) -> Record:
+        """Corrupt ``t`` in place as the fault says; record and return what changed.
+
+        The record: ``event="injection"``, ``rank``, ``step``, ``site``, ``target``
+        (and ``state_key``), ``kind``, ``model``, ``dtype`` (e.g. ``"float32"``),
+        ``index`` (first element, logical row-major), ``burst``, ``bits`` (the bit
+        indices flipped; ``[]`` for value faults), ``before`` / ``after`` (one unsigned
+        raw word per element, as ints), and for activation sites ``phase``.
+        """
+        f = self.fault
+        f.check_dtype(t.dtype)
+        n = t.numel()
+        if f.burst > n:
+            raise FaultError("burst", f"{f.burst} elements do not fit the {f.site} tensor of "
+                             f"{f.target!r} ({n} element(s), shape {tuple(t.shape)}).")
+        rng = f.where_rng()
+        index = rng.randrange(n - f.burst + 1) if f.index is None else f.index
+        if index + f.burst > n:
+            raise FaultError("index", f"element {index} (burst {f.burst}) is out of range for the "
+                             f"{f.site} tensor of {f.target!r}: shape {tuple(t.shape)}, {n} "
+                             f"element(s); use index <= {n - f.burst}.")
+        flipped: tuple[int, ...] = ()
+        if f.kind == "bitflip":
+            flipped = f.bits
+            if f.field is not None:
+                flipped = B.choose_bits(t.dtype, f.field, f.count, rng)
+            change = B.flip_bits(t, index, flipped, burst=f.burst)
+        elif f.kind == "set":
+            # Exactly one of value / value_bits is set (checked on construction).
+            word = f.value_bits
+            if word is None:
+                word = B.bits_of(f.value if f.value is not None else 0.0, t.dtype)
+            change = B.set_bits(t, index, word, burst=f.burst)
+        elif f.kind == "random":
+            change = B.random_bits(t, index, f.value_rng(step), burst=f.burst)
+        else:
+            change = B.zero(t, index, burst=f.burst)
+        record: Record = {
+            "event": "injection",
+            "rank": self.ctx.rank,
+            "step": step,
+            "site": f.site,
+            "target": f.target,
+            "kind": f.kind,
+            "model": f.model,
+            "dtype": B.dtype_name(t.dtype),
+            "index": index,
+            "burst": f.burst,
+            "bits": list(flipped),
+            "before": list(change.before),
+            "after": list(change.after),
+        }
+        if f.state_key is not None:
+            record["state_key"] = f.state_key
+        if f.site in ("activation", "activation_grad"):
+            record["phase"] = phase if phase is not None else self.ctx.phase
+        self.records.append(record)
+        self.ctx.record(record)
+        return record
+
+
+def _remove_item(items: list[Any], item: Any) -> Undo:
+    def undo() -> None:
+        for i, x in enumerate(items):
+            if x is item:
+                del items[i]
+                return
+
+    return undo
+
+
+def _module_output(inj: Injector, output: Any) -> torch.Tensor:
+    if not isinstance(output, torch.Tensor):
+        raise FaultError(
+            "target", f"site {inj.fault.site!r} corrupts a module's Tensor output, but module "
+            f"{inj.fault.target!r} returned a {type(output).__name__}; target a submodule that "
+            "returns a single Tensor."
+        )
+    return output
+
+
+def install_activation(inj: Injector) -> list[Undo]:
+    module: torch.nn.Module = inj.target
+
+    def hook(mod: torch.nn.Module, args: Any, output: Any) -> Any:
+        step = inj.fires_in_forward(mod)
+        if step is None:
+            return None
+        out = _module_output(inj, output).clone()
+        inj.corrupt(out, step)
+        return out
+
+    return [module.register_forward_hook(hook).remove]
+
+
+def install_activation_grad(inj: Injector) -> list[Undo]:
+    module: torch.nn.Module = inj.target
+    pending: list[torch.utils.hooks.RemovableHandle] = []
+
+    def hook(mod: torch.nn.Module, args: Any, output: Any) -> None:
+        step = inj.fires_in_forward(mod)
+        if step is None:
+            return
+        out = _module_output(inj, output)
+        if not out.requires_grad:  # no backward will run through it (no_grad, eval)
+            return
+        phase = inj.ctx.phase
+
+        def on_grad(grad: torch.Tensor) -> torch.Tensor:
+            g = grad.clone()
+            inj.corrupt(g, step, phase)
+            return g
+
+        pending[:] = [h for h in pending if h.hooks_dict_ref() is not None]
+        pending.append(out.register_hook(on_grad))  # type: ignore[no-untyped-call]
+
+    def remove_pending() -> None:
+        for h in pending:
+            h.remove()
+        pending.clear()
+
+    return [module.register_forward_hook(hook).remove, remove_pending]
+
+
+def _bucket_slot(bucket: GradBucket, param: torch.Tensor) -> int | None:
+    for j, p in enumerate(bucket.parameters()):
+        if p is param:
+            return j
+    return None
+
+
+def _need_comm(inj: Injector) -> Any:
+    if inj.ctx.comm is None:  # checked when arming; kept for a clear message
+        raise FaultError("site", f"{inj.fault.site!r} needs a GuardCommHook in the context.")
+    return inj.ctx.comm
+
+
+def install_gradient_before_allreduce(inj: Injector) -> list[Undo]:
+    param: torch.Tensor = inj.target
+    comm = _need_comm(inj)
+
+    def before(bucket: GradBucket) -> None:
+        step = inj.ctx.step
+        if not inj.fires(step):
+            return
+        j = _bucket_slot(bucket, param)
+        if j is not None:
+            inj.corrupt(bucket.gradients()[j], step)  # a view into bucket.buffer()
+
+    comm.before.append(before)
+    return [_remove_item(comm.before, before)]
+
+
+def install_gradient_after_allreduce(inj: Injector) -> list[Undo]:
+    param: torch.Tensor = inj.target
+    comm = _need_comm(inj)
+
+    def after(bucket: GradBucket, reduced: torch.Tensor) -> None:
+        step = inj.ctx.step
+        if not inj.fires(step):
+            return
+        j = _bucket_slot(bucket, param)
+        if j is None:
+            return
+        buf = bucket.buffer()
+        grad = bucket.gradients()[j]
+        offset = (grad.data_ptr() - buf.data_ptr()) // buf.element_size()
+        if not reduced.is_contiguous() or reduced.numel() != buf.numel():
+            raise FaultError(
+                "site", f"gradient_after_allreduce: the comm hook's result (shape "
+                f"{tuple(reduced.shape)}) does not have the bucket buffer's layout "
+                f"({buf.numel()} contiguous elements)."
+            )
+        view = reduced.view(-1)[offset : offset + grad.numel()].view(grad.shape)
+        inj.corrupt(view, step)
+
+    comm.after.append(after)
+    return [_remove_item(comm.after, after)]
+
+
+def install_optimizer_state(inj: Injector) -> list[Undo]:
+    param: torch.Tensor = inj.target
+    key = inj.fault.state_key
+    optimizer = inj.ctx.optimizer
+    if optimizer is None:  # checked when arming
+        raise FaultError("site", "optimizer_state needs an optimizer in the context.")
+
+    def on_step(step: int) -> None:
+        if not inj.fires(step):
+            return
+        state = optimizer.state.get(param, {})
+        value = state.get(key)
+        if not isinstance(value, torch.Tensor):
+            have = sorted(k for k, v in state.items() if isinstance(v, torch.Tensor))
+            raise FaultError(
+                "state_key", f"at step {step} the optimizer state of {inj.fault.target!r} has "
+                f"no tensor {key!r} (tensor entries: {have}). Optimizers create their state "
+                "at the first optimizer.step(), so inject at a later step, and check the key "
+                "(Adam: exp_avg, exp_avg_sq; SGD with momentum: momentum_buffer)."
+            )
+        inj.corrupt(value, step)
+
+    inj.ctx.step_hooks.append(on_step)
+    return [_remove_item(inj.ctx.step_hooks, on_step)]
+
+
+def install_weight_storage(inj: Injector) -> list[Undo]:
+    param: torch.Tensor = inj.target
+
+    def on_step(step: int) -> None:
+        if inj.fires(step):
+            inj.corrupt(param.detach(), step)
+
+    inj.ctx.step_hooks.append(on_step)
+    return [_remove_item(inj.ctx.step_hooks, on_step)]
+
+
+INSTALLERS: dict[str, Callable[[Injector], list[Undo]]] = {
+    "activation": install_activation,
+    "activation_grad": install_activation_grad,
+    "gradient_before_allreduce": install_gradient_before_allreduce,
+    "gradient_after_allreduce": install_gradient_after_allreduce,
+    "optimizer_state": install_optimizer_state,
+    "weight_storage": install_weight_storage,
+}
+"""site -> installer; every name in ``injectors.fault.SITES`` has one."""
