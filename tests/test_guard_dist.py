@@ -49,3 +49,18 @@ def test_guarded_training_equals_plain_ddp_bit_for_bit(opt: str) -> None:
     for g, p in zip(guarded, plain, strict=True):
         assert g["losses"] == p["losses"]
         assert g["final"] == p["final"]
+
+
+def test_guard_composes_with_a_user_comm_hook() -> None:
+    res = run_ranks(workers.hooks_run, 3, "user_hook")
+    for r in res:
+        assert r["detections"] == [("nonfinite", 2, (1,))]
+    assert len({r["final"] for r in res}) == 1
+
+
+def test_grad_scaler_overflow_is_not_reported_and_the_scaler_skips() -> None:
+    res = run_ranks(workers.hooks_run, 3, "scaler")
+    for r in res:
+        assert r["detections"] == []
+        assert r["scale"] < 2.0**10  # the scaler saw the overflow and lowered the scale
+    assert len({r["final"] for r in res}) == 1

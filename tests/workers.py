@@ -154,3 +154,29 @@ def replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
         "final": sdc_guard.fingerprint(list(model.module.parameters())),
     }
     return out
+
+
+def hooks_run(rank: int, world: int, mode: str) -> dict[str, Any]:
+    """A user comm hook composed with the guard, or a GradScaler with an inf gradient."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    model = DDP(make_mlp())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    kwargs: dict[str, Any] = {}
+    if mode == "user_hook":
+        kwargs = {"comm_hook": default_hooks.allreduce_hook, "comm_hook_state": None}
+    if mode == "scaler":
+        kwargs = {"grad_scaler": torch.amp.GradScaler("cpu", init_scale=2.0**10)}
+    guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for,
+                     config=GuardConfig(), **kwargs)
+    if rank == 1:
+        def poison(bucket: Any) -> None:
+            if guard.comm.step == 2:
+                bucket.buffer()[0] = float("inf") if mode == "scaler" else float("nan")
+        guard.comm.before.append(poison)
+    reports = [guard.step(s) for s in range(5)]
+    out: dict[str, Any] = {"detections": _summary(reports),
+                           "final": sdc_guard.fingerprint(list(model.module.parameters()))}
+    if mode == "scaler":
+        out["scale"] = float(kwargs["grad_scaler"].get_scale())
+    return out
