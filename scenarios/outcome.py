@@ -1,0 +1,150 @@
+"""Outcomes: a trial's per-rank results compared with its scenario's golden run.
+
+Definitions (each trial gets exactly one outcome, checked in this order):
+
+``hung``
+    Some rank did not answer within the scenario's ``trial_timeout_s``.
+``crashed`` (from an exception)
+    Some rank raised or died, and no check had fired before (the pool reports it).
+``detected``
+    At least one check fired. ``detect_step`` is the first step with a detection;
+    ``check`` is the first check that fired there and ``checks`` all of them.
+    ``blame_correct``: the union of the suspect ranks of the detections at
+    ``detect_step`` is exactly the set of ranks where an injection fired.
+``crashed`` (non-finite)
+    No detection, but some rank's training loss was NaN or Inf at some step.
+``masked``
+    No detection, finite losses, and every rank's final state fingerprint equals
+    the golden run's: the run ended bit-identical to golden.
+``escaped``
+    None of the above: the final state differs from golden and no check fired.
+    ``rel_weight_dev`` (max over ranks of ``||w - w_golden|| / ||w_golden||``)
+    and ``loss_diff`` (mean over ranks of the final loss minus golden's) say by how much.
+
+State = parameters + optimizer state (``sdc_guard.checks.state_tensors``: what
+the weights check compares); BatchNorm running statistics are not part of it
+(DDP re-broadcasts them from rank 0 at every forward).
+
+Divergence: step ``s`` *diverged* when some rank's state after step ``s``
+differs from the expected state: golden's state after ``s``, or, at a step
+the guard withheld (``skipped``), golden's state *before* ``s`` (a withheld
+step must leave the state untouched). ``first_divergence`` is the first such step.
+
+Containment: a detection is *contained* when its step was withheld on every
+rank and no step up to and including it diverged: every rank's weights and
+optimizer state are still exactly golden's from before the faulty step, so
+the corruption never reached them (the state equals that of a run that
+skipped the step).
+
+Latency: ``latency_from_injection = detect_step - first_injection`` (the first
+step at which an injection fired) and ``latency_from_divergence = detect_step -
+first_divergence`` (empty when contained: nothing diverged).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from injectors.bits import dtype_from_name, value_of
+from scenarios.campaign import TrialSpec
+from scenarios.store import GoldenRun
+
+
+def _nonfinite_records(records: list[dict[str, Any]]) -> bool:
+    """Whether any injection wrote a NaN or an Inf (decoded from the recorded raw words)."""
+    for rec in records:
+        dtype = dtype_from_name(rec["dtype"])
+        if not dtype.is_floating_point:
+            continue
+        for word in rec["after"]:
+            v = value_of(word, dtype)
+            if isinstance(v, float) and not math.isfinite(v):
+                return True
+    return False
+
+
+def base_row(trial: TrialSpec) -> dict[str, Any]:
+    """The columns known before the trial runs (what was injected where)."""
+    f = trial.faults[0] if trial.faults else None
+    return {
+        "id": trial.id, "scenario": trial.scenario, "kind": trial.kind,
+        "site": trial.site or None, "field": trial.field or None,
+        "fault_model": trial.fault_model or None,
+        "fault_rank": f.rank if f else (trial.chaos.rank if trial.chaos else None),
+        "fault_step": f.step if f else (trial.chaos.step if trial.chaos else None),
+        "target": f.target if f else None, "state_key": f.state_key if f else None,
+        "replay_interval": trial.replay_interval,
+        "fault": [x.to_dict() for x in trial.faults] if trial.faults else (
+            {"chaos": trial.chaos.action} if trial.chaos else None),
+    }
+
+
+def failed_row(trial: TrialSpec, kind: str, reason: str, seconds: float) -> dict[str, Any]:
+    """A trial that ended without answers from every rank: "crashed" or "hung"."""
+    return {**base_row(trial), "outcome": kind, "error": reason[:500], "seconds": seconds}
+
+
+def classify(trial: TrialSpec, golden: GoldenRun, results: list[dict[str, Any]],
+             seconds: float) -> dict[str, Any]:
+    """The outcome row of a trial whose ranks all answered."""
+    row = base_row(trial)
+    steps_total = len(golden.state_fps)
+    records = [rec for r in results for rec in r["records"]]
+    injected_ranks = sorted({int(rec["rank"]) for rec in records})
+    inj_steps = sorted({int(rec["step"]) for rec in records})
+    first_inj = inj_steps[0] if inj_steps else None
+    dets = [tuple(d) for d in results[0]["detections"]]
+    if any([tuple(d) for d in r["detections"]] != dets for r in results):
+        row["error"] = "ranks disagree on the detections: " + json.dumps(
+            [r["detections"] for r in results])
+    skipped = set(results[0]["skipped"])
+    n = min(len(r["state_fps"]) for r in results)
+
+    def expected(s: int) -> int:
+        if s in skipped:
+            return golden.state_fps[s - 1] if s > 0 else golden.initial_fp
+        return golden.state_fps[s]
+
+    diverged = [s for s in range(n) if any(r["state_fps"][s] != expected(s) for r in results)]
+    first_div = diverged[0] if diverged else None
+    nonfinite_loss = [r["rank"] for r in results if any(not math.isfinite(x) for x in r["losses"])]
+    row.update({
+        "injections": len(records), "first_injection": first_inj,
+        "injected_ranks": injected_ranks, "nonfinite_injected": _nonfinite_records(records),
+        "first_divergence": first_div, "steps_run": n, "seconds": round(seconds, 4),
+        "skipped": sorted(skipped),
+    })
+    if dets:
+        d = min(step for _, step, _ in dets)
+        at = [x for x in dets if x[1] == d]
+        suspects = sorted({r for _, _, sus in at for r in sus})
+        contained = d in skipped and (first_div is None or first_div > d)
+        row.update({
+            "outcome": "detected", "check": at[0][0], "checks": "+".join(c for c, _, _ in at),
+            "detect_step": d, "suspects": suspects,
+            "blame_correct": (suspects == injected_ranks) if injected_ranks else None,
+            "contained": contained,
+            "latency_from_injection": d - first_inj if first_inj is not None else None,
+            "latency_from_divergence": (d - first_div if first_div is not None
+                                        and first_div <= d else None),
+        })
+        return row
+    if nonfinite_loss:
+        row.update({"outcome": "crashed",
+                    "error": f"non-finite training loss on rank(s) {nonfinite_loss}"})
+        return row
+    final_ok = n == steps_total and all(r["state_fps"][n - 1] == golden.state_fps[-1]
+                                        for r in results)
+    if final_ok:
+        row["outcome"] = "masked"
+        return row
+    devs = [r["rel_weight_dev"] for r in results if r.get("rel_weight_dev") is not None]
+    finals = [(r["losses"][-1], golden.losses[r["rank"]][-1]) for r in results if r["losses"]]
+    row.update({
+        "outcome": "escaped",
+        "rel_weight_dev": max(devs) if devs else None,
+        "loss_diff": (sum(a - b for a, b in finals) / len(finals)) if finals else None,
+    })
+    return row

@@ -1,0 +1,112 @@
+"""PNG plots of a campaign summary (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+PLOTS = ("coverage_heatmap.png", "latency.png", "replay_interval.png")
+
+
+def coverage_heatmap(summary: dict[str, Any], path: Path) -> None:
+    """Detection coverage by site (rows) and bit field (columns); n = trials that were not masked."""
+    grid = summary["by_site_field"]
+    sites = [s for s in summary["site_order"] if s in grid]
+    fields = summary["field_order"]
+    data = [[grid[s].get(f, {}).get("coverage") for f in fields] for s in sites]
+    fig, ax = plt.subplots(figsize=(1.4 * len(fields) + 3, 0.6 * len(sites) + 1.6))
+    values = [[math.nan if v is None else v for v in row] for row in data]
+    im = ax.imshow(values, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+    for i, s in enumerate(sites):
+        for j, f in enumerate(fields):
+            cell = grid[s].get(f)
+            if not cell:
+                continue
+            n = cell["trials"] - cell["masked"]
+            text = "-" if cell["coverage"] is None else f"{cell['coverage']:.0%}"
+            ax.text(j, i, f"{text}\nn={n}", ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(fields)), fields)
+    ax.set_yticks(range(len(sites)), sites)
+    ax.set_title("Detection coverage (detected / not masked)")
+    fig.colorbar(im, ax=ax, fraction=0.03)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def latency(summary: dict[str, Any], path: Path) -> None:
+    """Histogram of detection latency in steps, from the injection and from the divergence."""
+    lat = summary["latency_histogram"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+    for ax, key, title in ((axes[0], "from_injection", "from the injection step"),
+                           (axes[1], "from_divergence", "from the first divergent step")):
+        per_site = lat[key]
+        bins = sorted({int(b) for hist in per_site.values() for b in hist}) or [0]
+        width = 0.8 / max(1, len(per_site))
+        for i, (site, hist) in enumerate(sorted(per_site.items())):
+            xs = [b + (i - len(per_site) / 2) * width + width / 2 for b in bins]
+            ax.bar(xs, [hist.get(str(b), 0) for b in bins], width=width, label=site)
+        ax.set_xticks(bins)
+        ax.set_xlabel(f"latency (steps) {title}")
+        ax.set_title(title)
+    axes[0].set_ylabel("detected trials")
+    handles, labels = axes[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="upper right", fontsize=7)
+    fig.tight_layout(rect=(0, 0, 0.82, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def replay_interval(summary: dict[str, Any], path: Path) -> None:
+    """Guard overhead and escape rate against the replay interval; budget and recommendation."""
+    ov = summary.get("overhead") or {}
+    total = ov.get("total", {})
+    esc = summary["replay_intervals"]
+    ks = sorted({int(k) for k in total} | {int(k) for k in esc})
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    pos = {k: i for i, k in enumerate(ks)}
+    label = ["off" if k == 0 else str(k) for k in ks]
+    ov_k = [k for k in ks if str(k) in total]
+    if ov_k:
+        ax.plot([pos[k] for k in ov_k], [100 * total[str(k)] for k in ov_k], "o-",
+                color="tab:blue", label="guard overhead (all checks)")
+    budget = summary.get("overhead_budget")
+    if budget is not None:
+        ax.axhline(100 * budget, color="tab:blue", ls="--", lw=1,
+                   label=f"overhead budget {budget:.0%}")
+    ax.set_ylabel("step-time overhead vs plain DDP (%)", color="tab:blue")
+    ax.set_xticks(range(len(ks)), label)
+    ax.set_xlabel("replay audit interval (steps)")
+    ax2 = ax.twinx()
+    esc_k = [k for k in ks if str(k) in esc and esc[str(k)]["escape_rate"] is not None]
+    if esc_k:
+        ax2.plot([pos[k] for k in esc_k], [100 * esc[str(k)]["escape_rate"] for k in esc_k],
+                 "s-", color="tab:red", label="escape rate (escaped / not masked)")
+    ax2.set_ylabel("escape rate (%)", color="tab:red")
+    ax2.set_ylim(bottom=0)
+    rec = summary.get("recommended_replay_interval")
+    if rec is not None and rec in pos:
+        ax.axvline(pos[rec], color="tab:green", lw=2, alpha=0.6,
+                   label=f"recommended interval: {rec}")
+    lines = ax.get_legend_handles_labels()
+    lines2 = ax2.get_legend_handles_labels()
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="upper center")
+    ax.set_title("Overhead and escape rate against the replay interval")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def draw_all(summary: dict[str, Any], out: Path) -> list[Path]:
+    paths = [out / name for name in PLOTS]
+    coverage_heatmap(summary, paths[0])
+    latency(summary, paths[1])
+    replay_interval(summary, paths[2])
+    return paths

@@ -1,0 +1,279 @@
+"""The campaign loop: golden runs, overhead, trials, one CSV line per finished trial.
+
+``CampaignRunner`` only coordinates. Where the ranks live is an *executor*:
+
+* ``PoolExecutor``: persistent worker pools on this machine (``scenarios.pool``),
+  one per (world size, backend), restarted after a crash or hang;
+* ``scenarios.distributed.DistributedExecutor``: this process *is* a rank,
+  started by ``torchrun`` (every rank runs the same loop; rank 0 writes files).
+
+Resuming: trial ids are fixed by the campaign file, the ids already in
+``trials.csv`` are skipped, and goldens and the overhead measurement are reused
+from disk when present.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Protocol
+
+from scenarios.campaign import CampaignSpec, TrialSpec, describe, plan_trials
+from scenarios.outcome import classify, failed_row
+from scenarios.pool import PoolError, WorkerPool
+from scenarios.rank import Command, Golden, Overhead, Trial
+from scenarios.spec import Scenario
+from scenarios.store import (
+    GoldenRun,
+    TrialTable,
+    golden_paths,
+    load_golden,
+    save_golden,
+    write_json,
+)
+
+
+class Executor(Protocol):
+    coordinator: bool
+    """True in the process that classifies trials and writes files."""
+    shared_files: bool
+    """True when every rank reads the coordinator's files (one machine)."""
+
+    def run(self, scenario: Scenario, cmd: Command, timeout: float) -> list[Any] | None: ...
+    def agree(self, value: Any) -> Any: ...
+    def close(self) -> None: ...
+
+
+class PoolExecutor:
+    """Ranks in persistent local worker pools, one per (world size, backend)."""
+
+    coordinator = True
+    shared_files = True
+
+    def __init__(self, *, start_timeout: float = 300.0) -> None:
+        self.pools: dict[tuple[int, str], WorkerPool] = {}
+        self.start_timeout = start_timeout
+
+    def pool(self, scenario: Scenario) -> WorkerPool:
+        key = (scenario.world_size, scenario.backend)
+        if key not in self.pools:
+            self.pools[key] = WorkerPool(scenario.world_size, backend=scenario.backend,
+                                         start_timeout=self.start_timeout)
+        return self.pools[key]
+
+    def run(self, scenario: Scenario, cmd: Command, timeout: float) -> list[Any]:
+        return self.pool(scenario).run(cmd, timeout)
+
+    def agree(self, value: Any) -> Any:
+        return value
+
+    @property
+    def restarts(self) -> int:
+        return sum(max(0, p.restarts) for p in self.pools.values())
+
+    def close(self) -> None:
+        for p in self.pools.values():
+            p.close()
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _bar(total: int, initial: int, enabled: bool) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is in the harness extra
+        return None
+    return tqdm(total=total, initial=initial, disable=not enabled, unit="trial",
+                dynamic_ncols=True, file=sys.stderr, smoothing=0.1)
+
+
+class CampaignRunner:
+    """Runs a campaign into ``out``: ``trials.csv``, ``overhead.json``, ``campaign.json``."""
+
+    def __init__(self, campaign: CampaignSpec, out: str | Path, executor: Executor, *,
+                 cache: str | Path | None = None, progress: bool = True) -> None:
+        self.campaign = campaign
+        self.out = Path(out)
+        self.cache = Path(cache) if cache is not None else self.out / "golden"
+        self.executor = executor
+        self.progress = progress and executor.coordinator
+        self.goldens: dict[str, GoldenRun] = {}
+
+    # -- golden ---------------------------------------------------------------------------------
+    def golden(self, scenario: Scenario) -> GoldenRun:
+        key = scenario.training_key()
+        if self.executor.coordinator and self.executor.shared_files:
+            cached = load_golden(self.cache, key)
+        else:
+            cached = None
+        if self.executor.agree(cached is not None) and cached is not None:
+            return cached
+        _, pt = golden_paths(self.cache, key)
+        if self.executor.coordinator:
+            self.cache.mkdir(parents=True, exist_ok=True)
+        res = self.executor.run(scenario, Golden(scenario, save_to=str(pt)),
+                                timeout=max(60.0, scenario.trial_timeout_s * 2))
+        if res is None:  # a non-coordinating rank: it keeps the weights in memory
+            return GoldenRun(key=key, scenario=scenario.name, initial_fp=0, state_fps=[],
+                             weight_fps=[], losses=[], detections=[], ranks_agree=True,
+                             seconds=0.0)
+        g = GoldenRun(
+            key=key, scenario=scenario.name, initial_fp=res[0]["initial_fp"],
+            state_fps=res[0]["state_fps"], weight_fps=res[0]["weight_fps"],
+            losses=[r["losses"] for r in res], detections=res[0]["detections"],
+            ranks_agree=all(r["state_fps"] == res[0]["state_fps"] for r in res),
+            seconds=res[0]["seconds"],
+        )
+        if not g.ranks_agree or g.detections:
+            _say(f"warning: golden run of {scenario.name!r}: ranks agree={g.ranks_agree}, "
+                 f"detections={g.detections}")
+        save_golden(self.cache, g)
+        return g
+
+    # -- overhead -------------------------------------------------------------------------------
+    def overhead(self) -> dict[str, Any] | None:
+        spec = self.campaign.overhead
+        if spec is None:
+            return None
+        sc = self.campaign.overhead_scenario()
+        ks = self.campaign.overhead_intervals()
+        t0 = time.monotonic()
+        res = self.executor.run(sc, Overhead(sc, ks, spec.rounds, spec.block), timeout=1800.0)
+        if res is None:
+            return None
+        r0 = res[0]
+        step = r0["step_s"]
+        base = step["plain DDP"]
+        return {
+            "scenario": sc.name, "world_size": sc.world_size, "model": sc.model.kind,
+            "rounds": r0["rounds"], "block": r0["block"], "seconds": time.monotonic() - t0,
+            "baseline_step_ms": base * 1e3,
+            "step_ms": {k: v * 1e3 for k, v in step.items()},
+            "guard_checks_off": step["guard, checks off"] / base - 1,
+            "nonfinite": step["nonfinite"] / base - 1,
+            "weights": step["weights"] / base - 1,
+            "replay": {str(k): step[f"replay@{k}"] / base - 1 for k in ks},
+            "total": {str(k): step[f"all@{k}"] / base - 1 for k in (0, *ks)},
+        }
+
+    # -- trials ---------------------------------------------------------------------------------
+    def trial(self, t: TrialSpec) -> dict[str, Any] | None:
+        sc = self.campaign.scenario(t.scenario)
+        golden = self.goldens[sc.name]
+        _, pt = golden_paths(self.cache, golden.key)
+        t0 = time.monotonic()
+        try:
+            res = self.executor.run(sc, Trial(sc, t, str(pt)), timeout=sc.trial_timeout_s)
+        except PoolError as e:
+            return failed_row(t, e.kind, e.reason, time.monotonic() - t0)
+        if res is None:
+            return None
+        return classify(t, golden, res, time.monotonic() - t0)
+
+    # -- torchrun: a trial that took its ranks down ----------------------------------------
+    def _mark_inflight(self, t: TrialSpec) -> None:
+        path = self.out / "inflight.json"
+        prev = _read_json(path)
+        attempts = prev["attempts"] + 1 if isinstance(prev, dict) and prev.get("id") == t.id else 1
+        info = {"id": t.id, "attempts": attempts, "started": time.time()}
+        write_json(path, info)
+        sc = self.campaign.scenario(t.scenario)
+
+        def hung() -> None:
+            write_json(path, {**info, "reason": f"hung: no answer within "
+                                                f"{sc.trial_timeout_s:.0f}s (watchdog)"})
+
+        self.executor.on_hang = hung  # type: ignore[attr-defined]
+
+    def _resolve_inflight(self, table: TrialTable, trials: dict[str, TrialSpec]) -> None:
+        """Record the trial that was running when the ranks went down (see distributed.py)."""
+        info = _read_json(self.out / "inflight.json")
+        if not isinstance(info, dict) or info.get("id") not in trials:
+            return
+        if info["id"] in table.done_ids():
+            return
+        t = trials[info["id"]]
+        reason = str(info.get("reason", ""))
+        if reason.startswith("hung"):
+            table.append(failed_row(t, "hung", reason, 0.0))
+        elif info.get("attempts", 0) >= 2:
+            table.append(failed_row(t, "crashed", "the ranks went down during this trial "
+                                    f"{info['attempts']} times (a rank died or raised)", 0.0))
+
+    def run(self) -> dict[str, Any]:
+        started = time.time()
+        t_start = time.monotonic()
+        trials = plan_trials(self.campaign)
+        coordinator = self.executor.coordinator
+        table = TrialTable(self.out / "trials.csv") if coordinator else None
+        inflight = getattr(self.executor, "tracks_inflight", False)
+        if table is not None and inflight:
+            self._resolve_inflight(table, {t.id: t for t in trials})
+        done = self.executor.agree(table.done_ids() if table is not None else None)
+        todo = [t for t in trials if t.id not in done]
+        planned = {t.id for t in trials}
+        meta = {**self.campaign.to_json(), **describe(self.campaign, trials),
+                "already_done": len(planned & done), "started": started}
+        if coordinator:
+            _say(f"campaign {self.campaign.name!r}: {len(trials)} trials planned, "
+                 f"{len(todo)} to run, output in {self.out}")
+            previous = _read_json(self.out / "campaign.json")
+            meta["runs"] = [*previous.get("runs", [])] if isinstance(previous, dict) else []
+            write_json(self.out / "campaign.json", meta)
+        for sc in self.campaign.scenarios:
+            if any(t.scenario == sc.name for t in todo):
+                self.goldens[sc.name] = self.golden(sc)
+        ov_path = self.out / "overhead.json"
+        have_ov = self.executor.agree(coordinator and ov_path.exists())
+        if self.campaign.overhead is not None and not have_ov:
+            if coordinator:
+                _say("measuring step-time overhead ...")
+            ov = self.overhead()
+            if ov is not None and coordinator:
+                write_json(ov_path, ov)
+        counts: Counter[str] = Counter()
+        bar = _bar(len(trials), len(trials) - len(todo), self.progress)
+        t_trials = time.monotonic()
+        try:
+            for t in todo:
+                if inflight and coordinator:
+                    self._mark_inflight(t)
+                row = self.trial(t)
+                if row is None or table is None:
+                    continue
+                table.append(row)
+                counts[row["outcome"]] += 1
+                if bar is not None:
+                    bar.set_postfix(counts, refresh=False)
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        trial_seconds = time.monotonic() - t_trials
+        run = {"started": started, "ran": len(todo), "seconds": time.monotonic() - t_start,
+               "trial_seconds": trial_seconds}
+        meta.update({
+            "runs": [*meta.get("runs", []), run],
+            "ran": len(todo), "outcomes_this_run": dict(counts),
+            "trial_seconds": trial_seconds, "seconds": time.monotonic() - t_start,
+            "trials_per_minute": len(todo) / trial_seconds * 60 if todo and trial_seconds else None,
+            "goldens": {k: {"key": g.key, "ranks_agree": g.ranks_agree,
+                            "detections": g.detections, "seconds": g.seconds}
+                        for k, g in self.goldens.items()},
+            "pool_restarts": getattr(self.executor, "restarts", None),
+        })
+        if coordinator:
+            write_json(self.out / "campaign.json", meta)
+        return meta
