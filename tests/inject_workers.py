@@ -98,16 +98,19 @@ def guard_trials(rank: int, world: int, trials: list[dict[str, Any]]) -> list[di
             "clean": clean,
         })
         del guard, model, optimizer, handles
-        gc.collect()
+    gc.collect()  # once: with torch._dynamo imported (by DDP) a full collection costs ~1 s
     dist.barrier()
     return results
 
 
-def plain_trials(rank: int, world: int, trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def plain_trials(rank: int, world: int, trials: list[dict[str, Any]],
+                 bad_faults: list[Fault]) -> tuple[list[dict[str, Any]], list[str]]:
     """A user's own DDP loop with ``GuardCommHook(check_nonfinite=False)`` and no SDCGuard.
 
     Each trial: ``faults``, ``steps``, optional ``events`` (a path for an EventLog sink).
+    Also arms each of ``bad_faults`` (see ``arm_errors``), in the same process group.
     """
+    errors = arm_errors(rank, world, bad_faults)
     results = []
     for trial in trials:
         model = DDP(make_model())
@@ -140,9 +143,9 @@ def plain_trials(rank: int, world: int, trials: list[dict[str, Any]]) -> list[di
                       and _no_module_hooks(model.module)),
         })
         del model, optimizer, comm, ctx, handles
-        gc.collect()
+    gc.collect()
     dist.barrier()
-    return results
+    return results, errors
 
 
 def arm_errors(rank: int, world: int, faults: list[Fault]) -> list[str]:

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.timeout(240)
 
 WORLD = 3
 STEPS = 4
+AUDIT = {"replay_interval": 1, "deterministic": True}
 
 
 def _records(res: list[list[dict[str, Any]]], trial: int) -> list[list[dict[str, Any]]]:
@@ -138,6 +139,11 @@ def test_activation_sites_change_only_the_faulty_ranks_local_computation() -> No
         {"steps": STEPS,
          "faults": [Fault(site="activation", rank=0, step=0, target="4", bits=(30,),
                           model="permanent", phase="replay")]},
+        # With the audit: a fault in rank 1's own step, then one in its replay of rank 2's
+        # batch. Both are localised to rank 1 and the step is withheld.
+        *({"steps": 3, "cfg": AUDIT,
+           "faults": [Fault(site="activation", rank=1, step=1, target="4", index=2, bits=(23,),
+                            phase=phase)]} for phase in ("train", "replay")),
     ]
     res = run_ranks(inject_workers.guard_trials, WORLD, trials)
     _clean(res)
@@ -166,9 +172,28 @@ def test_activation_sites_change_only_the_faulty_ranks_local_computation() -> No
     # phase="replay" without an audit: nothing fired, bit-identical to golden.
     assert all(not recs for recs in _records(res, 4))
     assert [res[r][4]["final"] for r in range(WORLD)] == [g["final"] for g in golden]
+    # Under the replay audit, the fault's phase picks which computation it corrupts.
+    for trial, phase in ((5, "train"), (6, "replay")):
+        assert _only_on(res, trial, 1)["phase"] == phase
+        for r in range(WORLD):
+            assert res[r][trial]["detections"] == [("replay", 1, (1,))], (phase, r)
+            assert res[r][trial]["skipped"] == [1]
 
 
-def test_plain_loop_without_a_guard(tmp_path: Path) -> None:
+# Arming checks the fault against the model on every rank, not only on the fault's rank.
+BAD_FAULTS = [
+    Fault(site="weight_storage", rank=3, step=0, target="0.weight", bits=(1,)),
+    Fault(site="activation", rank=1, step=0, target="5", bits=(1,)),
+    Fault(site="gradient_after_allreduce", rank=2, step=0, target="4.bais", bits=(1,)),
+    Fault(site="gradient_before_allreduce", rank=1, step=0, target="4.bias", index=4,
+          bits=(1,)),
+    Fault(site="optimizer_state", rank=0, step=0, target="0.bias", state_key="exp_avg",
+          bits=(1,)),
+    Fault(site="weight_storage", rank=1, step=0, target="module.0.weight", bits=(1,)),
+]
+
+
+def test_plain_loop_without_a_guard_and_arming_validates_on_every_rank(tmp_path: Path) -> None:
     log = tmp_path / "plain.jsonl"
     intermittent = Fault(site="gradient_before_allreduce", rank=0, step=1, target="4.bias",
                          kind="zero", burst=4, model="intermittent", p=0.5, seed=7)
@@ -181,7 +206,8 @@ def test_plain_loop_without_a_guard(tmp_path: Path) -> None:
                     Fault(site="weight_storage", rank=2, step=2, target="4.bias", bits=(22,))]},
         {"steps": steps, "faults": [intermittent]},
     ]
-    res = run_ranks(inject_workers.plain_trials, WORLD, trials)
+    out = run_ranks(inject_workers.plain_trials, WORLD, trials, BAD_FAULTS)
+    res = [trials_of_rank for trials_of_rank, _ in out]
     _clean(res)
     golden = [res[r][0] for r in range(WORLD)]
     two = [res[r][1] for r in range(WORLD)]
@@ -205,24 +231,10 @@ def test_plain_loop_without_a_guard(tmp_path: Path) -> None:
     assert res[0][2]["sink"] == recs
     assert all(r["after"] == [0, 0, 0, 0] for r in recs)
     assert res[1][2]["records"] == [] and res[2][2]["records"] == []
-
-
-def test_arming_validates_on_every_rank() -> None:
-    faults = [
-        Fault(site="weight_storage", rank=3, step=0, target="0.weight", bits=(1,)),
-        Fault(site="activation", rank=1, step=0, target="5", bits=(1,)),
-        Fault(site="gradient_after_allreduce", rank=2, step=0, target="4.bais", bits=(1,)),
-        Fault(site="gradient_before_allreduce", rank=1, step=0, target="4.bias", index=4,
-              bits=(1,)),
-        Fault(site="optimizer_state", rank=0, step=0, target="0.bias", state_key="exp_avg",
-              bits=(1,)),
-        Fault(site="weight_storage", rank=1, step=0, target="module.0.weight", bits=(1,)),
-    ]
-    res = run_ranks(inject_workers.arm_errors, WORLD, faults)
-    for r, out in enumerate(res):
-        assert "Fault.rank: rank 3 does not exist" in out[0]
-        assert "no module '5'" in out[1]
-        assert "close matches: ['4.bias'" in out[2]
-        assert "Fault.index: element 4" in out[3]
-        assert "Fault.site: 'optimizer_state' needs the optimizer" in out[4]
-        assert out[5] == f"armed={r == 1}"
+    for r, (_, errors) in enumerate(out):
+        assert "Fault.rank: rank 3 does not exist" in errors[0]
+        assert "no module '5'" in errors[1]
+        assert "close matches: ['4.bias'" in errors[2]
+        assert "Fault.index: element 4" in errors[3]
+        assert "Fault.site: 'optimizer_state' needs the optimizer" in errors[4]
+        assert errors[5] == f"armed={r == 1}"  # a DDP-qualified name; inert off rank 1
