@@ -105,7 +105,8 @@ class OverheadSpec:
     """Step-time overhead: configurations alternated in blocks within one run, medians."""
 
     scenario: str = ""
-    """Name of the scenario to measure on; empty = the campaign's first."""
+    """The scenario to measure on: a campaign scenario's name, or a scenario file (``.toml``,
+    relative to the campaign file); empty = the campaign's first scenario."""
     rounds: int = 5
     """How many times each configuration gets a block."""
     block: int = 4
@@ -132,7 +133,10 @@ class CampaignSpec:
     """Fault-free trials per scenario and replay interval (false positives)."""
     overhead: OverheadSpec | None = field(default_factory=OverheadSpec)
     overhead_budget: float = 0.25
-    """Acceptable step-time overhead of the guard, as a fraction of plain DDP's step."""
+    """Acceptable step-time overhead of the replay audit, as a fraction of plain DDP's step
+    (the recommended replay interval is the smallest one within it)."""
+    overhead_file_scenario: Scenario | None = None
+    """The scenario loaded from ``[overhead] scenario = "FILE.toml"``, if given as a file."""
     quick: bool = False
 
     def __post_init__(self) -> None:
@@ -144,7 +148,7 @@ class CampaignSpec:
         _int("clean_trials", self.clean_trials, 0)
         _float("overhead_budget", self.overhead_budget, 0.0, 100.0, lo_open=True)
         if self.overhead is not None and self.overhead.scenario and (
-                self.overhead.scenario not in names):
+                self.overhead.scenario not in names) and self.overhead_file_scenario is None:
             raise ScenarioError("overhead.scenario", self.overhead.scenario, f"one of {names}")
         if self.space is not None:
             for s in self.scenarios:
@@ -161,6 +165,8 @@ class CampaignSpec:
         raise KeyError(name)
 
     def overhead_scenario(self) -> Scenario:
+        if self.overhead_file_scenario is not None:
+            return self.overhead_file_scenario
         name = self.overhead.scenario if self.overhead is not None else ""
         return self.scenario(name) if name else self.scenarios[0]
 
@@ -214,10 +220,14 @@ def campaign_from_dict(data: Mapping[str, Any], *, name: str, base_dir: Path,
     ov_table = _table(data, "overhead")
     _known(OverheadSpec, ov_table, "overhead.")
     overhead = OverheadSpec(**_tuples(ov_table))
+    ov_file = None
+    if overhead.scenario.endswith(".toml"):
+        ov_file = load_scenario(base_dir / overhead.scenario)
     return CampaignSpec(
         name=data.get("name", name), scenarios=scenarios, space=space,
         clean_trials=data.get("clean_trials", 3), overhead=overhead,
-        overhead_budget=data.get("overhead_budget", 0.25), quick=quick,
+        overhead_budget=data.get("overhead_budget", 0.25), overhead_file_scenario=ov_file,
+        quick=quick,
     )
 
 

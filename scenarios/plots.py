@@ -12,6 +12,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 PLOTS = ("coverage_heatmap.png", "latency.png", "replay_interval.png")
+LATENCY_CAP = 5
+"""Latencies of this many steps or more share the last bin."""
 
 
 def coverage_heatmap(summary: dict[str, Any], path: Path) -> None:
@@ -41,24 +43,32 @@ def coverage_heatmap(summary: dict[str, Any], path: Path) -> None:
 
 
 def latency(summary: dict[str, Any], path: Path) -> None:
-    """Histogram of detection latency in steps, from the injection and from the divergence."""
+    """Detection latency in steps, from the injection and from the divergence, per site."""
     lat = summary["latency_histogram"]
+    order = summary["site_order"]
+    colors = {site: plt.get_cmap("tab10")(i) for i, site in enumerate(order)}
+    bins = list(range(LATENCY_CAP + 1))
+    labels = [str(b) for b in bins[:-1]] + [f"{LATENCY_CAP}+"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
     for ax, key, title in ((axes[0], "from_injection", "from the injection step"),
                            (axes[1], "from_divergence", "from the first divergent step")):
-        per_site = lat[key]
-        bins = sorted({int(b) for hist in per_site.values() for b in hist}) or [0]
-        width = 0.8 / max(1, len(per_site))
-        for i, (site, hist) in enumerate(sorted(per_site.items())):
-            xs = [b + (i - len(per_site) / 2) * width + width / 2 for b in bins]
-            ax.bar(xs, [hist.get(str(b), 0) for b in bins], width=width, label=site)
-        ax.set_xticks(bins)
-        ax.set_xlabel(f"latency (steps) {title}")
+        sites = [s for s in order if s in lat[key]]
+        width = 0.8 / max(1, len(sites))
+        for i, site in enumerate(sites):
+            counts = [0] * len(bins)
+            for b, n in lat[key][site].items():
+                counts[min(int(b), LATENCY_CAP)] += n
+            xs = [b + (i - len(sites) / 2 + 0.5) * width for b in bins]
+            ax.bar(xs, counts, width=width, color=colors[site], label=site)
+        ax.set_xticks(bins, labels)
+        ax.set_xlabel("latency (steps)")
         ax.set_title(title)
     axes[0].set_ylabel("detected trials")
-    handles, labels = axes[0].get_legend_handles_labels()
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[s]) for s in order
+               if s in lat["from_injection"] or s in lat["from_divergence"]]
+    names = [s for s in order if s in lat["from_injection"] or s in lat["from_divergence"]]
     if handles:
-        fig.legend(handles, labels, loc="upper right", fontsize=7)
+        fig.legend(handles, names, loc="upper right", fontsize=7)
     fig.tight_layout(rect=(0, 0, 0.82, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -68,15 +78,20 @@ def replay_interval(summary: dict[str, Any], path: Path) -> None:
     """Guard overhead and escape rate against the replay interval; budget and recommendation."""
     ov = summary.get("overhead") or {}
     total = ov.get("total", {})
+    replay = ov.get("replay", {})
     esc = summary["replay_intervals"]
-    ks = sorted({int(k) for k in total} | {int(k) for k in esc})
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    ks = sorted({int(k) for k in total} | {int(k) for k in replay} | {int(k) for k in esc})
+    fig, ax = plt.subplots(figsize=(7.5, 5.0))
     pos = {k: i for i, k in enumerate(ks)}
     label = ["off" if k == 0 else str(k) for k in ks]
-    ov_k = [k for k in ks if str(k) in total]
+    ov_k = [k for k in ks if str(k) in replay]
     if ov_k:
-        ax.plot([pos[k] for k in ov_k], [100 * total[str(k)] for k in ov_k], "o-",
-                color="tab:blue", label="guard overhead (all checks)")
+        ax.plot([pos[k] for k in ov_k], [100 * replay[str(k)] for k in ov_k], "o-",
+                color="tab:blue", label="replay audit overhead")
+    tot_k = [k for k in ks if str(k) in total]
+    if tot_k:
+        ax.plot([pos[k] for k in tot_k], [100 * total[str(k)] for k in tot_k], "o:",
+                color="tab:purple", label="all checks (nonfinite + weights + replay)")
     budget = summary.get("overhead_budget")
     if budget is not None:
         ax.axhline(100 * budget, color="tab:blue", ls="--", lw=1,
@@ -97,9 +112,10 @@ def replay_interval(summary: dict[str, Any], path: Path) -> None:
                    label=f"recommended interval: {rec}")
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="upper center")
+    fig.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="lower center",
+               ncol=2)
     ax.set_title("Overhead and escape rate against the replay interval")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.16, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -9,11 +9,15 @@ fault left the run bit-identical to golden, so there was nothing to detect.
 Its 95% interval is Wilson's score interval. Escape rate = escaped / (trials -
 masked).
 
-Recommended replay interval: the *smallest* measured interval k >= 1 whose total
-overhead (non-finite + weights + replay every k steps, against plain DDP) fits
-the budget. Smaller intervals audit more steps, so, of the intervals the budget
-allows, the smallest has the fewest escapes by construction; the measured escape
-rates are shown next to it. None when no interval fits.
+Recommended replay interval: the *smallest* measured interval k >= 1 whose
+replay-audit overhead (``overhead.replay.<k>``: the guard with only the replay
+audit, every k steps, against plain DDP) fits ``overhead_budget``. The interval
+only changes the audit's cost; the always-on checks (non-finite, weights) cost
+the same at every interval and are reported on their own (``overhead.nonfinite``,
+``overhead.weights``) and together with the audit (``overhead.total.<k>``).
+Smaller intervals audit more steps, so of the intervals the budget allows the
+smallest has the fewest escapes by construction; the measured escape rates are
+shown next to it. None when no interval fits.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ def recommend(overhead: dict[str, Any] | None, budget: float) -> int | None:
     """The smallest replay interval >= 1 whose total overhead fits the budget (see module doc)."""
     if not overhead:
         return None
-    fits = [int(k) for k, v in overhead.get("total", {}).items() if int(k) > 0 and v <= budget]
+    fits = [int(k) for k, v in overhead.get("replay", {}).items() if int(k) > 0 and v <= budget]
     return min(fits) if fits else None
 
 
@@ -159,8 +163,8 @@ def summarize(out: Path) -> dict[str, Any]:
         "overhead": overhead,
         "overhead_budget": budget,
         "recommended_replay_interval": recommend(overhead, budget),
-        "recommendation_rule": "smallest replay interval >= 1 whose total overhead (nonfinite + "
-                               "weights + replay, vs plain DDP) is within overhead_budget",
+        "recommendation_rule": "smallest replay interval >= 1 whose replay-audit overhead "
+                               "(overhead.replay.<k>, vs plain DDP) is within overhead_budget",
         "targets": _targets(faults, fp),
         "site_order": list(SITES), "field_order": fields,
         "campaign_seconds": sum(r.get("seconds", 0.0) for r in runs) or meta.get("seconds"),

@@ -1,0 +1,124 @@
+"""``python -m scenarios throughput``: trials per minute, persistent pool vs a process per trial.
+
+Both sides run the same trials of ``scenarios/configs/mlp.toml`` (3 ranks, 20
+steps; one fault each, sampled over all six sites, plus clean trials) and
+classify them against the same golden run:
+
+* pool: ``WorkerPool`` ranks stay in their process group; each trial restores
+  the step-0 snapshot into the already-built DDP model (``scenarios.rank``);
+* spawn per trial: each trial spawns 3 fresh ranks (``scenarios.launch.run_ranks``),
+  which import torch, join a new process group, build the model, run the one
+  trial and exit.
+
+The pool's start-up (spawn, process group, golden run) is reported separately
+and not counted in its rate; the baseline's golden run is not counted either.
+Writes ``<out>/throughput.json`` and ``<out>/throughput.md``.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scenarios.campaign import CampaignSpec, FaultSpace, plan_trials
+from scenarios.launch import run_ranks
+from scenarios.outcome import classify
+from scenarios.pool import WorkerPool
+from scenarios.rank import Golden, RankRunner, Trial
+from scenarios.spec import Scenario, load_scenario
+from scenarios.store import GoldenRun, write_json
+
+CONFIG = Path(__file__).parent / "configs" / "mlp.toml"
+
+
+def _spawned_trial(rank: int, world: int, scenario: Scenario, cmd: Trial) -> dict[str, Any]:
+    logging.getLogger("sdc_guard").setLevel(logging.ERROR)
+    runner = RankRunner(rank, world, torch.device("cpu"))
+    out = runner.trial(cmd)
+    runner.close()
+    gc.collect()
+    return out
+
+
+def _golden(res: list[dict[str, Any]], scenario: Scenario) -> GoldenRun:
+    return GoldenRun(key=scenario.training_key(), scenario=scenario.name,
+                     initial_fp=res[0]["initial_fp"], state_fps=res[0]["state_fps"],
+                     weight_fps=res[0]["weight_fps"], losses=[r["losses"] for r in res],
+                     detections=res[0]["detections"], ranks_agree=True,
+                     seconds=res[0]["seconds"])
+
+
+def measure(out: Path, trials: int, baseline_trials: int) -> dict[str, Any]:
+    scenario = load_scenario(CONFIG)
+    space = FaultSpace(mode="sample", trials_per_site=max(1, trials // 6), seed=11,
+                       fields=("sign", "exponent", "mantissa", "nan"),
+                       replay_intervals=(scenario.guard.replay_interval,))
+    plan = plan_trials(CampaignSpec(name="throughput", scenarios=(scenario,), space=space,
+                                    clean_trials=2, overhead=None))[:trials]
+    out.mkdir(parents=True, exist_ok=True)
+    pt = str(out / "golden.pt")
+    t0 = time.monotonic()
+    pool = WorkerPool(scenario.world_size)
+    try:
+        pool.start()
+        golden = _golden(pool.run(Golden(scenario, save_to=pt), 120), scenario)
+        startup = time.monotonic() - t0
+        outcomes: dict[str, int] = {}
+        t1 = time.monotonic()
+        for t in plan:
+            s0 = time.monotonic()
+            row = classify(t, golden, pool.run(Trial(scenario, t, pt), 120), time.monotonic() - s0)
+            outcomes[row["outcome"]] = outcomes.get(row["outcome"], 0) + 1
+        pool_s = time.monotonic() - t1
+    finally:
+        pool.close()
+    base_rows = []
+    t2 = time.monotonic()
+    for t in plan[:baseline_trials]:
+        s0 = time.monotonic()
+        res = run_ranks(_spawned_trial, scenario.world_size, scenario, Trial(scenario, t, pt),
+                        timeout=300)
+        base_rows.append(classify(t, golden, res, time.monotonic() - s0))
+    base_s = time.monotonic() - t2
+    pool_rate = len(plan) / pool_s * 60
+    base_rate = len(base_rows) / base_s * 60 if base_rows else None
+    return {
+        "scenario": scenario.name, "world_size": scenario.world_size, "steps": scenario.steps,
+        "replay_interval": scenario.guard.replay_interval,
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
+                   f"torch {torch.__version__}",
+        "pool": {"trials": len(plan), "seconds": pool_s, "trials_per_minute": pool_rate,
+                 "startup_seconds": startup, "outcomes": outcomes},
+        "spawn_per_trial": {"trials": len(base_rows), "seconds": base_s,
+                            "trials_per_minute": base_rate,
+                            "seconds_per_trial": base_s / len(base_rows) if base_rows else None},
+        "speedup": pool_rate / base_rate if base_rate else None,
+        "targets": {"pool_at_least_60_per_minute": pool_rate >= 60,
+                    "speedup_at_least_10x": bool(base_rate and pool_rate / base_rate >= 10)},
+    }
+
+
+def main(out: Path, trials: int, baseline_trials: int) -> int:
+    res = measure(out, trials, baseline_trials)
+    write_json(out / "throughput.json", res)
+    p, b = res["pool"], res["spawn_per_trial"]
+    md = "\n".join([
+        "# Campaign throughput", "",
+        f"Scenario `{res['scenario']}`: {res['world_size']} ranks, {res['steps']} steps, replay "
+        f"every {res['replay_interval']}; {res['machine']}.", "",
+        "| runner | trials | seconds | trials/min |", "|---|---|---|---|",
+        f"| persistent pool | {p['trials']} | {p['seconds']:.1f} | {p['trials_per_minute']:.1f} |",
+        f"| spawn per trial | {b['trials']} | {b['seconds']:.1f} | "
+        f"{b['trials_per_minute'] or 0:.1f} |", "",
+        f"Speed-up: **{res['speedup'] or 0:.1f}x**; pool start-up (spawn, process group, golden "
+        f"run) {p['startup_seconds']:.1f} s, not counted.", "",
+    ])
+    (out / "throughput.md").write_text(md)
+    print(md)
+    return 0

@@ -1,0 +1,288 @@
+"""Scenario files, campaign plans, outcomes, the trial table and the report (no ranks spawned)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scenarios.campaign import (
+    CampaignSpec,
+    FaultSpace,
+    TrialSpec,
+    leveugle_sample_size,
+    load_campaign,
+    plan_trials,
+)
+from scenarios.cli import main
+from scenarios.outcome import classify, failed_row
+from scenarios.report import recommend, wilson, write_report
+from scenarios.spec import ScenarioError, load_scenario, scenario_from_dict
+from scenarios.store import COLUMNS, GoldenRun, TrialTable
+
+CONFIGS = Path(__file__).resolve().parents[1] / "scenarios" / "configs"
+
+
+def _write(tmp_path: Path, text: str, name: str = "s.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+# -- scenario files ---------------------------------------------------------------------------
+def test_every_shipped_config_loads() -> None:
+    for p in sorted(CONFIGS.glob("*.toml")):
+        if p.name == "default.toml":
+            camp = load_campaign(p)
+            assert {s.model.kind for s in camp.scenarios} >= {"mlp", "cnn_bn"}
+            assert all(s.world_size >= 3 for s in camp.scenarios)
+            assert set(camp.space.sites) == {  # type: ignore[union-attr]
+                "activation", "activation_grad", "gradient_before_allreduce",
+                "gradient_after_allreduce", "optimizer_state", "weight_storage"}
+        else:
+            load_scenario(p)
+
+
+@pytest.mark.parametrize(("text", "field", "value"), [
+    ('[model]\nkind = "resnet"\n', "model.kind", "resnet"),
+    ("world_size = 0\n", "world_size", 0),
+    ('dtype = "float16"\n', "dtype", "float16"),
+    ('[optimizer]\nkind = "adam"\n', "optimizer.kind", "adam"),
+    ("stepz = 3\n", "stepz", 3),
+    ('[guard]\nreplay_interval = -1\n', "guard.replay_interval", -1),
+    ('[sample]\nsites = ["weights"]\n', "sample.sites", "weights"),
+    ('[matrix]\nsteps = [40]\n', "matrix.steps", 40),
+    ('[[faults]]\nsite = "weight_storage"\nrank = 5\nstep = 1\ntarget = "net.0.weight"\n'
+     'bits = [3]\n', "faults[0].rank", 5),
+    ('[[faults]]\nsite = "weight_storage"\nrank = 1\nstep = 1\ntarget = "net.7.weight"\n'
+     'bits = [3]\n', "faults[0].target", "net.7.weight"),
+    ('[[faults]]\nsite = "optimizer_state"\nrank = 1\nstep = 0\ntarget = "net.0.weight"\n'
+     'state_key = "exp_avg"\nbits = [3]\n', "faults[0].step", 0),
+    ('[[faults]]\nsite = "optimizer_state"\nrank = 1\nstep = 2\ntarget = "net.0.weight"\n'
+     'state_key = "momentum_buffer"\nbits = [3]\n', "faults[0].state_key", "momentum_buffer"),
+])
+def test_bad_scenario_names_file_field_value_and_allowed(tmp_path: Path, text: str, field: str,
+                                                        value: Any) -> None:
+    p = _write(tmp_path, text)
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(p)
+    e = info.value
+    assert (e.file, e.field, e.value) == (str(p), field, value)
+    assert e.allowed and str(p) in str(e) and field in str(e) and "allowed:" in str(e)
+
+
+def test_faults_and_sample_are_exclusive(tmp_path: Path) -> None:
+    p = _write(tmp_path, '[sample]\ntrials_per_site = 2\n[[faults]]\nsite = "weight_storage"\n'
+               'rank = 1\nstep = 1\ntarget = "net.0.weight"\nbits = [3]\n')
+    with pytest.raises(ScenarioError, match="either"):
+        load_scenario(p)
+
+
+def test_cli_prints_one_line_and_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = _write(tmp_path, '[optimizer]\nkind = "lion"\n')
+    assert main(["run", str(p)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "optimizer.kind = 'lion'" in err and "['adamw', 'sgd']" in err
+    camp = _write(tmp_path, 'scenarios = ["missing.toml"]\n[sample]\n', "c.toml")
+    assert main(["campaign", str(camp)]) == 2
+    assert "missing.toml" in capsys.readouterr().err
+
+
+def test_cli_subprocess_has_no_traceback(tmp_path: Path) -> None:
+    p = _write(tmp_path, "steps = 'many'\n")
+    r = subprocess.run([sys.executable, "-m", "scenarios", "check", str(p)], capture_output=True,
+                       text=True, timeout=120, cwd=CONFIGS.parents[1])
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1 and "steps = 'many'" in r.stderr
+
+
+def test_guard_section_maps_to_guard_config() -> None:
+    sc = scenario_from_dict({"micro_batches": 2, "seed": 5,
+                             "guard": {"weights_interval": 2, "include_optimizer_state": False}},
+                            name="g")
+    cfg = sc.guard_config(4)
+    assert (cfg.weights_interval, cfg.replay_interval, cfg.deterministic, cfg.seed,
+            cfg.micro_batches, cfg.include_optimizer_state) == (2, 4, True, 5, 2, False)
+    assert sc.guard_config(0).deterministic is False
+
+
+# -- campaign plans ---------------------------------------------------------------------------
+def test_leveugle_sample_size() -> None:
+    assert leveugle_sample_size(10**12, 0.05) == 385
+    assert leveugle_sample_size(10**12, 0.14) == 49
+    assert leveugle_sample_size(100, 0.05) == 80  # 100 / (1 + 0.0025 * 99 / 0.9604)
+    assert leveugle_sample_size(10, 0.01) == 10
+    n = 5000
+    expect = n / (1 + 0.1**2 * (n - 1) / (2.576**2 * 0.25))
+    assert leveugle_sample_size(n, 0.1, 0.99) == math.ceil(expect)
+
+
+def _mlp(**kw: Any) -> Any:
+    return scenario_from_dict({"steps": 10, **kw}, name="m")
+
+
+def test_matrix_is_the_full_product_and_ids_are_stable() -> None:
+    space = FaultSpace(sites=("weight_storage", "optimizer_state"), fields=("sign", "nan"),
+                       models=("transient", "permanent"), steps=(0, 3), ranks=(1, 2),
+                       replay_intervals=(0, 2))
+    camp = CampaignSpec(name="c", scenarios=(_mlp(),), space=space, clean_trials=2)
+    trials = plan_trials(camp)
+    faults = [t for t in trials if t.kind == "fault"]
+    # optimizer_state at step 0 is left out: no optimizer state exists before the first step
+    assert len(faults) == 2 * 2 * 2 * 2 * 2 * 2 - 2 * 2 * 2 * 2
+    assert sum(t.kind == "clean" for t in trials) == 2 * 2
+    assert [t.id for t in plan_trials(camp)] == [t.id for t in trials]
+    assert len({t.id for t in trials}) == len(trials)
+    ws = next(t for t in faults if t.site == "weight_storage" and t.field == "nan")
+    f = ws.faults[0]
+    assert (f.kind, math.isnan(f.value or 0.0), f.target.startswith("net.")) == ("set", True, True)
+
+
+def test_sample_is_sized_per_site_and_seeded() -> None:
+    space = FaultSpace(mode="sample", sites=("activation", "weight_storage"), margin=0.2,
+                       replay_intervals=(0, 1))
+    camp = CampaignSpec(name="c", scenarios=(_mlp(),), space=space, clean_trials=0)
+    trials = plan_trials(camp)
+    assert sum(t.site == "activation" for t in trials) == leveugle_sample_size(10**9, 0.2)
+    other = CampaignSpec(name="c", scenarios=(_mlp(),), clean_trials=0,
+                         space=FaultSpace(mode="sample", sites=("activation", "weight_storage"),
+                                          margin=0.2, replay_intervals=(0, 1), seed=1))
+    assert {t.id for t in plan_trials(other)} != {t.id for t in trials}
+    assert all(1 <= t.faults[0].step < 10 for t in trials)
+
+
+def test_quick_overrides(tmp_path: Path) -> None:
+    full = load_campaign(CONFIGS / "default.toml")
+    quick = load_campaign(CONFIGS / "default.toml", quick=True)
+    assert quick.quick and len(plan_trials(quick)) < len(plan_trials(full)) / 4
+    assert quick.scenarios == full.scenarios
+
+
+# -- the trial table ----------------------------------------------------------------------------
+def test_trial_table_appends_and_repairs_a_torn_line(tmp_path: Path) -> None:
+    path = tmp_path / "trials.csv"
+    t = TrialTable(path)
+    t.append({"id": "a", "outcome": "masked", "suspects": [1], "contained": True})
+    t.append({"id": "b", "outcome": "detected", "error": 'say "hi", twice\nplease'})
+    with path.open("ab") as fh:
+        fh.write(b"c,m,fault,weight_sto")  # a kill in the middle of a write
+    t2 = TrialTable(path)
+    assert t2.done_ids() == {"a", "b"}
+    t2.append({"id": "c", "outcome": "escaped"})
+    rows = t2.rows()
+    assert [r["id"] for r in rows] == ["a", "b", "c"]
+    assert rows[0]["suspects"] == "[1]" and rows[0]["contained"] == "true"
+    assert rows[1]["error"] == 'say "hi", twice\nplease'
+    assert path.read_text().count("id,scenario") == 1
+    assert list(rows[0]) == list(COLUMNS)
+    with pytest.raises(KeyError):
+        t2.append({"nope": 1})
+
+
+# -- outcomes -----------------------------------------------------------------------------------
+GOLD = GoldenRun(key="k", scenario="m", initial_fp=100, state_fps=[101, 102, 103, 104],
+                 weight_fps=[1, 2, 3, 4], losses=[[1.0] * 4] * 3, detections=[],
+                 ranks_agree=True, seconds=0.1)
+def _fault() -> Any:
+    from injectors import Fault
+
+    return Fault(site="activation", rank=1, step=2, target="net.1", bits=(3,))
+
+
+def _trial() -> TrialSpec:
+    return TrialSpec(id="t", scenario="m", replay_interval=1, faults=(_fault(),),
+                     site="activation", field="custom", fault_model="transient")
+
+
+def _res(rank: int, fps: list[int], *, dets: Any = (), skipped: Any = (),
+         losses: Any = None, rec: bool = False) -> dict[str, Any]:
+    records = [{"rank": 1, "step": 2, "dtype": "float32", "after": [0x7FC00000 if rec == "nan"
+                                                                   else 5]}] if rec else []
+    return {"rank": rank, "state_fps": fps, "losses": losses or [1.0] * len(fps),
+            "detections": list(dets), "skipped": list(skipped), "records": records,
+            "rel_weight_dev": 0.5}
+
+
+def test_contained_detection() -> None:
+    det = [("replay", 2, (1,)), ("weights", 2, (1,))]
+    # step 2 withheld: every rank still holds golden's state from before step 2
+    res = [_res(r, [101, 102, 102], dets=det, skipped=[2], rec=r == 1) for r in range(3)]
+    row = classify(_trial(), GOLD, res, 0.1)
+    assert row["outcome"] == "detected" and row["contained"] is True
+    assert (row["check"], row["checks"], row["blame_correct"]) == ("replay", "replay+weights", True)
+    assert row["latency_from_injection"] == 0 and row["latency_from_divergence"] is None
+
+
+def test_uncontained_detection_latency_from_divergence() -> None:
+    det = [("weights", 3, (0,))]
+    res = [_res(r, [101, 102, 999, 998], dets=det, rec=r == 1) for r in range(3)]
+    row = classify(_trial(), GOLD, res, 0.1)
+    assert row["contained"] is False and row["blame_correct"] is False
+    assert (row["first_divergence"], row["latency_from_divergence"],
+            row["latency_from_injection"]) == (2, 1, 1)
+
+
+def test_masked_escaped_crashed() -> None:
+    masked = classify(_trial(), GOLD, [_res(r, [101, 102, 103, 104], rec=r == 1)
+                                       for r in range(3)], 0.1)
+    assert masked["outcome"] == "masked"
+    esc = classify(_trial(), GOLD, [_res(r, [101, 102, 7, 8], rec=r == 1,
+                                         losses=[1.0, 1.0, 1.5, 1.25]) for r in range(3)], 0.1)
+    assert (esc["outcome"], esc["rel_weight_dev"], esc["loss_diff"]) == ("escaped", 0.5, 0.25)
+    assert esc["first_divergence"] == 2
+    nan = classify(_trial(), GOLD, [_res(r, [101, 102, 7, 8], rec="nan" if r == 1 else False,
+                                         losses=[1.0, 1.0, math.nan, math.nan])
+                                    for r in range(3)], 0.1)
+    assert nan["outcome"] == "crashed" and nan["nonfinite_injected"] is True
+    hung = failed_row(_trial(), "hung", "no answer within 5s", 5.0)
+    assert (hung["outcome"], hung["site"], hung["fault_rank"]) == ("hung", "activation", 1)
+
+
+# -- report -------------------------------------------------------------------------------------
+def test_wilson_and_recommendation() -> None:
+    lo, hi = wilson(8, 10) or [0, 0]
+    assert lo == pytest.approx(0.4902, abs=1e-3) and hi == pytest.approx(0.9433, abs=1e-3)
+    assert wilson(0, 0) is None
+    ov = {"replay": {"1": 0.9, "2": 0.45, "4": 0.2, "8": 0.1}}
+    assert recommend(ov, 0.25) == 4 and recommend(ov, 0.05) is None and recommend(None, 1) is None
+
+
+def test_report_from_a_trial_table(tmp_path: Path) -> None:
+    t = TrialTable(tmp_path / "trials.csv")
+    sites = ["weight_storage", "activation"]
+    for i in range(12):
+        site = sites[i % 2]
+        outcome = ["detected", "masked", "escaped", "detected"][i % 4]
+        t.append({"id": f"f{i}", "scenario": "m", "kind": "fault", "site": site,
+                  "field": ["sign", "exponent"][i % 3 % 2], "fault_model": "transient",
+                  "replay_interval": [0, 2][i % 2], "outcome": outcome,
+                  "check": "weights" if outcome == "detected" else None,
+                  "detect_step": 3 if outcome == "detected" else None, "first_injection": 3,
+                  "latency_from_injection": 0 if outcome == "detected" else None,
+                  "blame_correct": True if outcome == "detected" else None,
+                  "nonfinite_injected": False})
+    t.append({"id": "c0", "scenario": "m", "kind": "clean", "replay_interval": 0,
+              "outcome": "masked"})
+    (tmp_path / "overhead.json").write_text(json.dumps({
+        "scenario": "m", "world_size": 3, "rounds": 2, "block": 4, "baseline_step_ms": 2.0,
+        "guard_checks_off": 0.05, "nonfinite": 0.1, "weights": 0.2,
+        "replay": {"1": 0.8, "2": 0.4}, "total": {"0": 0.3, "1": 1.1, "2": 0.7}}))
+    (tmp_path / "campaign.json").write_text(json.dumps({"name": "m", "overhead_budget": 0.5}))
+    s = write_report(tmp_path)
+    assert (s["trials"], s["clean_trials"], s["false_positives"]) == (12, 1, 0)
+    ws = s["sites"]["weight_storage"]
+    assert ws["trials"] == 6 and ws["coverage"] == ws["detected"] / (6 - ws["masked"])
+    assert set(ws) >= {"trials", "detected", "masked", "escaped", "crashed", "coverage",
+                       "coverage_ci95", "latency_steps_p50", "latency_steps_max", "blame_correct"}
+    assert s["overhead"]["replay"]["2"] == 0.4 and s["recommended_replay_interval"] == 2
+    for name in ("summary.json", "report.md", "report.html", "coverage_heatmap.png",
+                 "latency.png", "replay_interval.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    html = (tmp_path / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 3 and "src='http" not in html
+    assert json.loads((tmp_path / "summary.json").read_text())["sites"].keys() == set(sites)
