@@ -2,38 +2,44 @@
 
 How it works
 ------------
-The tensor's bytes are read as little 64-bit words ``X_0 .. X_{m-1}`` (the last
-partial word zero-padded), and two position-weighted sums are taken, wrapping
-modulo 2**64::
+A tensor's bytes are read in one of two ways, by element size:
 
-    S1 = sum_i (2i + 1) * X_i
-    S2 = sum_i (2i + 1) * (X_i >> 32)          (arithmetic shift: the high half)
+* elements of 4 bytes or less (float32, float16, bfloat16, int8/16/32, uint8,
+  bool, complex64): as unsigned 32-bit lanes ``L_k`` (the last one
+  zero-padded), and ``V = sum_k (2k + 1) * L_k  (mod 2**64)``;
+* 8-byte elements (float64, int64, complex128): as 64-bit words ``X_i``, each
+  passed through the bijection ``Y_i = X_i ^ (X_i >>> 32)``, and
+  ``V = sum_i (2i + 1) * Y_i  (mod 2**64)``.
 
-Both sums are computed without materialising the weights: with the words laid
-out as rows of ``P`` words, ``sum_i (2i+1) X_i = 2P * sum_r r R_r + sum_c (2c+1) C_c``
-where ``R`` are the row sums and ``C`` the column sums. Row and column sums are
-plain reductions, done chunk by chunk so the second read hits the cache.
-The tensor value is ``V = S1 + K * S2`` (``K`` an odd constant below 2**31); it
-is folded with the dtype and shape through a bijective 64-bit mixer
-(splitmix64's finaliser); the tensors of a list each contribute a mixed,
-position-keyed term to a wrapping sum (see ``fingerprint_tensor``).
+The weights are never materialised: with the values laid out as rows of ``P``,
+``sum_k (2k+1) v_k = 2P * sum_r r R_r + sum_c (2c+1) C_c`` where ``R`` are row
+sums and ``C`` column sums, done chunk by chunk on the CPU so the second pass
+reads from cache. ``V`` is folded with the dtype and shape through a bijective
+64-bit mixer (splitmix64's finaliser); the tensors of a list each contribute a
+mixed, position-keyed term to a wrapping sum (see ``fingerprint_tensor``).
 
-What is guaranteed (proved in the comments of ``_tensor_value``, tested with
-hypothesis in ``tests/test_fingerprint.py``):
+What is guaranteed (``v2`` = the power of 2 dividing a number; odd weights are
+invertible modulo 2**64; tested with hypothesis in ``tests/test_fingerprint.py``):
 
-* any change to a single element of any dtype changes the fingerprint (the
-  weight of every word is odd, and the mixer is a bijection
-  applied to each tensor's value before the sum, and to the sum);
-* swapping two unequal elements changes it for every dtype of up to 32 bits
-  whose two elements sit at the same offset within their 8-byte words (the
-  usual case), and for 64-bit dtypes, in tensors of fewer than 2**31 words;
-  other swaps change it unless one specific position pair and value pattern
-  coincide (about 2**-32 of pairs, and only with sign-bit-only differences);
-* the dtype, shape and number of elements are part of the value
-  (``zeros(4)`` and ``zeros(5)`` differ, as do ``-0.0`` and ``+0.0``, and NaNs
-  with different payloads);
+* **any single-element change**, every dtype: an element of <= 4 bytes lies in
+  one lane, which changes by 0 < |d| < 2**32, so ``V`` changes by
+  ``(2k+1) d != 0``; an 8-byte element is one word, ``X -> Y`` is a bijection so
+  ``Y`` changes, and ``V`` changes by ``(2i+1) dY != 0``. The mixer is a
+  bijection, so the fingerprint changes too;
+* **swapping two unequal elements**, dtypes of <= 4 bytes, tensors under 2**32
+  lanes, any two positions: with the elements at byte offsets o1, o2 of lanes
+  k, l, ``dV = (v-u) [(2k+1) 2**(8 o1) - (2l+1) 2**(8 o2)]``; for k = l it is the
+  single-change case, for o1 = o2 ``v2(dV) <= 1 + 31 + 31 < 64``, and for
+  o1 != o2 ``v2(dV) <= 16 + 15 < 64``: never 0 modulo 2**64;
+* swaps in 8-byte dtypes: ``dV = 2(a-b)(Y_b - Y_a)``, guaranteed whenever the low
+  halves of ``Y`` differ (``+x``/``-x``, ``0.0``/``-0.0``, small integers of either
+  sign...); the only possible misses have ``X_a ^ X_b`` equal to the same 32-bit
+  mask D in both halves with ``v2(a-b) + v2(D) >= 31`` (no bijective word map
+  avoids every such exception);
+* dtype, shape and number of elements are part of the value (``zeros(4)`` and
+  ``zeros(5)`` differ, as do ``-0.0`` and ``+0.0``, and NaNs with other payloads);
 * no Python ``hash()``: the value is the same in every process and on every
-  machine, CPU or CUDA.
+  machine, CPU or CUDA (little-endian).
 
 Only the final 8 bytes leave the device, and only when ``fingerprint`` (not
 ``fingerprint_tensor``) is called.
@@ -41,7 +47,7 @@ Only the final 8 bytes leave the device, and only when ``fingerprint`` (not
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Final
 
 import torch
@@ -57,16 +63,16 @@ __all__ = [
 ]
 
 _MASK64: Final = (1 << 64) - 1
-# Odd, below 2**31 (see the proof in _tensor_value).
-_K: Final = 0x5BD1E995
-# Words per row for the row/column-sum decomposition, and words per chunk on CPU
-# (2**19 words = 4 MiB: the second pass over a chunk comes from L2/L3).
-_ROW: Final = 256
-_CPU_CHUNK_WORDS: Final = 1 << 19
+# Values per row for the row/column-sum decomposition; values per chunk on CPU
+# (2**19 lanes: the chunk's int64 copy, 4 MiB, is read twice from cache); row groups
+# per chunk for the column sums (one per thread).
+_ROW: Final = 1024
+_CHUNK: Final = 1 << 19
+_GROUPS: Final = 2
 _SEED: Final = 0x9E3779B97F4A7C15
-# Below this many words a tensor is summed directly against cached weights
+# Below this many values a tensor is summed directly against cached weights
 # (fewer kernel launches than the row/column decomposition).
-_SMALL_WORDS: Final = 1 << 16
+_SMALL: Final = 1 << 16
 
 # Stable codes for dtypes: never depend on torch's enum order.
 _DTYPE_CODES: Final[dict[torch.dtype, int]] = {
@@ -143,37 +149,17 @@ def _meta_word(t: torch.Tensor) -> int:
     return h
 
 
-def _words(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The tensor's bytes as int64 words, plus the zero-padded last partial word (or None)."""
-    t = t.detach()
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    if not t.is_contiguous() or (t.storage_offset() * t.element_size()) % 8 != 0:
-        t = t.contiguous() if not t.is_contiguous() else t.clone()
-        if (t.storage_offset() * t.element_size()) % 8 != 0:  # pragma: no cover
-            t = t.clone()
-    raw = t.reshape(-1).view(torch.uint8)
-    n_full = raw.numel() // 8
-    main = raw[: n_full * 8].view(torch.int64)
-    rest = raw.numel() - n_full * 8
-    if rest == 0:
-        return main, None
-    tail = torch.zeros(8, dtype=torch.uint8, device=t.device)
-    tail[:rest] = raw[n_full * 8 :]
-    return main, tail.view(torch.int64)
-
-
-_weight_cache: dict[tuple[torch.device, int], torch.Tensor] = {}
+_weight_cache: dict[torch.device, torch.Tensor] = {}
 
 
 def _odd_weights(n: int, device: torch.device) -> torch.Tensor:
     """(2i + 1) for i < n (a view of one cached vector per device when n is small)."""
-    if n > _SMALL_WORDS:
+    if n > _SMALL:
         return torch.arange(n, dtype=torch.int64, device=device).mul_(2).add_(1)
-    w = _weight_cache.get((device, _SMALL_WORDS))
+    w = _weight_cache.get(device)
     if w is None:
-        w = torch.arange(_SMALL_WORDS, dtype=torch.int64, device=device).mul_(2).add_(1)
-        _weight_cache[(device, _SMALL_WORDS)] = w
+        w = torch.arange(_SMALL, dtype=torch.int64, device=device).mul_(2).add_(1)
+        _weight_cache[device] = w
     return w[:n]
 
 
@@ -189,77 +175,80 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
     return a[:n]
 
 
-def _weighted_sum_small(x: torch.Tensor, first_index: int) -> torch.Tensor:
-    """sum_i (2(first_index + i) + 1) * x_i, wrapping, for a short vector."""
-    w = _odd_weights(x.numel(), x.device)
-    s = (x * w).sum()
-    if first_index:
-        s = s + 2 * first_index * x.sum()  # (2(f+i)+1) = (2i+1) + 2f
+Prep = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def _prep_lanes(block: torch.Tensor, out: torch.Tensor) -> None:
+    """uint32 lanes -> int64, zero-extended."""
+    out.copy_(block)
+
+
+def _prep_words(block: torch.Tensor, out: torch.Tensor) -> None:
+    """int64 words X -> Y = X ^ (X >>> 32): the high half kept, the low half xored with it."""
+    out.copy_(block.view(torch.uint32)[1::2])  # X >>> 32, logical (little-endian high halves)
+    torch.bitwise_xor(out, block, out=out)
+
+
+def _weighted(src: torch.Tensor, prep: Prep) -> torch.Tensor:
+    """sum_k (2k+1) * prep(src)_k modulo 2**64, a 0-d int64 tensor on src's device."""
+    dev = src.device
+    n = src.numel()
+    if n <= _SMALL:
+        buf = torch.empty(n, dtype=torch.int64, device=dev)
+        prep(src, buf)
+        return (buf * _odd_weights(n, dev)).sum()
+    rows = n // _ROW
+    chunk_rows = rows if dev.type != "cpu" else max(_GROUPS, _CHUNK // _ROW // _GROUPS * _GROUPS)
+    n_chunks = (rows + chunk_rows - 1) // chunk_rows
+    row_sums = torch.empty(rows, dtype=torch.int64, device=dev)
+    col_sums = torch.zeros(n_chunks, _GROUPS, _ROW, dtype=torch.int64, device=dev)
+    buf = torch.empty(min(rows, chunk_rows) * _ROW, dtype=torch.int64, device=dev)
+    for k in range(n_chunks):
+        r0 = k * chunk_rows
+        r1 = min(rows, r0 + chunk_rows)
+        h = buf[: (r1 - r0) * _ROW]
+        prep(src[r0 * _ROW : r1 * _ROW], h)
+        torch.sum(h.view(-1, _ROW), 1, out=row_sums[r0:r1])
+        if (r1 - r0) % _GROUPS == 0:
+            torch.sum(h.view(_GROUPS, -1, _ROW), 1, out=col_sums[k])
+        else:
+            torch.sum(h.view(-1, _ROW), 0, out=col_sums[k, 0])
+    # index k = r*P + c:  2k+1 = 2P*r + (2c+1)
+    s = 2 * _ROW * (row_sums * _arange(rows, dev)).sum() + (
+        col_sums.view(-1, _ROW).sum(0) * _odd_weights(_ROW, dev)
+    ).sum()
+    if rows * _ROW < n:
+        rest = src[rows * _ROW :]
+        tail = torch.empty(rest.numel(), dtype=torch.int64, device=dev)
+        prep(rest, tail)
+        s = s + (tail * _odd_weights(rest.numel(), dev)).sum() + 2 * rows * _ROW * tail.sum()
     return s
 
 
-def _weighted_sums(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(S1, S2) of the module docstring for a 1-D int64 tensor of words."""
-    dev = words.device
-    m = words.numel()
-    if m <= _SMALL_WORDS:
-        w = _odd_weights(m, dev)
-        return (words * w).sum(), ((words >> 32) * w).sum()
-    rows = m // _ROW
-    zero = torch.zeros((), dtype=torch.int64, device=dev)
-    s1, s2 = zero, zero
-    if rows:
-        body = words[: rows * _ROW]
-        chunk_rows = rows if dev.type != "cpu" else max(1, _CPU_CHUNK_WORDS // _ROW)
-        row_sums1 = torch.empty(rows, dtype=torch.int64, device=dev)
-        row_sums2 = torch.empty(rows, dtype=torch.int64, device=dev)
-        n_chunks = (rows + chunk_rows - 1) // chunk_rows
-        col_sums1 = torch.empty(n_chunks, _ROW, dtype=torch.int64, device=dev)
-        col_sums2 = torch.empty(n_chunks, _ROW, dtype=torch.int64, device=dev)
-        high = torch.empty(min(rows, chunk_rows) * _ROW, dtype=torch.int64, device=dev)
-        for k in range(n_chunks):
-            r0 = k * chunk_rows
-            r1 = min(rows, r0 + chunk_rows)
-            block = body[r0 * _ROW : r1 * _ROW]
-            hi = high[: block.numel()]
-            torch.bitwise_right_shift(block, 32, out=hi)
-            b2 = block.view(-1, _ROW)
-            h2 = hi.view(-1, _ROW)
-            torch.sum(b2, 1, out=row_sums1[r0:r1])
-            torch.sum(b2, 0, out=col_sums1[k])
-            torch.sum(h2, 1, out=row_sums2[r0:r1])
-            torch.sum(h2, 0, out=col_sums2[k])
-        # sum over word index i = r*P + c of (2i+1) X = 2P * sum_r r R_r + sum_c (2c+1) C_c
-        r_idx = _arange(rows, dev)
-        cw = _odd_weights(_ROW, dev)
-        s1 = 2 * _ROW * (row_sums1 * r_idx).sum() + (col_sums1.sum(0) * cw).sum()
-        s2 = 2 * _ROW * (row_sums2 * r_idx).sum() + (col_sums2.sum(0) * cw).sum()
-    if rows * _ROW < m:
-        rest = words[rows * _ROW :]
-        s1 = s1 + _weighted_sum_small(rest, rows * _ROW)
-        s2 = s2 + _weighted_sum_small(rest >> 32, rows * _ROW)
-    return s1, s2
-
-
 def _tensor_value(t: torch.Tensor) -> torch.Tensor:
-    """V = S1 + K*S2 over the tensor's words, as a 0-d int64 tensor on t's device.
-
-    Why a single-element change always changes V: a change confined to one
-    word i changes that word by d = d_lo + 2**32 d_hi (|d_lo|, |d_hi| < 2**32,
-    not both 0) and its high half by d_hi, so V changes by
-    (2i+1) * (d_lo + (2**32 + K) d_hi). The bracket is a non-zero integer of
-    magnitude below 2**64 (if d_hi != 0 it is at least 2**32 + K - 2**32 > 0 in
-    size), hence non-zero modulo 2**64, and (2i+1) is odd, so the product is
-    non-zero modulo 2**64. An element of up to 8 bytes never spans two words
-    (elements are aligned to their size).
-    """
-    words, tail = _words(t)
-    s1, s2 = _weighted_sums(words)
-    if tail is not None:
-        idx = words.numel()
-        s1 = s1 + (2 * idx + 1) * tail[0]
-        s2 = s2 + (2 * idx + 1) * (tail[0] >> 32)
-    return s1 + _K * s2
+    """V of the module docstring, as a 0-d int64 tensor (modulo 2**64) on t's device."""
+    t = t.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if (t.storage_offset() * t.element_size()) % 8:
+        t = t.clone()
+    raw = t.reshape(-1).view(torch.uint8)
+    unit = 8 if t.element_size() == 8 else 4
+    full = raw.numel() // unit * unit
+    body = raw[:full]
+    if unit == 8:
+        value = _weighted(body.view(torch.int64), _prep_words)
+    else:
+        value = _weighted(body.view(torch.uint32), _prep_lanes)
+    if full < raw.numel():  # the last, partial lane: zero-padded, weight 2k+1 with k = full/4
+        lane = torch.zeros(4, dtype=torch.uint8, device=t.device)
+        lane[: raw.numel() - full] = raw[full:]
+        last = torch.empty(1, dtype=torch.int64, device=t.device)
+        last.copy_(lane.view(torch.uint32))
+        value = value + (2 * (full // 4) + 1) * last[0]
+    return value
 
 
 _key_cache: dict[tuple[torch.device, bool, tuple[int, ...]], torch.Tensor] = {}

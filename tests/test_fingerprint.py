@@ -20,15 +20,14 @@ M64 = (1 << 64) - 1
 
 
 def _ref_value(t: torch.Tensor) -> int:
-    """Pure-Python S1 + K*S2 over the tensor's bytes, for cross-checking the fast path."""
+    """Pure-Python V over the tensor's bytes (module docstring), to cross-check the fast path."""
     raw = bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist())
-    raw += b"\0" * (-len(raw) % 8)
-    s1 = s2 = 0
-    for i in range(len(raw) // 8):
-        w = int.from_bytes(raw[8 * i : 8 * i + 8], "little", signed=True)
-        s1 += (2 * i + 1) * w
-        s2 += (2 * i + 1) * (w >> 32)
-    return (s1 + fpmod._K * s2) & M64
+    if t.element_size() == 8:
+        words = [int.from_bytes(raw[i : i + 8], "little") for i in range(0, len(raw), 8)]
+        return sum((2 * i + 1) * (x ^ (x >> 32)) for i, x in enumerate(words)) & M64
+    raw += b"\0" * (-len(raw) % 4)
+    lanes = [int.from_bytes(raw[i : i + 4], "little") for i in range(0, len(raw), 4)]
+    return sum((2 * k + 1) * v for k, v in enumerate(lanes)) & M64
 
 
 def _random_tensor(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
@@ -38,9 +37,10 @@ def _random_tensor(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
     return bits.view(torch.uint8)[: n * size].clone().view(INT_VIEW[size]).view(dtype)
 
 
-@pytest.mark.parametrize("n_words", [0, 1, 5, 255, 256, 257, 1000, (1 << 16) + 3, 300_001])
-def test_fast_path_matches_python_reference(n_words: int) -> None:
-    t = _random_tensor(torch.int64, n_words, seed=n_words)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [0, 1, 5, 1023, 1024, 1025, 5000, (1 << 16) + 3, 300_001])
+def test_fast_path_matches_python_reference(n: int, dtype: torch.dtype) -> None:
+    t = _random_tensor(dtype, n, seed=n)
     got = int(fpmod._tensor_value(t).item()) & M64
     assert got == _ref_value(t)
 
@@ -53,10 +53,13 @@ def test_fast_path_matches_reference_with_tail_bytes() -> None:
 
 def test_large_chunked_path_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     # Force several chunks (and a partial last chunk and a remainder row) on a small tensor.
-    monkeypatch.setattr(fpmod, "_CPU_CHUNK_WORDS", 1024)
-    monkeypatch.setattr(fpmod, "_SMALL_WORDS", 64)
-    t = _random_tensor(torch.float32, 2 * (5 * 1024 + 3 * 256 + 17), seed=7)
-    assert int(fpmod._tensor_value(t).item()) & M64 == _ref_value(t)
+    monkeypatch.setattr(fpmod, "_CHUNK", 4 * 64)
+    monkeypatch.setattr(fpmod, "_ROW", 64)
+    monkeypatch.setattr(fpmod, "_SMALL", 32)
+    for dtype, n in ((torch.float32, 5 * 256 + 3 * 64 + 17), (torch.float64, 7 * 256 + 64 + 5),
+                     (torch.float32, 4 * 256 + 64), (torch.float16, 2 * 256 + 1)):
+        t = _random_tensor(dtype, n, seed=n)
+        assert int(fpmod._tensor_value(t).item()) & M64 == _ref_value(t), (dtype, n)
 
 
 @settings(max_examples=300, deadline=None)
@@ -97,8 +100,8 @@ def test_swapping_two_unequal_elements_changes_fingerprint(dtype: torch.dtype, n
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_sign_only_swaps_that_defeat_a_plain_weighted_sum(dtype: torch.dtype) -> None:
-    # Words that differ only in their top bits: a single odd-weighted sum over
-    # 64-bit words misses these swaps; the high-half sum catches them.
+    # Words that differ only in their top bits: a single odd-weighted sum over raw
+    # 64-bit words misses these swaps (2(a-b) * 2**63 == 0 modulo 2**64).
     for pair in ((1.0, -1.0), (0.0, -0.0)):
         for n in (4, 8, 64, 1024):
             for i, j in {(1, 3), (3, n - 1), (n // 2 - 1, n - 1)} - {(3, 3)}:
@@ -107,6 +110,15 @@ def test_sign_only_swaps_that_defeat_a_plain_weighted_sum(dtype: torch.dtype) ->
                 u = t.clone()
                 u[i], u[j] = t[j], t[i]
                 assert fingerprint(t) != fingerprint(u), (pair, n, i, j)
+
+
+def test_64bit_single_change_that_a_linear_lane_mix_would_miss() -> None:
+    # S1 + K*S2 over words and high halves is not injective on 64-bit words: this
+    # change made the bracket exactly 2**64 (found while reviewing the first design).
+    a = torch.tensor([0x80000000_53FD0A0B - 2**64], dtype=torch.int64)
+    b = torch.tensor([0x3C6B1E1F_00000000], dtype=torch.int64)
+    assert fingerprint(a) != fingerprint(b)
+    assert fingerprint(a.view(torch.float64)) != fingerprint(b.view(torch.float64))
 
 
 def test_exact_bits_count() -> None:
@@ -146,7 +158,7 @@ def test_empty_bool_and_every_dtype_in_range() -> None:
 
 def test_known_answers_are_stable() -> None:
     # Pinned values: a change here breaks fingerprints stored by earlier versions.
-    assert fingerprint(torch.arange(10, dtype=torch.float32)) == 4826724540578794006
+    assert fingerprint(torch.arange(10, dtype=torch.float32)) == 14293593760334939079
     t = [torch.arange(6, dtype=torch.int64).view(2, 3), torch.tensor([True, False])]
     assert fingerprint(t) == 2525836643581307108
 
