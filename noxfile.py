@@ -35,3 +35,12 @@ def bench(session: nox.Session) -> None:
     """Fingerprint throughput and per-check overhead; writes bench/results.json and RESULTS.md."""
     _install(session)
     session.run("python", "-m", "scenarios.bench", *session.posargs)
+
+
+@nox.session(default=False)
+def inject(session: nox.Session) -> None:
+    """The main job: the default fault-injection campaign into reports/default/ (-- --quick: short)."""
+    _install(session)
+    session.run(
+        "python", "-m", "scenarios", "campaign", "scenarios/configs/default.toml", *session.posargs
+    )
