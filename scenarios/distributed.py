@@ -98,6 +98,9 @@ class DistributedExecutor:
             dist.gather_object(out, gathered, dst=0)
         return gathered
 
+    def generation(self, scenario: Scenario) -> int:
+        return 0  # this process keeps its sessions until it exits
+
     def agree(self, value: Any) -> Any:
         box = [value]
         dist.broadcast_object_list(box, src=0)

@@ -36,6 +36,12 @@ optimizer state are still exactly golden's from before the faulty step, so
 the corruption never reached them (the state equals that of a run that
 skipped the step).
 
+Same step: ``same_step`` is true when the first detection came in a step at which an
+injection fired and nothing diverged before that step: every firing that had an
+effect was caught in its own step (earlier firings of an intermittent or permanent
+fault may have been masked, e.g. a NaN gradient at a ReLU's inactive input, which
+its backward replaces by 0).
+
 Latency: ``latency_from_injection = detect_step - first_injection`` (the first
 step at which an injection fired) and ``latency_from_divergence = detect_step -
 first_divergence`` (empty when contained: nothing diverged).
@@ -126,6 +132,7 @@ def classify(trial: TrialSpec, golden: GoldenRun, results: list[dict[str, Any]],
             "detect_step": d, "suspects": suspects,
             "blame_correct": (suspects == injected_ranks) if injected_ranks else None,
             "contained": contained,
+            "same_step": d in inj_steps and (first_div is None or first_div >= d),
             "latency_from_injection": d - first_inj if first_inj is not None else None,
             "latency_from_divergence": (d - first_div if first_div is not None
                                         and first_div <= d else None),

@@ -70,6 +70,16 @@ class Trial:
 
 
 @dataclass(frozen=True, slots=True)
+class Prepare:
+    """Build the session a trial will use (DDP, optimizer, guard, warm-up) and load the golden
+    weights, so that the trial's timeout measures the trial alone."""
+
+    scenario: Scenario
+    replay_interval: int
+    golden_path: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Overhead:
     scenario: Scenario
     intervals: tuple[int, ...]
@@ -77,7 +87,7 @@ class Overhead:
     block: int
 
 
-Command = Ping | Golden | Trial | Overhead
+Command = Ping | Golden | Prepare | Trial | Overhead
 
 
 # -- one model + optimizer + guard ----------------------------------------------------------------
@@ -220,6 +230,10 @@ class RankRunner:
             return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device)}
         if isinstance(cmd, Golden):
             return self.golden(cmd)
+        if isinstance(cmd, Prepare):
+            self.session(cmd.scenario, cmd.scenario.guard_config(cmd.replay_interval))
+            self._golden_weights(cmd.scenario, cmd.golden_path)
+            return None
         if isinstance(cmd, Trial):
             return self.trial(cmd)
         if isinstance(cmd, Overhead):

@@ -82,6 +82,7 @@ def _group(rows: list[dict[str, str]]) -> dict[str, Any]:
         "blame_correct": len(blame) / len(det) if det else None,
         "blame_correct_count": len(blame),
         "contained": sum(1 for r in det if _bool(r["contained"])),
+        "not_fired": sum(1 for r in rows if r["kind"] == "fault" and r["injections"] == "0"),
     }
 
 
@@ -100,7 +101,7 @@ def _targets(faults: list[dict[str, str]], clean_fp: int) -> dict[str, Any]:
     nonfinite = [r for r in faults if _bool(r["nonfinite_injected"])]
     nf_relevant = [r for r in nonfinite if r["outcome"] != "masked"]
     nf_ok = [r for r in nf_relevant if r["outcome"] == "detected"
-             and r["detect_step"] == r["first_injection"]]
+             and _bool(r.get("same_step", ""))]
     return {
         "zero_false_positives": {"met": clean_fp == 0, "false_positives": clean_fp},
         "state_sites_detected_within_1_step_blame_correct": {

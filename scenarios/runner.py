@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from scenarios.campaign import CampaignSpec, TrialSpec, describe, plan_trials
 from scenarios.outcome import classify, failed_row
 from scenarios.pool import PoolError, WorkerPool
-from scenarios.rank import Command, Golden, Overhead, Trial
+from scenarios.rank import Command, Golden, Overhead, Prepare, Trial
 from scenarios.spec import Scenario
 from scenarios.store import (
     GoldenRun,
@@ -43,6 +43,7 @@ class Executor(Protocol):
     """True when every rank reads the coordinator's files (one machine)."""
 
     def run(self, scenario: Scenario, cmd: Command, timeout: float) -> list[Any] | None: ...
+    def generation(self, scenario: Scenario) -> int: ...
     def agree(self, value: Any) -> Any: ...
     def close(self) -> None: ...
 
@@ -69,6 +70,11 @@ class PoolExecutor:
 
     def agree(self, value: Any) -> Any:
         return value
+
+    def generation(self, scenario: Scenario) -> int:
+        """Changes whenever the scenario's pool is (re)started: its sessions are gone."""
+        pool = self.pool(scenario)
+        return pool.restarts if pool.alive else pool.restarts + 1
 
     @property
     def restarts(self) -> int:
@@ -110,6 +116,7 @@ class CampaignRunner:
         self.executor = executor
         self.progress = progress and executor.coordinator
         self.goldens: dict[str, GoldenRun] = {}
+        self._prepared: set[tuple[int, str, int]] = set()
 
     # -- golden ---------------------------------------------------------------------------------
     def golden(self, scenario: Scenario) -> GoldenRun:
@@ -175,6 +182,11 @@ class CampaignRunner:
         _, pt = golden_paths(self.cache, golden.key)
         t0 = time.monotonic()
         try:
+            key = (self.executor.generation(sc), sc.name, t.replay_interval)
+            if key not in self._prepared:  # a new session: not part of the trial's timeout
+                self.executor.run(sc, Prepare(sc, t.replay_interval, str(pt)), timeout=600.0)
+                self._prepared.add(key)
+                t0 = time.monotonic()
             res = self.executor.run(sc, Trial(sc, t, str(pt)), timeout=sc.trial_timeout_s)
         except PoolError as e:
             return failed_row(t, e.kind, e.reason, time.monotonic() - t0)
@@ -218,6 +230,8 @@ class CampaignRunner:
         trials = plan_trials(self.campaign)
         coordinator = self.executor.coordinator
         table = TrialTable(self.out / "trials.csv") if coordinator else None
+        if table is not None:
+            table.check_header()
         inflight = getattr(self.executor, "tracks_inflight", False)
         if table is not None and inflight:
             self._resolve_inflight(table, {t.id: t for t in trials})

@@ -26,8 +26,8 @@ from typing import Any
 COLUMNS = (
     "id", "scenario", "kind", "site", "field", "fault_model", "fault_rank", "fault_step",
     "target", "state_key", "replay_interval", "outcome", "check", "checks", "detect_step",
-    "suspects", "blame_correct", "contained", "skipped", "injections", "first_injection",
-    "injected_ranks", "nonfinite_injected", "first_divergence", "latency_from_injection",
+    "suspects", "blame_correct", "contained", "same_step", "skipped", "injections",
+    "first_injection", "injected_ranks", "nonfinite_injected", "first_divergence", "latency_from_injection",
     "latency_from_divergence", "rel_weight_dev", "loss_diff", "steps_run", "seconds", "error",
     "fault",
 )
@@ -53,6 +53,18 @@ class TrialTable:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._repair()
+
+    def check_header(self) -> None:
+        """Refuse to append to a table written with other columns (another version)."""
+        if self.path.exists() and self.path.stat().st_size:
+            with self.path.open() as fh:
+                header = next(csv.reader(fh), None)
+            if header is not None and tuple(header) != COLUMNS:
+                from scenarios.spec import ScenarioError
+
+                raise ScenarioError("--out", str(self.path.parent),
+                                    "a new output directory", reason="its trials.csv has "
+                                    "other columns (written by another version)")
 
     def _repair(self) -> None:
         """Cut a torn last line (a write interrupted by a kill) so appends start cleanly."""

@@ -1,0 +1,219 @@
+"""The runner on real gloo ranks: the persistent pool, crashes and hangs, resume after SIGKILL,
+and torchrun. Tiny models and few steps: each test takes seconds to a minute on 2 cores."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from injectors import Fault
+from scenarios.campaign import Chaos, TrialSpec, campaign_for_scenario, load_campaign, plan_trials
+from scenarios.runner import CampaignRunner, PoolExecutor
+from scenarios.spec import scenario_from_dict
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCENARIO = """
+world_size = 3
+steps = 6
+batch = 16
+trial_timeout_s = 30
+[model]
+kind = "mlp"
+width = 16
+[optimizer]
+kind = "adamw"
+lr = 0.01
+[guard]
+replay_interval = 1
+"""
+
+
+def _fault(**kw: Any) -> TrialSpec:
+    f = Fault(**kw)
+    return TrialSpec(id=f"t{kw['site']}{kw['rank']}", scenario="tiny", replay_interval=1,
+                     faults=(f,), site=f.site, field="custom", fault_model=f.model)
+
+
+def test_pool_trials_crashes_and_hangs(tmp_path: Path) -> None:
+    sc = scenario_from_dict({"world_size": 3, "steps": 6, "batch": 16, "trial_timeout_s": 10,
+                             "model": {"kind": "mlp", "width": 16}}, name="tiny")
+    executor = PoolExecutor()
+    runner = CampaignRunner(campaign_for_scenario(sc), tmp_path, executor, progress=False)
+    try:
+        runner.goldens["tiny"] = golden = runner.golden(sc)
+        assert golden.ranks_agree and golden.detections == [] and len(golden.state_fps) == 6
+        clean = TrialSpec(id="c", scenario="tiny", replay_interval=1)
+        assert runner.trial(clean)["outcome"] == "masked"  # type: ignore[index]
+        ws = runner.trial(_fault(site="weight_storage", rank=1, step=2, target="net.2.weight",
+                                 bits=(30,)))
+        assert ws is not None
+        assert (ws["outcome"], ws["detect_step"], ws["suspects"], ws["blame_correct"],
+                ws["latency_from_injection"]) == ("detected", 2, [1], True, 0)
+        nan = runner.trial(_fault(site="gradient_before_allreduce", rank=2, step=3,
+                                  target="net.0.weight", kind="set", value=float("nan")))
+        assert nan is not None
+        assert (nan["check"], nan["contained"], nan["nonfinite_injected"]) == (
+            "nonfinite", True, True)
+        act = runner.trial(_fault(site="activation", rank=0, step=4, target="net.1",
+                                  index=0, bits=(22,)))
+        assert act is not None and act["outcome"] in ("detected", "masked")
+        pids = executor.pools[(3, "auto")].pids
+        for action, outcome in (("raise", "crashed"), ("exit", "crashed"), ("hang", "hung")):
+            row = runner.trial(TrialSpec(id=action, scenario="tiny", replay_interval=1,
+                                         chaos=Chaos(action=action, rank=1, step=2)))
+            assert row is not None and row["outcome"] == outcome, row
+            assert row["fault_rank"] == 1 and row["error"]
+            # the pool was killed; the next trial starts a fresh one and still matches golden
+            assert runner.trial(clean)["outcome"] == "masked"  # type: ignore[index]
+        assert executor.restarts == 3
+        assert not set(pids) & set(executor.pools[(3, "auto")].pids)
+    finally:
+        executor.close()
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("variant", [
+    {"model": {"kind": "cnn_bn", "width": 4}, "dtype": "bfloat16", "micro_batches": 2,
+     "optimizer": {"kind": "sgd", "lr": 0.05}},
+    {"model": {"kind": "transformer", "width": 16, "depth": 1}, "batch": 4},
+])
+def test_other_models_dtypes_and_accumulation(tmp_path: Path, variant: dict[str, Any]) -> None:
+    sc = scenario_from_dict({"world_size": 3, "steps": 4, "batch": 8, "trial_timeout_s": 60,
+                             **variant}, name="tiny")
+    param = sc.targets("weight_storage")[0]
+    executor = PoolExecutor()
+    runner = CampaignRunner(campaign_for_scenario(sc), tmp_path, executor, progress=False)
+    try:
+        runner.goldens["tiny"] = golden = runner.golden(sc)
+        assert golden.ranks_agree and golden.detections == []
+        for k in (0, 2):  # clean trials with and without the replay audit match one golden run
+            row = runner.trial(TrialSpec(id=f"c{k}", scenario="tiny", replay_interval=k))
+            assert row is not None and row["outcome"] == "masked", row
+        row = runner.trial(_fault(site="weight_storage", rank=2, step=1, target=param,
+                                  field="exponent"))
+        assert row is not None
+        assert (row["outcome"], row["detect_step"], row["suspects"]) == ("detected", 1, [2])
+    finally:
+        executor.close()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _campaign(tmp_path: Path) -> Path:
+    (tmp_path / "tiny.toml").write_text(SCENARIO)
+    camp = tmp_path / "camp.toml"
+    camp.write_text("""
+scenarios = ["tiny.toml"]
+clean_trials = 1
+[matrix]
+sites = ["weight_storage", "gradient_before_allreduce", "activation"]
+fields = ["sign", "exponent"]
+steps = [2, 4]
+ranks = [1]
+replay_intervals = [0, 1]
+[overhead]
+intervals = [1]
+rounds = 1
+block = 2
+""")
+    return camp
+
+
+def _ids(path: Path) -> list[str]:
+    with path.open() as fh:
+        return [r["id"] for r in csv.DictReader(fh)]
+
+
+def test_killed_campaign_resumes_without_loss_or_duplicates(tmp_path: Path) -> None:
+    camp = _campaign(tmp_path)
+    planned = [t.id for t in plan_trials(load_campaign(camp))]
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "scenarios", "campaign", str(camp), "--out", str(out),
+           "--no-progress"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    csv_path = out / "trials.csv"
+    deadline = time.monotonic() + 200
+    while time.monotonic() < deadline and proc.poll() is None:
+        if csv_path.exists() and csv_path.read_text().count("\n") >= 4:
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None, "the campaign finished before it could be killed"
+    ranks = _children(proc.pid)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    killed_with = _ids(csv_path)
+    assert 3 <= len(killed_with) < len(planned)
+    with csv_path.open("a") as fh:  # as if the kill had torn the last write
+        fh.write(planned[-1][:5])
+    time.sleep(2.0)  # the ranks die with their parent (PR_SET_PDEATHSIG)
+    assert [p for p in ranks if Path(f"/proc/{p}").exists() and not _zombie(p)] == []
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=250)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ids = _ids(csv_path)
+    assert sorted(ids) == sorted(planned) and len(ids) == len(set(ids))
+    assert ids[:len(killed_with)] == killed_with  # nothing before the kill was rewritten
+    for name in ("summary.json", "report.md", "report.html", "overhead.json", "campaign.json"):
+        assert (out / name).exists(), name
+
+
+def test_torchrun_ranks_run_the_same_scenario(tmp_path: Path) -> None:
+    (tmp_path / "s.toml").write_text(SCENARIO + """
+[[faults]]
+site = "weight_storage"
+rank = 1
+step = 2
+target = "net.0.weight"
+bits = [30]
+[[faults]]
+site = "gradient_after_allreduce"
+rank = 2
+step = 3
+target = "net.2.bias"
+kind = "set"
+value = inf
+""")
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "3", "-m", "scenarios", "run",
+                        str(tmp_path / "s.toml"), "--out", str(out), "--no-progress"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=250)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with (out / "trials.csv").open() as fh:
+        rows = {row["kind"] + row["site"]: row for row in csv.DictReader(fh)}
+    assert rows["clean"]["outcome"] == "masked"
+    ws = rows["faultweight_storage"]
+    assert (ws["outcome"], ws["detect_step"], ws["suspects"]) == ("detected", "2", "[1]")
+    ga = rows["faultgradient_after_allreduce"]
+    assert (ga["outcome"], ga["check"], ga["suspects"], ga["nonfinite_injected"]) == (
+        "detected", "nonfinite", "[2]", "true")
+    assert (out / "report.html").exists()
