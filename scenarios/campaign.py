@@ -145,7 +145,7 @@ class CampaignSpec:
         names = [s.name for s in self.scenarios]
         if len(set(names)) != len(names):
             raise ScenarioError("scenarios", names, "scenarios with distinct names")
-        _int("clean_trials", self.clean_trials, 0)
+        _int("clean_trials", self.clean_trials, 1)  # always measure false positives
         _float("overhead_budget", self.overhead_budget, 0.0, 100.0, lo_open=True)
         if self.overhead is not None and self.overhead.scenario and (
                 self.overhead.scenario not in names) and self.overhead_file_scenario is None:

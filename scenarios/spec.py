@@ -493,6 +493,9 @@ def read_toml(path: str | Path) -> dict[str, Any]:
             return tomllib.load(fh)
     except FileNotFoundError:
         raise ScenarioError("file", str(p), "an existing TOML file", file=p) from None
+    except OSError as e:
+        raise ScenarioError("file", str(p), "a readable TOML file", reason=e.strerror or str(e),
+                            file=p) from None
     except tomllib.TOMLDecodeError as e:
         raise ScenarioError("toml", str(e), "valid TOML", file=p) from None
 

@@ -146,10 +146,10 @@ def test_matrix_is_the_full_product_and_ids_are_stable() -> None:
 def test_sample_is_sized_per_site_and_seeded() -> None:
     space = FaultSpace(mode="sample", sites=("activation", "weight_storage"), margin=0.2,
                        replay_intervals=(0, 1))
-    camp = CampaignSpec(name="c", scenarios=(_mlp(),), space=space, clean_trials=0)
-    trials = plan_trials(camp)
+    camp = CampaignSpec(name="c", scenarios=(_mlp(),), space=space, clean_trials=1)
+    trials = [t for t in plan_trials(camp) if t.kind == "fault"]
     assert sum(t.site == "activation" for t in trials) == leveugle_sample_size(10**9, 0.2)
-    other = CampaignSpec(name="c", scenarios=(_mlp(),), clean_trials=0,
+    other = CampaignSpec(name="c", scenarios=(_mlp(),), clean_trials=1,
                          space=FaultSpace(mode="sample", sites=("activation", "weight_storage"),
                                           margin=0.2, replay_intervals=(0, 1), seed=1))
     assert {t.id for t in plan_trials(other)} != {t.id for t in trials}
@@ -286,3 +286,38 @@ def test_report_from_a_trial_table(tmp_path: Path) -> None:
     html = (tmp_path / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 3 and "src='http" not in html
     assert json.loads((tmp_path / "summary.json").read_text())["sites"].keys() == set(sites)
+
+
+# -- torchrun failure handling ------------------------------------------------------------------
+def test_watchdog_ends_a_hung_process() -> None:
+    code = ("import time\nfrom scenarios.distributed import watchdog\n"
+            "with watchdog(0.5, lambda: print('fired', flush=True)):\n    time.sleep(60)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=CONFIGS.parents[1])
+    assert (r.returncode, r.stdout.strip()) == (3, "fired")
+
+
+def test_a_trial_in_flight_when_the_ranks_went_down_is_recorded(tmp_path: Path) -> None:
+    from scenarios.runner import CampaignRunner, PoolExecutor
+    from scenarios.store import write_json
+
+    space = FaultSpace(sites=("weight_storage",), fields=("sign", "exponent"), steps=(2,),
+                       ranks=(1,))
+    camp = CampaignSpec(name="c", scenarios=(_mlp(),), space=space, clean_trials=1)
+    trials = {t.id: t for t in plan_trials(camp)}
+    a, b = [t for t in trials.values() if t.kind == "fault"]
+    runner = CampaignRunner(camp, tmp_path, PoolExecutor())  # starts nothing until used
+    table = TrialTable(tmp_path / "trials.csv")
+    write_json(tmp_path / "inflight.json", {"id": a.id, "attempts": 1})
+    runner._resolve_inflight(table, trials)
+    assert table.done_ids() == set()  # first time: retried
+    write_json(tmp_path / "inflight.json", {"id": a.id, "attempts": 2})
+    runner._resolve_inflight(table, trials)
+    write_json(tmp_path / "inflight.json", {"id": b.id, "attempts": 1,
+                                             "reason": "hung: no answer within 9s (watchdog)"})
+    runner._resolve_inflight(table, trials)
+    runner._resolve_inflight(table, trials)  # already recorded: not twice
+    rows = {r["id"]: r for r in table.rows()}
+    assert len(table.rows()) == 2
+    assert rows[a.id]["outcome"] == "crashed" and rows[b.id]["outcome"] == "hung"
+    assert rows[b.id]["site"] == "weight_storage" and "watchdog" in rows[b.id]["error"]
