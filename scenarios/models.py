@@ -67,6 +67,14 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+class GlobalAvgPool(nn.Module):
+    """Mean over the spatial dimensions. (``AdaptiveAvgPool2d`` has no deterministic CUDA
+    backward, and the replay audit runs with ``torch.use_deterministic_algorithms(True)``.)"""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=(2, 3))
+
+
 class SmallCNN(nn.Module):
     """Two 3x3 convolutions (optionally each followed by BatchNorm), pooling, a linear head."""
 
@@ -83,13 +91,13 @@ class SmallCNN(nn.Module):
         self.conv2 = nn.Conv2d(width, 2 * width, 3, padding=1)
         self.norm2 = norm(2 * width)
         self.act2 = nn.ReLU()
-        self.gap = nn.AdaptiveAvgPool2d(1)
+        self.gap = GlobalAvgPool()
         self.head = nn.Linear(2 * width, _CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.pool(self.act1(self.norm1(self.conv1(x))))
         h = self.gap(self.act2(self.norm2(self.conv2(h))))
-        return self.head(h.flatten(1))
+        return self.head(h)
 
 
 class CausalSelfAttention(nn.Module):

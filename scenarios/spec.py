@@ -42,6 +42,7 @@ and what is allowed; ``python -m scenarios`` prints it on one line and exits 2.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -75,6 +76,8 @@ FIELDS: Final = ("sign", "exponent", "mantissa", "any", "nan", "inf")
 """Bit fields of a campaign: one random bit of the sign / exponent / mantissa / any field
 (a bit flip), or the whole element set to NaN / +Inf (a value fault)."""
 MODES: Final = ("matrix", "sample")
+_TRAINING_CODE: Final = ("models.py", "rank.py")
+"""Source files whose contents are part of ``Scenario.training_key`` (the golden cache key)."""
 
 
 class ScenarioError(ValueError):
@@ -416,9 +419,16 @@ class Scenario:
         d = asdict(self)
         for k in ("name", "guard", "faults", "space", "trial_timeout_s", "stop_on_detection"):
             d.pop(k)
-        d["versions"] = [torch.__version__, sdc_guard.__version__]
+        d["versions"] = [torch.__version__, sdc_guard.__version__, _code_hash()]
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+@functools.cache
+def _code_hash() -> str:
+    """The code that builds the model, the data and the optimizer is part of the golden key."""
+    here = Path(__file__).parent
+    return hashlib.sha256(b"".join((here / f).read_bytes() for f in _TRAINING_CODE)).hexdigest()[:16]
 
 
 # -- TOML -> dataclasses -----------------------------------------------------------------------
