@@ -77,7 +77,8 @@ FIELDS: Final = ("sign", "exponent", "mantissa", "any", "nan", "inf")
 (a bit flip), or the whole element set to NaN / +Inf (a value fault)."""
 MODES: Final = ("matrix", "sample")
 _TRAINING_CODE: Final = ("models.py", "rank.py")
-"""Source files whose contents are part of ``Scenario.training_key`` (the golden cache key)."""
+"""Source files whose contents are part of ``Scenario.training_key`` (the golden cache key),
+with ``sdc_guard/fingerprints.py`` (the golden run stores fingerprints)."""
 
 
 class ScenarioError(ValueError):
@@ -427,8 +428,11 @@ class Scenario:
 @functools.cache
 def _code_hash() -> str:
     """The code that builds the model, the data and the optimizer is part of the golden key."""
+    import sdc_guard.fingerprints
+
     here = Path(__file__).parent
-    return hashlib.sha256(b"".join((here / f).read_bytes() for f in _TRAINING_CODE)).hexdigest()[:16]
+    files = [here / f for f in _TRAINING_CODE] + [Path(sdc_guard.fingerprints.__file__)]
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
 
 
 # -- TOML -> dataclasses -----------------------------------------------------------------------
