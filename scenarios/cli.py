@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from scenarios.campaign import CampaignSpec, campaign_for_scenario, load_campaign
+from scenarios.pool import PoolError
 from scenarios.spec import ScenarioError, load_scenario, read_toml
 
 
@@ -135,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     except ScenarioError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except PoolError as e:  # a golden run or the overhead measurement could not run at all
+        detail = e.detail.strip().splitlines()[-12:] if e.detail else []
+        print("\n".join([*detail, f"error: the ranks failed outside any trial: {e}"]),
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted: rerun the same command to resume", file=sys.stderr)
         return 130

@@ -94,10 +94,20 @@ def recommend(overhead: dict[str, Any] | None, budget: float) -> int | None:
     return min(fits) if fits else None
 
 
+def _prompt(r: dict[str, str]) -> bool:
+    """Detected within 1 step of the first step at which the fault changed the state (its
+    first divergence); a contained detection (nothing changed) in a step in which it fired."""
+    div = _int(r["latency_from_divergence"])
+    if div is not None:
+        return div <= 1
+    return bool(_bool(r.get("same_step", ""))) or (_int(r["latency_from_injection"]) or 0) <= 1
+
+
 def _targets(faults: list[dict[str, str]], clean_fp: int) -> dict[str, Any]:
     state = [r for r in faults if r["site"] in STATE_SITES and r["outcome"] != "masked"]
-    ok = [r for r in state if r["outcome"] == "detected"
-          and (_int(r["latency_from_injection"]) or 0) <= 1 and _bool(r["blame_correct"])]
+    detected = [r for r in state if r["outcome"] == "detected" and _bool(r["blame_correct"])]
+    ok = [r for r in detected if _prompt(r)]
+    strict = [r for r in detected if (_int(r["latency_from_injection"]) or 0) <= 1]
     nonfinite = [r for r in faults if _bool(r["nonfinite_injected"])]
     nf_relevant = [r for r in nonfinite if r["outcome"] != "masked"]
     nf_ok = [r for r in nf_relevant if r["outcome"] == "detected"
@@ -107,6 +117,10 @@ def _targets(faults: list[dict[str, str]], clean_fp: int) -> dict[str, Any]:
         "state_sites_detected_within_1_step_blame_correct": {
             "met": len(ok) == len(state), "trials_that_changed_the_trajectory": len(state),
             "met_by": len(ok), "misses": [r["id"] for r in state if r not in ok][:50],
+            "rule": "detected with the right rank blamed, at most 1 step after the first step "
+                    "at which the fault changed the state (or, contained, in a step in which "
+                    "it fired)",
+            "within_1_step_of_first_injection": len(strict),
         },
         "nonfinite_detected_in_own_step": {
             "met": len(nf_ok) == len(nf_relevant), "nonfinite_faults": len(nonfinite),
@@ -119,6 +133,9 @@ def _targets(faults: list[dict[str, str]], clean_fp: int) -> dict[str, Any]:
 def summarize(out: Path) -> dict[str, Any]:
     rows = TrialTable(out / "trials.csv").rows()
     meta = _load(out / "campaign.json") or {}
+    planned = set(meta.get("planned_ids") or [])
+    stale = [r for r in rows if planned and r["id"] not in planned]
+    rows = [r for r in rows if not planned or r["id"] in planned]
     overhead = _load(out / "overhead.json")
     budget = float(meta.get("overhead_budget", 0.25))
     faults = [r for r in rows if r["kind"] == "fault"]
@@ -146,6 +163,8 @@ def summarize(out: Path) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "campaign": meta.get("name"), "quick": meta.get("quick"),
         "trials": len(faults), "clean_trials": len(clean), "false_positives": fp,
+        "planned": len(planned) or None,
+        "stale_rows": len(stale),
         "clean_not_bit_identical": sum(1 for r in clean if r["outcome"] in ("escaped",
                                                                              "crashed", "hung")),
         "outcomes": {o: sum(1 for r in faults if r["outcome"] == o) for o in OUTCOMES},

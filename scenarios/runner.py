@@ -239,12 +239,16 @@ class CampaignRunner:
         todo = [t for t in trials if t.id not in done]
         planned = {t.id for t in trials}
         meta = {**self.campaign.to_json(), **describe(self.campaign, trials),
-                "already_done": len(planned & done), "started": started}
+                "already_done": len(planned & done), "started": started,
+                "planned_ids": [t.id for t in trials]}
         if coordinator:
             _say(f"campaign {self.campaign.name!r}: {len(trials)} trials planned, "
                  f"{len(todo)} to run, output in {self.out}")
             previous = _read_json(self.out / "campaign.json")
-            meta["runs"] = [*previous.get("runs", [])] if isinstance(previous, dict) else []
+            if not isinstance(previous, dict):
+                previous = {}
+            meta["runs"] = list(previous.get("runs", []))
+            meta["goldens"] = previous.get("goldens", {})
             write_json(self.out / "campaign.json", meta)
         for sc in self.campaign.scenarios:
             if any(t.scenario == sc.name for t in todo):
@@ -283,9 +287,10 @@ class CampaignRunner:
             "ran": len(todo), "outcomes_this_run": dict(counts),
             "trial_seconds": trial_seconds, "seconds": time.monotonic() - t_start,
             "trials_per_minute": len(todo) / trial_seconds * 60 if todo and trial_seconds else None,
-            "goldens": {k: {"key": g.key, "ranks_agree": g.ranks_agree,
-                            "detections": g.detections, "seconds": g.seconds}
-                        for k, g in self.goldens.items()},
+            "goldens": {**meta.get("goldens", {}),
+                        **{k: {"key": g.key, "ranks_agree": g.ranks_agree,
+                               "detections": g.detections, "seconds": g.seconds}
+                           for k, g in self.goldens.items()}},
             "pool_restarts": getattr(self.executor, "restarts", None),
         })
         if coordinator:
