@@ -47,6 +47,7 @@ Only the final 8 bytes leave the device, and only when ``fingerprint`` (not
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 from typing import Final
 
@@ -177,6 +178,20 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
 
 Prep = Callable[[torch.Tensor, torch.Tensor], None]
 
+_scratch = threading.local()
+
+
+def _scratch_buffer(n: int, device: torch.device) -> torch.Tensor:
+    """An int64 work buffer of n values, reused per thread and device (no page faults per call)."""
+    bufs: dict[torch.device, torch.Tensor] = getattr(_scratch, "bufs", None) or {}
+    _scratch.bufs = bufs
+    b = bufs.get(device)
+    if b is None or b.numel() < n:
+        b = torch.empty(n, dtype=torch.int64, device=device)
+        if device.type == "cpu":  # on CUDA the caching allocator already reuses memory
+            bufs[device] = b
+    return b[:n]
+
 
 def _prep_lanes(block: torch.Tensor, out: torch.Tensor) -> None:
     """uint32 lanes -> int64, zero-extended."""
@@ -202,7 +217,7 @@ def _weighted(src: torch.Tensor, prep: Prep) -> torch.Tensor:
     n_chunks = (rows + chunk_rows - 1) // chunk_rows
     row_sums = torch.empty(rows, dtype=torch.int64, device=dev)
     col_sums = torch.zeros(n_chunks, _GROUPS, _ROW, dtype=torch.int64, device=dev)
-    buf = torch.empty(min(rows, chunk_rows) * _ROW, dtype=torch.int64, device=dev)
+    buf = _scratch_buffer(min(rows, chunk_rows) * _ROW, dev)
     for k in range(n_chunks):
         r0 = k * chunk_rows
         r1 = min(rows, r0 + chunk_rows)
