@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Final
 
 from injectors.bits import FIELDS, dtype_from_name, layout_of
+from sdc_guard.fingerprints import mix64_int
 
 __all__ = [
     "KINDS", "MODELS", "PARAMETER_SITES", "PHASES", "SITES", "Fault", "FaultError", "seeded_rng",
@@ -85,13 +86,8 @@ class FaultError(ValueError):
 
 
 def _mix(z: int) -> int:
-    """splitmix64's finaliser: a bijection on 64-bit words."""
-    z &= _MASK64
-    z ^= z >> 30
-    z = (z * 0xBF58476D1CE4E5B9) & _MASK64
-    z ^= z >> 27
-    z = (z * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
+    """splitmix64's finaliser: a bijection on 64-bit words (the one the fingerprints use)."""
+    return mix64_int(z)
 
 
 def seeded_rng(*parts: int) -> random.Random:

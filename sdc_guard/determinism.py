@@ -22,6 +22,8 @@ from collections.abc import Iterator
 
 import torch
 
+from sdc_guard.fingerprints import mix64_int
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -38,12 +40,7 @@ def stream_seed(seed: int, rank: int, step: int, micro: int = 0) -> int:
     """A 63-bit seed for one (rank, step, micro-batch); the same in every process."""
     z = seed & _MASK64
     for part in (rank, step, micro):
-        z = (z + 0x9E3779B97F4A7C15 + part) & _MASK64
-        z ^= z >> 30
-        z = (z * 0xBF58476D1CE4E5B9) & _MASK64
-        z ^= z >> 27
-        z = (z * 0x94D049BB133111EB) & _MASK64
-        z ^= z >> 31
+        z = mix64_int(z + 0x9E3779B97F4A7C15 + part)
     return z >> 1
 
 

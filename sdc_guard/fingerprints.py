@@ -59,6 +59,7 @@ __all__ = [
     "index_key",
     "indexed_terms",
     "mix64",
+    "mix64_int",
     "to_signed64",
     "to_unsigned64",
 ]
@@ -107,7 +108,7 @@ def to_unsigned64(v: int) -> int:
     return v & _MASK64
 
 
-def _mix64_int(z: int) -> int:
+def mix64_int(z: int) -> int:
     """splitmix64's finaliser on a Python int (a bijection on 64-bit words)."""
     z &= _MASK64
     z ^= z >> 30
@@ -143,10 +144,10 @@ def _meta_word(t: torch.Tensor) -> int:
             f"fingerprint: dtype {t.dtype} is not supported; supported dtypes are "
             f"{sorted(str(d) for d in _DTYPE_CODES)}. Convert the tensor with .to(...) first."
         )
-    h = _mix64_int(_SEED ^ code)
-    h = _mix64_int(h + t.dim())
+    h = mix64_int(_SEED ^ code)
+    h = mix64_int(h + t.dim())
     for s in t.shape:
-        h = _mix64_int(h + s)
+        h = mix64_int(h + s)
     return h
 
 
@@ -275,7 +276,7 @@ def _keys(device: torch.device, is_list: bool, metas: tuple[int, ...]) -> torch.
     k = _key_cache.get(key)
     if k is None:
         words = [
-            to_signed64(_mix64_int(_mix64_int(m + i * _SEED) ^ (0xA5A5 if is_list else 0x5A5A)))
+            to_signed64(mix64_int(mix64_int(m + i * _SEED) ^ (0xA5A5 if is_list else 0x5A5A)))
             for i, m in enumerate(metas)
         ]
         k = torch.tensor(words, dtype=torch.int64, device=device)
@@ -304,7 +305,7 @@ def fingerprint_tensor(x: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor
             )
     device = tensors[0].device if tensors else torch.device("cpu")
     metas = tuple(_meta_word(t) for t in tensors)
-    total = torch.tensor(to_signed64(_mix64_int(len(tensors) + (_SEED if is_list else 0))),
+    total = torch.tensor(to_signed64(mix64_int(len(tensors) + (_SEED if is_list else 0))),
                          dtype=torch.int64, device=device)
     if tensors:
         values = torch.stack([_tensor_value(t).to(device, non_blocking=True) for t in tensors])
@@ -314,7 +315,7 @@ def fingerprint_tensor(x: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor
 
 def index_key(index: int) -> int:
     """The signed 64-bit key of position ``index`` in an unordered, indexed collection."""
-    return to_signed64(_mix64_int(_mix64_int(index + 0x51ED27) ^ _SEED))
+    return to_signed64(mix64_int(mix64_int(index + 0x51ED27) ^ _SEED))
 
 
 def indexed_terms(pairs: Iterable[tuple[int, torch.Tensor]], device: torch.device) -> torch.Tensor:
