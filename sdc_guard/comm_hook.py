@@ -127,6 +127,9 @@ class GuardCommHook:
         else:
             fut = state.inner_hook(state.inner_state, bucket)
 
+        if not state.after and not state.check_nonfinite:
+            return fut  # nothing to see after the reduction: no extra Python callback
+
         def _after(f: torch.futures.Future[Any]) -> torch.Tensor:
             value = f.value()
             out: torch.Tensor = value[0] if isinstance(value, list) else value
