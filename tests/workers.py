@@ -31,6 +31,13 @@ def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     return F.cross_entropy(model(x), y)
 
 
+def make_optimizer(model: nn.Module, opt: str) -> torch.optim.Optimizer:
+    """AdamW or SGD with momentum, the same for the guarded and the plain loop."""
+    if opt == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
 def _summary(reports: list[sdc_guard.StepReport]) -> list[tuple[str, int, tuple[int, ...]]]:
     return [(d.check, d.step, d.suspect_ranks) for r in reports for d in r.detections]
 
@@ -39,11 +46,7 @@ def guarded_run(rank: int, world: int, steps: int, fault: dict[str, Any] | None 
                 cfg: dict[str, Any] | None = None, opt: str = "adamw") -> dict[str, Any]:
     """Train ``steps`` guarded steps; optionally corrupt something on one rank at one step."""
     model = DDP(make_mlp())
-    optimizer: torch.optim.Optimizer
-    if opt == "adamw":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer = make_optimizer(model, opt)
     guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for,
                      config=GuardConfig(**(cfg or {})))
     fault = fault or {}
@@ -71,11 +74,7 @@ def guarded_run(rank: int, world: int, steps: int, fault: dict[str, Any] | None 
 def plain_run(rank: int, world: int, steps: int, opt: str = "adamw") -> dict[str, Any]:
     """The same training as ``guarded_run`` with a plain DDP loop and no guard."""
     model = DDP(make_mlp())
-    optimizer: torch.optim.Optimizer
-    if opt == "adamw":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer = make_optimizer(model, opt)
     losses = []
     for s in range(steps):
         optimizer.zero_grad(set_to_none=True)
