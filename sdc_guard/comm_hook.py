@@ -5,11 +5,15 @@ Per bucket, in this order::
     before-callbacks (fault injectors: site "gradient_before_allreduce")
     -> local non-finite flag (on device, no host sync)
     -> local gradient observers (the replay audit's per-parameter fingerprints)
+    -> on the step's last bucket: before-last-all-reduce callbacks (the replay
+       audit starts its small all_gather here)
     -> the all-reduce (ours, or the user's own comm hook)
     -> after-callbacks (fault injectors: site "gradient_after_allreduce")
-    -> reduced non-finite flag
 
-so whatever an injector writes is exactly what the checks see.
+and, after the backward pass, on the caller's thread (no Python callback per
+bucket on the communication thread unless an after-callback or a user hook
+needs one): the reduced non-finite flag over every bucket's result. Whatever an
+injector writes is exactly what the checks see.
 
 Our default all-reduce reproduces DDP's built-in reducer bit for bit: the
 built-in path multiplies each gradient by ``1/world`` (``mul``, not ``div``)
@@ -73,33 +77,40 @@ class GuardCommHook:
         self.inner_state = inner_state
         self.before: list[BucketCallback] = []
         self.local_observers: list[BucketCallback] = []
+        self.before_last_allreduce: list[Callable[[], None]] = []
+        """Called once per step, in the hook of the step's last bucket, after the local
+        observers and before its all-reduce: every local gradient has been seen, and
+        a small collective started here rides the synchronisation point that the
+        gradient all-reduce needs anyway (the replay audit sends its words here)."""
         self.after: list[ReducedCallback] = []
         self.step = -1
         self.local_bad: torch.Tensor | None = None
-        self.reduced_bad: torch.Tensor | None = None
         self.buckets_seen = 0
+        self._results: list[torch.Tensor] = []
 
     def begin_step(self, step: int) -> None:
         """Reset the per-step flags; call before the backward pass of ``step``."""
         self.step = step
         self.local_bad = None
-        self.reduced_bad = None
         self.buckets_seen = 0
+        self._results = []
 
     def flags(self, device: torch.device) -> torch.Tensor:
-        """int32 ``[local_bad, reduced_bad]`` for this step, on ``device``."""
+        """int32 ``[local_bad, reduced_bad]`` for this step, on ``device``.
+
+        Call after the backward pass: the reduced results are checked here, on the
+        caller's thread, rather than in a callback per bucket.
+        """
         out = torch.zeros(2, dtype=torch.int32, device=device)
         if self.local_bad is not None:
             out[0] = self.local_bad.to(device)
-        if self.reduced_bad is not None:
-            out[1] = self.reduced_bad.to(device)
+        if self.check_nonfinite and self._results:
+            bad = [_bad(t) for t in self._results]
+            out[1] = (bad[0] if len(bad) == 1 else torch.stack(bad).any()).to(device)
         return out
 
     def _or_local(self, flag: torch.Tensor) -> None:
         self.local_bad = flag if self.local_bad is None else self.local_bad | flag
-
-    def _or_reduced(self, flag: torch.Tensor) -> None:
-        self.reduced_bad = flag if self.reduced_bad is None else self.reduced_bad | flag
 
     def _allreduce(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         buf = bucket.buffer()
@@ -122,21 +133,25 @@ class GuardCommHook:
             state._or_local(_bad(bucket.buffer()))
         for cb in state.local_observers:
             cb(bucket)
+        if bucket.is_last():
+            for last in state.before_last_allreduce:
+                last()
         if state.inner_hook is None:
             fut = state._allreduce(bucket)
+            if not state.after:
+                # The all-reduce is in place: the bucket buffer holds the result, and
+                # still does after the backward pass, when ``flags`` checks it.
+                state._results.append(bucket.buffer())
+                return fut
         else:
             fut = state.inner_hook(state.inner_state, bucket)
-
-        if not state.after and not state.check_nonfinite:
-            return fut  # nothing to see after the reduction: no extra Python callback
 
         def _after(f: torch.futures.Future[Any]) -> torch.Tensor:
             value = f.value()
             out: torch.Tensor = value[0] if isinstance(value, list) else value
             for cb in state.after:
                 cb(bucket, out)
-            if state.check_nonfinite:
-                state._or_reduced(_bad(out))
+            state._results.append(out)
             return out
 
         return fut.then(_after)

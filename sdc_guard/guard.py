@@ -29,9 +29,10 @@ StepHook = Callable[[int], None]
 class SDCGuard:
     """Runs forward, backward, the checks and the optimizer step of a DDP model.
 
-    ``guard.step(step)`` does, in order: the ``before_step`` hooks; zero the
-    gradients; ``loss_fn(model, batch_for(rank, step))``; backward (the comm hook
-    flags non-finite gradients per bucket); the pre-step verdicts (non-finite);
+    ``guard.step(step)`` does, in order: the ``before_step`` hooks; on audit steps
+    the replay of the ring neighbour's batch; zero the gradients;
+    ``loss_fn(model, batch_for(rank, step))``; backward (the comm hook flags
+    non-finite gradients per bucket); the pre-step verdicts (non-finite, replay);
     the optimizer step, unless a detection withholds it on every rank; the
     post-step weight check; the event log and ``on_detection`` callback.
     """
@@ -147,26 +148,26 @@ class SDCGuard:
         cfg = self.config
         batches = micro_batches(self.batch_for(self.rank, step), cfg.micro_batches)
         audit = bool(cfg.replay_interval) and step % cfg.replay_interval == 0
-        if self.replay is not None:
-            self.replay.begin(audit)
-        self.optimizer.zero_grad(set_to_none=True)
         self.comm.begin_step(step)
-        losses = []
+        losses: list[torch.Tensor] = []
+        if self.replay is not None:
+            self.replay.begin(audit, step, losses)  # on audit steps: the neighbour's replay
+        self.optimizer.zero_grad(set_to_none=True)
         for i, mb in enumerate(batches):
             last = i == len(batches) - 1
             with contextlib.nullcontext() if last else self.model.no_sync():
                 with (rng_stream(cfg.seed, self.rank, step, i, self.device)
                       if cfg.deterministic else contextlib.nullcontext()):
                     loss = self.loss_fn(self.model, mb)
+                losses.append(loss.detach())
                 scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
                 scaled.backward()
-            losses.append(loss.detach())
 
         detections: list[Detection] = []
         if cfg.nonfinite:
             detections += self.nonfinite.verdict(step, self.device)
         if audit and self.replay is not None:
-            detections += self.replay.verdict(step, losses)
+            detections += self.replay.verdict(step)
         skipped = bool(detections) and self.config.skip_step_on_detection
         if not skipped:
             if self.before_optimizer_step is not None:

@@ -1,13 +1,15 @@
 """Check "replay": the ring replay audit.
 
-On an audit step every rank r keeps the bits of its own loss and a fingerprint
-of its *local* gradients (seen in the comm hook, before the all-reduce, keyed by
-parameter so DDP's bucketing does not matter). Then, from the same pre-step
-weights and without gradient sync, it recomputes the micro-batches of its ring
-neighbour n = (r + 1) mod N and fingerprints that loss and those gradients. One
-``all_gather`` of four 64-bit words per rank lets every rank compare each ring
-edge r -> n bit for bit: edge r -> n is *bad* when r's replay of n's batch
-disagrees with what n reported for itself.
+On an audit step every rank r first recomputes, from the pre-step weights and
+without gradient sync, the micro-batches of its ring neighbour n = (r + 1) mod N,
+and fingerprints that loss and those gradients. Then it computes its own step as
+usual, keeping the bits of its own loss and a fingerprint of its *local*
+gradients (seen in the comm hook, before the all-reduce, keyed by parameter so
+DDP's bucketing does not matter). One ``all_gather`` of four 64-bit words per
+rank, started in the comm hook just before the step's last gradient all-reduce
+(where the ranks meet anyway, so it adds no synchronisation point), lets every
+rank compare each ring edge r -> n bit for bit: edge r -> n is *bad* when r's
+replay of n's batch disagrees with what n reported for itself.
 
 Localisation (every rank derives the same answer from the same gathered words):
 
@@ -103,7 +105,11 @@ class ReplayAudit:
         """"train" (the rank's own step), "replay" or "arbitrate"; fault injectors read it."""
         self._own_terms: torch.Tensor | None = None
         self._observing = False
+        self._own_losses: list[torch.Tensor] = []
+        self._replayed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._words: tuple[Any, list[torch.Tensor]] | None = None
         comm.local_observers.append(self._observe)
+        comm.before_last_allreduce.append(self._send_words)
 
     # -- own computation, seen in the comm hook --------------------------------------------
     def _observe(self, bucket: GradBucket) -> None:
@@ -114,11 +120,40 @@ class ReplayAudit:
         terms = indexed_terms(pairs, self.device)
         self._own_terms = terms if self._own_terms is None else self._own_terms + terms
 
-    def begin(self, audit: bool) -> None:
-        """Call before the own backward pass of a step; ``audit`` says whether this step is audited."""
+    def begin(self, audit: bool, step: int, own_losses: list[torch.Tensor]) -> None:
+        """Call before the own forward pass of ``step``; ``audit`` says whether it is audited.
+
+        On an audit step the neighbour's micro-batches are replayed here, first, from
+        the same pre-step weights. ``own_losses`` is the list the guard appends the
+        step's own (detached) losses to, before each backward pass.
+        """
         self._observing = audit
         self._own_terms = None
+        self._own_losses = own_losses
+        self._replayed = None
+        self._words = None
         self.phase = "train"
+        if audit:
+            self._replayed = self._replay((self.rank + 1) % self.world, step, "replay")
+
+    def _send_words(self) -> None:
+        """Start the all_gather of this rank's four words (own loss/gradient, replayed ones).
+
+        Runs in the comm hook just before the step's last gradient all-reduce, when the
+        own gradients have all been fingerprinted: the ranks meet there anyway, so the
+        gather adds no synchronisation point of its own.
+        """
+        if not self._observing or self._replayed is None or self._words is not None:
+            return
+        own_loss = fingerprint_tensor(list(self._own_losses))
+        own_grad = mix64(self._own_terms if self._own_terms is not None
+                         else torch.zeros((), dtype=torch.int64, device=self.device))
+        rep_loss, rep_grad = self._replayed
+        words = torch.stack([own_loss.to(self.device), own_grad, rep_loss.to(self.device),
+                             rep_grad])
+        outs = [torch.empty_like(words) for _ in range(self.world)]
+        work = dist.all_gather(outs, words, group=self.group, async_op=True)
+        self._words = (work, outs)
 
     # -- recomputation ----------------------------------------------------------------------
     def _replay(self, rank: int, step: int, phase: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,17 +182,18 @@ class ReplayAudit:
         return fingerprint_tensor(losses), mix64(indexed_terms(pairs, self.device))
 
     # -- verdict ----------------------------------------------------------------------------
-    def verdict(self, step: int, own_losses: list[torch.Tensor]) -> list[Detection]:
-        """Replay the neighbour, gather, compare edges, arbitrate single bad edges, localise."""
+    def verdict(self, step: int) -> list[Detection]:
+        """Compare the gathered ring edges, arbitrate single bad edges, localise."""
+        if self._replayed is None:
+            raise RuntimeError("ReplayAudit.verdict: begin(audit=True, ...) did not run this step")
+        if self._words is None:  # the hook never saw a last bucket (the same on every rank)
+            self._send_words()
         self._observing = False
-        own_loss = fingerprint_tensor([loss.detach() for loss in own_losses])
-        own_grad = mix64(self._own_terms if self._own_terms is not None
-                         else torch.zeros((), dtype=torch.int64, device=self.device))
-        neighbour = (self.rank + 1) % self.world
-        rep_loss, rep_grad = self._replay(neighbour, step, "replay")
-        words = torch.stack([own_loss.to(self.device), own_grad, rep_loss, rep_grad])
-        rows = [[to_unsigned64(v) for v in row]
-                for row in all_gather_rows(words, self.group).tolist()]
+        assert self._words is not None
+        work, outs = self._words
+        self._words = None
+        work.wait()
+        rows = [[to_unsigned64(v) for v in row] for row in torch.stack(outs).tolist()]
         n = self.world
         own = [(rows[r][0], rows[r][1]) for r in range(n)]
         rep = [(rows[r][2], rows[r][3]) for r in range(n)]
