@@ -64,3 +64,17 @@ def test_grad_scaler_overflow_is_not_reported_and_the_scaler_skips() -> None:
         assert r["detections"] == []
         assert r["scale"] < 2.0**10  # the scaler saw the overflow and lowered the scale
     assert len({r["final"] for r in res}) == 1
+
+
+@pytest.mark.parametrize("words", [
+    [7, 7, 7],
+    [-(2**63), -(2**63), -(2**63)],  # the complement trick must not overflow at the ends
+    [2**63 - 1, 2**63 - 1, 2**63 - 1],
+    [5, -(2**63), 5],
+    [-1, 0, -1],
+    [1, 2, 3],
+])
+def test_gather_if_different_agrees_on_every_rank(words: list[int]) -> None:
+    res = run_ranks(workers.vote_run, 3, words)
+    expected = None if len(set(words)) == 1 else words
+    assert res == [expected] * 3

@@ -179,3 +179,10 @@ def hooks_run(rank: int, world: int, mode: str) -> dict[str, Any]:
     if mode == "scaler":
         out["scale"] = float(kwargs["grad_scaler"].get_scale())
     return out
+
+
+def vote_run(rank: int, world: int, words: list[int]) -> list[int] | None:
+    """gather_if_different on this rank's word from ``words`` (one per rank)."""
+    from sdc_guard.vote import gather_if_different
+
+    return gather_if_different(torch.tensor([words[rank]], dtype=torch.int64))

@@ -2,10 +2,11 @@
 
 After ``optimizer.step()`` each rank fingerprints its parameters (in
 ``named_parameters`` order) and, optionally, its optimizer state tensors
-(param groups in order, parameters in order, state keys sorted), then one
-``all_gather`` of a single 64-bit word per rank and a majority vote: ranks
-outside a strict majority are suspects; no strict majority (or world size 2)
-is a detection without a suspect.
+(param groups in order, parameters in order, state keys sorted). One small
+all-reduce (the maximum and minimum of the 64-bit words) settles the common case,
+every rank equal; otherwise one ``all_gather`` of the word per rank and a
+majority vote: ranks outside a strict majority are suspects; no strict majority
+(or world size 2) is a detection without a suspect.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 from sdc_guard.fingerprints import fingerprint_tensor, to_unsigned64
 from sdc_guard.report import Detection
-from sdc_guard.vote import all_gather_rows, majority_outliers
+from sdc_guard.vote import gather_if_different, majority_outliers
 
 
 def state_tensors(
@@ -54,7 +55,10 @@ class WeightsCheck:
 
     def verdict(self, step: int, device: torch.device) -> list[Detection]:
         fp = self.local_fingerprint().to(device).reshape(1)
-        values = [to_unsigned64(v) for v in all_gather_rows(fp, self.group)[:, 0].tolist()]
+        gathered = gather_if_different(fp, self.group)
+        if gathered is None:
+            return []
+        values = [to_unsigned64(v) for v in gathered]
         outliers = majority_outliers(values)
         if outliers == ():
             return []
