@@ -117,7 +117,7 @@ class ReplayAudit:
             return
         pairs = [(self.index[id(p)], g) for p, g in zip(bucket.parameters(), bucket.gradients(),
                                                           strict=True) if id(p) in self.index]
-        terms = indexed_terms(pairs, self.device)
+        terms = indexed_terms(pairs, self.device, digest=True)
         self._own_terms = terms if self._own_terms is None else self._own_terms + terms
 
     def begin(self, audit: bool, step: int, own_losses: list[torch.Tensor]) -> None:
@@ -179,7 +179,7 @@ class ReplayAudit:
                     b.copy_(saved)
             self.phase = "train"
         pairs = [(i, g) for i, g in enumerate(grads) if g is not None]
-        return fingerprint_tensor(losses), mix64(indexed_terms(pairs, self.device))
+        return fingerprint_tensor(losses), mix64(indexed_terms(pairs, self.device, digest=True))
 
     # -- verdict ----------------------------------------------------------------------------
     def verdict(self, step: int) -> list[Detection]:
