@@ -83,31 +83,35 @@ def _flags_consensus(flags: torch.Tensor) -> bool:
     return bool(counts.any())
 
 
-def _interval(rounds: dict[str, list[float]], ratio: Callable[[dict[str, float]], float],
-              n: int = 2000) -> tuple[float, float]:
-    """A 90% bootstrap interval of ``ratio`` over the measurement rounds.
+Rounds = dict[str, list[list[float]]]
+"""Per configuration, per round, the samples measured in that round."""
 
-    ``rounds[name][i]`` is configuration ``name``'s mean step time in round i (the
-    configurations alternate inside a round, so a round is the unit of resampling).
-    Seeded: the interval is reproducible from the same measurements.
+
+def _interval(rounds: Rounds, stat: Callable[[dict[str, list[float]]], float],
+              n: int = 1000) -> tuple[float, float]:
+    """A 90% bootstrap interval of ``stat`` over the measurement rounds.
+
+    The configurations alternate inside a round, so a round is the unit of
+    resampling: each resample pools the samples of randomly drawn rounds and applies
+    the same ``stat`` as the headline number. Seeded, so reproducible.
     """
     rng = random.Random(0)
     count = len(next(iter(rounds.values())))
     stats = []
     for _ in range(n):
         pick = [rng.randrange(count) for _ in range(count)]
-        means = {k: statistics.fmean(v[i] for i in pick) for k, v in rounds.items()}
+        pooled = {k: [x for i in pick for x in v[i]] for k, v in rounds.items()}
         try:
-            stats.append(ratio(means))
-        except ZeroDivisionError:
+            stats.append(stat(pooled))
+        except (ZeroDivisionError, statistics.StatisticsError):
             continue
     stats.sort()
     return stats[int(0.05 * len(stats))], stats[int(0.95 * len(stats)) - 1]
 
 
-def _per_round(samples: list[float], rounds: int) -> list[float]:
+def _rounds(samples: list[Any], rounds: int) -> list[list[Any]]:
     per = len(samples) // rounds
-    return [statistics.fmean(samples[i * per:(i + 1) * per]) for i in range(rounds)]
+    return [samples[i * per:(i + 1) * per] for i in range(rounds)]
 
 
 # -- per-check overhead ---------------------------------------------------------------------
@@ -201,11 +205,12 @@ def _overhead_rank(rank: int, world: int, rounds: int, block: int, batch: int) -
             dist.barrier()
             direct["nonfinite: flags all_reduce (2 x int32)"].append(
                 _time(lambda: _flags_consensus(flags)))
-    per_round = {k: _per_round(v, rounds) for k, v in times.items()}
+    per_round = {k: _rounds(v, rounds) for k, v in times.items()}
     result = {
         "params": params,
         "overhead_interval_90": {
-            k: _interval(per_round, lambda m, k=k: m[k] / m["plain DDP"] - 1.0)
+            k: _interval(per_round, lambda m, k=k: statistics.median(m[k])
+                         / statistics.median(m["plain DDP"]) - 1.0)
             for k in times if k != "plain DDP"},
         "state_bytes": flat.numel() * 4,
         "step_s": {k: statistics.median(v) for k, v in times.items()},
@@ -224,9 +229,9 @@ def _replay_rank(rank: int, world: int, rounds: int, batch: int) -> dict[str, An
     The ideal of interval k is a real run, alternated with the others: replay off, plus
     one plain forward+backward of the neighbour's batch at the start of every k-th step
     (what the audit must at least do), so it meets the same contention and the same
-    synchronisation pattern as the audit. Every configuration runs the same number of
-    steps (a multiple of 50), so exactly 1/k of interval k's steps are audits and the
-    mean step time carries the audit cost.
+    synchronisation pattern as the audit. The cost per step is estimated from the
+    medians of the audit (or extra) steps and of the other steps (see
+    ``extra_per_step``), for the audit and the ideal alike.
     """
     d_in, n_out = 512, 10
     batch_for = functools.partial(classification_batch, batch=batch, d_in=d_in, n_out=n_out)
@@ -257,6 +262,7 @@ def _replay_rank(rank: int, world: int, rounds: int, batch: int) -> dict[str, An
     steps = {k: 0 for k in runs}
     times: dict[str, list[float]] = {k: [] for k in runs}
     cpu: dict[str, list[float]] = {k: [] for k in runs}
+    step_ids: dict[str, list[int]] = {k: [] for k in runs}
     fwd_bwd: list[float] = []
     for g in runs.values():  # warm-up
         g.step(1)
@@ -271,6 +277,7 @@ def _replay_rank(rank: int, world: int, rounds: int, batch: int) -> dict[str, An
                 dist.barrier()
                 times[name].append(time.perf_counter() - t0)
                 cpu[name].append(c1 - c0)
+                step_ids[name].append(steps[name])
                 steps[name] += 1
         for _ in range(3):
             dist.barrier()
@@ -278,29 +285,47 @@ def _replay_rank(rank: int, world: int, rounds: int, batch: int) -> dict[str, An
             loss = cross_entropy_loss(module, batch_for(rank, 0))
             torch.autograd.grad(loss, params)
             fwd_bwd.append(time.perf_counter() - t0)
-    mean = {k: statistics.fmean(v) for k, v in times.items()}
-    cmean = {k: statistics.fmean(v) for k, v in cpu.items()}
-    off, coff = mean["off"], cmean["off"]
+    every = {name: int(name.split()[1]) if " " in name else 1 for name in runs}
+
+    def extra_per_step(samples: dict[str, list[tuple[int, float]]], name: str) -> float:
+        """Robust mean extra time per step of ``name`` over "off": medians by phase.
+
+        Interval k's steps are 1/k audit (or extra) steps and (k-1)/k others; the median
+        of each kind, weighted so, is what the mean would be without this machine's
+        occasional 100 ms stalls, which would otherwise swamp 1% effects.
+        """
+        k = every[name]
+        base = statistics.median(t for _, t in samples["off"])
+        hit = statistics.median(t for st, t in samples[name] if st % k == 0)
+        if k == 1:
+            return hit - base
+        rest = statistics.median(t for st, t in samples[name] if st % k != 0)
+        return (hit - base) / k + (rest - base) * (k - 1) / k
+
+    tagged = {k: list(zip(step_ids[k], times[k], strict=True)) for k in runs}
+    ctagged = {k: list(zip(step_ids[k], cpu[k], strict=True)) for k in runs}
+    off = statistics.median(times["off"])
+    coff = statistics.median(cpu["off"])
     fb = statistics.median(fwd_bwd)
     out: dict[str, Any] = {"step_s_replay_off": off, "forward_backward_s": fb,
                            "step_cpu_s_replay_off": coff,
                            "steps_per_config": len(times["off"]), "intervals": {}}
-    per_round = {k: _per_round(v, rounds) for k, v in times.items()}
+    per_round = {k: _rounds(v, rounds) for k, v in tagged.items()}
     for k in REPLAY_INTERVALS:
-        audit, ideal = mean[f"audit {k}"], mean[f"ideal {k}"]
         a, i = f"audit {k}", f"ideal {k}"
+        audit, ideal = extra_per_step(tagged, a), extra_per_step(tagged, i)
         out["intervals"][str(k)] = {
             "ratio_to_ideal_interval_90": _interval(
                 {n: per_round[n] for n in ("off", a, i)},
-                lambda m, a=a, i=i: (m[a] - m["off"]) / (m[i] - m["off"])),
-            "step_s": audit,
-            "ideal_step_s": ideal,
-            "overhead": audit / off - 1.0,
-            "ideal_overhead": ideal / off - 1.0,
-            "ratio_to_ideal": (audit - off) / (ideal - off),
+                lambda m, a=a, i=i: extra_per_step(m, a) / extra_per_step(m, i)),
+            "step_s": off + audit,
+            "ideal_step_s": off + ideal,
+            "overhead": audit / off,
+            "ideal_overhead": ideal / off,
+            "ratio_to_ideal": audit / ideal,
             "formula_overhead": fb / k / off,
-            "ratio_to_formula": (audit - off) / (fb / k),
-            "cpu_ratio_to_ideal": (cmean[f"audit {k}"] - coff) / (cmean[f"ideal {k}"] - coff),
+            "ratio_to_formula": audit / (fb / k),
+            "cpu_ratio_to_ideal": extra_per_step(ctagged, a) / extra_per_step(ctagged, i),
         }
     return out
 
@@ -339,7 +364,7 @@ def _overhead_md(ov: dict[str, Any], *, reference: bool) -> list[str]:
              "Wall time is the target metric; CPU time (the rank's process, all threads) is the "
              "work the check adds, without the waits.", "",
              "| configuration | median step (ms) | overhead vs plain DDP | 90% interval (bootstrap "
-             "over rounds, of means) | median CPU per step (ms) | CPU overhead |",
+             "over rounds) | median CPU per step (ms) | CPU overhead |",
              "|---|---|---|---|---|---|"]
     for name, s in ov["step_s"].items():
         lo, hi = ov["overhead_interval_90"].get(name, (0.0, 0.0))
@@ -367,11 +392,14 @@ def _overhead_md(ov: dict[str, Any], *, reference: bool) -> list[str]:
 def _replay_md(rp: dict[str, Any]) -> list[str]:
     lines = [f"## Replay audit overhead ({rp['world']} rank(s), batch {rp['batch']}, "
              f"{rp['steps_per_config']} steps per configuration, alternated)", "",
-             f"Replay off: {rp['step_s_replay_off']*1e3:.2f} ms/step "
+             f"Replay off: {rp['step_s_replay_off']*1e3:.2f} ms/step (median) "
              f"({rp['step_cpu_s_replay_off']*1e3:.2f} ms CPU). Ideal run: replay off plus one "
              "plain forward+backward of the neighbour's batch every k steps, alternated with the "
              "others. For reference, one forward+backward timed alone: "
-             f"{rp['forward_backward_s']*1e3:.2f} ms.", "",
+             f"{rp['forward_backward_s']*1e3:.2f} ms. Step times per configuration are robust "
+             "means: the median of its audit (or extra) steps and the median of its other "
+             "steps, weighted 1/k and (k-1)/k, so that this machine's occasional 100 ms stalls "
+             "do not swamp effects of 1%.", "",
              "| interval | audit step (ms) | audit overhead | ideal step (ms) | ideal overhead "
              "| **measured / ideal** | 90% interval (bootstrap over rounds) | CPU measured / ideal "
              "| measured / (fwd+bwd alone / k) |",
