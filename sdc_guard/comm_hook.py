@@ -85,14 +85,12 @@ class GuardCommHook:
         self.after: list[ReducedCallback] = []
         self.step = -1
         self.local_bad: torch.Tensor | None = None
-        self.buckets_seen = 0
         self._results: list[torch.Tensor] = []
 
     def begin_step(self, step: int) -> None:
         """Reset the per-step flags; call before the backward pass of ``step``."""
         self.step = step
         self.local_bad = None
-        self.buckets_seen = 0
         self._results = []
 
     def flags(self, device: torch.device) -> torch.Tensor:
@@ -104,7 +102,7 @@ class GuardCommHook:
         out = torch.zeros(2, dtype=torch.int32, device=device)
         if self.local_bad is not None:
             out[0] = self.local_bad.to(device)
-        if self.check_nonfinite and self._results:
+        if self._results:
             bad = [_bad(t) for t in self._results]
             out[1] = (bad[0] if len(bad) == 1 else torch.stack(bad).any()).to(device)
         return out
@@ -126,7 +124,6 @@ class GuardCommHook:
     @staticmethod
     def hook(state: "GuardCommHook", bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         """The function registered with DDP (``state`` is the ``GuardCommHook``)."""
-        state.buckets_seen += 1
         for cb in state.before:
             cb(bucket)
         if state.check_nonfinite:
@@ -141,7 +138,8 @@ class GuardCommHook:
             if not state.after:
                 # The all-reduce is in place: the bucket buffer holds the result, and
                 # still does after the backward pass, when ``flags`` checks it.
-                state._results.append(bucket.buffer())
+                if state.check_nonfinite:
+                    state._results.append(bucket.buffer())
                 return fut
         else:
             fut = state.inner_hook(state.inner_state, bucket)
@@ -151,7 +149,8 @@ class GuardCommHook:
             out: torch.Tensor = value[0] if isinstance(value, list) else value
             for cb in state.after:
                 cb(bucket, out)
-            state._results.append(out)
+            if state.check_nonfinite:
+                state._results.append(out)
             return out
 
         return fut.then(_after)

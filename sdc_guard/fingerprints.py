@@ -231,15 +231,14 @@ def _weighted(src: torch.Tensor, prep: Prep | None) -> torch.Tensor:
     n_chunks = (rows + chunk_rows - 1) // chunk_rows
     row_sums = torch.empty(rows, dtype=torch.int64, device=dev)
     col_sums = torch.zeros(n_chunks, _GROUPS, _ROW, dtype=torch.int64, device=dev)
-    buf = _scratch_buffer(min(rows, chunk_rows) * _ROW, dev) if prep is not None else src
+    scratch = None if prep is None else _scratch_buffer(min(rows, chunk_rows) * _ROW, dev)
     for k in range(n_chunks):
         r0 = k * chunk_rows
         r1 = min(rows, r0 + chunk_rows)
-        if prep is None:
-            h = src[r0 * _ROW : r1 * _ROW]
-        else:
-            h = buf[: (r1 - r0) * _ROW]
-            prep(src[r0 * _ROW : r1 * _ROW], h)
+        h = src[r0 * _ROW : r1 * _ROW]
+        if prep is not None and scratch is not None:
+            prep(h, scratch[: h.numel()])
+            h = scratch[: h.numel()]
         torch.sum(h.view(-1, _ROW), 1, out=row_sums[r0:r1])
         if (r1 - r0) % _GROUPS == 0:
             torch.sum(h.view(_GROUPS, -1, _ROW), 1, out=col_sums[k])
