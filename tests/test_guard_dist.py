@@ -35,6 +35,17 @@ def test_nan_gradient_names_rank_2_and_is_contained() -> None:
     assert len({r["final"] for r in res}) == 1
 
 
+@pytest.mark.parametrize(("ranks", "suspects"), [((1,), (1,)), ((0, 1, 2), ())])
+def test_non_finite_reduced_result_is_judged_the_same_on_every_rank(
+        ranks: tuple[int, ...], suspects: tuple[int, ...]) -> None:
+    fault = {"site": "reduced_nan", "ranks": ranks, "step": 3}
+    res = run_ranks(workers.guarded_run, 3, 5, fault)
+    for r in res:
+        assert r["detections"] == [("nonfinite", 3, suspects)]
+        assert r["skipped"] == [3]
+    assert len({r["final"] for r in res}) == 1
+
+
 def test_world_size_two_reports_mismatch_without_suspect() -> None:
     fault = {"site": "weight_bitflip", "rank": 1, "step": 3, "bit": 5}
     res = run_ranks(workers.guarded_run, 2, 5, fault)

@@ -61,6 +61,17 @@ def guarded_run(rank: int, world: int, steps: int, fault: dict[str, Any] | None 
             if guard.comm.step == fault["step"]:
                 bucket.buffer()[0] = float("nan")
         guard.comm.before.append(nan)
+    if fault.get("site") == "reduced_nan":
+        # A fault in this rank's copy of the all-reduced gradients: written into the
+        # bucket result after the backward pass (the default path has no callback).
+        judge = guard.nonfinite.verdict
+
+        def corrupt_then_judge(step: int, device: torch.device) -> list[sdc_guard.Detection]:
+            if step == fault["step"] and rank in fault["ranks"]:
+                guard.comm._results[0][0] = float("nan")
+            return judge(step, device)
+
+        guard.nonfinite.verdict = corrupt_then_judge  # type: ignore[method-assign]
     reports = [guard.step(s) for s in range(steps)]
     out = {
         "detections": _summary(reports),
