@@ -79,6 +79,9 @@ _MASK64: Final = (1 << 64) - 1
 _ROW: Final = 128
 _CHUNK: Final = 1 << 20
 _GROUPS: Final = 2
+# On an accelerator: chunks of 2**26 lanes, so the int64 scratch copy stays at 512 MiB
+# however large the tensor (a 4 GiB embedding would otherwise need 8 GiB of scratch).
+_DEVICE_CHUNK: Final = 1 << 26
 _SEED: Final = 0x9E3779B97F4A7C15
 # Below this many values a tensor is summed directly against cached weights
 # (fewer kernel launches than the row/column decomposition).
@@ -227,7 +230,8 @@ def _weighted(src: torch.Tensor, prep: Prep | None) -> torch.Tensor:
         prep(src, buf)
         return (buf * _odd_weights(n, dev)).sum()
     rows = n // _ROW
-    chunk_rows = rows if dev.type != "cpu" else max(_GROUPS, _CHUNK // _ROW // _GROUPS * _GROUPS)
+    chunk = _CHUNK if dev.type == "cpu" else _DEVICE_CHUNK
+    chunk_rows = max(_GROUPS, chunk // _ROW // _GROUPS * _GROUPS)
     n_chunks = (rows + chunk_rows - 1) // chunk_rows
     row_sums = torch.empty(rows, dtype=torch.int64, device=dev)
     col_sums = torch.zeros(n_chunks, _GROUPS, _ROW, dtype=torch.int64, device=dev)
