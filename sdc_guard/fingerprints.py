@@ -54,7 +54,7 @@ elements that differ only in their top bits are not.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
 import torch
@@ -64,6 +64,7 @@ __all__ = [
     "fingerprint_tensor",
     "index_key",
     "indexed_terms",
+    "loss_word",
     "mix64",
     "mix64_int",
     "to_signed64",
@@ -387,6 +388,15 @@ def indexed_terms(pairs: Iterable[tuple[int, torch.Tensor]], device: torch.devic
     values = torch.stack([value(t).to(device) for _, t in items])
     keys = torch.tensor([index_key(i) for i, _ in items], dtype=torch.int64, device=device)
     return mix64(values + keys).sum()
+
+
+def loss_word(losses: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A 0-d int64 word that changes with any bit of any of ``losses`` (the replay audit's).
+
+    The word digest of the stacked losses: one small reduction instead of a full
+    ``fingerprint_tensor`` (about 10x cheaper for the one or few scalars of a step).
+    """
+    return _digest_value(torch.stack([loss.detach().reshape(()) for loss in losses]))
 
 
 def fingerprint(x: torch.Tensor | Iterable[torch.Tensor]) -> int:

@@ -236,3 +236,14 @@ def test_bad_input_is_named() -> None:
         fingerprint([torch.zeros(2), 3])  # type: ignore[list-item]
     with pytest.raises(TypeError, match="not supported"):
         fingerprint(torch.zeros(2, dtype=torch.float8_e4m3fnuz))
+
+
+def test_loss_word_sees_every_bit_of_every_micro_batch_loss() -> None:
+    losses = [torch.tensor(2.5), torch.tensor(0.125), torch.tensor(-1.0)]
+    base = int(fpmod.loss_word(losses))
+    for i in range(3):
+        for bit in (0, 22, 31):
+            changed = [loss.clone() for loss in losses]
+            changed[i].view(torch.int32).bitwise_xor_(-(1 << 31) if bit == 31 else 1 << bit)
+            assert int(fpmod.loss_word(changed)) != base, (i, bit)
+    assert int(fpmod.loss_word(losses[::-1])) != base

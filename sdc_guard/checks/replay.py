@@ -50,7 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.comm_hook import GuardCommHook
 from sdc_guard.determinism import rng_stream
-from sdc_guard.fingerprints import fingerprint_tensor, indexed_terms, mix64, to_unsigned64
+from sdc_guard.fingerprints import indexed_terms, loss_word, to_unsigned64
 from sdc_guard.report import Detection
 from sdc_guard.vote import all_gather_rows
 
@@ -145,9 +145,9 @@ class ReplayAudit:
         """
         if not self._observing or self._replayed is None or self._words is not None:
             return
-        own_loss = fingerprint_tensor(list(self._own_losses))
-        own_grad = mix64(self._own_terms if self._own_terms is not None
-                         else torch.zeros((), dtype=torch.int64, device=self.device))
+        own_loss = loss_word(self._own_losses)
+        own_grad = (self._own_terms if self._own_terms is not None
+                    else torch.zeros((), dtype=torch.int64, device=self.device))
         rep_loss, rep_grad = self._replayed
         words = torch.stack([own_loss.to(self.device), own_grad, rep_loss.to(self.device),
                              rep_grad])
@@ -179,7 +179,7 @@ class ReplayAudit:
                     b.copy_(saved)
             self.phase = "train"
         pairs = [(i, g) for i, g in enumerate(grads) if g is not None]
-        return fingerprint_tensor(losses), mix64(indexed_terms(pairs, self.device, digest=True))
+        return loss_word(losses), indexed_terms(pairs, self.device, digest=True)
 
     # -- verdict ----------------------------------------------------------------------------
     def verdict(self, step: int) -> list[Detection]:
