@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import sdc_guard.fingerprints as fpmod
 from scenarios.launch import run_ranks
 from scenarios.models import classification_batch, cross_entropy_loss, reference_mlp
 from sdc_guard import GuardConfig, SDCGuard, fingerprint, fingerprint_tensor
@@ -41,6 +42,19 @@ def _time(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def _torch_path(x: torch.Tensor) -> int:
+    fpmod.disable_native()
+    return fingerprint(x)
+
+
+def _native_path(x: torch.Tensor) -> int:
+    fpmod.enable_native()
+    try:
+        return fingerprint(x)
+    finally:
+        fpmod.disable_native()
+
+
 def fingerprint_throughput(mib: int, rounds: int) -> dict[str, Any]:
     """GiB/s of each way to summarise the same float32 tensor, alternated round by round."""
     x = torch.randn(mib * 1024 * 1024 // 4)
@@ -48,7 +62,7 @@ def fingerprint_throughput(mib: int, rounds: int) -> dict[str, Any]:
     mv = memoryview(x.numpy()).cast("B")
     methods: dict[str, Callable[[], object]] = {
         "torch.sum (one read pass)": lambda: float(x.sum()),
-        "sdc_guard.fingerprint": lambda: fingerprint(x),
+        "sdc_guard.fingerprint (torch ops, the default)": lambda: _torch_path(x),
         "torch.hash_tensor (XOR, order-blind)": lambda: torch.hash_tensor(x).view(torch.int64).item(),
         "sha256 over the bytes": lambda: hashlib.sha256(mv).digest(),
     }
@@ -58,6 +72,9 @@ def fingerprint_throughput(mib: int, rounds: int) -> dict[str, Any]:
         methods["xxh3_64 over the bytes"] = lambda: xxhash.xxh3_64_intdigest(mv)
     except ImportError:  # pragma: no cover - xxhash is in the dev extra
         pass
+    if fpmod.enable_native():
+        fpmod.disable_native()
+        methods["sdc_guard.fingerprint (native kernel, opt-in)"] = lambda: _native_path(x)
     times: dict[str, list[float]] = {k: [] for k in methods}
     for fn in methods.values():
         fn()  # warm up

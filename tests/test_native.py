@@ -1,0 +1,55 @@
+"""The optional fused CPU kernel computes exactly what the torch path computes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import sdc_guard.fingerprints as fpmod
+from sdc_guard import fingerprint
+
+from .test_fingerprint import DTYPES, _random_tensor
+
+
+@pytest.fixture
+def native() -> Iterator[None]:
+    if not fpmod.enable_native():
+        pytest.skip("no C++ toolchain to build sdc_guard._native (the torch path is used)")
+    try:
+        yield
+    finally:
+        fpmod.disable_native()
+
+
+@pytest.mark.parametrize("n", [fpmod._SMALL + 1, 65_537 * 3, 300_001, (1 << 20) + 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.uint8])
+def test_native_values_equal_the_torch_path(native: None, n: int, dtype: torch.dtype) -> None:
+    t = _random_tensor(dtype, n, seed=n)
+    with_native = (int(fpmod._tensor_value(t)), int(fpmod._digest_value(t)), fingerprint(t))
+    fpmod.disable_native()
+    assert with_native == (int(fpmod._tensor_value(t)), int(fpmod._digest_value(t)),
+                           fingerprint(t))
+
+
+def test_native_fingerprints_of_every_dtype_and_views(native: None) -> None:
+    cases = [_random_tensor(d, 70_001, seed=3) for d in DTYPES[:-1]]
+    base = torch.randn(600, 700)
+    cases += [base.t(), base[::3, 5:], torch.zeros(1 << 17)]
+    got = [fingerprint(t) for t in cases]
+    fpmod.disable_native()
+    assert got == [fingerprint(t) for t in cases]
+
+
+def test_native_uses_torch_threads(native: None) -> None:
+    t = torch.randn((1 << 20) + 5)
+    threads = torch.get_num_threads()
+    try:
+        values = set()
+        for k in (1, 2):
+            torch.set_num_threads(k)
+            values.add(fingerprint(t))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(values) == 1
