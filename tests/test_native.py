@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+import sdc_guard._native as native_mod
 import sdc_guard.fingerprints as fpmod
 from sdc_guard import fingerprint
 
@@ -15,8 +17,12 @@ from .test_fingerprint import DTYPES, _random_tensor
 
 @pytest.fixture
 def native() -> Iterator[None]:
-    if not fpmod.enable_native():
-        pytest.skip("no C++ toolchain to build sdc_guard._native (the torch path is used)")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        available = fpmod.enable_native()
+    if not available:
+        pytest.skip("sdc_guard._native could not be built here (the torch path is used): "
+                    + "; ".join(str(w.message) for w in caught))
     try:
         yield
     finally:
@@ -53,3 +59,16 @@ def test_native_uses_torch_threads(native: None) -> None:
     finally:
         torch.set_num_threads(threads)
     assert len(values) == 1
+
+
+def test_a_failed_build_falls_back_to_torch_with_one_warning(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native_mod, "_SOURCE", native_mod._SOURCE + "\n#error broken on purpose\n")
+    monkeypatch.setattr(native_mod, "_tried", False)
+    monkeypatch.setattr(native_mod, "_module", None)
+    with pytest.warns(RuntimeWarning, match="could not be built"):
+        assert fpmod.enable_native() is False
+    assert native_mod.load() is None  # tried once: no second build, no second warning
+    t = torch.randn(100_000)
+    assert fingerprint(t) == fingerprint(t.clone())
+    fpmod.disable_native()
