@@ -240,7 +240,8 @@ def _overhead_rank(rank: int, world: int, rounds: int, block: int, batch: int) -
 REPLAY_INTERVALS = (1, 2, 5, 10, 50)
 
 
-def _replay_rank(rank: int, world: int, rounds: int, batch: int) -> dict[str, Any]:
+def _replay_rank(rank: int, world: int, rounds: int, batch: int,
+                 native: bool = False) -> dict[str, Any]:
     """Step time with the replay audit at several intervals, beside replay off and the ideal.
 
     The ideal of interval k is a real run, alternated with the others: replay off, plus
@@ -250,6 +251,7 @@ def _replay_rank(rank: int, world: int, rounds: int, batch: int) -> dict[str, An
     medians of the audit (or extra) steps and of the other steps (see
     ``extra_per_step``), for the audit and the ideal alike.
     """
+    native_in_use = fpmod.enable_native() if native else False
     d_in, n_out = 512, 10
     batch_for = functools.partial(classification_batch, batch=batch, d_in=d_in, n_out=n_out)
     runs: dict[str, SDCGuard] = {}
@@ -325,7 +327,7 @@ def _replay_rank(rank: int, world: int, rounds: int, batch: int) -> dict[str, An
     coff = statistics.median(cpu["off"])
     fb = statistics.median(fwd_bwd)
     out: dict[str, Any] = {"step_s_replay_off": off, "forward_backward_s": fb,
-                           "step_cpu_s_replay_off": coff,
+                           "step_cpu_s_replay_off": coff, "native_kernel": native_in_use,
                            "steps_per_config": len(times["off"]), "intervals": {}}
     per_round = {k: _rounds(v, rounds) for k, v in tagged.items()}
     for k in REPLAY_INTERVALS:
@@ -347,8 +349,8 @@ def _replay_rank(rank: int, world: int, rounds: int, batch: int) -> dict[str, An
     return out
 
 
-def replay_overhead(world: int, rounds: int, batch: int) -> dict[str, Any]:
-    res = run_ranks(_replay_rank, world, rounds, batch, timeout=3600)[0]
+def replay_overhead(world: int, rounds: int, batch: int, native: bool = False) -> dict[str, Any]:
+    res = run_ranks(_replay_rank, world, rounds, batch, native, timeout=3600)[0]
     res.update({"world": world, "batch": batch})
     return res
 
@@ -407,8 +409,9 @@ def _overhead_md(ov: dict[str, Any], *, reference: bool) -> list[str]:
 
 
 def _replay_md(rp: dict[str, Any]) -> list[str]:
+    kernel = ", fingerprints with the opt-in native kernel" if rp.get("native_kernel") else ""
     lines = [f"## Replay audit overhead ({rp['world']} rank(s), batch {rp['batch']}, "
-             f"{rp['steps_per_config']} steps per configuration, alternated)", "",
+             f"{rp['steps_per_config']} steps per configuration, alternated{kernel})", "",
              f"Replay off: {rp['step_s_replay_off']*1e3:.2f} ms/step (median) "
              f"({rp['step_cpu_s_replay_off']*1e3:.2f} ms CPU). Ideal run: replay off plus one "
              "plain forward+backward of the neighbour's batch every k steps, alternated with the "
@@ -459,6 +462,14 @@ def _markdown(results: dict[str, Any]) -> str:
                   "competes for the cores and no rank waits for another, so this is the work the "
                   "audit adds, against one forward+backward.", ""]
         lines += _replay_md(results["replay_world1"])
+    native = [k for k in ("replay_native", "replay_world1_native")
+              if results.get(k, {}).get("native_kernel")]
+    if native:
+        lines += ["## The same audit with the opt-in native fingerprint kernel", "",
+                  "`SDC_GUARD_NATIVE=1` in every rank: the gradient digests and the "
+                  "fingerprints run in one fused pass.", ""]
+    for key in native:
+        lines += _replay_md(results[key])
     return "\n".join(lines) + "\n"
 
 
@@ -489,6 +500,12 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(results["replay_world2"], indent=1))
     results["replay_world1"] = replay_overhead(1, rounds=2 if args.quick else 5, batch=128)
     print(json.dumps(results["replay_world1"], indent=1))
+    results["replay_native"] = replay_overhead(3, rounds=2 if args.quick else 10, batch=128,
+                                               native=True)
+    print(json.dumps(results["replay_native"], indent=1))
+    results["replay_world1_native"] = replay_overhead(1, rounds=2 if args.quick else 5,
+                                                      batch=128, native=True)
+    print(json.dumps(results["replay_world1_native"], indent=1))
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "RESULTS.md").write_text(_markdown(results))
     print((out / "RESULTS.md").read_text())
