@@ -42,7 +42,7 @@ def gather_if_different(word: torch.Tensor, group: dist.ProcessGroup | None = No
     w = word.reshape(1).to(torch.int64)
     both = torch.cat([w, torch.bitwise_not(w)])
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    lo_hi = both.tolist()
-    if lo_hi[0] == ~lo_hi[1]:  # max == min
+    largest, not_smallest = both.tolist()
+    if largest == ~not_smallest:  # max == min: every rank holds the same word
         return None
     return [int(v) for v in all_gather_rows(w, group)[:, 0].tolist()]
