@@ -488,24 +488,23 @@ def main(argv: list[str] | None = None) -> int:
     results["fingerprint"] = fingerprint_throughput(64 if args.quick else 256,
                                                     3 if args.quick else 9)
     print(json.dumps(results["fingerprint"], indent=1))
-    results["overhead"] = check_overhead(3, rounds=2 if args.quick else 10,
-                                         block=3 if args.quick else 8, batch=128)
-    print(json.dumps(results["overhead"], indent=1))
-    results["replay"] = replay_overhead(3, rounds=2 if args.quick else 10, batch=128)
-    print(json.dumps(results["replay"], indent=1))
-    results["overhead_world2"] = check_overhead(2, rounds=2 if args.quick else 6,
-                                                block=3 if args.quick else 8, batch=128)
-    print(json.dumps(results["overhead_world2"], indent=1))
-    results["replay_world2"] = replay_overhead(2, rounds=2 if args.quick else 5, batch=128)
-    print(json.dumps(results["replay_world2"], indent=1))
-    results["replay_world1"] = replay_overhead(1, rounds=2 if args.quick else 5, batch=128)
-    print(json.dumps(results["replay_world1"], indent=1))
-    results["replay_native"] = replay_overhead(3, rounds=2 if args.quick else 10, batch=128,
-                                               native=True)
-    print(json.dumps(results["replay_native"], indent=1))
-    results["replay_world1_native"] = replay_overhead(1, rounds=2 if args.quick else 5,
-                                                      batch=128, native=True)
-    print(json.dumps(results["replay_world1_native"], indent=1))
+    q = args.quick
+    runs: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        ("overhead", lambda: check_overhead(3, rounds=2 if q else 10, block=3 if q else 8,
+                                            batch=128)),
+        ("replay", lambda: replay_overhead(3, rounds=2 if q else 10, batch=128)),
+        ("overhead_world2", lambda: check_overhead(2, rounds=2 if q else 6, block=3 if q else 8,
+                                                   batch=128)),
+        ("replay_world2", lambda: replay_overhead(2, rounds=2 if q else 5, batch=128)),
+        ("replay_world1", lambda: replay_overhead(1, rounds=2 if q else 5, batch=128)),
+        ("replay_native", lambda: replay_overhead(3, rounds=2 if q else 10, batch=128,
+                                                  native=True)),
+        ("replay_world1_native", lambda: replay_overhead(1, rounds=2 if q else 5, batch=128,
+                                                         native=True)),
+    ]
+    for key, measure in runs:
+        results[key] = measure()
+        print(json.dumps(results[key], indent=1))
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "RESULTS.md").write_text(_markdown(results))
     print((out / "RESULTS.md").read_text())

@@ -175,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--mib", type=int, nargs="*", default=[256, 4096])
     args = ap.parse_args(argv)
+    try:
+        torch.device(args.device)
+    except RuntimeError:
+        ap.error(f"--device {args.device!r} is not a torch device; use cuda, cuda:N or cpu.")
+    if any(m <= 0 for m in args.mib):
+        ap.error(f"--mib takes tensor sizes in MiB > 0, got {args.mib}.")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("device_check: CUDA is not available on this machine; nothing was checked.",
               file=sys.stderr)

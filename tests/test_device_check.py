@@ -23,3 +23,15 @@ def test_refuses_without_cuda(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert device_check.main(["--out", str(tmp_path)]) == 2
     assert "CUDA is not available" in capsys.readouterr().err
     assert not (tmp_path / "device_check.json").exists()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--device", "gpu0"], "is not a torch device"),
+    (["--device", "cpu", "--mib", "0"], "--mib takes tensor sizes"),
+])
+def test_bad_arguments_are_named(args: list[str], message: str,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        device_check.main(args)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
