@@ -52,7 +52,9 @@ The replay audit compares two computations of the same gradients, where a swap
 is not a fault model, and uses a cheaper word digest ``D = sum_k (2k+1) X_k``
 over the raw 64-bit words (``_digest_value``: no widening pass, about 2x
 faster). Single-element changes are still guaranteed to change it; swaps of
-elements that differ only in their top bits are not.
+elements that differ only in their top bits are not. D is linear, so D of
+tensors laid end to end is a sum of per-tensor parts (``digest_parts``,
+``concat_digest``): one flat DDP bucket or its separate gradients give the same.
 """
 
 from __future__ import annotations
@@ -65,17 +67,18 @@ from typing import Any, Final
 import torch
 
 __all__ = [
+    "concat_digest",
+    "digest_parts",
     "disable_native",
     "enable_native",
     "fingerprint",
     "fingerprint_tensor",
-    "index_key",
-    "indexed_terms",
     "loss_word",
     "mix64",
     "mix64_int",
     "to_signed64",
     "to_unsigned64",
+    "word_count",
 ]
 
 _MASK64: Final = (1 << 64) - 1
@@ -250,23 +253,32 @@ def _native_mode(prep: Prep | None) -> int:
     return 0 if prep is _prep_lanes else 1 if prep is _prep_words else 2
 
 
-def _weighted(src: torch.Tensor, prep: Prep | None) -> torch.Tensor:
+def _weighted(src: torch.Tensor, prep: Prep | None, *, with_sum: bool = False) -> torch.Tensor:
     """sum_k (2k+1) * prep(src)_k modulo 2**64, a 0-d int64 tensor on src's device.
 
     ``prep=None``: ``src`` is already int64 and is summed as it is, without a copy.
+    ``with_sum=True``: an int64 pair ``[that, sum_k prep(src)_k]`` instead (the plain
+    sum falls out of the row sums at no extra pass).
     """
     dev = src.device
     n = src.numel()
     if _native is not None and dev.type == "cpu" and n > _SMALL:
         mode = _native_mode(prep)
         flat = src.view(torch.int32) if mode == 0 else src
-        return torch.tensor(_native.weighted(flat, mode), dtype=torch.int64)
+        value = torch.tensor(_native.weighted(flat, mode), dtype=torch.int64)
+        if not with_sum:
+            return value
+        if prep is not None:
+            raise ValueError("_weighted(with_sum=True) sums raw int64 words only (prep=None)")
+        return torch.stack([value, src.sum()])
     if n <= _SMALL:
         if prep is None:
-            return (src * _odd_weights(n, dev)).sum()
-        buf = torch.empty(n, dtype=torch.int64, device=dev)
-        prep(src, buf)
-        return (buf * _odd_weights(n, dev)).sum()
+            vals = src
+        else:
+            vals = torch.empty(n, dtype=torch.int64, device=dev)
+            prep(src, vals)
+        value = (vals * _odd_weights(n, dev)).sum()
+        return torch.stack([value, vals.sum()]) if with_sum else value
     rows = n // _ROW
     chunk = _CHUNK if dev.type == "cpu" else _DEVICE_CHUNK
     chunk_rows = max(_GROUPS, chunk // _ROW // _GROUPS * _GROUPS)
@@ -290,6 +302,7 @@ def _weighted(src: torch.Tensor, prep: Prep | None) -> torch.Tensor:
     s = 2 * _ROW * (row_sums * _arange(rows, dev)).sum() + (
         col_sums.view(-1, _ROW).sum(0) * _odd_weights(_ROW, dev)
     ).sum()
+    total = row_sums.sum() if with_sum else None
     if rows * _ROW < n:
         rest = src[rows * _ROW :]
         if prep is None:
@@ -297,8 +310,11 @@ def _weighted(src: torch.Tensor, prep: Prep | None) -> torch.Tensor:
         else:
             tail = torch.empty(rest.numel(), dtype=torch.int64, device=dev)
             prep(rest, tail)
-        s = s + (tail * _odd_weights(rest.numel(), dev)).sum() + 2 * rows * _ROW * tail.sum()
-    return s
+        tail_sum = tail.sum()
+        s = s + (tail * _odd_weights(rest.numel(), dev)).sum() + 2 * rows * _ROW * tail_sum
+        if total is not None:
+            total = total + tail_sum
+    return s if total is None else torch.stack([s, total])
 
 
 def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -348,12 +364,35 @@ def _digest_value(t: torch.Tensor) -> torch.Tensor:
     compare two computations of the same numbers, not as an order-sensitive
     fingerprint.
     """
+    return digest_parts(t)[0]
+
+
+def word_count(t: torch.Tensor) -> int:
+    """How many 64-bit words hold ``t``'s bytes (the last one zero-padded)."""
+    return (t.numel() * t.element_size() + 7) // 8
+
+
+def digest_parts(t: torch.Tensor) -> torch.Tensor:
+    """int64 ``[D, S]`` of ``t``'s raw words: the digest D and the plain sum S (mod 2**64)."""
     raw = _raw_bytes(t)
     full = raw.numel() // 8 * 8
-    value = _weighted(raw[:full].view(torch.int64), None)
+    parts = _weighted(raw[:full].view(torch.int64), None, with_sum=True)
     if full < raw.numel():
-        value = value + (2 * (full // 8) + 1) * _tail_word(raw, full, 8)[0]
-    return value
+        last = _tail_word(raw, full, 8)[0]
+        parts = parts + torch.stack([(2 * (full // 8) + 1) * last, last])
+    return parts
+
+
+def concat_digest(parts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """D of tensors laid end to end, from their ``[D, S]`` rows and their word offsets.
+
+    A tensor whose words start at word ``o`` of the concatenation contributes
+    ``sum_k (2(o+k)+1) X_k = D + 2 o S``. So D of a concatenation is a sum of parts,
+    computed per tensor, per flat buffer, in any grouping: the replay audit gets the
+    same digest of a model's gradients from DDP's buckets as from separate tensors.
+    ``parts`` is ``[n, 2]``, ``offsets`` ``[n]`` (int64, same device); returns a 0-d int64.
+    """
+    return (parts[:, 0] + 2 * offsets * parts[:, 1]).sum()
 
 
 _key_cache: dict[tuple[torch.device, bool, tuple[int, ...]], torch.Tensor] = {}
@@ -402,38 +441,20 @@ def fingerprint_tensor(x: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor
     return mix64(total)
 
 
-def index_key(index: int) -> int:
-    """The signed 64-bit key of position ``index`` in an unordered, indexed collection."""
-    return to_signed64(mix64_int(mix64_int(index + 0x51ED27) ^ _SEED))
-
-
-def indexed_terms(pairs: Iterable[tuple[int, torch.Tensor]], device: torch.device, *,
-                  digest: bool = False) -> torch.Tensor:
-    """Sum of ``mix(V(t) + key(index))`` over (index, tensor) pairs, a 0-d int64 tensor.
-
-    The sum is commutative, so partial sums computed in any grouping (e.g. per DDP
-    bucket) add up to the same total; ``mix64`` of the total is then a fingerprint of
-    the indexed collection that does not depend on how it was split. A change to one
-    element of one tensor changes exactly one term, hence the total. ``digest=True``
-    uses the cheaper word digest D (see ``_digest_value``) for V: the replay audit
-    compares two computations of the same gradients with it.
-    """
-    items = list(pairs)
-    if not items:
-        return torch.zeros((), dtype=torch.int64, device=device)
-    value = _digest_value if digest else _tensor_value
-    values = torch.stack([value(t).to(device) for _, t in items])
-    keys = torch.tensor([index_key(i) for i, _ in items], dtype=torch.int64, device=device)
-    return mix64(values + keys).sum()
+_INT_OF_SIZE: Final = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def loss_word(losses: Sequence[torch.Tensor]) -> torch.Tensor:
     """A 0-d int64 word that changes with any bit of any of ``losses`` (the replay audit's).
 
-    The word digest of the stacked losses: one small reduction instead of a full
-    ``fingerprint_tensor`` (about 10x cheaper for the one or few scalars of a step).
+    ``sum_k (2k+1) v_k`` over the losses' bits as sign-extended integers ``v_k``: a
+    few tiny ops, where a fingerprint would cost tens. A changed loss changes its
+    ``v`` by ``0 < |d| < 2**64``, times an odd weight; swapping two unequal losses of
+    at most 4 bytes changes it by ``2(i-j)(v_j-v_i) != 0``.
     """
-    return _digest_value(torch.stack([loss.detach().reshape(()) for loss in losses]))
+    stacked = torch.stack([loss.detach().reshape(()) for loss in losses])
+    v = stacked.view(_INT_OF_SIZE[stacked.element_size()]).to(torch.int64)
+    return (v * _odd_weights(v.numel(), v.device)).sum()
 
 
 def fingerprint(x: torch.Tensor | Iterable[torch.Tensor]) -> int:

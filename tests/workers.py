@@ -166,6 +166,46 @@ def replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
     return out
 
 
+class SpareMLP(nn.Module):
+    """An MLP of ``width`` units, with a layer the forward pass never uses if ``spare``."""
+
+    def __init__(self, width: int, spare: bool) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, width)
+        self.spare = nn.Linear(width, width) if spare else None
+        self.fc2 = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def replay_layout_run(rank: int, world: int, steps: int, *, width: int,
+                      unused: bool = False, bucket_mb: float = 25.0) -> dict[str, Any]:
+    """The replay audit's gradient word from flat DDP buckets against the per-gradient path.
+
+    ``width`` odd gives parameters that are not whole 64-bit words (the per-gradient
+    path); ``unused`` gives DDP a parameter without a gradient (find_unused_parameters).
+    """
+    torch.manual_seed(0)
+    model = DDP(SpareMLP(width, unused), find_unused_parameters=unused, bucket_cap_mb=bucket_mb)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = GuardConfig(replay_interval=1, deterministic=True, weights_interval=1)
+    guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for, config=cfg)
+    replay = guard.replay
+    assert replay is not None
+    same: list[bool] = []
+
+    def compare(bucket: Any) -> None:
+        idx = [replay.index[id(p)] for p in bucket.parameters()]
+        per_gradient = replay._digest(bucket.gradients(), idx)
+        same.append(int(replay._bucket_digest(bucket)) == int(per_gradient))
+
+    guard.comm.local_observers.append(compare)
+    reports = [guard.step(s) for s in range(steps)]
+    return {"detections": _summary(reports), "same": same,
+            "flat_buckets": [p is not None for p in replay._plans.values()]}
+
+
 def hooks_run(rank: int, world: int, mode: str) -> dict[str, Any]:
     """A user comm hook composed with the guard, or a GradScaler with an inf gradient."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

@@ -39,7 +39,9 @@ seen by this check (the non-finite and weight checks still run every step).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,7 +52,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.comm_hook import GuardCommHook
 from sdc_guard.determinism import rng_stream
-from sdc_guard.fingerprints import indexed_terms, loss_word, to_unsigned64
+from sdc_guard.fingerprints import concat_digest, digest_parts, loss_word, to_unsigned64, word_count
 from sdc_guard.report import Detection
 from sdc_guard.vote import all_gather_rows
 
@@ -69,6 +71,47 @@ def micro_batches(batch: Any, count: int) -> Sequence[Any]:
             + "."
         )
     return batch
+
+
+@dataclass(frozen=True)
+class _BucketPlan:
+    """Where each parameter's gradient lies in a DDP bucket buffer, in 64-bit words."""
+
+    spans: list[tuple[int, int]]
+    """[start, end) word range of each gradient in the buffer."""
+    shift: torch.Tensor
+    """int64, per gradient: its word offset in parameter order minus its offset in the buffer."""
+
+    @staticmethod
+    def of(buf: torch.Tensor, grads: Sequence[torch.Tensor], idx: Sequence[int],
+           offsets: Sequence[int]) -> _BucketPlan | None:
+        """The plan, or None unless the gradients tile the buffer in whole, aligned words."""
+        size = buf.element_size()
+        if (buf.dim() != 1 or not buf.is_contiguous() or buf.data_ptr() % 8
+                or buf.numel() * size % 8 or any(i < 0 for i in idx)):
+            return None
+        storage = buf.untyped_storage().data_ptr()
+        spans = []
+        for i, g in zip(idx, grads, strict=True):
+            if g.numel() == 0:
+                continue
+            start = g.data_ptr() - buf.data_ptr()
+            nbytes = g.numel() * size
+            if (g.dtype != buf.dtype or not g.is_contiguous() or start % 8 or nbytes % 8
+                    or g.untyped_storage().data_ptr() != storage):
+                return None
+            spans.append((start // 8, (start + nbytes) // 8, i))
+        spans.sort()
+        covered = 0
+        for a, b, _ in spans:  # no gap, no overlap, nothing outside
+            if a != covered:
+                return None
+            covered = b
+        if covered != buf.numel() * size // 8 or not spans:
+            return None
+        shift = torch.tensor([offsets[i] - a for a, _, i in spans], dtype=torch.int64,
+                             device=buf.device)
+        return _BucketPlan([(a, b) for a, b, _ in spans], shift)
 
 
 class ReplayAudit:
@@ -101,9 +144,15 @@ class ReplayAudit:
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         self.index = {id(p): i for i, (_, p) in enumerate(named)}
+        # The gradient word is the digest D of every gradient laid end to end in
+        # parameter order (each padded to whole 64-bit words), wherever it is computed.
+        ends = list(itertools.accumulate(word_count(p) for p in self.params))
+        self.offsets = [0, *ends[:-1]] if ends else []
+        self._offsets = torch.tensor(self.offsets, dtype=torch.int64, device=self.device)
+        self._plans: dict[tuple[int, ...], _BucketPlan | None] = {}
         self.phase = "train"
         """"train" (the rank's own step), "replay" or "arbitrate"; fault injectors read it."""
-        self._own_terms: torch.Tensor | None = None
+        self._own_grad: torch.Tensor | None = None
         self._observing = False
         self._own_losses: list[torch.Tensor] = []
         self._replayed: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -115,10 +164,45 @@ class ReplayAudit:
     def _observe(self, bucket: GradBucket) -> None:
         if not self._observing:
             return
-        pairs = [(self.index[id(p)], g) for p, g in zip(bucket.parameters(), bucket.gradients(),
-                                                          strict=True) if id(p) in self.index]
-        terms = indexed_terms(pairs, self.device, digest=True)
-        self._own_terms = terms if self._own_terms is None else self._own_terms + terms
+        part = self._bucket_digest(bucket)
+        self._own_grad = part if self._own_grad is None else self._own_grad + part
+
+    def _bucket_digest(self, bucket: GradBucket) -> torch.Tensor:
+        """The bucket's share of the gradient word, from its flat buffer when it can be.
+
+        The buffer's own digest puts parameter p's words at its offset b_p in the
+        bucket; moving them to their offset o_p in parameter order adds
+        ``2 (o_p - b_p) S_p`` (``concat_digest``), with S_p the plain sum of p's
+        words. One pass over the buffer plus a sum per parameter, instead of a
+        digest per parameter. Buckets whose gradients are not whole, aligned words
+        of the buffer take the per-parameter path; the value is the same.
+        """
+        buf = bucket.buffer()
+        grads = bucket.gradients()
+        idx = [self.index.get(id(p), -1) for p in bucket.parameters()]
+        key = (bucket.index(), buf.data_ptr(), buf.numel(), *idx)
+        if key not in self._plans:
+            if len(self._plans) > 64:
+                self._plans.clear()
+            self._plans[key] = _BucketPlan.of(buf, grads, idx, self.offsets)
+        plan = self._plans[key]
+        if plan is None:
+            kept = [(i, g) for i, g in zip(idx, grads, strict=True) if i >= 0]
+            return self._digest([g for _, g in kept], [i for i, _ in kept])
+        words = buf.view(torch.int64)
+        sums = torch.stack([words[a:b].sum() for a, b in plan.spans])
+        shift = plan.shift if plan.shift.device == buf.device else plan.shift.to(buf.device)
+        return digest_parts(buf)[0] + 2 * (shift * sums).sum()
+
+    def _digest(self, grads: Sequence[torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
+        """Gradient word of separate gradients (of the parameters at ``indices``)."""
+        if not grads:
+            return torch.zeros((), dtype=torch.int64, device=self.device)
+        parts = torch.stack([digest_parts(g).to(self.device) for g in grads])
+        offsets = (self._offsets if len(indices) == len(self.params)
+                   and list(indices) == list(range(len(self.params)))
+                   else self._offsets[list(indices)])
+        return concat_digest(parts, offsets)
 
     def begin(self, audit: bool, step: int, own_losses: list[torch.Tensor]) -> None:
         """Call before the own forward pass of ``step``; ``audit`` says whether it is audited.
@@ -128,7 +212,7 @@ class ReplayAudit:
         step's own (detached) losses to, before each backward pass.
         """
         self._observing = audit
-        self._own_terms = None
+        self._own_grad = None
         self._own_losses = own_losses
         self._replayed = None
         self._words = None
@@ -146,8 +230,8 @@ class ReplayAudit:
         if not self._observing or self._replayed is None or self._words is not None:
             return
         own_loss = loss_word(self._own_losses)
-        own_grad = (self._own_terms if self._own_terms is not None
-                    else torch.zeros((), dtype=torch.int64, device=self.device))
+        own_grad = (self._own_grad if self._own_grad is not None
+                     else torch.zeros((), dtype=torch.int64, device=self.device))
         rep_loss, rep_grad = self._replayed
         words = torch.stack([own_loss.to(self.device), own_grad, rep_loss.to(self.device),
                              rep_grad])
@@ -178,8 +262,8 @@ class ReplayAudit:
                 for b, saved in zip(self.module.buffers(), buffers, strict=True):
                     b.copy_(saved)
             self.phase = "train"
-        pairs = [(i, g) for i, g in enumerate(grads) if g is not None]
-        return loss_word(losses), indexed_terms(pairs, self.device, digest=True)
+        kept = [(i, g) for i, g in enumerate(grads) if g is not None]
+        return loss_word(losses), self._digest([g for _, g in kept], [i for i, _ in kept])
 
     # -- verdict ----------------------------------------------------------------------------
     def verdict(self, step: int) -> list[Detection]:
