@@ -2,14 +2,19 @@
 
 On an audit step every rank r first recomputes, from the pre-step weights and
 without gradient sync, the micro-batches of its ring neighbour n = (r + 1) mod N,
-and fingerprints that loss and those gradients. Then it computes its own step as
-usual, keeping the bits of its own loss and a fingerprint of its *local*
-gradients (seen in the comm hook, before the all-reduce, keyed by parameter so
-DDP's bucketing does not matter). One ``all_gather`` of four 64-bit words per
-rank, started in the comm hook just before the step's last gradient all-reduce
-(where the ranks meet anyway, so it adds no synchronisation point), lets every
-rank compare each ring edge r -> n bit for bit: edge r -> n is *bad* when r's
-replay of n's batch disagrees with what n reported for itself.
+and digests that loss and those gradients. Then it computes its own step as
+usual, keeping the bits of its own loss and a digest of its *local* gradients
+(seen in the comm hook, before the all-reduce). The gradient word is the word
+digest ``sum_k (2k+1) X_k`` of every gradient laid end to end in parameter
+order: linear, so each DDP bucket adds its share from its flat buffer, the
+replay adds its separate gradients' shares, and the value does not depend on
+the bucketing; a parameter without a gradient is zeros on both sides.
+
+One ``all_gather`` of four 64-bit words per rank, started in the comm hook just
+before the step's last gradient all-reduce (where the ranks meet anyway, so it
+adds no synchronisation point), lets every rank compare each ring edge r -> n
+bit for bit: edge r -> n is *bad* when r's replay of n's batch disagrees with
+what n reported for itself.
 
 Localisation (every rank derives the same answer from the same gathered words):
 
@@ -191,18 +196,14 @@ class ReplayAudit:
             return self._digest([g for _, g in kept], [i for i, _ in kept])
         words = buf.view(torch.int64)
         sums = torch.stack([words[a:b].sum() for a, b in plan.spans])
-        shift = plan.shift if plan.shift.device == buf.device else plan.shift.to(buf.device)
-        return digest_parts(buf)[0] + 2 * (shift * sums).sum()
+        return digest_parts(buf)[0] + 2 * (plan.shift * sums).sum()
 
     def _digest(self, grads: Sequence[torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
         """Gradient word of separate gradients (of the parameters at ``indices``)."""
         if not grads:
             return torch.zeros((), dtype=torch.int64, device=self.device)
         parts = torch.stack([digest_parts(g).to(self.device) for g in grads])
-        offsets = (self._offsets if len(indices) == len(self.params)
-                   and list(indices) == list(range(len(self.params)))
-                   else self._offsets[list(indices)])
-        return concat_digest(parts, offsets)
+        return concat_digest(parts, self._offsets[list(indices)])
 
     def begin(self, audit: bool, step: int, own_losses: list[torch.Tensor]) -> None:
         """Call before the own forward pass of ``step``; ``audit`` says whether it is audited.
