@@ -132,47 +132,71 @@ def _rounds(samples: list[Any], rounds: int) -> list[list[Any]]:
 
 
 # -- per-check overhead ---------------------------------------------------------------------
+GUARD_OFF = "guard, all checks off"
 CONFIGS: dict[str, dict[str, Any] | None] = {
     "plain DDP": None,
-    "guard, all checks off": {"nonfinite": False, "weights_interval": 0},
+    GUARD_OFF: {"nonfinite": False, "weights_interval": 0},
     "nonfinite": {"nonfinite": True, "weights_interval": 0},
     "weights (+ AdamW state)": {"nonfinite": False, "weights_interval": 1},
     "nonfinite + weights": {"nonfinite": True, "weights_interval": 1},
 }
 
 
+INSTANCES = 3
+"""Model instances of each kind, used in turn round by round (the round counts below are
+multiples of it). Two instances of the same
+model can differ in speed by 1-2% (where their memory landed), as much as the
+cheapest check costs: with every configuration of a kind on one instance and the
+instances rotated, that difference neither biases a comparison nor hides from the
+bootstrap intervals."""
+
+
+def _set_checks(guard: SDCGuard, *, nonfinite: bool, weights_interval: int,
+                replay_interval: int = 0) -> None:
+    """Switch the guard's checks for the next steps: the benchmark alternates them on one model."""
+    guard.config.nonfinite = nonfinite
+    guard.comm.check_nonfinite = nonfinite
+    guard.config.weights_interval = weights_interval
+    if replay_interval and guard.replay is None:
+        raise ValueError("_set_checks: this guard was built without the replay audit")
+    guard.config.replay_interval = replay_interval
+
+
 def _overhead_rank(rank: int, world: int, rounds: int, block: int, batch: int) -> dict[str, Any]:
     d_in, n_out = 512, 10
     batch_for = functools.partial(classification_batch, batch=batch, d_in=d_in, n_out=n_out)
-    runners: dict[str, Callable[[int], None]] = {}
-    keep: list[Any] = []
-    weights_guard: SDCGuard | None = None
-    for name, cfg in CONFIGS.items():
+    plains: list[Callable[[int], None]] = []
+    guards: list[SDCGuard] = []
+    for _ in range(INSTANCES):
         model = DDP(reference_mlp())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        if cfg is None:
-            def plain(step: int, model: DDP = model, opt: torch.optim.Optimizer = opt) -> None:
-                opt.zero_grad(set_to_none=True)
-                cross_entropy_loss(model, batch_for(rank, step)).backward()
-                opt.step()
 
-            runners[name] = plain
-        else:
-            guard = SDCGuard(model, opt, loss_fn=cross_entropy_loss, batch_for=batch_for,
-                             config=GuardConfig(**cfg))
-            runners[name] = guard.step
-            if name == "weights (+ AdamW state)":
-                weights_guard = guard
-            keep.append(guard)
-        keep += [model, opt]
+        def plain(step: int, model: DDP = model, opt: torch.optim.Optimizer = opt) -> None:
+            opt.zero_grad(set_to_none=True)
+            cross_entropy_loss(model, batch_for(rank, step)).backward()
+            opt.step()
+
+        plains.append(plain)
+        gmodel = DDP(reference_mlp())
+        gopt = torch.optim.AdamW(gmodel.parameters(), lr=1e-3)
+        guards.append(SDCGuard(gmodel, gopt, loss_fn=cross_entropy_loss, batch_for=batch_for))
+
+    def runner(name: str, i: int) -> Callable[[int], None]:
+        cfg = CONFIGS[name]
+        if cfg is None:
+            return plains[i]
+        _set_checks(guards[i], **cfg)
+        return guards[i].step
+
     params = sum(p.numel() for p in reference_mlp().parameters())
-    times: dict[str, list[float]] = {k: [] for k in runners}
-    cpu: dict[str, list[float]] = {k: [] for k in runners}
+    times: dict[str, list[float]] = {k: [] for k in CONFIGS}
+    cpu: dict[str, list[float]] = {k: [] for k in CONFIGS}
     step = 0
-    for run in runners.values():  # warm-up: Adam state exists, caches are hot
-        for _ in range(2):
-            run(step)
-            step += 1
+    for i in range(INSTANCES):  # warm-up: Adam state exists, caches are hot
+        for name in CONFIGS:
+            for _ in range(2):
+                runner(name, i)(step)
+                step += 1
     direct: dict[str, list[float]] = {"weights verdict": [],
                                        "weights check, local fingerprint only": [],
                                        "fingerprint of the same bytes (one flat tensor)": [],
@@ -180,16 +204,15 @@ def _overhead_rank(rank: int, world: int, rounds: int, block: int, batch: int) -
                                        "flat fingerprint, then all_gather of its 8 bytes": [],
                                        "nonfinite: two flag passes over the gradients": [],
                                        "nonfinite: flags all_reduce (2 x int32)": []}
-    if weights_guard is None:
-        raise RuntimeError("the weights configuration is missing from CONFIGS")
-    wg = weights_guard
-    flat = torch.cat([t.reshape(-1).float() for t in state_tensors(weights_guard.model,
-                                                                    weights_guard.optimizer)])
+    wg = guards[0]
+    _set_checks(wg, nonfinite=False, weights_interval=1)
+    flat = torch.cat([t.reshape(-1).float() for t in state_tensors(wg.model, wg.optimizer)])
     word = torch.zeros(1, dtype=torch.int64)
     grads = torch.cat([p.detach().reshape(-1) for p in wg.model.parameters()])
     flags = torch.zeros(2, dtype=torch.int32)
-    for _ in range(rounds):
-        for name, run in runners.items():
+    for r in range(rounds):
+        for name in CONFIGS:
+            run = runner(name, r % INSTANCES)
             for _ in range(block):
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -229,6 +252,10 @@ def _overhead_rank(rank: int, world: int, rounds: int, block: int, batch: int) -
             k: _interval(per_round, lambda m, k=k: statistics.median(m[k])
                          / statistics.median(m["plain DDP"]) - 1.0)
             for k in times if k != "plain DDP"},
+        "vs_guard_off_interval_90": {
+            k: _interval(per_round, lambda m, k=k: statistics.median(m[k])
+                         / statistics.median(m[GUARD_OFF]) - 1.0)
+            for k in times if CONFIGS[k] is not None and k != GUARD_OFF},
         "state_bytes": flat.numel() * 4,
         "step_s": {k: statistics.median(v) for k, v in times.items()},
         "step_cpu_s": {k: statistics.median(v) for k, v in cpu.items()},
@@ -254,39 +281,50 @@ def _replay_rank(rank: int, world: int, rounds: int, batch: int,
     native_in_use = fpmod.enable_native() if native else False
     d_in, n_out = 512, 10
     batch_for = functools.partial(classification_batch, batch=batch, d_in=d_in, n_out=n_out)
-    runs: dict[str, SDCGuard] = {}
-    for name, k in (("off", 0), *((f"audit {k}", k) for k in REPLAY_INTERVALS),
-                    *((f"ideal {k}", 0) for k in REPLAY_INTERVALS)):
+    configs = {"off": (0, 0), **{f"audit {k}": (k, 0) for k in REPLAY_INTERVALS},
+               **{f"ideal {k}": (0, k) for k in REPLAY_INTERVALS}}
+    """name -> (replay interval, interval of the ideal's extra forward+backward)"""
+    guards: list[SDCGuard] = []
+    extra_every = [0]
+    for _ in range(INSTANCES):
         model = DDP(reference_mlp())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         g = SDCGuard(model, opt, loss_fn=cross_entropy_loss, batch_for=batch_for,
                      config=GuardConfig(nonfinite=False, weights_interval=0,
-                                        deterministic=True, replay_interval=k))
-        if name.startswith("ideal"):
-            every = int(name.split()[1])
-            module = model.module
-            params = [p for p in module.parameters() if p.requires_grad]
+                                        deterministic=True, replay_interval=1))
+        module = model.module
+        params = [p for p in module.parameters() if p.requires_grad]
 
-            def extra(step: int, every: int = every, module: torch.nn.Module = module,
-                      params: list[torch.Tensor] = params) -> None:
-                if step % every == 0:
-                    loss = cross_entropy_loss(module, batch_for((rank + 1) % world, step))
-                    torch.autograd.grad(loss, params)
+        def extra(step: int, module: torch.nn.Module = module,
+                  params: list[torch.Tensor] = params) -> None:
+            every = extra_every[0]
+            if every and step % every == 0:
+                loss = cross_entropy_loss(module, batch_for((rank + 1) % world, step))
+                torch.autograd.grad(loss, params)
 
-            g.before_step.append(extra)
-        runs[name] = g
+        g.before_step.append(extra)
+        guards.append(g)
+
+    def runner(name: str, i: int) -> SDCGuard:
+        replay, ideal = configs[name]
+        _set_checks(guards[i], nonfinite=False, weights_interval=0, replay_interval=replay)
+        extra_every[0] = ideal
+        return guards[i]
+
     module = reference_mlp()
     params = list(module.parameters())
     per_block = 10
-    steps = {k: 0 for k in runs}
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    cpu: dict[str, list[float]] = {k: [] for k in runs}
-    step_ids: dict[str, list[int]] = {k: [] for k in runs}
+    steps = {k: 0 for k in configs}
+    times: dict[str, list[float]] = {k: [] for k in configs}
+    cpu: dict[str, list[float]] = {k: [] for k in configs}
+    step_ids: dict[str, list[int]] = {k: [] for k in configs}
     fwd_bwd: list[float] = []
-    for g in runs.values():  # warm-up
-        g.step(1)
-    for _ in range(rounds):
-        for name, g in runs.items():
+    for i in range(INSTANCES):  # warm-up
+        for name in configs:
+            runner(name, i).step(1)
+    for r in range(rounds):
+        for name in configs:
+            g = runner(name, r % INSTANCES)
             for _ in range(per_block):
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -304,7 +342,7 @@ def _replay_rank(rank: int, world: int, rounds: int, batch: int,
             loss = cross_entropy_loss(module, batch_for(rank, 0))
             torch.autograd.grad(loss, params)
             fwd_bwd.append(time.perf_counter() - t0)
-    every = {name: int(name.split()[1]) if " " in name else 1 for name in runs}
+    every = {name: int(name.split()[1]) if " " in name else 1 for name in configs}
 
     def extra_per_step(samples: dict[str, list[tuple[int, float]]], name: str) -> float:
         """Robust mean extra time per step of ``name`` over "off": medians by phase.
@@ -321,8 +359,8 @@ def _replay_rank(rank: int, world: int, rounds: int, batch: int,
         rest = statistics.median(t for st, t in samples[name] if st % k != 0)
         return (hit - base) / k + (rest - base) * (k - 1) / k
 
-    tagged = {k: list(zip(step_ids[k], times[k], strict=True)) for k in runs}
-    ctagged = {k: list(zip(step_ids[k], cpu[k], strict=True)) for k in runs}
+    tagged = {k: list(zip(step_ids[k], times[k], strict=True)) for k in configs}
+    ctagged = {k: list(zip(step_ids[k], cpu[k], strict=True)) for k in configs}
     off = statistics.median(times["off"])
     coff = statistics.median(cpu["off"])
     fb = statistics.median(fwd_bwd)
@@ -361,6 +399,9 @@ def check_overhead(world: int, rounds: int, block: int, batch: int) -> dict[str,
     res["overhead_vs_plain_ddp"] = {k: v / base - 1.0 for k, v in res["step_s"].items()}
     cbase = res["step_cpu_s"]["plain DDP"]
     res["cpu_overhead_vs_plain_ddp"] = {k: v / cbase - 1.0 for k, v in res["step_cpu_s"].items()}
+    off = res["step_s"][GUARD_OFF]
+    res["overhead_vs_guard_off"] = {k: res["step_s"][k] / off - 1.0
+                                    for k in res["vs_guard_off_interval_90"]}
     nf = (res["direct_s"]["nonfinite: two flag passes over the gradients"]
           + res["direct_s"]["nonfinite: flags all_reduce (2 x int32)"])
     res["nonfinite_direct_fraction_of_plain_step"] = nf / base
@@ -382,14 +423,25 @@ def _overhead_md(ov: dict[str, Any], *, reference: bool) -> list[str]:
              f"{ov['params']/1e6:.2f}M parameters, batch {ov['batch']}, AdamW", "",
              "Wall time is the target metric; CPU time (the rank's process, all threads) is the "
              "work the check adds, without the waits.", "",
+             f"Plain DDP and the guard run on separate models; the guard's configurations "
+             f"share one, switched block by block; {INSTANCES} instances of each are used in "
+             "turn, round by round, so that the speed difference between two instances of the "
+             "same model (1-2% here) is sampled by the intervals rather than hidden in them. "
+             "The last column compares each check with the guard's own model, checks off.", "",
              "| configuration | median step (ms) | overhead vs plain DDP | 90% interval (bootstrap "
-             "over rounds) | median CPU per step (ms) | CPU overhead |",
-             "|---|---|---|---|---|---|"]
+             "over rounds) | median CPU per step (ms) | CPU overhead | vs guard, checks off "
+             "(90% interval) |",
+             "|---|---|---|---|---|---|---|"]
     for name, s in ov["step_s"].items():
         lo, hi = ov["overhead_interval_90"].get(name, (0.0, 0.0))
+        same = ""
+        if name in ov.get("overhead_vs_guard_off", {}):
+            glo, ghi = ov["vs_guard_off_interval_90"][name]
+            same = (f"{ov['overhead_vs_guard_off'][name]*100:+.1f}% "
+                    f"({glo*100:+.1f}% .. {ghi*100:+.1f}%)")
         lines.append(f"| {name} | {s*1e3:.2f} | {ov['overhead_vs_plain_ddp'][name]*100:+.1f}% | "
                      f"{lo*100:+.1f}% .. {hi*100:+.1f}% | {ov['step_cpu_s'][name]*1e3:.2f} | "
-                     f"{ov['cpu_overhead_vs_plain_ddp'][name]*100:+.1f}% |")
+                     f"{ov['cpu_overhead_vs_plain_ddp'][name]*100:+.1f}% | {same} |")
     d = ov["direct_s"]
     lines += ["", "Parts measured directly (after a barrier; parameters + AdamW state = "
               f"{ov['state_bytes']/2**20:.1f} MiB):", "", "| part | median (ms) |", "|---|---|"]
@@ -398,8 +450,11 @@ def _overhead_md(ov: dict[str, Any], *, reference: bool) -> list[str]:
     target = " (target <= 2%)" if reference else ""
     lines += ["", "nonfinite, measured directly (two flag passes + the flags all_reduce) = "
               f"**{ov['nonfinite_direct_fraction_of_plain_step']*100:.1f}%** of a plain DDP step"
-              f"{target}; in step time **{ov['overhead_vs_plain_ddp']['nonfinite']*100:+.1f}%**, "
-              f"in CPU time **{ov['cpu_overhead_vs_plain_ddp']['nonfinite']*100:+.1f}%**.", ""]
+              f"{target}; in step time **{ov['overhead_vs_plain_ddp']['nonfinite']*100:+.1f}%**"
+              " vs plain DDP and "
+              f"**{ov['overhead_vs_guard_off']['nonfinite']*100:+.1f}%** vs the guard with its "
+              "checks off (same model), in CPU time "
+              f"**{ov['cpu_overhead_vs_plain_ddp']['nonfinite']*100:+.1f}%**.", ""]
     target = " (target <= 1.5x)" if reference else ""
     lines += ["weights verdict / (fingerprint then all_gather, timed as one) = "
               f"**{ov['weights_cost_ratio_to_timed_ideal']:.2f}x**{target}; / (sum of the two "
@@ -415,7 +470,9 @@ def _replay_md(rp: dict[str, Any]) -> list[str]:
              f"Replay off: {rp['step_s_replay_off']*1e3:.2f} ms/step (median) "
              f"({rp['step_cpu_s_replay_off']*1e3:.2f} ms CPU). Ideal run: replay off plus one "
              "plain forward+backward of the neighbour's batch every k steps, alternated with the "
-             "others. For reference, one forward+backward timed alone: "
+             "others. Every configuration runs on the same model, switched block by block "
+             f"({INSTANCES} instances used in turn, round by round). For reference, one "
+             "forward+backward timed alone: "
              f"{rp['forward_backward_s']*1e3:.2f} ms. Step times per configuration are robust "
              "means: the median of its audit (or extra) steps and the median of its other "
              "steps, weighted 1/k and (k-1)/k, so that this machine's occasional 100 ms stalls "
@@ -490,16 +547,16 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(results["fingerprint"], indent=1))
     q = args.quick
     runs: list[tuple[str, Callable[[], dict[str, Any]]]] = [
-        ("overhead", lambda: check_overhead(3, rounds=2 if q else 10, block=3 if q else 8,
+        ("overhead", lambda: check_overhead(3, rounds=3 if q else 12, block=3 if q else 8,
                                             batch=128)),
-        ("replay", lambda: replay_overhead(3, rounds=2 if q else 10, batch=128)),
-        ("overhead_world2", lambda: check_overhead(2, rounds=2 if q else 6, block=3 if q else 8,
+        ("replay", lambda: replay_overhead(3, rounds=3 if q else 9, batch=128)),
+        ("overhead_world2", lambda: check_overhead(2, rounds=3 if q else 6, block=3 if q else 8,
                                                    batch=128)),
-        ("replay_world2", lambda: replay_overhead(2, rounds=2 if q else 5, batch=128)),
-        ("replay_world1", lambda: replay_overhead(1, rounds=2 if q else 5, batch=128)),
-        ("replay_native", lambda: replay_overhead(3, rounds=2 if q else 10, batch=128,
+        ("replay_world2", lambda: replay_overhead(2, rounds=3 if q else 6, batch=128)),
+        ("replay_world1", lambda: replay_overhead(1, rounds=3 if q else 6, batch=128)),
+        ("replay_native", lambda: replay_overhead(3, rounds=3 if q else 9, batch=128,
                                                   native=True)),
-        ("replay_world1_native", lambda: replay_overhead(1, rounds=2 if q else 5, batch=128,
+        ("replay_world1_native", lambda: replay_overhead(1, rounds=3 if q else 6, batch=128,
                                                          native=True)),
     ]
     for key, measure in runs:
