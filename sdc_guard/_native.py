@@ -67,8 +67,8 @@ static void block(const T* x, int64_t n, uint64_t& s1, uint64_t& s2) {
   s2 = a2;
 }
 
-// sum_k (2k + 1) * value(src_k) mod 2^64, as the int64 with the same bits.
-int64_t weighted(torch::Tensor src, int64_t mode) {
+// {sum_k (2k + 1) * value(src_k), sum_k value(src_k)} mod 2^64, as int64s with the same bits.
+std::vector<int64_t> weighted_sum(torch::Tensor src, int64_t mode) {
   TORCH_CHECK(src.device().is_cpu() && src.is_contiguous() && src.dim() == 1,
               "weighted: a contiguous 1-D CPU tensor is required");
   TORCH_CHECK((mode == 0 && src.scalar_type() == torch::kInt32) ||
@@ -90,12 +90,13 @@ int64_t weighted(torch::Tensor src, int64_t mode) {
       S2[b] = s2;
     }
   });
-  uint64_t total = 0;
+  uint64_t total = 0, plain = 0;
   for (int64_t b = 0; b < nb; ++b) {
     const uint64_t start = (uint64_t)(b * grain);
     total += (2 * start + 1) * S1[b] + 2 * S2[b];
+    plain += S1[b];
   }
-  return (int64_t)total;
+  return {(int64_t)total, (int64_t)plain};
 }
 """
 
@@ -114,7 +115,7 @@ def load() -> Any:
         from torch.utils.cpp_extension import load_inline
 
         _module = load_inline(  # type: ignore[no-untyped-call]
-            name=name, cpp_sources=[_SOURCE], functions=["weighted"], extra_cflags=["-O3"],
+            name=name, cpp_sources=[_SOURCE], functions=["weighted_sum"], extra_cflags=["-O3"],
             verbose=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path remains
         warnings.warn(f"sdc_guard: the native fingerprint kernel could not be built ({e!r:.300}); "

@@ -265,12 +265,8 @@ def _weighted(src: torch.Tensor, prep: Prep | None, *, with_sum: bool = False) -
     if _native is not None and dev.type == "cpu" and n > _SMALL:
         mode = _native_mode(prep)
         flat = src.view(torch.int32) if mode == 0 else src
-        value = torch.tensor(_native.weighted(flat, mode), dtype=torch.int64)
-        if not with_sum:
-            return value
-        if prep is not None:
-            raise ValueError("_weighted(with_sum=True) sums raw int64 words only (prep=None)")
-        return torch.stack([value, src.sum()])
+        both = torch.tensor(_native.weighted_sum(flat, mode), dtype=torch.int64)
+        return both if with_sum else both[0]
     if n <= _SMALL:
         if prep is None:
             vals = src
