@@ -30,6 +30,7 @@ from scenarios.launch import run_ranks
 from scenarios.models import classification_batch, cross_entropy_loss, reference_mlp
 from sdc_guard import GuardConfig, SDCGuard, fingerprint, fingerprint_tensor
 from sdc_guard.checks import state_tensors
+from sdc_guard.checks.nonfinite import any_flag
 from sdc_guard.comm_hook import _bad
 
 GIB = 1024**3
@@ -91,13 +92,6 @@ def fingerprint_throughput(mib: int, rounds: int) -> dict[str, Any]:
             "ratio_to_sum": base / med,
         }
     return out
-
-
-def _flags_consensus(flags: torch.Tensor) -> bool:
-    """What the nonfinite verdict does on a clean step: one all-reduce and one host sync."""
-    counts = flags.clone()
-    dist.all_reduce(counts)
-    return bool(counts.any())
 
 
 Rounds = dict[str, list[list[float]]]
@@ -203,7 +197,7 @@ def _overhead_rank(rank: int, world: int, rounds: int, block: int, batch: int) -
                                        "all_gather of 8 bytes": [],
                                        "flat fingerprint, then all_gather of its 8 bytes": [],
                                        "nonfinite: two flag passes over the gradients": [],
-                                       "nonfinite: flags all_reduce (2 x int32)": []}
+                                       "nonfinite: flags all_reduce (one int64)": []}
     wg = guards[0]
     _set_checks(wg, nonfinite=False, weights_interval=1)
     flat = torch.cat([t.reshape(-1).float() for t in state_tensors(wg.model, wg.optimizer)])
@@ -243,8 +237,8 @@ def _overhead_rank(rank: int, world: int, rounds: int, block: int, batch: int) -
             direct["nonfinite: two flag passes over the gradients"].append(
                 _time(lambda: (_bad(grads) | _bad(grads)).item()))
             dist.barrier()
-            direct["nonfinite: flags all_reduce (2 x int32)"].append(
-                _time(lambda: _flags_consensus(flags)))
+            direct["nonfinite: flags all_reduce (one int64)"].append(
+                _time(lambda: any_flag(flags)))
     per_round = {k: _rounds(v, rounds) for k, v in times.items()}
     result = {
         "params": params,
@@ -403,7 +397,7 @@ def check_overhead(world: int, rounds: int, block: int, batch: int) -> dict[str,
     res["overhead_vs_guard_off"] = {k: res["step_s"][k] / off - 1.0
                                     for k in res["vs_guard_off_interval_90"]}
     nf = (res["direct_s"]["nonfinite: two flag passes over the gradients"]
-          + res["direct_s"]["nonfinite: flags all_reduce (2 x int32)"])
+          + res["direct_s"]["nonfinite: flags all_reduce (one int64)"])
     res["nonfinite_direct_fraction_of_plain_step"] = nf / base
     d = res["direct_s"]
     ideal = d["fingerprint of the same bytes (one flat tensor)"] + d["all_gather of 8 bytes"]
