@@ -137,12 +137,11 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
 
 
 INSTANCES = 3
-"""Model instances of each kind, used in turn round by round (the round counts below are
-multiples of it). Two instances of the same
-model can differ in speed by 1-2% (where their memory landed), as much as the
-cheapest check costs: with every configuration of a kind on one instance and the
-instances rotated, that difference neither biases a comparison nor hides from the
-bootstrap intervals."""
+"""Model instances of each kind, used in turn round by round (the round counts in ``main``
+are multiples of it). Two instances of the same model can differ in speed by 1-2%
+(where their memory landed), as much as the cheapest check costs: with every
+configuration of a kind on one instance and the instances rotated, that difference
+neither biases a comparison nor hides from the bootstrap intervals."""
 
 
 def _set_checks(guard: SDCGuard, *, nonfinite: bool, weights_interval: int,
