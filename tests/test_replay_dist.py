@@ -68,14 +68,16 @@ def test_batchnorm_and_gradient_accumulation(variant: dict[str, object]) -> None
     assert clean[0]["final"] == off[0]["final"]
 
 
-@pytest.mark.parametrize(("width", "unused", "flat"), [(32, False, True), (33, False, False),
-                                                      (32, True, True)])
+@pytest.mark.parametrize(("width", "unused", "as_view", "flat"),
+                         [(32, False, False, True), (33, False, False, False),
+                          (32, True, False, True), (32, False, True, True)])
 def test_gradient_word_is_the_same_from_flat_buckets_and_separate_gradients(
-        width: int, unused: bool, flat: bool) -> None:
-    # Several buckets (a tiny cap), aligned or not, with an unused parameter or not:
-    # the bucket-level word equals the per-gradient one, and clean audits stay clean.
+        width: int, unused: bool, as_view: bool, flat: bool) -> None:
+    # Several buckets (a tiny cap), aligned or not, with an unused parameter or not,
+    # gradients as bucket views or not: the bucket-level word equals the per-gradient
+    # one, and clean audits stay clean.
     res = run_ranks(workers.replay_layout_run, 3, 6, width=width, unused=unused,
-                    bucket_mb=0.002)
+                    bucket_mb=0.002, as_view=as_view)
     for r in res:
         assert r["detections"] == []
         assert r["same"] and all(r["same"])

@@ -180,14 +180,17 @@ class SpareMLP(nn.Module):
 
 
 def replay_layout_run(rank: int, world: int, steps: int, *, width: int,
-                      unused: bool = False, bucket_mb: float = 25.0) -> dict[str, Any]:
+                      unused: bool = False, bucket_mb: float = 25.0,
+                      as_view: bool = False) -> dict[str, Any]:
     """The replay audit's gradient word from flat DDP buckets against the per-gradient path.
 
     ``width`` odd gives parameters that are not whole 64-bit words (the per-gradient
-    path); ``unused`` gives DDP a parameter without a gradient (find_unused_parameters).
+    path); ``unused`` gives DDP a parameter without a gradient (find_unused_parameters);
+    ``as_view``: DDP's ``gradient_as_bucket_view``.
     """
     torch.manual_seed(0)
-    model = DDP(SpareMLP(width, unused), find_unused_parameters=unused, bucket_cap_mb=bucket_mb)
+    model = DDP(SpareMLP(width, unused), find_unused_parameters=unused, bucket_cap_mb=bucket_mb,
+                gradient_as_bucket_view=as_view)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     cfg = GuardConfig(replay_interval=1, deterministic=True, weights_interval=1)
     guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for, config=cfg)
