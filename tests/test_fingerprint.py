@@ -83,6 +83,30 @@ def test_any_single_element_change_changes_fingerprint(dtype: torch.dtype, n: in
     assert fingerprint(t) != fingerprint(u)
 
 
+@settings(max_examples=60, deadline=None)
+@given(specs=st.lists(st.tuples(st.sampled_from([*DTYPES, torch.complex64]),
+                                st.sampled_from([0, 1, 2, 3, 7, 100, 4097, 16_385, 40_000])),
+                      min_size=2, max_size=12),
+       seed=st.integers(0, 2**31), view=st.booleans())
+def test_small_tensors_batched_have_the_values_of_the_single_path(
+        specs: list[tuple[torch.dtype, int]], seed: int, view: bool) -> None:
+    # A list's small tensors are valued together (one concatenation): every value
+    # must equal the one-tensor path's and the pure-Python reference, including
+    # around the batching threshold, for complex, bool, empty and strided tensors.
+    tensors = []
+    for k, (dtype, n) in enumerate(specs):
+        if dtype == torch.complex64:
+            t = torch.view_as_complex(_random_tensor(torch.float32, 2 * n, seed=seed + k)
+                                      .reshape(n, 2))
+        else:
+            t = _random_tensor(dtype, n, seed=seed + k)
+        tensors.append(t[::2] if view and n > 2 else t)
+    got = [int(v) & M64 for v in fpmod._values(tensors, torch.device("cpu"))]
+    assert got == [int(fpmod._tensor_value(t)) & M64 for t in tensors]
+    # complex64 elements are 8 bytes: valued as 64-bit words, like int64
+    assert got == [_ref_value(t.view(torch.int64) if t.is_complex() else t) for t in tensors]
+
+
 def _ref_digest(t: torch.Tensor) -> int:
     """Pure-Python D (``_digest_value``): odd-weighted sum of the raw little-endian words."""
     raw = bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist())
