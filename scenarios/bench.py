@@ -91,7 +91,37 @@ def fingerprint_throughput(mib: int, rounds: int) -> dict[str, Any]:
             "gib_per_s": nbytes / med / GIB,
             "ratio_to_sum": base / med,
         }
+    out["many_small"] = many_small_tensors(rounds)
     return out
+
+
+def many_small_tensors(rounds: int) -> dict[str, Any]:
+    """Microseconds per tensor for a model's many small tensors, batched against one by one.
+
+    800 tensors like a transformer's biases, norm weights, their two AdamW moments and
+    step counters (200 each of 1024, 1024, 1024 float32 and one scalar).
+    """
+    tensors: list[torch.Tensor] = []
+    for i in range(200):
+        tensors += [torch.randn(1024), torch.randn(1024), torch.rand(1024),
+                    torch.tensor(float(i))]
+    cpu = torch.device("cpu")
+    methods: dict[str, Callable[[], object]] = {
+        "values batched (the default for a list)": lambda: fpmod._values(tensors, cpu),
+        "values one tensor at a time": lambda: torch.stack(
+            [fpmod._tensor_value(t) for t in tensors]),
+        "torch.sum of each tensor": lambda: torch.stack([t.sum() for t in tensors]),
+        "fingerprint_tensor of the list": lambda: fingerprint_tensor(tensors).item(),
+    }
+    times: dict[str, list[float]] = {k: [] for k in methods}
+    for fn in methods.values():
+        fn()
+    for _ in range(rounds * 3):
+        for name, fn in methods.items():
+            times[name].append(_time(fn))
+    return {"tensors": len(tensors),
+            "us_per_tensor": {k: statistics.median(v) / len(tensors) * 1e6
+                              for k, v in times.items()}}
 
 
 Rounds = dict[str, list[list[float]]]
@@ -495,6 +525,12 @@ def _markdown(results: dict[str, Any]) -> str:
               "| method | GiB/s | ratio to torch.sum |", "|---|---|---|"]
     for name, m in fp["methods"].items():
         lines.append(f"| {name} | {m['gib_per_s']:.2f} | {m['ratio_to_sum']:.2f} |")
+    small = fp.get("many_small")
+    if small:
+        lines += ["", f"Many small tensors ({small['tensors']}: a model's biases, norms, their "
+                  "AdamW moments and step counters), 1 list, microseconds per tensor:", "",
+                  "| method | us per tensor |", "|---|---|"]
+        lines += [f"| {k} | {v:.2f} |" for k, v in small["us_per_tensor"].items()]
     lines += _overhead_md(results["overhead"], reference=True)
     if results.get("replay"):
         lines += _replay_md(results["replay"])
