@@ -56,6 +56,17 @@ def _native_path(x: torch.Tensor) -> int:
         fpmod.disable_native()
 
 
+def _alternate(methods: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each method: one warm-up call each, then ``rounds`` alternated rounds."""
+    times: dict[str, list[float]] = {k: [] for k in methods}
+    for fn in methods.values():
+        fn()
+    for _ in range(rounds):
+        for name, fn in methods.items():
+            times[name].append(_time(fn))
+    return times
+
+
 def fingerprint_throughput(mib: int, rounds: int) -> dict[str, Any]:
     """GiB/s of each way to summarise the same float32 tensor, alternated round by round."""
     x = torch.randn(mib * 1024 * 1024 // 4)
@@ -76,12 +87,7 @@ def fingerprint_throughput(mib: int, rounds: int) -> dict[str, Any]:
     if fpmod.enable_native():
         fpmod.disable_native()
         methods["sdc_guard.fingerprint (native kernel, opt-in)"] = lambda: _native_path(x)
-    times: dict[str, list[float]] = {k: [] for k in methods}
-    for fn in methods.values():
-        fn()  # warm up
-    for _ in range(rounds):
-        for name, fn in methods.items():
-            times[name].append(_time(fn))
+    times = _alternate(methods, rounds)
     base = statistics.median(times["torch.sum (one read pass)"])
     out: dict[str, Any] = {"tensor_mib": mib, "threads": torch.get_num_threads(), "methods": {}}
     for name, ts in times.items():
@@ -113,12 +119,7 @@ def many_small_tensors(rounds: int) -> dict[str, Any]:
         "torch.sum of each tensor": lambda: torch.stack([t.sum() for t in tensors]),
         "fingerprint_tensor of the list": lambda: fingerprint_tensor(tensors).item(),
     }
-    times: dict[str, list[float]] = {k: [] for k in methods}
-    for fn in methods.values():
-        fn()
-    for _ in range(rounds * 3):
-        for name, fn in methods.items():
-            times[name].append(_time(fn))
+    times = _alternate(methods, rounds * 3)
     return {"tensors": len(tensors),
             "us_per_tensor": {k: statistics.median(v) / len(tensors) * 1e6
                               for k, v in times.items()}}
