@@ -435,6 +435,8 @@ def word_count(t: torch.Tensor) -> int:
 
 def digest_parts(t: torch.Tensor) -> torch.Tensor:
     """int64 ``[D, S]`` of ``t``'s raw words: the digest D and the plain sum S (mod 2**64)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"digest_parts: expected a torch.Tensor, got {type(t).__name__}.")
     raw = _raw_bytes(t)
     full = raw.numel() // 8 * 8
     parts = _weighted(raw[:full].view(torch.int64), None, with_sum=True)
@@ -453,6 +455,13 @@ def concat_digest(parts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     same digest of a model's gradients from DDP's buckets as from separate tensors.
     ``parts`` is ``[n, 2]``, ``offsets`` ``[n]`` (int64, same device); returns a 0-d int64.
     """
+    if (parts.dim() != 2 or parts.shape[1] != 2 or offsets.shape != (parts.shape[0],)
+            or parts.dtype != torch.int64 or offsets.dtype != torch.int64):
+        raise ValueError(
+            f"concat_digest: parts must be int64 [n, 2] (rows of digest_parts) and offsets "
+            f"int64 [n]; got parts {parts.dtype} {list(parts.shape)}, offsets {offsets.dtype} "
+            f"{list(offsets.shape)}."
+        )
     return (parts[:, 0] + 2 * offsets * parts[:, 1]).sum()
 
 

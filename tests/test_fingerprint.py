@@ -294,3 +294,13 @@ def test_loss_word_sees_every_bit_of_every_micro_batch_loss() -> None:
             changed[i].view(torch.int32).bitwise_xor_(-(1 << 31) if bit == 31 else 1 << bit)
             assert int(fpmod.loss_word(changed)) != base, (i, bit)
     assert int(fpmod.loss_word(losses[::-1])) != base
+
+
+def test_digest_helpers_name_bad_input() -> None:
+    with pytest.raises(TypeError, match=r"digest_parts: expected a torch\.Tensor"):
+        fpmod.digest_parts([1, 2])  # type: ignore[arg-type]
+    parts = torch.zeros(3, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="offsets int64 \\[n\\]"):
+        fpmod.concat_digest(parts, torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="parts must be int64"):
+        fpmod.concat_digest(parts.float(), torch.zeros(3, dtype=torch.int64))
