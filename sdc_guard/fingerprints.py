@@ -44,9 +44,11 @@ invertible modulo 2**64; tested with hypothesis in ``tests/test_fingerprint.py``
 Only the final 8 bytes leave the device, and only when ``fingerprint`` (not
 ``fingerprint_tensor``) is called.
 
-On the CPU an optional fused kernel (``enable_native()`` or ``SDC_GUARD_NATIVE=1``;
-``sdc_guard._native``, compiled on first use) computes the same sums in one read
-pass, about 1.7x faster; the values are identical either way.
+On the CPU a small C kernel (``sdc_guard._native``, built with the system C
+compiler on first use, in well under a second) computes the same sums in one
+read pass, about 3x faster, at the speed of ``torch.sum``; the values are
+identical either way. Without a compiler, or with ``SDC_GUARD_NATIVE=0``, the
+torch path runs (``native_enabled()`` says which).
 
 The replay audit compares two computations of the same gradients, where a swap
 is not a fault model, and uses a cheaper word digest ``D = sum_k (2k+1) X_k``
@@ -62,9 +64,12 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Final
+from typing import TYPE_CHECKING, Final
 
 import torch
+
+if TYPE_CHECKING:
+    from sdc_guard._native import NativeKernel
 
 __all__ = [
     "concat_digest",
@@ -76,6 +81,7 @@ __all__ = [
     "loss_word",
     "mix64",
     "mix64_int",
+    "native_enabled",
     "to_signed64",
     "to_unsigned64",
     "word_count",
@@ -237,26 +243,50 @@ def _prep_words(block: torch.Tensor, out: torch.Tensor) -> None:
     torch.bitwise_xor(out, block, out=out)
 
 
-_native: Any = None
+_native: NativeKernel | None = None
+_native_resolved = False
+
+
+def _native_kernel() -> NativeKernel | None:
+    """The C kernel of ``sdc_guard._native`` if in use, built on the first call, else None.
+
+    On by default wherever a C compiler can build it; ``SDC_GUARD_NATIVE=0`` turns it
+    off and ``SDC_GUARD_NATIVE=1`` warns when it cannot be built (the default only logs).
+    """
+    global _native, _native_resolved
+    if not _native_resolved:
+        _native_resolved = True
+        setting = os.environ.get("SDC_GUARD_NATIVE", "")
+        if setting != "0":
+            from sdc_guard import _native as native
+
+            _native = native.load(warn=setting == "1")
+    return _native
 
 
 def enable_native() -> bool:
-    """Use the fused CPU kernel of ``sdc_guard._native`` (built on first call); True if in use.
+    """Use the C kernel (building it now if needed); True if in use, else a warning says why.
 
-    Fingerprints are identical either way; only the speed differs. Also switched on
-    at import by the environment variable ``SDC_GUARD_NATIVE=1``.
+    Fingerprints are identical either way; only the speed differs.
     """
-    global _native
+    global _native, _native_resolved
     from sdc_guard import _native as native
 
-    _native = native.load()
+    _native = native.load(warn=True)
+    _native_resolved = True
     return _native is not None
 
 
 def disable_native() -> None:
-    """Back to the pure-torch implementation."""
-    global _native
+    """Use the pure-torch implementation until ``enable_native`` is called."""
+    global _native, _native_resolved
     _native = None
+    _native_resolved = True
+
+
+def native_enabled() -> bool:
+    """Does a CPU fingerprint run on the C kernel (building it if this is the first ask)?"""
+    return _native_kernel() is not None
 
 
 def _native_mode(prep: Prep | None) -> int:
@@ -272,10 +302,11 @@ def _weighted(src: torch.Tensor, prep: Prep | None, *, with_sum: bool = False) -
     """
     dev = src.device
     n = src.numel()
-    if _native is not None and dev.type == "cpu" and n > _SMALL:
+    kernel = _native_kernel() if dev.type == "cpu" else None
+    if kernel is not None:
         mode = _native_mode(prep)
         flat = src.view(torch.int32) if mode == 0 else src
-        both = torch.tensor(_native.weighted_sum(flat, mode), dtype=torch.int64)
+        both = torch.tensor(kernel.weighted_sum(flat, mode), dtype=torch.int64)
         return both if with_sum else both[0]
     if n <= _SMALL:
         if prep is None:
@@ -559,4 +590,4 @@ def fingerprint(x: torch.Tensor | Iterable[torch.Tensor]) -> int:
 
 
 if os.environ.get("SDC_GUARD_NATIVE") == "1":
-    enable_native()
+    enable_native()  # build now, and warn now if it cannot be built

@@ -1,9 +1,11 @@
-"""The optional fused CPU kernel computes exactly what the torch path computes."""
+"""The C kernel computes exactly what the torch path computes, and builds or falls back cleanly."""
 
 from __future__ import annotations
 
+import subprocess
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,20 +18,21 @@ from .test_fingerprint import DTYPES, _random_tensor
 
 
 @pytest.fixture
-def native() -> Iterator[None]:
+def native(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    # The module's choice of path is restored afterwards, whatever the test switched.
+    monkeypatch.setattr(fpmod, "_native", fpmod._native)
+    monkeypatch.setattr(fpmod, "_native_resolved", fpmod._native_resolved)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         available = fpmod.enable_native()
     if not available:
         pytest.skip("sdc_guard._native could not be built here (the torch path is used): "
                     + "; ".join(str(w.message) for w in caught))
-    try:
-        yield
-    finally:
-        fpmod.disable_native()
+    yield
 
 
-@pytest.mark.parametrize("n", [fpmod._SMALL + 1, 65_537 * 3, 300_001, (1 << 20) + 7])
+@pytest.mark.parametrize("n", [1, 7, 4096, fpmod._SMALL + 1, 65_537 * 3, 300_001,
+                               (1 << 20) + 7, (1 << 19) * 3 + 33])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.uint8])
 def test_native_values_equal_the_torch_path(native: None, n: int, dtype: torch.dtype) -> None:
     t = _random_tensor(dtype, n, seed=n)
@@ -48,27 +51,105 @@ def test_native_fingerprints_of_every_dtype_and_views(native: None) -> None:
     assert got == [fingerprint(t) for t in cases]
 
 
-def test_native_uses_torch_threads(native: None) -> None:
-    t = torch.randn((1 << 20) + 5)
+def test_native_value_does_not_depend_on_the_threads(native: None) -> None:
+    t = torch.randn((1 << 21) + 5)
     threads = torch.get_num_threads()
     try:
         values = set()
-        for k in (1, 2):
+        for k in (1, 2, 3, 7):
             torch.set_num_threads(k)
-            values.add(fingerprint(t))
+            values.add((fingerprint(t), fpmod.digest_parts(t).tolist()[0]))
     finally:
         torch.set_num_threads(threads)
     assert len(values) == 1
 
 
+def test_native_rejects_a_tensor_it_cannot_read(native: None) -> None:
+    kernel = fpmod._native
+    assert kernel is not None
+    with pytest.raises(ValueError, match=r"contiguous 1-D CPU torch\.int64"):
+        kernel.weighted_sum(torch.zeros(4, 4, dtype=torch.int64), 2)
+    with pytest.raises(ValueError, match=r"torch\.int32 tensor for mode 0"):
+        kernel.weighted_sum(torch.zeros(8, dtype=torch.int64), 0)
+
+
+def test_the_build_is_cached_and_written_atomically(tmp_path: Path) -> None:
+    if native_mod._compiler() is None:
+        pytest.skip("no C compiler here")
+    first = native_mod.build(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert native_mod.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left
+    kernel = native_mod.NativeKernel(first)
+    words = torch.arange(1000, dtype=torch.int64)
+    assert kernel.weighted_sum(words, 2) == [sum((2 * k + 1) * k for k in range(1000)),
+                                             sum(range(1000))]
+
+
+def test_no_compiler_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SDC_GUARD_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no cc, gcc or clang either
+    monkeypatch.setattr(native_mod, "_tried", False)
+    monkeypatch.setattr(native_mod, "_warned", False)
+    monkeypatch.setattr(native_mod, "_kernel", None)
+    monkeypatch.setattr(fpmod, "_native", None)
+    monkeypatch.setattr(fpmod, "_native_resolved", False)
+    monkeypatch.delenv("SDC_GUARD_NATIVE", raising=False)
+    t = torch.randn(100_000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default path only logs
+        assert fpmod.native_enabled() is False
+        value = fingerprint(t)
+    with pytest.warns(RuntimeWarning, match="no C compiler found"):
+        assert fpmod.enable_native() is False
+    assert value == fingerprint(t.clone())
+
+
+def test_sdc_guard_native_0_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fpmod, "_native", None)
+    monkeypatch.setattr(fpmod, "_native_resolved", False)
+    monkeypatch.setenv("SDC_GUARD_NATIVE", "0")
+    assert fpmod.native_enabled() is False
+
+
 def test_a_failed_build_falls_back_to_torch_with_one_warning(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    if native_mod._compiler() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("SDC_GUARD_CACHE", str(tmp_path))
     monkeypatch.setattr(native_mod, "_SOURCE", native_mod._SOURCE + "\n#error broken on purpose\n")
     monkeypatch.setattr(native_mod, "_tried", False)
-    monkeypatch.setattr(native_mod, "_module", None)
-    with pytest.warns(RuntimeWarning, match="could not be built"):
+    monkeypatch.setattr(native_mod, "_warned", False)
+    monkeypatch.setattr(native_mod, "_kernel", None)
+    monkeypatch.setattr(fpmod, "_native", fpmod._native)
+    monkeypatch.setattr(fpmod, "_native_resolved", fpmod._native_resolved)
+    with pytest.warns(RuntimeWarning, match="broken on purpose"):
         assert fpmod.enable_native() is False
-    assert native_mod.load() is None  # tried once: no second build, no second warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native_mod.load() is None  # tried once: no second build, no second warning
+    assert list(tmp_path.iterdir()) == []  # the failed build left nothing behind
     t = torch.randn(100_000)
     assert fingerprint(t) == fingerprint(t.clone())
-    fpmod.disable_native()
+
+
+def test_the_plain_build_without_target_clones_gives_the_same_values(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cc = native_mod._compiler()
+    if cc is None:
+        pytest.skip("no C compiler here")
+    src = tmp_path / "k.c"
+    src.write_text(native_mod._SOURCE)
+    lib = tmp_path / "k.so"
+    subprocess.run([cc, *native_mod._FLAGS, "-DSDC_NO_CLONES", "-o", str(lib), str(src)],
+                   check=True)
+    plain = native_mod.NativeKernel(lib)
+    monkeypatch.setattr(fpmod, "_native", None)
+    monkeypatch.setattr(fpmod, "_native_resolved", True)  # the torch path below
+    preps = {0: fpmod._prep_lanes, 1: fpmod._prep_words, 2: None}
+    for mode, dtype in ((0, torch.int32), (1, torch.int64), (2, torch.int64)):
+        t = _random_tensor(dtype, 300_001, seed=mode)
+        src_view = t.view(torch.uint32) if mode == 0 else t
+        expected = fpmod._weighted(src_view, preps[mode], with_sum=True).tolist()
+        assert plain.weighted_sum(t, mode) == expected
