@@ -18,6 +18,7 @@ from sdc_guard.config import GuardConfig
 from sdc_guard.determinism import enable_determinism, rng_stream
 from sdc_guard.events import EventLog
 from sdc_guard.report import Detection, StepReport
+from sdc_guard.vote import all_gather_rows
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +151,8 @@ class SDCGuard:
         audit = bool(cfg.replay_interval) and step % cfg.replay_interval == 0
         self.comm.begin_step(step)
         losses: list[torch.Tensor] = []
-        if self.replay is not None:
-            self.replay.begin(audit, step, losses)  # on audit steps: the neighbour's replay
+        if self.replay is not None:  # on audit steps: the neighbour's replay, first
+            self.replay.begin(audit, step, losses, send_early=not cfg.nonfinite)
         self.optimizer.zero_grad(set_to_none=True)
         for i, mb in enumerate(batches):
             last = i == len(batches) - 1
@@ -164,9 +165,16 @@ class SDCGuard:
                 scaled.backward()
 
         detections: list[Detection] = []
-        if cfg.nonfinite:
+        if cfg.nonfinite and audit and self.replay is not None:
+            # One gather for both pre-step checks: every rank's flags and words in one
+            # small collective, rather than a synchronisation point for each.
+            rows = all_gather_rows(torch.cat([self.nonfinite.row(self.device),
+                                              self.replay.row()]), self.group).tolist()
+            detections += self.nonfinite.judge(step, [r[:2] for r in rows])
+            detections += self.replay.judge(step, [r[2:] for r in rows])
+        elif cfg.nonfinite:
             detections += self.nonfinite.verdict(step, self.device)
-        if audit and self.replay is not None:
+        elif audit and self.replay is not None:
             detections += self.replay.verdict(step)
         skipped = bool(detections) and self.config.skip_step_on_detection
         if not skipped:

@@ -126,22 +126,31 @@ def _micro_batches(k: int):  # type: ignore[no-untyped-def]
 
 def replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
                fault: dict[str, Any] | None = None, batchnorm: bool = False,
-               micro: int = 1, skip_steps: tuple[int, ...] = ()) -> dict[str, Any]:
+               micro: int = 1, skip_steps: tuple[int, ...] = (),
+               nonfinite: bool = True) -> dict[str, Any]:
     """Guarded training with the replay audit; optionally a bit flip in an activation of one rank.
 
-    fault = {"rank", "step", "phase": "train"|"replay"|"any", "bit", "permanent": bool}
+    fault = {"rank", "step", "phase": "train"|"replay"|"any", "bit", "permanent": bool}, or
+    {"site": "grad_nan", "rank", "step"}: a NaN in that rank's local gradient bucket.
     ``skip_steps``: steps this run leaves out entirely (the "never saw the fault" oracle).
+    ``nonfinite``: the non-finite check too (then both share one gather on audit steps).
     """
     torch.manual_seed(0)
     model = DDP(DropMLP(batchnorm))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     cfg = GuardConfig(replay_interval=interval, deterministic=True, micro_batches=micro,
-                      weights_interval=1)
+                      weights_interval=1, nonfinite=nonfinite)
     guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=_micro_batches(micro),
                      config=cfg)
     fault = fault or {}
     current = {"step": -1}
-    if fault and fault["rank"] == rank:
+    if fault.get("site") == "grad_nan":
+        if fault["rank"] == rank:
+            def nan(bucket: Any) -> None:
+                if guard.comm.step == fault["step"]:
+                    bucket.buffer()[0] = float("nan")
+            guard.comm.before.append(nan)
+    elif fault and fault["rank"] == rank:
         def hook(mod: nn.Module, inp: Any, out: torch.Tensor) -> torch.Tensor:
             s = current["step"]
             hit = (s >= fault["step"]) if fault.get("permanent") else (s == fault["step"])

@@ -2,11 +2,13 @@
 
 The comm hook keeps a device-side flag per step (any bucket non-finite before
 the all-reduce) and the reduced results, which are checked after the backward
-pass. Every rank then contributes ``[local, reduced]`` to one all-reduce of the
-two counts packed into the halves of one int64 (the cheapest collective there
-is: about 0.3 ms against 1.1 ms for an all_gather with 3 ranks on gloo, and one
-int64 costs about 20% less than two int32). The counts are the same on every
-rank, so the decision is too. Only when a count is non-zero (a detection, or a GradScaler
+pass. On a replay audit step the flags travel in the audit's gather of words
+(one collective for both checks, see ``SDCGuard.step``). Otherwise every rank
+contributes ``[local, reduced]`` to one all-reduce of the two counts packed
+into the halves of one int64 (the cheapest collective there is: about 0.3 ms
+against 1.1 ms for an all_gather with 3 ranks on gloo, and one int64 costs about
+20% less than two int32). The counts are the same on every rank, so the
+decision is too. Only when a count is non-zero (a detection, or a GradScaler
 overflow step) does a second collective gather each rank's flags to name it:
 
 * ranks whose *local* gradients were non-finite are the suspects;
@@ -55,12 +57,19 @@ class NonFiniteCheck:
         self.group = group
         self.expect_overflow = expect_overflow
 
+    def row(self, device: torch.device) -> torch.Tensor:
+        """This rank's int64 ``[local, reduced]`` flags, for a gather shared with other checks."""
+        return self.hook.flags(device).to(torch.int64)
+
     def verdict(self, step: int, device: torch.device) -> list[Detection]:
         """Judge the flags of ``step`` on every rank: one collective, two when something is flagged."""
         flags = self.hook.flags(device)
         if not any_flag(flags, self.group):  # the check's one collective and host sync
             return []
-        rows = all_gather_rows(flags, self.group).tolist()
+        return self.judge(step, all_gather_rows(flags, self.group).tolist())
+
+    def judge(self, step: int, rows: list[list[int]]) -> list[Detection]:
+        """The detection, if any, from every rank's ``[local, reduced]`` flags (row r: rank r)."""
         local = tuple(r for r, row in enumerate(rows) if row[0])
         reduced = tuple(r for r, row in enumerate(rows) if row[1])
         evidence = {"local_nonfinite": list(local), "reduced_nonfinite": list(reduced)}

@@ -10,11 +10,12 @@ order: linear, so each DDP bucket adds its share from its flat buffer, the
 replay adds its separate gradients' shares, and the value does not depend on
 the bucketing; a parameter without a gradient is zeros on both sides.
 
-One ``all_gather`` of four 64-bit words per rank, started in the comm hook just
-before the step's last gradient all-reduce (where the ranks meet anyway, so it
-adds no synchronisation point), lets every rank compare each ring edge r -> n
-bit for bit: edge r -> n is *bad* when r's replay of n's batch disagrees with
-what n reported for itself.
+One gather of four 64-bit words per rank (a small all-reduce) lets every rank
+compare each ring edge r -> n bit for bit: edge r -> n is *bad* when r's replay
+of n's batch disagrees with what n reported for itself. With the non-finite
+check on, the words ride in the gather of its flags after the backward pass
+(one collective for both checks); without it the gather starts in the comm hook
+just before the step's last gradient all-reduce, where the ranks meet anyway.
 
 Localisation (every rank derives the same answer from the same gathered words):
 
@@ -59,7 +60,7 @@ from sdc_guard.comm_hook import GuardCommHook
 from sdc_guard.determinism import rng_stream
 from sdc_guard.fingerprints import concat_digest, digest_parts, loss_word, to_unsigned64, word_count
 from sdc_guard.report import Detection
-from sdc_guard.vote import all_gather_rows
+from sdc_guard.vote import all_gather_rows, start_gather_rows
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -161,7 +162,8 @@ class ReplayAudit:
         self._observing = False
         self._own_losses: list[torch.Tensor] = []
         self._replayed: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._words: tuple[Any, list[torch.Tensor]] | None = None
+        self._words: tuple[dist.Work, torch.Tensor] | None = None
+        self._send_early = True
         comm.local_observers.append(self._observe)
         comm.before_last_allreduce.append(self._send_words)
 
@@ -205,14 +207,19 @@ class ReplayAudit:
         parts = torch.stack([digest_parts(g).to(self.device) for g in grads])
         return concat_digest(parts, self._offsets[list(indices)])
 
-    def begin(self, audit: bool, step: int, own_losses: list[torch.Tensor]) -> None:
+    def begin(self, audit: bool, step: int, own_losses: list[torch.Tensor], *,
+              send_early: bool = True) -> None:
         """Call before the own forward pass of ``step``; ``audit`` says whether it is audited.
 
         On an audit step the neighbour's micro-batches are replayed here, first, from
         the same pre-step weights. ``own_losses`` is the list the guard appends the
-        step's own (detached) losses to, before each backward pass.
+        step's own (detached) losses to, before each backward pass. ``send_early``:
+        gather the words in the comm hook, before the last gradient all-reduce (for
+        ``verdict``); ``False`` when the caller gathers ``row()`` with other checks'
+        words after the backward pass and calls ``judge``.
         """
         self._observing = audit
+        self._send_early = send_early
         self._own_grad = None
         self._own_losses = own_losses
         self._replayed = None
@@ -228,17 +235,27 @@ class ReplayAudit:
         own gradients have all been fingerprinted: the ranks meet there anyway, so the
         gather adds no synchronisation point of its own.
         """
-        if not self._observing or self._replayed is None or self._words is not None:
+        if (not self._send_early or not self._observing or self._replayed is None
+                or self._words is not None):
             return
+        self._words = start_gather_rows(self._row(), self.group)
+
+    def _row(self) -> torch.Tensor:
+        if self._replayed is None:
+            raise RuntimeError("ReplayAudit: begin(audit=True, ...) did not run this step")
         own_loss = loss_word(self._own_losses)
         own_grad = (self._own_grad if self._own_grad is not None
-                     else torch.zeros((), dtype=torch.int64, device=self.device))
+                    else torch.zeros((), dtype=torch.int64, device=self.device))
         rep_loss, rep_grad = self._replayed
-        words = torch.stack([own_loss.to(self.device), own_grad, rep_loss.to(self.device),
-                             rep_grad])
-        outs = [torch.empty_like(words) for _ in range(self.world)]
-        work = dist.all_gather(outs, words, group=self.group, async_op=True)
-        self._words = (work, outs)
+        return torch.stack([own_loss.to(self.device), own_grad, rep_loss.to(self.device),
+                            rep_grad])
+
+    def row(self) -> torch.Tensor:
+        """This rank's four int64 words (own loss, own gradients, replayed loss, replayed
+        gradients), for a gather shared with other checks; then call ``judge``."""
+        row = self._row()
+        self._observing = False
+        return row
 
     # -- recomputation ----------------------------------------------------------------------
     def _replay(self, rank: int, step: int, phase: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,13 +289,18 @@ class ReplayAudit:
         if self._replayed is None:
             raise RuntimeError("ReplayAudit.verdict: begin(audit=True, ...) did not run this step")
         if self._words is None:  # the hook never saw a last bucket (the same on every rank)
+            self._send_early = True
             self._send_words()
         self._observing = False
         assert self._words is not None
-        work, outs = self._words
+        work, gathered = self._words
         self._words = None
         work.wait()
-        rows = [[to_unsigned64(v) for v in row] for row in torch.stack(outs).tolist()]
+        return self.judge(step, gathered.tolist())
+
+    def judge(self, step: int, words: list[list[int]]) -> list[Detection]:
+        """The detection, if any, from every rank's four words (row r: rank r, as ``row()``)."""
+        rows = [[to_unsigned64(v) for v in row] for row in words]
         n = self.world
         own = [(rows[r][0], rows[r][1]) for r in range(n)]
         rep = [(rows[r][2], rows[r][3]) for r in range(n)]
