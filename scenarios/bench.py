@@ -293,8 +293,12 @@ REPLAY_INTERVALS = (1, 2, 5, 10, 50)
 
 
 def _replay_rank(rank: int, world: int, rounds: int, batch: int,
-                 native: bool = True) -> dict[str, Any]:
+                 native: bool = True, nonfinite: bool = True) -> dict[str, Any]:
     """Step time with the replay audit at several intervals, beside replay off and the ideal.
+
+    ``nonfinite``: the non-finite check runs in every configuration (replay off and the
+    ideal too), as with the guard's default configuration; on audit steps the replay's
+    words then share its gather. ``False``: the replay alone, with a gather of its own.
 
     The ideal of interval k is a real run, alternated with the others: replay off, plus
     one plain forward+backward of the neighbour's batch at the start of every k-th step
@@ -317,7 +321,7 @@ def _replay_rank(rank: int, world: int, rounds: int, batch: int,
         model = DDP(reference_mlp())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         g = SDCGuard(model, opt, loss_fn=cross_entropy_loss, batch_for=batch_for,
-                     config=GuardConfig(nonfinite=False, weights_interval=0,
+                     config=GuardConfig(nonfinite=nonfinite, weights_interval=0,
                                         deterministic=True, replay_interval=1))
         module = model.module
         params = [p for p in module.parameters() if p.requires_grad]
@@ -334,7 +338,7 @@ def _replay_rank(rank: int, world: int, rounds: int, batch: int,
 
     def runner(name: str, i: int) -> SDCGuard:
         replay, ideal = configs[name]
-        _set_checks(guards[i], nonfinite=False, weights_interval=0, replay_interval=replay)
+        _set_checks(guards[i], nonfinite=nonfinite, weights_interval=0, replay_interval=replay)
         extra_every[0] = ideal
         return guards[i]
 
@@ -414,9 +418,10 @@ def _replay_rank(rank: int, world: int, rounds: int, batch: int,
     return out
 
 
-def replay_overhead(world: int, rounds: int, batch: int, native: bool = True) -> dict[str, Any]:
-    res = run_ranks(_replay_rank, world, rounds, batch, native, timeout=3600)[0]
-    res.update({"world": world, "batch": batch})
+def replay_overhead(world: int, rounds: int, batch: int, native: bool = True,
+                    nonfinite: bool = True) -> dict[str, Any]:
+    res = run_ranks(_replay_rank, world, rounds, batch, native, nonfinite, timeout=3600)[0]
+    res.update({"world": world, "batch": batch, "nonfinite": nonfinite})
     return res
 
 
@@ -492,7 +497,9 @@ def _overhead_md(ov: dict[str, Any], *, reference: bool) -> list[str]:
 
 def _replay_md(rp: dict[str, Any]) -> list[str]:
     kernel = "" if rp.get("native_kernel") else ", digests on the torch path (no C kernel)"
-    lines = [f"## Replay audit overhead ({rp['world']} rank(s), batch {rp['batch']}, "
+    checks = ("the non-finite check on in every configuration" if rp.get("nonfinite", False)
+              else "the replay alone")
+    lines = [f"## Replay audit overhead ({rp['world']} rank(s), batch {rp['batch']}, {checks}, "
              f"{rp['steps_per_config']} steps per configuration, alternated{kernel})", "",
              f"Replay off: {rp['step_s_replay_off']*1e3:.2f} ms/step (median) "
              f"({rp['step_cpu_s_replay_off']*1e3:.2f} ms CPU). Ideal run: replay off plus one "
@@ -538,6 +545,12 @@ def _markdown(results: dict[str, Any]) -> str:
     lines += _overhead_md(results["overhead"], reference=True)
     if results.get("replay"):
         lines += _replay_md(results["replay"])
+    if results.get("replay_alone"):
+        lines += ["## The replay audit alone", "",
+                  "The same, with the non-finite check off everywhere: the audit's words then "
+                  "need a gather of their own (started in the comm hook before the last gradient "
+                  "all-reduce), one more synchronisation point on audit steps.", ""]
+        lines += _replay_md(results["replay_alone"])
     if results.get("overhead_world2"):
         lines += ["## The same with 2 ranks on the 2 cores (no oversubscription)", "",
                   "With 3 ranks on 2 cores every synchronisation point makes the ranks' next "
@@ -583,6 +596,8 @@ def main(argv: list[str] | None = None) -> int:
         ("overhead", lambda: check_overhead(3, rounds=3 if q else 12, block=3 if q else 8,
                                             batch=128)),
         ("replay", lambda: replay_overhead(3, rounds=3 if q else 9, batch=128)),
+        ("replay_alone", lambda: replay_overhead(3, rounds=3 if q else 6, batch=128,
+                                                 nonfinite=False)),
         ("overhead_world2", lambda: check_overhead(2, rounds=3 if q else 6, block=3 if q else 8,
                                                    batch=128)),
         ("replay_world2", lambda: replay_overhead(2, rounds=3 if q else 6, batch=128)),

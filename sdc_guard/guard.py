@@ -12,13 +12,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.checks import NonFiniteCheck, WeightsCheck
+from sdc_guard.checks.nonfinite import pack_flags
 from sdc_guard.checks.replay import ReplayAudit, micro_batches
 from sdc_guard.comm_hook import CommHook, GuardCommHook
 from sdc_guard.config import GuardConfig
 from sdc_guard.determinism import enable_determinism, rng_stream
 from sdc_guard.events import EventLog
 from sdc_guard.report import Detection, StepReport
-from sdc_guard.vote import all_gather_rows
+from sdc_guard.vote import all_gather_rows, sum_word
 
 log = logging.getLogger(__name__)
 
@@ -166,12 +167,13 @@ class SDCGuard:
 
         detections: list[Detection] = []
         if cfg.nonfinite and audit and self.replay is not None:
-            # One gather for both pre-step checks: every rank's flags and words in one
-            # small collective, rather than a synchronisation point for each.
-            rows = all_gather_rows(torch.cat([self.nonfinite.row(self.device),
-                                              self.replay.row()]), self.group).tolist()
-            detections += self.nonfinite.judge(step, [r[:2] for r in rows])
-            detections += self.replay.judge(step, [r[2:] for r in rows])
+            # One word for both pre-step checks (0 when both are clean on every rank),
+            # rather than a synchronisation point for each; the evidence only if needed.
+            flags, words = self.nonfinite.row(self.device), self.replay.row()
+            if sum_word(pack_flags(flags) + self.replay.term(words), self.group):
+                rows = all_gather_rows(torch.cat([flags, words]), self.group).tolist()
+                detections += self.nonfinite.judge(step, [r[:2] for r in rows])
+                detections += self.replay.judge(step, [r[2:] for r in rows])
         elif cfg.nonfinite:
             detections += self.nonfinite.verdict(step, self.device)
         elif audit and self.replay is not None:

@@ -23,42 +23,39 @@ def majority_outliers(values: Sequence[Hashable]) -> tuple[int, ...] | None:
     return tuple(r for r, v in enumerate(values) if v != value)
 
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def start_gather_rows(t: torch.Tensor, group: dist.ProcessGroup | None = None
-                      ) -> tuple[dist.Work, torch.Tensor]:
-    """Start gathering a small 1-D tensor from every rank; ``(work, rows)``.
-
-    After ``work.wait()``, ``rows`` is ``(world, len)`` with rank r's tensor in row r.
-    Done as a SUM all-reduce of a zero matrix in which each rank fills its own row
-    (integer addition of one value and zeros is exact; floating-point tensors travel
-    as integers of the same size, so -0.0 and NaN payloads survive). On gloo a small
-    all-reduce is several times cheaper than an all_gather: about 0.3 against 1.1 ms
-    with 3 ranks here.
-    """
-    flat = t.detach().reshape(-1)
-    if flat.is_floating_point() or flat.is_complex():
-        flat = flat.view(_INT_OF_SIZE[flat.element_size()])
-    elif flat.dtype == torch.bool:
-        flat = flat.to(torch.uint8)
-    rows = torch.zeros(dist.get_world_size(group), flat.numel(), dtype=flat.dtype,
-                       device=flat.device)
-    rows[dist.get_rank(group)] = flat
-    work = dist.all_reduce(rows, group=group, async_op=True)
-    if work is None:  # pragma: no cover - async_op=True always returns a Work handle
-        raise RuntimeError("torch.distributed.all_reduce(async_op=True) returned no Work")
-    return work, rows
-
-
 def all_gather_rows(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Gather a small 1-D tensor from every rank into a ``(world, len)`` tensor (one collective).
+    """Gather a small 1-D tensor from every rank into a ``(world, len)`` tensor (one collective)."""
+    world = dist.get_world_size(group)
+    out = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return torch.stack(out)
 
-    Integer dtypes come back as they were; other dtypes as integers with the same bits.
+
+class PendingSum:
+    """An int64 SUM all-reduce of one word in flight; ``wait()`` gives the total."""
+
+    def __init__(self, word: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+        self.word = word.detach().to(torch.int64).reshape(1).clone()
+        work = dist.all_reduce(self.word, group=group, async_op=True)
+        if work is None:  # pragma: no cover - async_op=True always returns a Work handle
+            raise RuntimeError("torch.distributed.all_reduce(async_op=True) returned no Work")
+        self.work = work
+
+    def wait(self) -> int:
+        self.work.wait()
+        return int(self.word.item())
+
+
+def sum_word(word: torch.Tensor, group: dist.ProcessGroup | None = None) -> int:
+    """The wrapping sum over every rank of one int64 ``word`` (one all-reduce, one host sync).
+
+    On gloo an all-reduce of fewer elements than there are ranks takes a cheaper path
+    than any larger one: with 3 ranks here, 0.21 ms for 1 element against 0.44 ms for
+    3, 1.0 ms for 6 and 0.55 ms for an all_gather. The pre-step checks therefore agree
+    on "all clean" through one word whose sum is 0 exactly when they are, and gather
+    their full evidence only when it is not.
     """
-    work, rows = start_gather_rows(t, group)
-    work.wait()
-    return rows
+    return PendingSum(word, group).wait()
 
 
 def gather_if_different(word: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[int] | None:

@@ -2,14 +2,13 @@
 
 The comm hook keeps a device-side flag per step (any bucket non-finite before
 the all-reduce) and the reduced results, which are checked after the backward
-pass. On a replay audit step the flags travel in the audit's gather of words
-(one collective for both checks, see ``SDCGuard.step``). Otherwise every rank
-contributes ``[local, reduced]`` to one all-reduce of the two counts packed
-into the halves of one int64 (the cheapest collective there is: about 0.3 ms
-against 1.1 ms for an all_gather with 3 ranks on gloo, and one int64 costs about
-20% less than two int32). The counts are the same on every rank, so the
-decision is too. Only when a count is non-zero (a detection, or a GradScaler
-overflow step) does a second collective gather each rank's flags to name it:
+pass. Every rank then contributes ``[local, reduced]`` to one all-reduce of the
+two counts packed into the halves of one int64 (``pack_flags``; the cheapest
+collective there is, see ``sdc_guard.vote.sum_word``). On a replay audit step
+the replay audit adds its own term to the same word: one collective for both
+checks (``SDCGuard.step``). The sum is the same on every rank, so the decision
+is too. Only when it is non-zero (a detection, or a GradScaler overflow step)
+does a second collective gather each rank's flags to name it:
 
 * ranks whose *local* gradients were non-finite are the suspects;
 * if the reduced result is non-finite on some rank while every local gradient
@@ -30,19 +29,25 @@ import torch.distributed as dist
 
 from sdc_guard.comm_hook import GuardCommHook
 from sdc_guard.report import Detection
-from sdc_guard.vote import all_gather_rows
+from sdc_guard.vote import all_gather_rows, sum_word
+
+
+def pack_flags(flags: torch.Tensor) -> torch.Tensor:
+    """int32 ``[local, reduced]`` as one int64 word, the counts in its two halves.
+
+    Summed over ranks each half is at most the world size, so the halves never carry
+    into each other; the sum is 0 exactly when no rank flagged anything.
+    """
+    wide = flags.to(torch.int64)
+    return wide[0] + (wide[1] << 32)
 
 
 def any_flag(flags: torch.Tensor, group: dist.ProcessGroup | None = None) -> bool:
     """Is either count of int32 ``flags = [local, reduced]`` non-zero on any rank?
 
-    One all-reduce of one int64 holding the two counts in its halves (each sum is at
-    most the world size, so the halves never carry into each other) and one host sync.
+    One all-reduce of one int64 (``pack_flags``) and one host sync.
     """
-    wide = flags.to(torch.int64)
-    word = (wide[0] + (wide[1] << 32)).reshape(1)
-    dist.all_reduce(word, group=group)
-    return bool(word.item())
+    return sum_word(pack_flags(flags), group) != 0
 
 
 class NonFiniteCheck:

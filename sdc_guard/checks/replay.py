@@ -10,12 +10,16 @@ order: linear, so each DDP bucket adds its share from its flat buffer, the
 replay adds its separate gradients' shares, and the value does not depend on
 the bucketing; a parameter without a gradient is zeros on both sides.
 
-One gather of four 64-bit words per rank (a small all-reduce) lets every rank
-compare each ring edge r -> n bit for bit: edge r -> n is *bad* when r's replay
-of n's batch disagrees with what n reported for itself. With the non-finite
-check on, the words ride in the gather of its flags after the backward pass
-(one collective for both checks); without it the gather starts in the comm hook
-just before the step's last gradient all-reduce, where the ranks meet anyway.
+Each rank has four 64-bit words: its own loss and gradient words and those of
+its replay. Edge r -> n is *bad* when r's replay of n's batch disagrees with
+what n reported for itself. A one-word all-reduce settles the common case: its
+sum is 0 exactly when every edge agrees (``ReplayAudit.term``). With the
+non-finite check on, that word is shared with the check's flags after the
+backward pass (one collective for both, the same one the non-finite check
+needs anyway); without it the all-reduce starts in the comm hook just before
+the step's last gradient all-reduce, where the ranks meet anyway. Only when the
+sum is not 0 does an all_gather of every rank's four words follow, and every
+rank compares each edge bit for bit.
 
 Localisation (every rank derives the same answer from the same gathered words):
 
@@ -58,9 +62,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.comm_hook import GuardCommHook
 from sdc_guard.determinism import rng_stream
-from sdc_guard.fingerprints import concat_digest, digest_parts, loss_word, to_unsigned64, word_count
+from sdc_guard.fingerprints import (
+    concat_digest,
+    digest_parts,
+    loss_word,
+    mix64,
+    to_unsigned64,
+    word_count,
+)
 from sdc_guard.report import Detection
-from sdc_guard.vote import all_gather_rows, start_gather_rows
+from sdc_guard.vote import PendingSum, all_gather_rows
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -162,7 +173,8 @@ class ReplayAudit:
         self._observing = False
         self._own_losses: list[torch.Tensor] = []
         self._replayed: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._words: tuple[dist.Work, torch.Tensor] | None = None
+        self._row_cache: torch.Tensor | None = None
+        self._pending: PendingSum | None = None
         self._send_early = True
         comm.local_observers.append(self._observe)
         comm.before_last_allreduce.append(self._send_words)
@@ -223,39 +235,54 @@ class ReplayAudit:
         self._own_grad = None
         self._own_losses = own_losses
         self._replayed = None
-        self._words = None
+        self._row_cache = None
+        self._pending = None
         self.phase = "train"
         if audit:
             self._replayed = self._replay((self.rank + 1) % self.world, step, "replay")
 
     def _send_words(self) -> None:
-        """Start the all_gather of this rank's four words (own loss/gradient, replayed ones).
+        """Start the all-reduce of this rank's term of the step word (see ``term``).
 
         Runs in the comm hook just before the step's last gradient all-reduce, when the
-        own gradients have all been fingerprinted: the ranks meet there anyway, so the
-        gather adds no synchronisation point of its own.
+        own gradients have all been digested: the ranks meet there anyway.
         """
         if (not self._send_early or not self._observing or self._replayed is None
-                or self._words is not None):
+                or self._pending is not None):
             return
-        self._words = start_gather_rows(self._row(), self.group)
-
-    def _row(self) -> torch.Tensor:
-        if self._replayed is None:
-            raise RuntimeError("ReplayAudit: begin(audit=True, ...) did not run this step")
-        own_loss = loss_word(self._own_losses)
-        own_grad = (self._own_grad if self._own_grad is not None
-                    else torch.zeros((), dtype=torch.int64, device=self.device))
-        rep_loss, rep_grad = self._replayed
-        return torch.stack([own_loss.to(self.device), own_grad, rep_loss.to(self.device),
-                            rep_grad])
+        self._pending = PendingSum(self.term(self.row()), self.group)
 
     def row(self) -> torch.Tensor:
-        """This rank's four int64 words (own loss, own gradients, replayed loss, replayed
-        gradients), for a gather shared with other checks; then call ``judge``."""
-        row = self._row()
-        self._observing = False
-        return row
+        """This rank's four int64 words: own loss, own gradients, replayed loss, replayed
+        gradients (of the neighbour's batch). Computed once per audit step."""
+        if self._replayed is None:
+            raise RuntimeError("ReplayAudit: begin(audit=True, ...) did not run this step")
+        if self._row_cache is None:
+            own_loss = loss_word(self._own_losses)
+            own_grad = (self._own_grad if self._own_grad is not None
+                        else torch.zeros((), dtype=torch.int64, device=self.device))
+            rep_loss, rep_grad = self._replayed
+            self._row_cache = torch.stack([own_loss.to(self.device), own_grad,
+                                           rep_loss.to(self.device), rep_grad])
+            self._observing = False
+        return self._row_cache
+
+    @staticmethod
+    def term(row: torch.Tensor) -> torch.Tensor:
+        """This rank's term of the step word: ``h(replayed) - h(own)``, a 0-d int64.
+
+        ``h(loss, grad) = mix(mix(loss) + grad)`` is a bijection in each word when the
+        other is fixed. Summed over the ring, every ``h(own_n)`` cancels against the
+        ``h(replayed)`` of the rank before n when that edge agrees, so the sum is 0
+        exactly when every edge agrees. One bad edge always leaves a non-zero sum;
+        several could cancel only by a 64-bit coincidence. A non-zero sum sends the
+        ranks on to the full gather of ``row()`` and ``judge``, which compares every
+        edge word by word.
+        """
+        def h(loss: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+            return mix64(mix64(loss) + grad)
+
+        return h(row[2], row[3]) - h(row[0], row[1])
 
     # -- recomputation ----------------------------------------------------------------------
     def _replay(self, rank: int, step: int, phase: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,15 +315,14 @@ class ReplayAudit:
         """Compare the gathered ring edges, arbitrate single bad edges, localise."""
         if self._replayed is None:
             raise RuntimeError("ReplayAudit.verdict: begin(audit=True, ...) did not run this step")
-        if self._words is None:  # the hook never saw a last bucket (the same on every rank)
+        if self._pending is None:  # the hook never saw a last bucket (the same on every rank)
             self._send_early = True
             self._send_words()
-        self._observing = False
-        assert self._words is not None
-        work, gathered = self._words
-        self._words = None
-        work.wait()
-        return self.judge(step, gathered.tolist())
+        assert self._pending is not None
+        total, self._pending = self._pending.wait(), None
+        if total == 0:  # every edge agrees
+            return []
+        return self.judge(step, all_gather_rows(self.row(), self.group).tolist())
 
     def judge(self, step: int, words: list[list[int]]) -> list[Detection]:
         """The detection, if any, from every rank's four words (row r: rank r, as ``row()``)."""

@@ -1,0 +1,63 @@
+"""The one-word fast path of the pre-step checks: its sum is 0 exactly when every check is clean."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sdc_guard.checks.nonfinite import pack_flags
+from sdc_guard.checks.replay import ReplayAudit
+from sdc_guard.fingerprints import to_signed64
+
+words64 = st.integers(min_value=0, max_value=(1 << 64) - 1).map(to_signed64)
+
+
+def _rows(own: list[tuple[int, int]], replayed: list[tuple[int, int]]) -> list[torch.Tensor]:
+    return [torch.tensor([*own[r], *replayed[r]], dtype=torch.int64) for r in range(len(own))]
+
+
+def _ring_sum(rows: list[torch.Tensor]) -> int:
+    total = torch.zeros((), dtype=torch.int64)
+    for row in rows:
+        total = total + ReplayAudit.term(row)
+    return int(total)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(words64, words64), min_size=2, max_size=9))
+def test_the_ring_sum_is_zero_when_every_edge_agrees(own: list[tuple[int, int]]) -> None:
+    n = len(own)
+    replayed = [own[(r + 1) % n] for r in range(n)]  # rank r replays rank r+1 correctly
+    assert _ring_sum(_rows(own, replayed)) == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(words64, words64), min_size=2, max_size=9), st.data())
+def test_one_bad_edge_always_leaves_a_non_zero_sum(own: list[tuple[int, int]],
+                                                    data: st.DataObject) -> None:
+    n = len(own)
+    replayed = [own[(r + 1) % n] for r in range(n)]
+    bad = data.draw(st.integers(0, n - 1))
+    loss, grad = replayed[bad]
+    which = data.draw(st.sampled_from(["loss", "grad", "both"]))
+    new_loss = data.draw(words64.filter(lambda v: v != loss)) if which != "grad" else loss
+    new_grad = data.draw(words64.filter(lambda v: v != grad)) if which != "loss" else grad
+    replayed[bad] = (new_loss, new_grad)
+    assert _ring_sum(_rows(own, replayed)) != 0
+
+
+def test_a_rank_wrong_both_times_leaves_a_non_zero_sum() -> None:
+    own = [(11, 101), (12, 102), (13, 103), (14, 104)]
+    replayed = [own[(r + 1) % 4] for r in range(4)]
+    own[2] = (13, 103 ^ 4)        # rank 2's own gradients are wrong ...
+    replayed[2] = (14, 104 ^ 8)   # ... and so is its replay of rank 3's batch
+    assert _ring_sum(_rows(own, replayed)) != 0
+
+
+@given(st.lists(st.tuples(st.booleans(), st.booleans()), min_size=1, max_size=64))
+def test_packed_flags_sum_to_zero_only_when_no_rank_flags(flags: list[tuple[bool, bool]]) -> None:
+    total = sum(int(pack_flags(torch.tensor(f, dtype=torch.int32))) for f in flags)
+    assert (total == 0) == (not any(a or b for a, b in flags))
+    assert total & 0xFFFFFFFF == sum(a for a, _ in flags)  # the halves never carry
+    assert total >> 32 == sum(b for _, b in flags)
