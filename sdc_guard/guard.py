@@ -12,14 +12,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.checks import NonFiniteCheck, WeightsCheck
-from sdc_guard.checks.nonfinite import pack_flags
 from sdc_guard.checks.replay import ReplayAudit, micro_batches
 from sdc_guard.comm_hook import CommHook, GuardCommHook
 from sdc_guard.config import GuardConfig
 from sdc_guard.determinism import enable_determinism, rng_stream
 from sdc_guard.events import EventLog
 from sdc_guard.report import Detection, StepReport
-from sdc_guard.vote import all_gather_rows, sum_word
+from sdc_guard.vote import all_gather_rows, pack_flags, sum_word
 
 log = logging.getLogger(__name__)
 
@@ -166,18 +165,8 @@ class SDCGuard:
                 scaled.backward()
 
         detections: list[Detection] = []
-        if cfg.nonfinite and audit and self.replay is not None:
-            # One word for both pre-step checks (0 when both are clean on every rank),
-            # rather than a synchronisation point for each; the evidence only if needed.
-            flags, words = self.nonfinite.row(self.device), self.replay.row()
-            if sum_word(pack_flags(flags) + self.replay.term(words), self.group):
-                rows = all_gather_rows(torch.cat([flags, words]), self.group).tolist()
-                detections += self.nonfinite.judge(step, [r[:2] for r in rows])
-                detections += self.replay.judge(step, [r[2:] for r in rows])
-        elif cfg.nonfinite:
-            detections += self.nonfinite.verdict(step, self.device)
-        elif audit and self.replay is not None:
-            detections += self.replay.verdict(step)
+        if cfg.nonfinite or (audit and self.replay is not None):
+            detections += self._pre_step_verdict(step, audit)
         skipped = bool(detections) and self.config.skip_step_on_detection
         if not skipped:
             if self.before_optimizer_step is not None:
@@ -196,6 +185,26 @@ class SDCGuard:
         for d in detections:
             self._record(d, skipped)
         return report
+
+    def _pre_step_verdict(self, step: int, audit: bool) -> list[Detection]:
+        """The non-finite check and, on audit steps, the replay audit: before the optimizer step.
+
+        Each alone agrees through one int64 word whose sum over the ranks is 0 exactly
+        when it is clean on every rank (one small all-reduce, the cheapest collective),
+        and gathers its evidence only when the sum is not 0. On an audit step with both
+        on, the two share that word: one synchronisation point rather than two.
+        """
+        replay = self.replay if audit else None
+        if replay is None:
+            return self.nonfinite.verdict(step, self.device)
+        if not self.config.nonfinite:
+            return replay.verdict(step)
+        flags, words = self.nonfinite.row(self.device), replay.row()
+        if sum_word(pack_flags(flags) + replay.term(words), self.group) == 0:
+            return []
+        rows = all_gather_rows(torch.cat([flags, words]), self.group).tolist()
+        return (self.nonfinite.judge(step, [r[:2] for r in rows])
+                + replay.judge(step, [r[2:] for r in rows]))
 
     def _record(self, d: Detection, skipped: bool) -> None:
         log.warning("SDC detection at step %d by %s: suspects %s (%s)", d.step, d.check,

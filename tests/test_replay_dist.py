@@ -23,7 +23,7 @@ def test_replay_on_and_off_end_bit_identical() -> None:
     assert on[0]["final"] == off[0]["final"]
 
 
-@pytest.mark.parametrize("nonfinite", [True, False], ids=["shared-gather", "replay-alone"])
+@pytest.mark.parametrize("nonfinite", [True, False], ids=["shared-word", "replay-alone"])
 @pytest.mark.parametrize("phase", ["train", "replay"])
 def test_transient_activation_flip_on_rank_1_is_localised(phase: str, nonfinite: bool) -> None:
     fault = {"rank": 1, "step": 4, "phase": phase, "bit": 2}
@@ -40,9 +40,9 @@ def test_clean_run_with_the_replay_alone_has_no_false_positive() -> None:
     assert len({r["final"] for r in res}) == 1
 
 
-def test_nan_on_an_audit_step_is_named_by_both_checks_from_one_gather() -> None:
-    # The flags and the words share one gather; the replay's single bad edge 1 -> 2 is
-    # then arbitrated by rank 0, which confirms rank 1's replay of rank 2's batch.
+def test_nan_on_an_audit_step_is_named_by_both_checks_from_one_word() -> None:
+    # The flags and the words share one word and one gather; the replay's single bad edge
+    # 1 -> 2 is then arbitrated by rank 0, which confirms rank 1's replay of rank 2's batch.
     fault = {"site": "grad_nan", "rank": 2, "step": 3}
     res = run_ranks(workers.replay_run, 3, 5, fault=fault)
     for r in res:

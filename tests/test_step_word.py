@@ -6,9 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdc_guard.checks.nonfinite import pack_flags
 from sdc_guard.checks.replay import ReplayAudit
 from sdc_guard.fingerprints import to_signed64
+from sdc_guard.vote import pack_flags
 
 words64 = st.integers(min_value=0, max_value=(1 << 64) - 1).map(to_signed64)
 

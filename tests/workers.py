@@ -61,17 +61,12 @@ def guarded_run(rank: int, world: int, steps: int, fault: dict[str, Any] | None 
             if guard.comm.step == fault["step"]:
                 bucket.buffer()[0] = float("nan")
         guard.comm.before.append(nan)
-    if fault.get("site") == "reduced_nan":
-        # A fault in this rank's copy of the all-reduced gradients: written into the
-        # bucket result after the backward pass (the default path has no callback).
-        judge = guard.nonfinite.verdict
-
-        def corrupt_then_judge(step: int, device: torch.device) -> list[sdc_guard.Detection]:
-            if step == fault["step"] and rank in fault["ranks"]:
-                guard.comm._results[0][0] = float("nan")
-            return judge(step, device)
-
-        guard.nonfinite.verdict = corrupt_then_judge  # type: ignore[method-assign]
+    if fault.get("site") == "reduced_nan" and rank in fault["ranks"]:
+        # A fault in this rank's copy of the all-reduced gradients of the last bucket.
+        def corrupt(bucket: Any, out: torch.Tensor) -> None:
+            if guard.comm.step == fault["step"] and bucket.is_last():
+                out[0] = float("nan")
+        guard.comm.after.append(corrupt)
     reports = [guard.step(s) for s in range(steps)]
     out = {
         "detections": _summary(reports),
@@ -133,7 +128,7 @@ def replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
     fault = {"rank", "step", "phase": "train"|"replay"|"any", "bit", "permanent": bool}, or
     {"site": "grad_nan", "rank", "step"}: a NaN in that rank's local gradient bucket.
     ``skip_steps``: steps this run leaves out entirely (the "never saw the fault" oracle).
-    ``nonfinite``: the non-finite check too (then both share one gather on audit steps).
+    ``nonfinite``: the non-finite check too (then both share one word on audit steps).
     """
     torch.manual_seed(0)
     model = DDP(DropMLP(batchnorm))

@@ -29,17 +29,7 @@ import torch.distributed as dist
 
 from sdc_guard.comm_hook import GuardCommHook
 from sdc_guard.report import Detection
-from sdc_guard.vote import all_gather_rows, sum_word
-
-
-def pack_flags(flags: torch.Tensor) -> torch.Tensor:
-    """int32 ``[local, reduced]`` as one int64 word, the counts in its two halves.
-
-    Summed over ranks each half is at most the world size, so the halves never carry
-    into each other; the sum is 0 exactly when no rank flagged anything.
-    """
-    wide = flags.to(torch.int64)
-    return wide[0] + (wide[1] << 32)
+from sdc_guard.vote import all_gather_rows, pack_flags, sum_word
 
 
 def any_flag(flags: torch.Tensor, group: dist.ProcessGroup | None = None) -> bool:
