@@ -3,10 +3,11 @@
 Per bucket, in this order::
 
     before-callbacks (fault injectors: site "gradient_before_allreduce")
-    -> local non-finite flag (on device, no host sync)
-    -> local gradient observers (the replay audit's per-parameter fingerprints)
+    -> local gradient observers (the replay audit's gradient digest; they only read)
     -> on the step's last bucket: before-last-all-reduce callbacks (the replay
-       audit starts its small all_gather here)
+       audit, alone, starts its small all-reduce here)
+    -> local non-finite flag (on device, no host sync), fused with the 1/world
+       scaling where torch allows
     -> the all-reduce (ours, or the user's own comm hook)
     -> after-callbacks (fault injectors: site "gradient_after_allreduce")
 
@@ -57,6 +58,35 @@ def _bad(buf: torch.Tensor) -> torch.Tensor:
     else:  # integer buffers cannot hold non-finite values
         return torch.zeros((), dtype=torch.bool, device=buf.device)
     return ~torch.isfinite(s)
+
+
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_fused_ok: dict[str, bool] = {}
+
+
+def _scale_and_check(buf: torch.Tensor, scale: float) -> torch.Tensor:
+    """``buf.mul_(scale)`` and a 0-d bool "was ``buf`` non-finite", in one read pass if possible.
+
+    torch's fused AMP unscale kernel multiplies by a float32 scale and flags any NaN or
+    Inf as it goes: for float32, float16 and bfloat16 that is the same product as
+    ``mul_`` with a Python float (computed in float32, then rounded), bit for bit, and
+    an exact per-element check. Other dtypes, and a torch without the kernel on this
+    device, take ``_bad`` and ``mul_`` (two passes).
+    """
+    kind = buf.device.type
+    if buf.dtype in _FUSED_DTYPES and _fused_ok.get(kind, True):
+        found = torch.zeros(1, dtype=torch.float32, device=buf.device)
+        inv = torch.full((1,), scale, dtype=torch.float32, device=buf.device)
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_([buf], found, inv)
+        except (RuntimeError, NotImplementedError):  # no kernel for this device here
+            _fused_ok[kind] = False
+        else:
+            _fused_ok[kind] = True
+            return found[0] != 0
+    bad = _bad(buf)
+    buf.mul_(scale)
+    return bad
 
 
 class GuardCommHook:
@@ -112,7 +142,10 @@ class GuardCommHook:
 
     def _allreduce(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         buf = bucket.buffer()
-        buf.mul_(1.0 / self.world_size)
+        if self.check_nonfinite:  # the local check rides the 1/world scaling pass
+            self._or_local(_scale_and_check(buf, 1.0 / self.world_size))
+        else:
+            buf.mul_(1.0 / self.world_size)
         work = dist.all_reduce(buf, group=self.process_group, async_op=True)
         if work is None:  # pragma: no cover - async_op=True always returns a Work handle
             raise RuntimeError("torch.distributed.all_reduce(async_op=True) returned no Work")
@@ -126,10 +159,10 @@ class GuardCommHook:
         """The function registered with DDP (``state`` is the ``GuardCommHook``)."""
         for cb in state.before:
             cb(bucket)
-        if state.check_nonfinite:
-            state._or_local(_bad(bucket.buffer()))
         for cb in state.local_observers:
             cb(bucket)
+        if state.check_nonfinite and state.inner_hook is not None:
+            state._or_local(_bad(bucket.buffer()))  # the user's hook owns the scaling
         if bucket.is_last():
             for last in state.before_last_allreduce:
                 last()
