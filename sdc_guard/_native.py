@@ -164,12 +164,20 @@ class NativeKernel:
                 or src.dtype != want or mode not in (0, 1, 2)):
             raise ValueError(f"weighted_sum: needs a contiguous 1-D CPU {want} tensor for mode "
                              f"{mode}; got {src.dtype} {list(src.shape)} on {src.device}.")
-        n = src.numel()
+        return [v - (1 << 64) if v >= 1 << 63 else v
+                for v in self.words_at(src.data_ptr(), src.numel(), mode)]
+
+    def words_at(self, address: int, n: int, mode: int) -> tuple[int, int]:
+        """Unsigned ``(sum_k (2k+1) v_k, sum_k v_k)`` of ``n`` elements at ``address``.
+
+        The caller guarantees the memory: ``n`` int32 lanes (mode 0) or int64 words
+        (modes 1, 2) of a live CPU tensor, 8-byte aligned for the words.
+        """
         threads = max(1, min(torch.get_num_threads(), n // _PER_THREAD))
         out = (ctypes.c_uint64 * 2)()
-        if self._fn(src.data_ptr(), n, mode, threads, out) != 0:  # pragma: no cover
+        if self._fn(address, n, mode, threads, out) != 0:  # pragma: no cover
             raise RuntimeError("sdc_weighted_sum rejected its arguments")
-        return [v - (1 << 64) if v >= 1 << 63 else v for v in (out[0], out[1])]
+        return out[0], out[1]
 
 
 def _cache_dir() -> Path:

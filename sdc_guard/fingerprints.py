@@ -78,6 +78,8 @@ __all__ = [
     "enable_native",
     "fingerprint",
     "fingerprint_tensor",
+    "host_concat_digest",
+    "host_spans_digest",
     "loss_word",
     "mix64",
     "mix64_int",
@@ -475,6 +477,54 @@ def digest_parts(t: torch.Tensor) -> torch.Tensor:
         last = _tail_word(raw, full, 8)[0]
         parts = parts + torch.stack([(2 * (full // 8) + 1) * last, last])
     return parts
+
+
+def host_concat_digest(pieces: Iterable[tuple[torch.Tensor, int]]) -> int | None:
+    """D of CPU tensors laid end to end, as an unsigned int, by the C kernel; else None.
+
+    ``pieces`` are (tensor, word offset in the concatenation). Each tensor is read
+    once by the kernel and the parts are combined in Python integers (no torch op
+    per tensor), which is what the replay audit does per gradient. ``None`` when the
+    kernel is not in use or a tensor is not a CPU tensor; the caller then uses
+    ``digest_parts`` and ``concat_digest``, which give the same value.
+    """
+    kernel = _native_kernel()
+    if kernel is None:
+        return None
+    total = 0
+    for t, offset in pieces:
+        if t.device.type != "cpu":
+            return None
+        nbytes = t.numel() * t.element_size()
+        if nbytes % 8 == 0 and t.is_contiguous() and t.data_ptr() % 8 == 0:
+            d, s = kernel.words_at(t.data_ptr(), nbytes // 8, 2)
+        else:
+            d, s = (v & _MASK64 for v in digest_parts(t).tolist())
+        total += d + 2 * offset * s
+    return total & _MASK64
+
+
+def host_spans_digest(buf: torch.Tensor, spans: Iterable[tuple[int, int, int]]) -> int | None:
+    """D of word ranges of one flat CPU buffer, moved to new offsets, by the C kernel; else None.
+
+    ``spans`` are (first word, end word, word offset in the concatenation): the replay
+    audit's view of a DDP bucket, whose gradients lie at other offsets in the bucket
+    than in parameter order. ``buf`` must be contiguous and 8-byte aligned.
+    """
+    kernel = _native_kernel()
+    if (kernel is None or buf.device.type != "cpu" or not buf.is_contiguous()
+            or buf.data_ptr() % 8):
+        return None
+    base = buf.data_ptr()
+    end = buf.numel() * buf.element_size() // 8
+    total = 0
+    for a, b, offset in spans:
+        if not 0 <= a <= b <= end:
+            raise ValueError(f"host_spans_digest: span [{a}, {b}) lies outside the buffer's "
+                             f"{end} words.")
+        d, s = kernel.words_at(base + 8 * a, b - a, 2)
+        total += d + 2 * offset * s
+    return total & _MASK64
 
 
 def concat_digest(parts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import sdc_guard._native as native_mod
 import sdc_guard.fingerprints as fpmod
@@ -153,3 +155,47 @@ def test_the_plain_build_without_target_clones_gives_the_same_values(
         src_view = t.view(torch.uint32) if mode == 0 else t
         expected = fpmod._weighted(src_view, preps[mode], with_sum=True).tolist()
         assert plain.weighted_sum(t, mode) == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=6),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.float64, torch.int8]),
+       seed=st.integers(0, 2**31 - 1))
+def test_host_digests_equal_concat_digest_on_the_torch_path(sizes: list[int], dtype: torch.dtype,
+                                                             seed: int) -> None:
+    if not fpmod.native_enabled():
+        pytest.skip("the C kernel is not in use here")
+    tensors = [_random_tensor(dtype, n, seed=seed + i) for i, n in enumerate(sizes)]
+    offsets, at = [], 0
+    for t in tensors:
+        offsets.append(at)
+        at += fpmod.word_count(t)
+    host = fpmod.host_concat_digest(zip(tensors, offsets, strict=True))
+    # The same tensors laid out in one flat buffer (each padded to whole words), in
+    # reverse order, read back as spans moved to their offsets.
+    buf = torch.zeros(at, dtype=torch.int64)
+    spans, pos = [], 0
+    for t, o in reversed(list(zip(tensors, offsets, strict=True))):
+        w = fpmod.word_count(t)
+        raw = t.reshape(-1).view(torch.uint8)
+        buf.view(torch.uint8)[8 * pos: 8 * pos + raw.numel()] = raw
+        spans.append((pos, pos + w, o))
+        pos += w
+    spans_host = fpmod.host_spans_digest(buf, spans)
+    saved = fpmod._native, fpmod._native_resolved
+    fpmod.disable_native()
+    try:
+        parts = torch.stack([fpmod.digest_parts(t) for t in tensors])
+        expected = int(fpmod.concat_digest(parts, torch.tensor(offsets))) & ((1 << 64) - 1)
+        assert fpmod.host_concat_digest(zip(tensors, offsets, strict=True)) is None
+    finally:
+        fpmod._native, fpmod._native_resolved = saved
+    assert host == expected
+    assert spans_host == expected
+
+
+def test_host_spans_digest_refuses_a_span_outside_the_buffer() -> None:
+    if not fpmod.native_enabled():
+        pytest.skip("the C kernel is not in use here")
+    with pytest.raises(ValueError, match="outside the buffer"):
+        fpmod.host_spans_digest(torch.zeros(4, dtype=torch.int64), [(2, 5, 0)])

@@ -61,3 +61,10 @@ def test_packed_flags_sum_to_zero_only_when_no_rank_flags(flags: list[tuple[bool
     assert (total == 0) == (not any(a or b for a, b in flags))
     assert total & 0xFFFFFFFF == sum(a for a, _ in flags)  # the halves never carry
     assert total >> 32 == sum(b for _, b in flags)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(words64, min_size=4, max_size=4))
+def test_the_host_term_equals_the_device_term(words: list[int]) -> None:
+    row = torch.tensor(words, dtype=torch.int64)
+    assert int(ReplayAudit._term_host(row)) == int(ReplayAudit._term_device(row))

@@ -65,8 +65,12 @@ from sdc_guard.determinism import rng_stream
 from sdc_guard.fingerprints import (
     concat_digest,
     digest_parts,
+    host_concat_digest,
+    host_spans_digest,
     loss_word,
     mix64,
+    mix64_int,
+    to_signed64,
     to_unsigned64,
     word_count,
 )
@@ -98,6 +102,8 @@ class _BucketPlan:
     """[start, end) word range of each gradient in the buffer."""
     shift: torch.Tensor
     """int64, per gradient: its word offset in parameter order minus its offset in the buffer."""
+    moved: list[tuple[int, int, int]]
+    """(start, end, word offset in parameter order) per gradient, for ``host_spans_digest``."""
 
     @staticmethod
     def of(buf: torch.Tensor, grads: Sequence[torch.Tensor], idx: Sequence[int],
@@ -128,7 +134,8 @@ class _BucketPlan:
             return None
         shift = torch.tensor([offsets[i] - a for a, _, i in spans], dtype=torch.int64,
                              device=buf.device)
-        return _BucketPlan([(a, b) for a, b, _ in spans], shift)
+        return _BucketPlan([(a, b) for a, b, _ in spans], shift,
+                           [(a, b, offsets[i]) for a, b, i in spans])
 
 
 class ReplayAudit:
@@ -208,6 +215,9 @@ class ReplayAudit:
         if plan is None:
             kept = [(i, g) for i, g in zip(idx, grads, strict=True) if i >= 0]
             return self._digest([g for _, g in kept], [i for i, _ in kept])
+        host = host_spans_digest(buf, plan.moved)  # CPU: one kernel call per gradient
+        if host is not None:
+            return torch.tensor(to_signed64(host), dtype=torch.int64)
         words = buf.view(torch.int64)
         sums = torch.stack([words[a:b].sum() for a, b in plan.spans])
         return digest_parts(buf)[0] + 2 * (plan.shift * sums).sum()
@@ -216,6 +226,11 @@ class ReplayAudit:
         """Gradient word of separate gradients (of the parameters at ``indices``)."""
         if not grads:
             return torch.zeros((), dtype=torch.int64, device=self.device)
+        if self.device.type == "cpu":  # one kernel call per gradient, no torch op
+            host = host_concat_digest(zip(grads, (self.offsets[i] for i in indices),
+                                          strict=True))
+            if host is not None:
+                return torch.tensor(to_signed64(host), dtype=torch.int64)
         parts = torch.stack([digest_parts(g).to(self.device) for g in grads])
         return concat_digest(parts, self._offsets[list(indices)])
 
@@ -279,6 +294,19 @@ class ReplayAudit:
         ranks on to the full gather of ``row()`` and ``judge``, which compares every
         edge word by word.
         """
+        if row.device.type == "cpu":  # a few integer ops on the host, not ~40 tiny kernels
+            return ReplayAudit._term_host(row)
+        return ReplayAudit._term_device(row)
+
+    @staticmethod
+    def _term_host(row: torch.Tensor) -> torch.Tensor:
+        own_loss, own_grad, rep_loss, rep_grad = row.tolist()
+        term = (mix64_int(mix64_int(rep_loss) + rep_grad)
+                - mix64_int(mix64_int(own_loss) + own_grad))
+        return torch.tensor(to_signed64(term), dtype=torch.int64)
+
+    @staticmethod
+    def _term_device(row: torch.Tensor) -> torch.Tensor:
         def h(loss: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
             return mix64(mix64(loss) + grad)
 
