@@ -14,7 +14,8 @@ It is plain C with no dependency (not even torch's headers): the system C
 compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) builds it in well under a
 second, once per machine and source version, into a per-user cache
 (``$SDC_GUARD_CACHE``, else ``$XDG_CACHE_HOME/sdc_guard``, else
-``~/.cache/sdc_guard``). Ranks that build at the same time each write their own
+``~/.cache/sdc_guard``; if that is not writable, a private ``sdc_guard-<uid>``
+directory under the system temp dir). Ranks that build at the same time each write their own
 file and rename it into place. The ctypes call releases the GIL. Without a
 compiler (or with ``SDC_GUARD_NATIVE=0``) the torch path is used: the same
 values, slower.
@@ -188,6 +189,21 @@ def _cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "sdc_guard"
 
 
+def _private_tmp_dir() -> Path:
+    """A per-user directory under the system temp dir, for when the cache is not writable.
+
+    Created with mode 0700; refused if it exists but belongs to someone else or is
+    open to others (a shared temp dir must not hand us someone else's library).
+    """
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    d = Path(tempfile.gettempdir()) / f"sdc_guard-{uid if uid is not None else 'user'}"
+    d.mkdir(mode=0o700, exist_ok=True)
+    st = d.stat()
+    if (uid is not None and st.st_uid != uid) or st.st_mode & 0o077:
+        raise RuntimeError(f"{d} is not private to this user; set $SDC_GUARD_CACHE")
+    return d
+
+
 def _compiler() -> str | None:
     cc = os.environ.get("CC")
     if cc and shutil.which(cc):
@@ -250,8 +266,16 @@ def load(*, warn: bool = True) -> NativeKernel | None:
     if not _tried:
         _tried = True
         try:
-            _kernel = NativeKernel(build())
-        except Exception as e:  # no compiler, a failed build, an unwritable cache, ...
+            try:
+                path = build()
+            except OSError as unwritable:  # a read-only home, say: a private temp dir
+                try:
+                    path = build(_private_tmp_dir())
+                except Exception as e:
+                    raise RuntimeError(f"the cache {_cache_dir()} is not writable "
+                                       f"({unwritable}), nor is a temp dir ({e})") from e
+            _kernel = NativeKernel(path)
+        except Exception as e:  # no compiler, a failed build, nowhere to write, ...
             _error = f"{type(e).__name__}: {e}"[:600]
     if _kernel is None and _error is not None:
         message = (f"sdc_guard: the native fingerprint kernel could not be built ({_error}); "

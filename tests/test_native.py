@@ -199,3 +199,29 @@ def test_host_spans_digest_refuses_a_span_outside_the_buffer() -> None:
         pytest.skip("the C kernel is not in use here")
     with pytest.raises(ValueError, match="outside the buffer"):
         fpmod.host_spans_digest(torch.zeros(4, dtype=torch.int64), [(2, 5, 0)])
+
+
+def test_an_unwritable_cache_falls_back_to_a_private_temp_dir(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    if native_mod._compiler() is None:
+        pytest.skip("no C compiler here")
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache directory should be")
+    monkeypatch.setenv("SDC_GUARD_CACHE", str(blocker / "cache"))
+    monkeypatch.setattr(native_mod.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(native_mod, "_tried", False)
+    monkeypatch.setattr(native_mod, "_kernel", None)
+    kernel = native_mod.load(warn=True)
+    assert kernel is not None
+    assert kernel.path.parent.parent == tmp_path / "tmp"
+    assert kernel.path.parent.stat().st_mode & 0o077 == 0
+
+
+def test_a_temp_dir_open_to_others_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    monkeypatch.setattr(native_mod.tempfile, "gettempdir", lambda: str(tmp_path))
+    shared = native_mod._private_tmp_dir()
+    shared.chmod(0o777)
+    with pytest.raises(RuntimeError, match="not private"):
+        native_mod._private_tmp_dir()
