@@ -427,7 +427,8 @@ def _replay_rank(rank: int, world: int, rounds: int, batch: int,
     fb = statistics.median(fwd_bwd)
     out: dict[str, Any] = {"step_s_replay_off": off, "forward_backward_s": fb,
                            "step_cpu_s_replay_off": coff, "native_kernel": native_in_use,
-                           "steps_per_config": len(times["off"]), "intervals": {}}
+                           "steps_per_config": len(times["off"]), "rounds": rounds,
+                           "intervals": {}}
     per_round = {k: _rounds(v, rounds) for k, v in tagged.items()}
     for k in REPLAY_INTERVALS:
         a, i = f"audit {k}", f"ideal {k}"
@@ -540,7 +541,7 @@ def _replay_md(rp: dict[str, Any]) -> list[str]:
     checks = ("the non-finite check on in every configuration" if rp.get("nonfinite", False)
               else "the replay alone")
     lines = [f"## Replay audit overhead ({rp['world']} rank(s), batch {rp['batch']}, {checks}, "
-             f"{rp['steps_per_config']} steps per configuration, alternated{kernel})", "",
+             f"{rp.get('rounds', rp['steps_per_config'] // 10)} rounds, alternated{kernel})", "",
              f"Replay off: {rp['step_s_replay_off']*1e3:.2f} ms/step (median) "
              f"({rp['step_cpu_s_replay_off']*1e3:.2f} ms CPU). Ideal run: replay off plus one "
              "plain forward+backward of the neighbour's batch every k steps, alternated with the "
