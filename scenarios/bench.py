@@ -360,8 +360,8 @@ def _replay_rank(rank: int, world: int, rounds: int, batch: int,
         for name in configs:
             runner(name, i).step(1)
     every = {name: int(name.split()[1]) if " " in name else 1 for name in configs}
-    # At least 2 audit (or extra) steps per block, so every interval gets the same count.
-    per_block = {name: max(10, 2 * every[name]) for name in configs}
+    # At least 4 audit (or extra) steps per block, so every interval gets the same count.
+    per_block = {name: max(10, 4 * every[name]) for name in configs}
     for r in range(rounds):
         for name in configs:
             g = runner(name, r % INSTANCES)
@@ -548,7 +548,7 @@ def _replay_md(rp: dict[str, Any]) -> list[str]:
              "others. Every configuration runs on the same model, switched block by block "
              f"({INSTANCES} instances used in turn, round by round). For reference, one "
              "forward+backward timed alone: "
-             f"{rp['forward_backward_s']*1e3:.2f} ms. Interval k runs blocks of max(10, 2k) "
+             f"{rp['forward_backward_s']*1e3:.2f} ms. Interval k runs blocks of max(10, 4k) "
              "steps, so every interval has the same number of audit (or extra) steps.", "",
              "**Per audit step** (the target: what an audit adds beyond its recomputation): the "
              "extra time of an audit step over the other steps of the same configuration "
@@ -657,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("overhead", lambda: check_overhead(3, rounds=3 if q else 12, block=3 if q else 8,
                                             batch=128)),
-        ("replay", lambda: replay_overhead(3, rounds=3 if q else 9, batch=128)),
+        ("replay", lambda: replay_overhead(3, rounds=3 if q else 12, batch=128)),
         ("replay_alone", lambda: replay_overhead(3, rounds=3 if q else 6, batch=128,
                                                  nonfinite=False)),
         ("overhead_world2", lambda: check_overhead(2, rounds=3 if q else 6, block=3 if q else 8,
