@@ -62,6 +62,7 @@ def _bad(buf: torch.Tensor) -> torch.Tensor:
 
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _fused_ok: dict[str, bool] = {}
+_scales: dict[tuple[torch.device, float], torch.Tensor] = {}
 
 
 def _scale_and_check(buf: torch.Tensor, scale: float) -> torch.Tensor:
@@ -76,7 +77,10 @@ def _scale_and_check(buf: torch.Tensor, scale: float) -> torch.Tensor:
     kind = buf.device.type
     if buf.dtype in _FUSED_DTYPES and _fused_ok.get(kind, True):
         found = torch.zeros(1, dtype=torch.float32, device=buf.device)
-        inv = torch.full((1,), scale, dtype=torch.float32, device=buf.device)
+        inv = _scales.get((buf.device, scale))
+        if inv is None:  # one per device and world size: built once, only ever read
+            inv = _scales[(buf.device, scale)] = torch.full(
+                (1,), scale, dtype=torch.float32, device=buf.device)
         try:
             torch._amp_foreach_non_finite_check_and_unscale_([buf], found, inv)
         except (RuntimeError, NotImplementedError):  # no kernel for this device here

@@ -493,6 +493,10 @@ def host_concat_digest(pieces: Iterable[tuple[torch.Tensor, int]]) -> int | None
         return None
     total = 0
     for t, offset in pieces:
+        if not isinstance(t, torch.Tensor) or isinstance(offset, bool) or not isinstance(offset,
+                                                                                          int):
+            raise TypeError(f"host_concat_digest: pieces must be (torch.Tensor, int word offset) "
+                            f"pairs, got ({type(t).__name__}, {type(offset).__name__}).")
         if t.device.type != "cpu":
             return None
         nbytes = t.numel() * t.element_size()

@@ -225,3 +225,12 @@ def test_a_temp_dir_open_to_others_is_refused(monkeypatch: pytest.MonkeyPatch,
     shared.chmod(0o777)
     with pytest.raises(RuntimeError, match="not private"):
         native_mod._private_tmp_dir()
+
+
+def test_host_concat_digest_names_bad_pieces() -> None:
+    if not fpmod.native_enabled():
+        pytest.skip("the C kernel is not in use here")
+    with pytest.raises(TypeError, match="pairs"):
+        fpmod.host_concat_digest([([1.0, 2.0], 0)])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="pairs"):
+        fpmod.host_concat_digest([(torch.zeros(2), 1.5)])  # type: ignore[list-item]
