@@ -3,15 +3,20 @@
     python -m scenarios.device_check [--out DIR] [--device cuda] [--mib 256]
 
 Checks, each recorded as passed or failed with its numbers (nothing is skipped
-silently; without CUDA the script says so and exits 2):
+silently; without CUDA the script says so and exits 2; ``--device cpu`` runs the
+same checks on the CPU, with gloo for the guarded steps, as a dry run):
 
 * ``fingerprint`` and the replay's word digest give the same value on the device
   as on the CPU, for every dtype, odd sizes, non-contiguous views, empty tensors
   and a tensor larger than one device chunk; the result stays on the device;
 * ``rng_stream`` replays the same random numbers on the device;
-* a guarded DDP step on the device with nccl (one rank per GPU; the ring of one
-  when there is a single GPU) runs nonfinite, weights and replay every step with
-  no detection, and a NaN written into a local gradient is named;
+* the comm hook's fused scale-and-check leaves the bits of ``mul_(1/world)`` and
+  flags exactly the non-finite buffers; the step-word term and the replay's
+  gradient words computed on the device equal the host values;
+* guarded DDP steps on the device with nccl (one rank per GPU; the ring of one
+  when there is a single GPU) run nonfinite, weights and replay every step with
+  no detection, and a NaN written into a local gradient is named and its
+  optimizer step withheld on every rank;
 * throughput on the device: fingerprint, word digest, ``torch.hash_tensor``
   beside one ``torch.sum`` pass over the same float32 tensor.
 
@@ -70,6 +75,79 @@ def check_values(device: torch.device) -> dict[str, Any]:
             "result_stays_on_device": stays}
 
 
+_INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32,
+             torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def check_kernels(device: torch.device) -> dict[str, Any]:
+    """The device paths of the comm hook's fused check and of the replay's words.
+
+    * ``_scale_and_check(buf, 1/world)`` leaves the same bits as ``buf.mul_(1/world)``
+      (what the built-in hook does) and flags exactly the buffers holding a NaN or Inf;
+    * the step-word term computed on the device equals the host computation;
+    * a bucket's share of the gradient word (``_BucketPlan.digest``) and the word of
+      separate gradients (``grads_digest``) equal the CPU values.
+    """
+    from sdc_guard import comm_hook
+    from sdc_guard.checks.replay import ReplayAudit, _BucketPlan, grads_digest
+
+    g = torch.Generator().manual_seed(1)
+    mismatches: list[str] = []
+    specials = [0.0, -0.0, 1e-45, 6e-8, 65504.0, 3.0e38, -3.0e38, float("inf"), float("-inf"),
+                float("nan")]
+    for dtype, as_int in _INT_VIEW.items():
+        for world in (1, 2, 3, 4, 6, 7, 8):
+            for special in (None, *specials):
+                x = (torch.randn(70_001, generator=g) * 4.0 ** torch.randint(
+                    -8, 8, (70_001,), generator=g)).to(dtype)
+                if special is not None:
+                    x[12_345] = special
+                d = x.to(device)
+                ref = d.clone().mul_(1 / world)
+                flag = bool(comm_hook._scale_and_check(d, 1 / world))
+                expected = not bool(torch.isfinite(x).all())
+                if not torch.equal(ref.view(as_int), d.view(as_int)):
+                    mismatches.append(f"_scale_and_check != mul_: {dtype} world {world} "
+                                      f"special {special}")
+                if flag != expected:
+                    mismatches.append(f"_scale_and_check flag {flag}, expected {expected}: "
+                                      f"{dtype} world {world} special {special}")
+    fused = comm_hook._fused_ok.get(device.type)
+    rows = torch.randint(-2**63, 2**63 - 1, (64, 4), generator=g, dtype=torch.int64)
+    rows[0] = 0
+    rows[1] = torch.tensor([-1, 2**63 - 1, -2**63, 1])
+    for i, row in enumerate(rows):
+        on_device = int(ReplayAudit._term_device(row.to(device)))
+        if on_device != int(ReplayAudit._term_host(row)):
+            mismatches.append(f"step-word term, row {i}")
+    odd = [(1024, 512), (1024,), (7,), (3, 3), (10, 1024), (0,), (10,)]
+    whole = [(1024, 512), (1024,), (8,), (4, 4), (10, 1024), (0,), (12,)]  # whole 8-byte words
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        unit = torch.empty((), dtype=dtype).element_size()
+        for sizes in (odd, whole):
+            grads = [torch.randn(s, generator=g).to(dtype) for s in sizes]
+            words = [-(-(t.numel() * unit) // 8) for t in grads]
+            offsets = [sum(words[:i]) for i in range(len(grads))]
+            want = int(grads_digest(grads, offsets, torch.device("cpu")))
+            got = int(grads_digest([t.to(device) for t in grads], offsets, device))
+            if got != want:
+                mismatches.append(f"grads_digest {dtype} {sizes}: device {got}, cpu {want}")
+        # A DDP-like bucket: the same gradients as views of one flat buffer, in reverse order.
+        order = list(reversed(range(len(grads))))
+        buf = torch.cat([grads[i].reshape(-1) for i in order]).to(device)
+        views, at = [], 0
+        for i in order:
+            views.append(buf[at:at + grads[i].numel()].view(grads[i].shape))
+            at += grads[i].numel()
+        plan = _BucketPlan.of(buf, views, order, offsets)
+        if plan is None:
+            mismatches.append(f"_BucketPlan.of refused an aligned {dtype} bucket")
+        elif (got := int(plan.digest(buf))) != want:
+            mismatches.append(f"bucket digest {dtype}: device {got}, cpu {want}")
+    return {"passed": not mismatches, "mismatches": mismatches,
+            "fused_unscale_kernel_used": fused}
+
+
 def check_rng(device: torch.device) -> dict[str, Any]:
     from sdc_guard.determinism import rng_stream
 
@@ -80,16 +158,19 @@ def check_rng(device: torch.device) -> dict[str, Any]:
     return {"passed": torch.equal(draws[0], draws[1])}
 
 
-def _guarded_rank(rank: int, world: int) -> dict[str, Any]:
+def _guarded_rank(rank: int, world: int, device_type: str) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from scenarios.models import classification_batch, cross_entropy_loss, reference_mlp
     from sdc_guard import GuardConfig, SDCGuard
 
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    model = DDP(reference_mlp().to(device), device_ids=[rank])
+    if device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())  # set by run_ranks
+        model = DDP(reference_mlp().to(device), device_ids=[device.index])
+    else:
+        device = torch.device("cpu")
+        model = DDP(reference_mlp())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def batch_for(r: int, step: int) -> Any:
@@ -106,37 +187,27 @@ def _guarded_rank(rank: int, world: int) -> dict[str, Any]:
     guard.comm.before.append(nan)
     reports = [guard.step(s) for s in range(8)]
     dist.barrier()
-    return {"detections": [(d.check, d.step, list(d.suspect_ranks))
-                           for r in reports for d in r.detections]}
+    out = {"detections": [(d.check, d.step, list(d.suspect_ranks))
+                          for r in reports for d in r.detections],
+           "skipped": [r.step for r in reports if r.skipped],
+           "device": str(device), "backend": dist.get_backend()}
+    return out
 
 
-def _nccl_entry(rank: int, world: int, port: int, q: Any) -> None:
-    import torch.distributed as dist
+def check_guard(device_type: str, world: int) -> dict[str, Any]:
+    """Guarded DDP steps on ``world`` ranks: nccl on GPUs, or gloo on the CPU (a dry run)."""
+    from scenarios.launch import run_ranks
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        dist.init_process_group("nccl", rank=rank, world_size=world)
-        q.put((rank, _guarded_rank(rank, world)))
-        dist.destroy_process_group()
-    except Exception:  # reported to the parent, which fails the check
-        q.put((rank, {"error": traceback.format_exc()[-3000:]}))
-
-
-def check_nccl_guard() -> dict[str, Any]:
-    import torch.multiprocessing as mp
-
-    world = torch.cuda.device_count()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_nccl_entry, args=(r, world, 29611, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(q.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    expected = [("nonfinite", 6, [world - 1])]
-    ok = all(r.get("detections") == expected for r in results.values())
-    return {"passed": ok, "world": world, "expected": expected, "ranks": results}
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    results = run_ranks(_guarded_rank, world, device_type, timeout=600, backend=backend)
+    # The NaN is written into the local gradient before the hook digests it, so the
+    # replay audit sees rank world-1's own gradient disagree with its replay as well:
+    # blamed by the arbitration (a ring of one: by its own replay), nobody with 2 ranks.
+    expected = [("nonfinite", 6, [world - 1]), ("replay", 6, [] if world == 2 else [world - 1])]
+    ok = all([tuple(d) for d in r["detections"]] == expected and r["skipped"] == [6]
+             for r in results)
+    return {"passed": ok, "world": world, "backend": backend, "expected": expected,
+            "expected_skipped": [6], "ranks": results}
 
 
 def _median_time(fn: Callable[[], object], device: torch.device, reps: int = 9) -> float:
@@ -192,11 +263,14 @@ def main(argv: list[str] | None = None) -> int:
     steps: dict[str, Callable[[], dict[str, Any]]] = {
         "values": lambda: check_values(device),
         "rng_stream": lambda: check_rng(device),
+        "kernels": lambda: check_kernels(device),
     }
     if device.type == "cuda":
-        steps["nccl_guard"] = check_nccl_guard
+        steps["nccl_guard"] = lambda: check_guard("cuda", torch.cuda.device_count())
         for mib in args.mib:
             steps[f"throughput_{mib}mib"] = lambda mib=mib: throughput(device, mib)
+    else:  # the guarded steps with gloo: a dry run of this script's plumbing
+        steps["gloo_guard"] = lambda: check_guard("cpu", 3)
     for name, fn in steps.items():
         t0 = time.perf_counter()
         try:

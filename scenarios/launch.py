@@ -1,4 +1,5 @@
-"""Start N ranks on this machine (gloo on 127.0.0.1), run a function on each, collect results.
+"""Start N ranks on this machine (gloo on 127.0.0.1, or nccl with one GPU per rank), run a
+function on each, collect results.
 
 Every rank runs with one thread (``torch.set_num_threads(1)``; several threads
 per rank on few cores is an order of magnitude slower). Results come back
@@ -65,13 +66,16 @@ def _entry(
     kwargs: dict[str, Any],
     results: Any,
     timeout_s: float,
+    backend: str,
 ) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{store_path}",
             rank=rank,
             world_size=world,
@@ -97,16 +101,24 @@ def run_ranks(
     world_size: int,
     *args: Any,
     timeout: float = 120.0,
+    backend: str = "gloo",
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned ranks; return results by rank.
 
     ``fn`` must be importable (module level) and return picklable data; it should drop
     its DDP model and optimizer before returning. Raises ``RankFailure`` if a rank
-    raises, dies or does not answer within ``timeout`` seconds.
+    raises, dies or does not answer within ``timeout`` seconds. ``backend``: "gloo"
+    (CPU), or "nccl", where rank r runs on GPU ``r % device_count`` (set before the
+    process group starts).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}.")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"run_ranks: backend must be 'gloo' or 'nccl', got {backend!r}.")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("run_ranks: backend 'nccl' needs CUDA, which this machine lacks; "
+                         "use backend='gloo'.")
     ctx = mp_context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="sdc-guard-") as tmp:
@@ -114,7 +126,7 @@ def run_ranks(
         procs = [
             ctx.Process(
                 target=_entry,
-                args=(fn, r, world_size, store, args, kwargs, results, timeout),
+                args=(fn, r, world_size, store, args, kwargs, results, timeout, backend),
                 daemon=True,
             )
             for r in range(world_size)

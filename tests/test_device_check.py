@@ -11,11 +11,34 @@ import torch
 from scenarios import device_check
 
 
-def test_value_checks_pass_on_cpu_and_write_json(tmp_path: Path) -> None:
+@pytest.mark.timeout(120)
+def test_dry_run_on_cpu_passes_and_writes_json(tmp_path: Path) -> None:
     assert device_check.main(["--device", "cpu", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "device_check.json").read_text())
     assert report["values"]["passed"] and report["values"]["mismatches"] == []
     assert report["rng_stream"]["passed"]
+    assert report["kernels"]["passed"] and report["kernels"]["fused_unscale_kernel_used"]
+    guard = report["gloo_guard"]  # the guarded steps, with gloo in place of nccl
+    assert guard["passed"] and guard["world"] == 3
+    for rank in guard["ranks"]:
+        assert rank["detections"] == [["nonfinite", 6, [2]], ["replay", 6, [2]]]
+        assert rank["skipped"] == [6]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [1, 2])
+def test_guard_check_expects_what_each_world_size_reports(world: int) -> None:
+    assert device_check.check_guard("cpu", world)["passed"]
+
+
+def test_kernel_check_fails_on_a_wrong_device_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sdc_guard.checks.replay import ReplayAudit
+
+    real = ReplayAudit._term_device
+    monkeypatch.setattr(ReplayAudit, "_term_device", staticmethod(lambda row: real(row) + 1))
+    report = device_check.check_kernels(torch.device("cpu"))
+    assert not report["passed"]
+    assert any("step-word term" in m for m in report["mismatches"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

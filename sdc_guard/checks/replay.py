@@ -137,6 +137,39 @@ class _BucketPlan:
         return _BucketPlan([(a, b) for a, b, _ in spans], shift,
                            [(a, b, offsets[i]) for a, b, i in spans])
 
+    def digest(self, buf: torch.Tensor) -> torch.Tensor:
+        """The buffer's share of the gradient word (0-d int64), on the host or the device.
+
+        The buffer's own digest puts parameter p's words at its offset b_p in the
+        bucket; moving them to their offset o_p in parameter order adds
+        ``2 (o_p - b_p) S_p`` (``concat_digest``), with S_p the plain sum of p's
+        words: one pass over the buffer plus a sum per parameter. On the CPU the C
+        kernel reads each span once and the parts combine in Python integers.
+        """
+        host = host_spans_digest(buf, self.moved)  # CPU: one kernel call per gradient
+        if host is not None:
+            return torch.tensor(to_signed64(host), dtype=torch.int64)
+        words = buf.view(torch.int64)
+        sums = torch.stack([words[a:b].sum() for a, b in self.spans])
+        return digest_parts(buf)[0] + 2 * (self.shift * sums).sum()
+
+
+def grads_digest(grads: Sequence[torch.Tensor], offsets: Sequence[int],
+                 device: torch.device) -> torch.Tensor:
+    """The gradient word (0-d int64) of separate gradients at word ``offsets`` in parameter order.
+
+    On the CPU one C-kernel call per gradient, combined in Python integers; elsewhere
+    ``digest_parts`` per gradient and ``concat_digest`` on ``device``. The same value.
+    """
+    if not grads:
+        return torch.zeros((), dtype=torch.int64, device=device)
+    if device.type == "cpu":  # one kernel call per gradient, no torch op
+        host = host_concat_digest(zip(grads, offsets, strict=True))
+        if host is not None:
+            return torch.tensor(to_signed64(host), dtype=torch.int64)
+    parts = torch.stack([digest_parts(g).to(device) for g in grads])
+    return concat_digest(parts, torch.tensor(list(offsets), dtype=torch.int64, device=device))
+
 
 class ReplayAudit:
     def __init__(
@@ -172,7 +205,6 @@ class ReplayAudit:
         # parameter order (each padded to whole 64-bit words), wherever it is computed.
         ends = list(itertools.accumulate(word_count(p) for p in self.params))
         self.offsets = [0, *ends[:-1]] if ends else []
-        self._offsets = torch.tensor(self.offsets, dtype=torch.int64, device=self.device)
         self._plans: dict[tuple[int, ...], _BucketPlan | None] = {}
         self.phase = "train"
         """"train" (the rank's own step), "replay" or "arbitrate"; fault injectors read it."""
@@ -196,12 +228,8 @@ class ReplayAudit:
     def _bucket_digest(self, bucket: GradBucket) -> torch.Tensor:
         """The bucket's share of the gradient word, from its flat buffer when it can be.
 
-        The buffer's own digest puts parameter p's words at its offset b_p in the
-        bucket; moving them to their offset o_p in parameter order adds
-        ``2 (o_p - b_p) S_p`` (``concat_digest``), with S_p the plain sum of p's
-        words. One pass over the buffer plus a sum per parameter, instead of a
-        digest per parameter. Buckets whose gradients are not whole, aligned words
-        of the buffer take the per-parameter path; the value is the same.
+        Buckets whose gradients are not whole, aligned words of the buffer take the
+        per-parameter path (``grads_digest``); the value is the same.
         """
         buf = bucket.buffer()
         grads = bucket.gradients()
@@ -215,24 +243,11 @@ class ReplayAudit:
         if plan is None:
             kept = [(i, g) for i, g in zip(idx, grads, strict=True) if i >= 0]
             return self._digest([g for _, g in kept], [i for i, _ in kept])
-        host = host_spans_digest(buf, plan.moved)  # CPU: one kernel call per gradient
-        if host is not None:
-            return torch.tensor(to_signed64(host), dtype=torch.int64)
-        words = buf.view(torch.int64)
-        sums = torch.stack([words[a:b].sum() for a, b in plan.spans])
-        return digest_parts(buf)[0] + 2 * (plan.shift * sums).sum()
+        return plan.digest(buf)
 
     def _digest(self, grads: Sequence[torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
         """Gradient word of separate gradients (of the parameters at ``indices``)."""
-        if not grads:
-            return torch.zeros((), dtype=torch.int64, device=self.device)
-        if self.device.type == "cpu":  # one kernel call per gradient, no torch op
-            host = host_concat_digest(zip(grads, (self.offsets[i] for i in indices),
-                                          strict=True))
-            if host is not None:
-                return torch.tensor(to_signed64(host), dtype=torch.int64)
-        parts = torch.stack([digest_parts(g).to(self.device) for g in grads])
-        return concat_digest(parts, self._offsets[list(indices)])
+        return grads_digest(grads, [self.offsets[i] for i in indices], self.device)
 
     def begin(self, audit: bool, step: int, own_losses: list[torch.Tensor], *,
               send_early: bool = True) -> None:
