@@ -84,12 +84,14 @@ def check_kernels(device: torch.device) -> dict[str, Any]:
 
     * ``_scale_and_check(buf, 1/world)`` leaves the same bits as ``buf.mul_(1/world)``
       (what the built-in hook does) and flags exactly the buffers holding a NaN or Inf;
-    * the step-word term computed on the device equals the host computation;
+    * the step-word term and the loss word computed on the device equal the host
+      computations;
     * a bucket's share of the gradient word (``_BucketPlan.digest``) and the word of
       separate gradients (``grads_digest``) equal the CPU values.
     """
     from sdc_guard import comm_hook
     from sdc_guard.checks.replay import ReplayAudit, _BucketPlan, grads_digest
+    from sdc_guard.fingerprints import loss_word
 
     g = torch.Generator().manual_seed(1)
     mismatches: list[str] = []
@@ -120,6 +122,11 @@ def check_kernels(device: torch.device) -> dict[str, Any]:
         on_device = int(ReplayAudit._term_device(row.to(device)))
         if on_device != int(ReplayAudit._term_host(row)):
             mismatches.append(f"step-word term, row {i}")
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        losses = list(torch.randn(3, generator=g).to(dtype))
+        on_device = int(loss_word([loss.to(device) for loss in losses]))
+        if on_device != int(loss_word(losses)):
+            mismatches.append(f"loss_word {dtype}")
     odd = [(1024, 512), (1024,), (7,), (3, 3), (10, 1024), (0,), (10,)]
     whole = [(1024, 512), (1024,), (8,), (4, 4), (10, 1024), (0,), (12,)]  # whole 8-byte words
     for dtype in (torch.float32, torch.float16, torch.bfloat16):

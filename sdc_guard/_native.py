@@ -40,6 +40,7 @@ _log = logging.getLogger("sdc_guard")
 
 _SOURCE = r"""
 #include <stdint.h>
+#include <string.h>
 #include <pthread.h>
 
 /* Value of element i under each mode: 0 = uint32 lane zero-extended, 1 = 64-bit word
@@ -89,13 +90,49 @@ BLOCK(block0, val0)
 BLOCK(block1, val1)
 BLOCK(block2, val2)
 
-typedef struct { const char* x; int64_t lo, n; int mode; uint64_t s1, s2; } job_t;
+/* f[i] *= scale over n float32, in place (IEEE single precision, rounded to nearest:
+   the product torch's mul_ computes); returns 1 if any f[i] was NaN or Inf before. */
+CLONES static uint32_t scale_f32(float* f, int64_t n, float scale) {
+  uint32_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    memcpy(&u, &f[i], 4);
+    bad |= (u & 0x7f800000u) == 0x7f800000u;
+    f[i] = f[i] * scale;
+  }
+  return bad;
+}
+
+typedef struct {
+  const char* x; int64_t lo, n; int mode; uint64_t s1, s2; float scale; uint32_t bad;
+} job_t;
+
+/* Mode 3: the raw 64-bit words' sums as mode 2, then the float32 halves of the same
+   words scaled in place, chunk by chunk while the chunk is in L1: one pass over memory. */
+#define CHUNK 2048
+static void scale_words(job_t* j) {
+  char* p = (char*)j->x + 8 * j->lo;
+  uint64_t a1 = 0, a2 = 0;
+  uint32_t bad = 0;
+  for (int64_t c = 0; c < j->n; c += CHUNK) {
+    const int64_t m = j->n - c < CHUNK ? j->n - c : CHUNK;
+    uint64_t c1, c2;
+    block2(p + 8 * c, m, &c1, &c2);
+    a1 += c1;
+    a2 += c2 + (uint64_t)c * c1;
+    bad |= scale_f32((float*)(p + 8 * c), 2 * m, j->scale);
+  }
+  j->s1 = a1;
+  j->s2 = a2;
+  j->bad = bad;
+}
 
 static void run(job_t* j) {
   const void* p = j->x + (j->mode == 0 ? 4 : 8) * j->lo;
   if (j->mode == 0) block0(p, j->n, &j->s1, &j->s2);
   else if (j->mode == 1) block1(p, j->n, &j->s1, &j->s2);
-  else block2(p, j->n, &j->s1, &j->s2);
+  else if (j->mode == 2) block2(p, j->n, &j->s1, &j->s2);
+  else scale_words(j);
 }
 
 static void* thread_main(void* arg) {
@@ -105,9 +142,11 @@ static void* thread_main(void* arg) {
 
 #define MAX_THREADS 64
 
-/* out = {sum_k (2k + 1) v_k, sum_k v_k} (mod 2^64) over n elements of x. */
-int sdc_weighted_sum(const void* x, int64_t n, int mode, int threads, uint64_t* out) {
-  if (n < 0 || mode < 0 || mode > 2) return 1;
+/* out = {sum_k (2k + 1) v_k, sum_k v_k} (mod 2^64) over n elements of x. Mode 3 (see
+   scale_words) also scales x in place and sets out[2] to 1 if a float was NaN or Inf. */
+static int weighted(const void* x, int64_t n, int mode, int threads, float scale,
+                    uint64_t* out) {
+  if (n < 0 || mode < 0 || mode > 3) return 1;
   if (threads < 1) threads = 1;
   if (threads > MAX_THREADS) threads = MAX_THREADS;
   job_t jobs[MAX_THREADS];
@@ -121,20 +160,35 @@ int sdc_weighted_sum(const void* x, int64_t n, int mode, int threads, uint64_t* 
     jobs[t].lo = (int64_t)t * per;
     jobs[t].n = n - jobs[t].lo < per ? n - jobs[t].lo : per;
     jobs[t].mode = mode;
+    jobs[t].scale = scale;
+    jobs[t].bad = 0;
   }
   for (int t = 1; t < used; ++t) started[t] = pthread_create(&ids[t], 0, thread_main, &jobs[t]) == 0;
   for (int t = 0; t < used; ++t)
     if (!started[t]) run(&jobs[t]);  /* the caller's share, and any thread that failed to start */
   for (int t = 1; t < used; ++t)
     if (started[t]) pthread_join(ids[t], 0);
-  uint64_t total = 0, plain = 0;
+  uint64_t total = 0, plain = 0, bad = 0;
   for (int t = 0; t < used; ++t) {
     total += (2 * (uint64_t)jobs[t].lo + 1) * jobs[t].s1 + 2 * jobs[t].s2;
     plain += jobs[t].s1;
+    bad |= jobs[t].bad;
   }
   out[0] = total;
   out[1] = plain;
+  if (mode == 3) out[2] = bad;
   return 0;
+}
+
+int sdc_weighted_sum(const void* x, int64_t n, int mode, int threads, uint64_t* out) {
+  if (mode == 3) return 1;
+  return weighted(x, n, mode, threads, 1.0f, out);
+}
+
+/* The sums of n raw 64-bit words at x (as mode 2), then their 2n float32 halves
+   multiplied by scale in place; out[2] = 1 if any of them was NaN or Inf. */
+int sdc_scale_digest(void* x, int64_t n, float scale, int threads, uint64_t* out) {
+  return weighted(x, n, 3, threads, scale, out);
 }
 """
 
@@ -153,6 +207,11 @@ class NativeKernel:
                        ctypes.POINTER(ctypes.c_uint64)]
         fn.restype = ctypes.c_int
         self._fn = fn
+        fused = self._lib.sdc_scale_digest
+        fused.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int,
+                          ctypes.POINTER(ctypes.c_uint64)]
+        fused.restype = ctypes.c_int
+        self._fused = fused
 
     def weighted_sum(self, src: torch.Tensor, mode: int) -> list[int]:
         """int64 bits of ``[sum_k (2k+1) v_k, sum_k v_k]`` (mod 2**64).
@@ -179,6 +238,20 @@ class NativeKernel:
         if self._fn(address, n, mode, threads, out) != 0:  # pragma: no cover
             raise RuntimeError("sdc_weighted_sum rejected its arguments")
         return out[0], out[1]
+
+    def scale_digest_at(self, address: int, n: int, scale: float) -> tuple[int, int, bool]:
+        """``words_at(address, n, 2)`` of ``n`` 64-bit words as they were, then their
+        ``2n`` float32 halves multiplied by ``scale`` in place (the bits of torch's
+        ``mul_``): ``(digest, sum, any half was NaN or Inf)``, in one pass over memory.
+
+        The caller guarantees the memory: ``n`` writable, 8-byte aligned words of a
+        live float32 CPU tensor.
+        """
+        threads = max(1, min(torch.get_num_threads(), n // _PER_THREAD))
+        out = (ctypes.c_uint64 * 3)()
+        if self._fused(address, n, scale, threads, out) != 0:  # pragma: no cover
+            raise RuntimeError("sdc_scale_digest rejected its arguments")
+        return out[0], out[1], bool(out[2])
 
 
 def _cache_dir() -> Path:

@@ -4,10 +4,11 @@ Per bucket, in this order::
 
     before-callbacks (fault injectors: site "gradient_before_allreduce")
     -> local gradient observers (the replay audit's gradient digest; they only read)
+    -> the 1/world scaling pass, with the local non-finite flag fused in (on
+       device, no host sync) where torch allows; on the CPU it also computes a
+       digest an observer asked for (``request_digest``), in the same pass
     -> on the step's last bucket: before-last-all-reduce callbacks (the replay
        audit, alone, starts its small all-reduce here)
-    -> local non-finite flag (on device, no host sync), fused with the 1/world
-       scaling where torch allows
     -> the all-reduce (ours, or the user's own comm hook)
     -> after-callbacks (fault injectors: site "gradient_after_allreduce")
 
@@ -117,6 +118,9 @@ class GuardCommHook:
         a small collective started here rides the synchronisation point that the
         gradient all-reduce needs anyway (the replay audit sends its words here)."""
         self.after: list[ReducedCallback] = []
+        self._digest_request: tuple[list[tuple[int, int, int]], Callable[[int], None]] | None = None
+        self.fused_digests = 0
+        """How many observer digests the scaling pass has computed (``request_digest``)."""
         self.step = -1
         self.local_bad: torch.Tensor | None = None
         self._results: list[torch.Tensor] = []
@@ -144,12 +148,61 @@ class GuardCommHook:
     def _or_local(self, flag: torch.Tensor) -> None:
         self.local_bad = flag if self.local_bad is None else self.local_bad | flag
 
+    def request_digest(self, buf: torch.Tensor, spans: list[tuple[int, int, int]],
+                       deliver: Callable[[int], None]) -> bool:
+        """Offer to compute a local observer's digest of ``buf`` in the scaling pass.
+
+        For a local observer, during its call: ``host_spans_digest(buf, spans)`` of the
+        local words (before the scaling) is passed to ``deliver`` from the pass that
+        scales the bucket by ``1/world`` (one read of the buffer instead of two), before
+        any before-last-all-reduce callback. ``False``, and nothing is delivered, when the
+        pass cannot do it (no C kernel, a user comm hook, a buffer not of contiguous,
+        aligned float32 CPU words, or a request already pending): the observer then
+        computes the digest itself.
+        """
+        from sdc_guard.fingerprints import _native_kernel
+
+        if (self._digest_request is not None or self.inner_hook is not None
+                or buf.dtype != torch.float32 or buf.device.type != "cpu"
+                or not buf.is_contiguous() or buf.data_ptr() % 8 or buf.numel() % 2
+                or _native_kernel() is None):
+            return False
+        covered = 0
+        for a, b, _ in sorted(spans):  # the pass scales what it digests: the whole buffer
+            if a != covered or b < a:
+                return False
+            covered = b
+        if covered != buf.numel() // 2:
+            return False
+        self._digest_request = (spans, deliver)
+        return True
+
+    def _scale(self, buf: torch.Tensor) -> None:
+        """The 1/world scaling pass, with the local check and a requested digest fused in."""
+        scale = 1.0 / self.world_size
+        request, self._digest_request = self._digest_request, None
+        if request is not None:
+            from sdc_guard.fingerprints import _MASK64, _native_kernel
+
+            kernel = _native_kernel()
+            assert kernel is not None  # checked by request_digest
+            spans, deliver = request
+            base, total, bad = buf.data_ptr(), 0, False
+            for a, b, offset in spans:  # the spans tile the buffer: every word is scaled
+                d, s, flag = kernel.scale_digest_at(base + 8 * a, b - a, scale)
+                total += d + 2 * offset * s
+                bad |= flag
+            self.fused_digests += 1
+            deliver(total & _MASK64)
+            if self.check_nonfinite:
+                self._or_local(torch.tensor(bad))
+        elif self.check_nonfinite:  # the local check rides the 1/world scaling pass
+            self._or_local(_scale_and_check(buf, scale))
+        else:
+            buf.mul_(scale)
+
     def _allreduce(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         buf = bucket.buffer()
-        if self.check_nonfinite:  # the local check rides the 1/world scaling pass
-            self._or_local(_scale_and_check(buf, 1.0 / self.world_size))
-        else:
-            buf.mul_(1.0 / self.world_size)
         work = dist.all_reduce(buf, group=self.process_group, async_op=True)
         if work is None:  # pragma: no cover - async_op=True always returns a Work handle
             raise RuntimeError("torch.distributed.all_reduce(async_op=True) returned no Work")
@@ -165,8 +218,11 @@ class GuardCommHook:
             cb(bucket)
         for cb in state.local_observers:
             cb(bucket)
-        if state.check_nonfinite and state.inner_hook is not None:
+        if state.inner_hook is None:
+            state._scale(bucket.buffer())
+        elif state.check_nonfinite:
             state._or_local(_bad(bucket.buffer()))  # the user's hook owns the scaling
+        state._digest_request = None
         if bucket.is_last():
             for last in state.before_last_allreduce:
                 last()

@@ -629,7 +629,18 @@ def loss_word(losses: Sequence[torch.Tensor]) -> torch.Tensor:
     ``v`` by ``0 < |d| < 2**64``, times an odd weight; swapping two unequal losses of
     at most 4 bytes changes it by ``2(i-j)(v_j-v_i) != 0``.
     """
-    stacked = torch.stack([loss.detach().reshape(()) for loss in losses])
+    flat = [loss.detach().reshape(()) for loss in losses]
+    if flat and all(t.device.type == "cpu" and t.dtype == flat[0].dtype for t in flat):
+        # On the host: one view and .item() per loss, Python integers (no tensor ops).
+        as_int = _INT_OF_SIZE[flat[0].element_size()]
+        total = sum((2 * k + 1) * int(t.view(as_int).item()) for k, t in enumerate(flat))
+        return torch.tensor(to_signed64(total & _MASK64), dtype=torch.int64)
+    return _loss_word_tensor(flat)
+
+
+def _loss_word_tensor(flat: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``loss_word`` in tensor ops on the losses' device (no host sync)."""
+    stacked = torch.stack(list(flat))
     v = stacked.view(_INT_OF_SIZE[stacked.element_size()]).to(torch.int64)
     return (v * _odd_weights(v.numel(), v.device)).sum()
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sdc_guard.comm_hook as ch
+import sdc_guard.fingerprints as fpmod
 
 SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, -3.4e38, 65504.0,
             1e-8, 7.0]
@@ -39,3 +44,56 @@ def test_scale_and_check_is_mul_bit_for_bit_with_an_exact_flag(
         assert bool(bad) == nonfinite  # exact, element by element
     else:  # isfinite(sum): never misses; may also flag a finite sum that overflows
         assert bool(bad) or not nonfinite
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[None]:
+    """A real one-rank gloo group (the hook asks it for the world size)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("nan", [False, True])
+def test_the_scaling_pass_computes_a_requested_digest(one_rank: None, nan: bool) -> None:
+    if not fpmod.native_enabled():
+        pytest.skip("no C kernel here: request_digest refuses, the observer digests itself")
+    hook = ch.GuardCommHook()
+    hook.world_size = 3  # the scale 1/world is all the pass takes from the group
+    buf = torch.randn(2 * 1000, generator=torch.Generator().manual_seed(0))
+    if nan:
+        buf[777] = float("nan")
+    spans = [(600, 1000, 0), (0, 100, 400), (100, 600, 500)]  # another order than the buffer's
+    want = fpmod.host_spans_digest(buf, spans)
+    want_buf = buf.clone().mul_(1.0 / 3)
+    got: list[int] = []
+    assert hook.request_digest(buf, spans, got.append)
+    hook._scale(buf)
+    assert got == [want] and hook.fused_digests == 1
+    assert torch.equal(buf.view(torch.int32), want_buf.view(torch.int32))
+    assert hook.local_bad is not None and bool(hook.local_bad) is nan
+    hook.check_nonfinite = False  # the pass still scales and digests; no flag
+    hook.begin_step(1)
+    assert hook.request_digest(buf, spans, got.append)
+    hook._scale(buf)
+    assert len(got) == 2 and hook.local_bad is None
+
+
+def test_request_digest_refuses_what_the_pass_cannot_do(one_rank: None) -> None:
+    if not fpmod.native_enabled():
+        pytest.skip("no C kernel here: request_digest always refuses")
+    hook = ch.GuardCommHook()
+    buf = torch.zeros(200)
+    whole = [(0, 100, 0)]
+    assert not hook.request_digest(buf, [(0, 50, 0), (60, 100, 50)], print)  # a gap
+    assert not hook.request_digest(buf, [(0, 99, 0)], print)  # not the whole buffer
+    assert not hook.request_digest(buf, [(0, 101, 0)], print)  # past its end
+    assert not hook.request_digest(torch.zeros(200, dtype=torch.float16), [(0, 50, 0)], print)
+    assert not hook.request_digest(torch.zeros(201), whole, print)  # not whole words
+    assert hook.request_digest(buf, whole, print)
+    assert not hook.request_digest(buf, whole, print)  # one request per bucket
+    with_user_hook = ch.GuardCommHook(inner_hook=lambda state, bucket: None)  # type: ignore[arg-type, return-value]
+    assert not with_user_hook.request_digest(buf, whole, print)

@@ -296,6 +296,22 @@ def test_loss_word_sees_every_bit_of_every_micro_batch_loss() -> None:
     assert int(fpmod.loss_word(losses[::-1])) != base
 
 
+@settings(max_examples=80, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                              torch.int32, torch.int8]),
+       n=st.integers(1, 6), seed=st.integers(0, 2**31 - 1))
+def test_loss_word_on_the_host_equals_the_tensor_path(dtype: torch.dtype, n: int,
+                                                      seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n * size,), generator=g, dtype=torch.uint8)
+    losses = list(raw.view(dtype))  # any bits: NaN payloads, negative zeros, ...
+    host = int(fpmod.loss_word(losses))
+    assert host == int(fpmod._loss_word_tensor(losses))
+    signed = [int(v) for v in raw.view(fpmod._INT_OF_SIZE[size])]
+    assert host == fpmod.to_signed64(sum((2 * k + 1) * v for k, v in enumerate(signed)))
+
+
 def test_digest_helpers_name_bad_input() -> None:
     with pytest.raises(TypeError, match=r"digest_parts: expected a torch\.Tensor"):
         fpmod.digest_parts([1, 2])  # type: ignore[arg-type]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sdc_guard._native as native_mod
@@ -234,3 +234,65 @@ def test_host_concat_digest_names_bad_pieces() -> None:
         fpmod.host_concat_digest([([1.0, 2.0], 0)])  # type: ignore[list-item]
     with pytest.raises(TypeError, match="pairs"):
         fpmod.host_concat_digest([(torch.zeros(2), 1.5)])  # type: ignore[list-item]
+
+
+FUSED_SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, -3.4e38, 3.4e38,
+                  1e-8, 7.0]
+
+
+def _check_scale_digest(kernel: native_mod.NativeKernel, x: torch.Tensor, world: int) -> None:
+    words = x.numel() // 2
+    want_d, want_s = (v & ((1 << 64) - 1)
+                      for v in fpmod.digest_parts(x.view(torch.int64)).tolist())
+    want_x = x.clone().mul_(1.0 / world)
+    want_bad = not bool(torch.isfinite(x).all())
+    d, s, bad = kernel.scale_digest_at(x.data_ptr(), words, 1.0 / world)
+    assert (d, s) == (want_d, want_s)  # the words as they were, before the scaling
+    assert torch.equal(x.view(torch.int32), want_x.view(torch.int32))  # mul_'s bits
+    assert bad == want_bad  # exact, element by element
+
+
+@settings(max_examples=120, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # the fixture is idempotent
+@given(words=st.integers(0, 9000), world=st.integers(1, 9), seed=st.integers(0, 2**31 - 1),
+       specials=st.lists(st.tuples(st.integers(0, 17_999), st.sampled_from(FUSED_SPECIALS)),
+                         max_size=3))
+def test_scale_digest_is_the_digest_then_mul_with_an_exact_flag(
+        native: None, words: int, world: int, seed: int,
+        specials: list[tuple[int, float]]) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(2 * words, generator=g, dtype=torch.float64)
+         * 10.0 ** torch.randint(-40, 38, (2 * words,), generator=g)).float()
+    for i, v in specials:
+        if i < x.numel():
+            x[i] = v
+    kernel = fpmod._native_kernel()
+    assert kernel is not None
+    _check_scale_digest(kernel, x, world)
+
+
+def test_scale_digest_does_not_depend_on_the_threads(native: None) -> None:
+    kernel = fpmod._native_kernel()
+    assert kernel is not None
+    x = torch.randn(2 * (3 * native_mod._PER_THREAD + 77), generator=torch.Generator().manual_seed(1))
+    x[123_457] = float("nan")
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            _check_scale_digest(kernel, x.clone(), 3)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_plain_build_scales_and_digests_the_same(tmp_path: Path, native: None) -> None:
+    cc = native_mod._compiler()
+    assert cc is not None  # the fixture built the kernel
+    src = tmp_path / "k.c"
+    src.write_text(native_mod._SOURCE)
+    lib = tmp_path / "k.so"
+    subprocess.run([cc, *native_mod._FLAGS, "-DSDC_NO_CLONES", "-o", str(lib), str(src)],
+                   check=True)
+    x = torch.randn(2 * 70_001, generator=torch.Generator().manual_seed(2))
+    x[5] = float("-inf")
+    _check_scale_digest(native_mod.NativeKernel(lib), x, 7)

@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sdc_guard
 from sdc_guard import GuardConfig, SDCGuard
+from sdc_guard.fingerprints import native_enabled, to_signed64
 
 
 def make_mlp(seed: int = 0, width: int = 32) -> nn.Module:
@@ -201,15 +202,28 @@ def replay_layout_run(rank: int, world: int, steps: int, *, width: int,
     replay = guard.replay
     assert replay is not None
     same: list[bool] = []
+    step_words: list[int] = []
+    summed: list[bool] = []
 
-    def compare(bucket: Any) -> None:
+    def compare(bucket: Any) -> None:  # a local observer: runs before the scaling pass
         idx = [replay.index[id(p)] for p in bucket.parameters()]
-        per_gradient = replay._digest(bucket.gradients(), idx)
-        same.append(int(replay._bucket_digest(bucket)) == int(per_gradient))
+        per_gradient = int(replay._digest(bucket.gradients(), idx))
+        step_words.append(per_gradient)
+        plan = replay._plan(bucket)
+        if plan is not None:  # the buffer's own path (host or tensor)
+            same.append(int(plan.digest(bucket.buffer())) == per_gradient)
+
+    def total() -> None:  # every bucket's share has been delivered (fused or not)
+        assert replay._own_grad is not None
+        want = to_signed64(sum(step_words) & ((1 << 64) - 1))
+        summed.append(int(replay._own_grad) == want)
+        step_words.clear()
 
     guard.comm.local_observers.append(compare)
+    guard.comm.before_last_allreduce.insert(0, total)
     reports = [guard.step(s) for s in range(steps)]
-    return {"detections": _summary(reports), "same": same,
+    return {"detections": _summary(reports), "same": same, "summed": summed,
+            "fused": guard.comm.fused_digests, "native": native_enabled(),
             "flat_buckets": [p is not None for p in replay._plans.values()]}
 
 

@@ -222,28 +222,38 @@ class ReplayAudit:
     def _observe(self, bucket: GradBucket) -> None:
         if not self._observing:
             return
-        part = self._bucket_digest(bucket)
+        buf = bucket.buffer()
+        plan = self._plan(bucket)
+        if plan is None:
+            idx = [self.index.get(id(p), -1) for p in bucket.parameters()]
+            kept = [(i, g) for i, g in zip(idx, bucket.gradients(), strict=True) if i >= 0]
+            self._add_own(self._digest([g for _, g in kept], [i for i, _ in kept]))
+        elif not self.comm.request_digest(buf, plan.moved, self._add_own_host):
+            self._add_own(plan.digest(buf))
+        # else: the comm hook's scaling pass delivers the digest (one read of the bucket)
+
+    def _add_own(self, part: torch.Tensor) -> None:
         self._own_grad = part if self._own_grad is None else self._own_grad + part
 
-    def _bucket_digest(self, bucket: GradBucket) -> torch.Tensor:
-        """The bucket's share of the gradient word, from its flat buffer when it can be.
+    def _add_own_host(self, part: int) -> None:
+        self._add_own(torch.tensor(to_signed64(part), dtype=torch.int64))
 
-        Buckets whose gradients are not whole, aligned words of the buffer take the
-        per-parameter path (``grads_digest``); the value is the same.
+    def _plan(self, bucket: GradBucket) -> _BucketPlan | None:
+        """Where the bucket's gradients lie in its flat buffer (cached), or None.
+
+        With a plan the bucket's share of the gradient word comes from the buffer
+        itself (``_BucketPlan.digest``); buckets whose gradients are not whole, aligned
+        words of the buffer take the per-parameter path (``grads_digest``); the value
+        is the same.
         """
         buf = bucket.buffer()
-        grads = bucket.gradients()
         idx = [self.index.get(id(p), -1) for p in bucket.parameters()]
         key = (bucket.index(), buf.data_ptr(), buf.numel(), *idx)
         if key not in self._plans:
             if len(self._plans) > 64:
                 self._plans.clear()
-            self._plans[key] = _BucketPlan.of(buf, grads, idx, self.offsets)
-        plan = self._plans[key]
-        if plan is None:
-            kept = [(i, g) for i, g in zip(idx, grads, strict=True) if i >= 0]
-            return self._digest([g for _, g in kept], [i for i, _ in kept])
-        return plan.digest(buf)
+            self._plans[key] = _BucketPlan.of(buf, bucket.gradients(), idx, self.offsets)
+        return self._plans[key]
 
     def _digest(self, grads: Sequence[torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
         """Gradient word of separate gradients (of the parameters at ``indices``)."""
