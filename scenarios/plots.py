@@ -87,7 +87,12 @@ def replay_interval(summary: dict[str, Any], path: Path) -> None:
     ov_k = [k for k in ks if str(k) in replay]
     if ov_k:
         ax.plot([pos[k] for k in ov_k], [100 * replay[str(k)] for k in ov_k], "o-",
-                color="tab:blue", label="replay audit overhead")
+                color="tab:blue", label="replay audit overhead (median)")
+    fit = (ov.get("replay_fit") or {}).get("predicted", {})
+    fit_k = [k for k in ks if str(k) in fit]
+    if fit_k:
+        ax.plot([pos[k] for k in fit_k], [100 * fit[str(k)] for k in fit_k], "x--",
+                color="tab:cyan", label="replay overhead, fit: fixed + per audit / k")
     tot_k = [k for k in ks if str(k) in total]
     if tot_k:
         ax.plot([pos[k] for k in tot_k], [100 * total[str(k)] for k in tot_k], "o:",

@@ -10,8 +10,18 @@ Its 95% interval is Wilson's score interval. Escape rate = escaped / (trials -
 masked).
 
 Recommended replay interval: the *smallest* measured interval k >= 1 whose
-replay-audit overhead (``overhead.replay.<k>``: the guard with only the replay
-audit, every k steps, against plain DDP) fits ``overhead_budget``. The interval
+replay-audit overhead (the guard with only the replay audit, every k steps,
+against plain DDP) fits ``overhead_budget``. The overhead used is the fit
+``fixed + per_audit / k`` (``overhead.replay_fit``: least squares over every
+round's paired measurement at every interval, the per-step cost of deterministic
+mode plus one audit's cost spread over k steps), not each interval's own median:
+the fit pools every measurement, so an interval near the budget does not flip
+the recommendation from run to run on one noisy median, and the recommendation
+is monotone in the budget. ``recommendation_agreement`` is the share of 1000
+bootstrap resamples of the rounds that recommend the same interval (1.0: the
+data settle it; near 0.5: the budget sits on an interval's cost). Without
+per-round samples (an ``overhead.json`` from an older version) the medians
+``overhead.replay.<k>`` are used. The interval
 only changes the audit's cost; the always-on checks (non-finite, weights) cost
 the same at every interval and are reported on their own (``overhead.nonfinite``,
 ``overhead.weights``) and together with the audit (``overhead.total.<k>``).
@@ -26,6 +36,7 @@ import base64
 import html
 import json
 import math
+import random
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -86,12 +97,65 @@ def _group(rows: list[dict[str, str]]) -> dict[str, Any]:
     }
 
 
+def fit_replay_overhead(samples: dict[str, list[float]],
+                        intervals: list[int]) -> dict[str, Any] | None:
+    """Least-squares fit of ``overhead(k) = fixed + per_audit / k`` (fractions of plain DDP).
+
+    ``samples``: per-round block times of "plain DDP" and of "replay@<k>" for each k,
+    in the same round order (configurations alternate within a round, so round r's
+    pair shares the machine's state). None with fewer than two distinct intervals.
+    """
+    base = samples.get("plain DDP") or []
+    xs: list[float] = []
+    ys: list[float] = []
+    for k in intervals:
+        for b, t in zip(base, samples.get(f"replay@{k}") or [], strict=False):
+            if b > 0:
+                xs.append(1.0 / k)
+                ys.append(t / b - 1.0)
+    if len(set(xs)) < 2:
+        return None
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    per_audit = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    fixed = my - per_audit * mx
+    return {"fixed": fixed, "per_audit": per_audit, "points": len(xs),
+            "predicted": {str(k): fixed + per_audit / k for k in intervals}}
+
+
+def _smallest_within(values: dict[str, float], budget: float) -> int | None:
+    fits = [int(k) for k, v in values.items() if int(k) > 0 and v <= budget]
+    return min(fits) if fits else None
+
+
 def recommend(overhead: dict[str, Any] | None, budget: float) -> int | None:
-    """The smallest replay interval >= 1 whose total overhead fits the budget (see module doc)."""
+    """The smallest replay interval >= 1 whose replay overhead fits the budget (see module doc)."""
     if not overhead:
         return None
-    fits = [int(k) for k, v in overhead.get("replay", {}).items() if int(k) > 0 and v <= budget]
-    return min(fits) if fits else None
+    fit = overhead.get("replay_fit")
+    if fit:
+        return _smallest_within(fit["predicted"], budget)
+    return _smallest_within(overhead.get("replay", {}), budget)
+
+
+def recommendation_agreement(overhead: dict[str, Any] | None, budget: float,
+                             n: int = 1000) -> float | None:
+    """Share of bootstrap resamples of the rounds whose fit recommends what all rounds do."""
+    if not overhead or not overhead.get("replay_fit") or not overhead.get("samples_ms"):
+        return None
+    samples: dict[str, list[float]] = overhead["samples_ms"]
+    intervals = [int(k) for k in overhead["replay_fit"]["predicted"]]
+    rounds = min(len(v) for v in samples.values())
+    want = recommend(overhead, budget)
+    rng = random.Random(0)
+    same = 0
+    for _ in range(n):
+        pick = [rng.randrange(rounds) for _ in range(rounds)]
+        fit = fit_replay_overhead({k: [v[i] for i in pick] for k, v in samples.items()},
+                                  intervals)
+        got = _smallest_within(fit["predicted"], budget) if fit else None
+        same += got == want
+    return same / n
 
 
 def _prompt(r: dict[str, str]) -> bool:
@@ -183,8 +247,14 @@ def summarize(out: Path) -> dict[str, Any]:
         "overhead": overhead,
         "overhead_budget": budget,
         "recommended_replay_interval": recommend(overhead, budget),
-        "recommendation_rule": "smallest replay interval >= 1 whose replay-audit overhead "
-                               "(overhead.replay.<k>, vs plain DDP) is within overhead_budget",
+        "recommendation_agreement": recommendation_agreement(overhead, budget),
+        "recommendation_rule": (
+            "smallest replay interval >= 1 whose replay-audit overhead vs plain DDP, "
+            "fitted as fixed + per_audit / k over every round and interval "
+            "(overhead.replay_fit), is within overhead_budget"
+            if overhead and overhead.get("replay_fit") else
+            "smallest replay interval >= 1 whose replay-audit overhead "
+            "(overhead.replay.<k>, vs plain DDP) is within overhead_budget"),
         "targets": _targets(faults, fp),
         "site_order": list(SITES), "field_order": fields,
         "campaign_seconds": sum(r.get("seconds", 0.0) for r in runs) or meta.get("seconds"),
@@ -242,7 +312,13 @@ def _tables(s: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
         rows = [["plain DDP step (ms)", f"{ov['baseline_step_ms']:.2f}"],
                 ["guard, checks off", _pct(ov["guard_checks_off"])],
                 ["nonfinite", _pct(ov["nonfinite"])], ["weights", _pct(ov["weights"])]]
-        rows += [[f"replay every {k}", _pct(v)] for k, v in ov["replay"].items()]
+        fit = (ov.get("replay_fit") or {}).get("predicted", {})
+        rows += [[f"replay every {k}", _pct(v) + (f" (fit: {_pct(fit[k])})" if k in fit else "")]
+                 for k, v in ov["replay"].items()]
+        if ov.get("replay_fit"):
+            f = ov["replay_fit"]
+            rows.append(["replay fit: fixed + per audit / k",
+                         f"{_pct(f['fixed'])} + {_pct(f['per_audit'])} / k"])
         rows += [[f"all checks, replay {'off' if k == '0' else 'every ' + k}", _pct(v)]
                  for k, v in ov["total"].items()]
         out.append((f"Step-time overhead vs plain DDP ({ov['scenario']}, {ov['world_size']} "
@@ -272,7 +348,9 @@ def _headline(s: dict[str, Any]) -> list[str]:
         "Outcomes: " + ", ".join(f"{k} {v}" for k, v in s["outcomes"].items()) + ".",
         f"Overall coverage {_pct(s['all']['coverage'])} {_ci(s['all']['coverage_ci95'])}.",
         f"Recommended replay interval for an overhead budget of {_pct(s['overhead_budget'])}: "
-        f"**{rec if rec is not None else 'none fits'}** ({s['recommendation_rule']}).",
+        f"**{rec if rec is not None else 'none fits'}** ({s['recommendation_rule']})"
+        + (f"; {s['recommendation_agreement']:.0%} of bootstrap resamples of the overhead "
+           "rounds agree." if s.get("recommendation_agreement") is not None else "."),
         f"Campaign time: {secs:.0f} s" + (f", {s['trials_per_minute']:.0f} trials/min."
                                          if s.get("trials_per_minute") else ".")
         if secs else "",

@@ -25,6 +25,7 @@ from scenarios.campaign import CampaignSpec, TrialSpec, describe, plan_trials
 from scenarios.outcome import classify, failed_row
 from scenarios.pool import PoolError, WorkerPool
 from scenarios.rank import Command, Golden, Overhead, Prepare, Trial
+from scenarios.report import fit_replay_overhead
 from scenarios.spec import Scenario
 from scenarios.store import (
     GoldenRun,
@@ -173,6 +174,9 @@ class CampaignRunner:
             "weights": step["weights"] / base - 1,
             "replay": {str(k): step[f"replay@{k}"] / base - 1 for k in ks},
             "total": {str(k): step[f"all@{k}"] / base - 1 for k in (0, *ks)},
+            "replay_fit": fit_replay_overhead(r0["samples"], list(ks)),
+            "samples_ms": {name: [v * 1e3 for v in r0["samples"][name]]
+                           for name in ("plain DDP", *(f"replay@{k}" for k in ks))},
         }
 
     # -- trials ---------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import random
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +23,13 @@ from scenarios.campaign import (
 )
 from scenarios.cli import main
 from scenarios.outcome import classify, failed_row
-from scenarios.report import recommend, wilson, write_report
+from scenarios.report import (
+    fit_replay_overhead,
+    recommend,
+    recommendation_agreement,
+    wilson,
+    write_report,
+)
 from scenarios.spec import ScenarioError, load_scenario, scenario_from_dict
 from scenarios.store import COLUMNS, GoldenRun, TrialTable
 
@@ -248,8 +256,43 @@ def test_wilson_and_recommendation() -> None:
     lo, hi = wilson(8, 10) or [0, 0]
     assert lo == pytest.approx(0.4902, abs=1e-3) and hi == pytest.approx(0.9433, abs=1e-3)
     assert wilson(0, 0) is None
-    ov = {"replay": {"1": 0.9, "2": 0.45, "4": 0.2, "8": 0.1}}
+    ov = {"replay": {"1": 0.9, "2": 0.45, "4": 0.2, "8": 0.1}}  # no per-round samples: medians
     assert recommend(ov, 0.25) == 4 and recommend(ov, 0.05) is None and recommend(None, 1) is None
+
+
+def _overhead_rounds(fixed: float, per_audit: float, noise: float, rounds: int = 6,
+                     ks: tuple[int, ...] = (1, 2, 4, 8, 16)) -> dict[str, Any]:
+    rng = random.Random(1)
+    base = [10.0 * (1 + 0.05 * rng.random()) for _ in range(rounds)]  # drifting machine
+    samples = {"plain DDP": base}
+    for k in ks:
+        samples[f"replay@{k}"] = [b * (1 + fixed + per_audit / k + rng.gauss(0, noise))
+                                  for b in base]
+    fit = fit_replay_overhead(samples, list(ks))
+    med = {str(k): statistics.median(t / b - 1
+                                     for t, b in zip(samples[f"replay@{k}"], base, strict=True))
+           for k in ks}
+    return {"replay": med, "replay_fit": fit, "samples_ms": samples}
+
+
+def test_replay_overhead_fit_and_its_recommendation() -> None:
+    exact = _overhead_rounds(0.1, 0.6, noise=0.0)
+    fit = exact["replay_fit"]
+    assert fit["fixed"] == pytest.approx(0.1) and fit["per_audit"] == pytest.approx(0.6)
+    assert fit["points"] == 30 and fit["predicted"]["4"] == pytest.approx(0.25)
+    # 0.1 + 0.6/k: 0.7, 0.4, 0.25, 0.175, 0.1375
+    assert recommend(exact, 0.3) == 4 and recommend(exact, 0.71) == 1
+    assert recommend(exact, 0.05) is None
+    assert recommendation_agreement(exact, 0.3) == 1.0
+    # Noisy rounds: the fit still finds the model, and where the budget sits right on an
+    # interval's cost the resamples disagree, which the agreement says.
+    noisy = _overhead_rounds(0.1, 0.6, noise=0.03, rounds=8)
+    assert noisy["replay_fit"]["per_audit"] == pytest.approx(0.6, abs=0.05)
+    assert recommend(noisy, 0.3) == 4 and recommendation_agreement(noisy, 0.3) > 0.9
+    edge = recommendation_agreement(noisy, noisy["replay_fit"]["predicted"]["2"])
+    assert edge is not None and 0.2 < edge < 0.8
+    # One interval only: nothing to fit; the medians decide.
+    assert fit_replay_overhead(exact["samples_ms"], [4]) is None
 
 
 def test_report_from_a_trial_table(tmp_path: Path) -> None:
@@ -271,7 +314,9 @@ def test_report_from_a_trial_table(tmp_path: Path) -> None:
     (tmp_path / "overhead.json").write_text(json.dumps({
         "scenario": "m", "world_size": 3, "rounds": 2, "block": 4, "baseline_step_ms": 2.0,
         "guard_checks_off": 0.05, "nonfinite": 0.1, "weights": 0.2,
-        "replay": {"1": 0.8, "2": 0.4}, "total": {"0": 0.3, "1": 1.1, "2": 0.7}}))
+        "replay": {"1": 0.8, "2": 0.4}, "total": {"0": 0.3, "1": 1.1, "2": 0.7},
+        **{k: v for k, v in _overhead_rounds(0.0, 0.8, 0.0, ks=(1, 2)).items()
+           if k != "replay"}}))
     (tmp_path / "campaign.json").write_text(json.dumps({"name": "m", "overhead_budget": 0.5}))
     s = write_report(tmp_path)
     assert (s["trials"], s["clean_trials"], s["false_positives"]) == (12, 1, 0)
@@ -280,6 +325,9 @@ def test_report_from_a_trial_table(tmp_path: Path) -> None:
     assert set(ws) >= {"trials", "detected", "masked", "escaped", "crashed", "coverage",
                        "coverage_ci95", "latency_steps_p50", "latency_steps_max", "blame_correct"}
     assert s["overhead"]["replay"]["2"] == 0.4 and s["recommended_replay_interval"] == 2
+    assert s["recommendation_agreement"] == 1.0 and "replay_fit" in s["recommendation_rule"]
+    md = (tmp_path / "report.md").read_text()
+    assert "100% of bootstrap resamples" in md and "fit: 40.0%" in md
     for name in ("summary.json", "report.md", "report.html", "coverage_heatmap.png",
                  "latency.png", "replay_interval.png"):
         assert (tmp_path / name).stat().st_size > 0, name
