@@ -8,7 +8,11 @@ usual, keeping the bits of its own loss and a digest of its *local* gradients
 digest ``sum_k (2k+1) X_k`` of every gradient laid end to end in parameter
 order: linear, so each DDP bucket adds its share from its flat buffer, the
 replay adds its separate gradients' shares, and the value does not depend on
-the bucketing; a parameter without a gradient is zeros on both sides.
+the bucketing; a parameter without a gradient is zeros on both sides. On the
+CPU a float32 bucket's share is computed by the comm hook's 1/world scaling
+pass (``GuardCommHook.request_digest``: one C pass digests the local words,
+scales them and flags non-finite values), so the audit reads its own gradients
+no more often than DDP does.
 
 Each rank has four 64-bit words: its own loss and gradient words and those of
 its replay. Edge r -> n is *bad* when r's replay of n's batch disagrees with
