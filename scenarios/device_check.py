@@ -75,10 +75,6 @@ def check_values(device: torch.device) -> dict[str, Any]:
             "result_stays_on_device": stays}
 
 
-_INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32,
-             torch.float16: torch.int16, torch.bfloat16: torch.int16}
-
-
 def check_kernels(device: torch.device) -> dict[str, Any]:
     """The device paths of the comm hook's fused check and of the replay's words.
 
@@ -90,6 +86,7 @@ def check_kernels(device: torch.device) -> dict[str, Any]:
       separate gradients (``grads_digest``) equal the CPU values.
     """
     from sdc_guard import comm_hook
+    from sdc_guard import fingerprints as fp
     from sdc_guard.checks.replay import ReplayAudit, _BucketPlan, grads_digest
     from sdc_guard.fingerprints import loss_word
 
@@ -97,7 +94,8 @@ def check_kernels(device: torch.device) -> dict[str, Any]:
     mismatches: list[str] = []
     specials = [0.0, -0.0, 1e-45, 6e-8, 65504.0, 3.0e38, -3.0e38, float("inf"), float("-inf"),
                 float("nan")]
-    for dtype, as_int in _INT_VIEW.items():
+    for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+        as_int = fp._INT_OF_SIZE[dtype.itemsize]
         for world in (1, 2, 3, 4, 6, 7, 8):
             for special in (None, *specials):
                 x = (torch.randn(70_001, generator=g) * 4.0 ** torch.randint(

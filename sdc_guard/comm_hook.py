@@ -182,20 +182,15 @@ class GuardCommHook:
         scale = 1.0 / self.world_size
         request, self._digest_request = self._digest_request, None
         if request is not None:
-            from sdc_guard.fingerprints import _MASK64, _native_kernel
+            from sdc_guard.fingerprints import host_spans_scale_digest
 
-            kernel = _native_kernel()
-            assert kernel is not None  # checked by request_digest
             spans, deliver = request
-            base, total, bad = buf.data_ptr(), 0, False
-            for a, b, offset in spans:  # the spans tile the buffer: every word is scaled
-                d, s, flag = kernel.scale_digest_at(base + 8 * a, b - a, scale)
-                total += d + 2 * offset * s
-                bad |= flag
+            done = host_spans_scale_digest(buf, spans, scale)  # spans tile buf: all is scaled
+            assert done is not None  # request_digest checked the kernel and the buffer
             self.fused_digests += 1
-            deliver(total & _MASK64)
+            deliver(done[0])
             if self.check_nonfinite:
-                self._or_local(torch.tensor(bad))
+                self._or_local(torch.tensor(done[1]))
         elif self.check_nonfinite:  # the local check rides the 1/world scaling pass
             self._or_local(_scale_and_check(buf, scale))
         else:
@@ -222,7 +217,6 @@ class GuardCommHook:
             state._scale(bucket.buffer())
         elif state.check_nonfinite:
             state._or_local(_bad(bucket.buffer()))  # the user's hook owns the scaling
-        state._digest_request = None
         if bucket.is_last():
             for last in state.before_last_allreduce:
                 last()

@@ -80,6 +80,7 @@ __all__ = [
     "fingerprint_tensor",
     "host_concat_digest",
     "host_spans_digest",
+    "host_spans_scale_digest",
     "loss_word",
     "mix64",
     "mix64_int",
@@ -515,20 +516,40 @@ def host_spans_digest(buf: torch.Tensor, spans: Iterable[tuple[int, int, int]]) 
     audit's view of a DDP bucket, whose gradients lie at other offsets in the bucket
     than in parameter order. ``buf`` must be contiguous and 8-byte aligned.
     """
+    done = _host_spans(buf, spans, None)
+    return None if done is None else done[0]
+
+
+def host_spans_scale_digest(buf: torch.Tensor, spans: Iterable[tuple[int, int, int]],
+                            scale: float) -> tuple[int, bool] | None:
+    """``host_spans_digest`` of the words as they were, then the spans' float32 halves
+    multiplied by ``scale`` in place (the bits of ``mul_``), in one pass over memory;
+    with "was any of them NaN or Inf". None without the C kernel or a float32 ``buf``."""
+    if buf.dtype != torch.float32:
+        return None
+    return _host_spans(buf, spans, scale)
+
+
+def _host_spans(buf: torch.Tensor, spans: Iterable[tuple[int, int, int]],
+                scale: float | None) -> tuple[int, bool] | None:
     kernel = _native_kernel()
     if (kernel is None or buf.device.type != "cpu" or not buf.is_contiguous()
             or buf.data_ptr() % 8):
         return None
     base = buf.data_ptr()
     end = buf.numel() * buf.element_size() // 8
-    total = 0
+    total, bad = 0, False
     for a, b, offset in spans:
         if not 0 <= a <= b <= end:
             raise ValueError(f"host_spans_digest: span [{a}, {b}) lies outside the buffer's "
                              f"{end} words.")
-        d, s = kernel.words_at(base + 8 * a, b - a, 2)
+        if scale is None:
+            d, s = kernel.words_at(base + 8 * a, b - a, 2)
+        else:
+            d, s, flag = kernel.scale_digest_at(base + 8 * a, b - a, scale)
+            bad |= flag
         total += d + 2 * offset * s
-    return total & _MASK64
+    return total & _MASK64, bad
 
 
 def concat_digest(parts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
