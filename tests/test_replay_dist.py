@@ -87,6 +87,28 @@ def test_batchnorm_and_gradient_accumulation(variant: dict[str, object]) -> None
     assert clean[0]["final"] == off[0]["final"]
 
 
+@pytest.mark.parametrize("variant", [{"batchnorm": True}, {"micro": 3}])
+def test_batchnorm_and_accumulation_localise_contain_and_keep_the_blind_spot(
+        variant: dict[str, object]) -> None:
+    # The rest of the audit's tests on the BatchNorm and gradient-accumulation models: a flip
+    # in the own computation, contained (the weights equal a run that never saw the step) ...
+    fault = {"rank": 1, "step": 4, "phase": "train", "bit": 2}
+    faulty = run_ranks(workers.replay_run, 3, 6, fault=fault, **variant)
+    oracle = run_ranks(workers.replay_run, 3, 6, skip_steps=(4,), **variant)
+    for r in faulty:
+        assert ("replay", 4, (1,)) in r["detections"], r["detections"]
+        assert r["skipped"] == [4]
+    assert {r["final"] for r in faulty} == {oracle[0]["final"]}
+    # ... a permanent fault caught at the first audit step (4 ranks) ...
+    permanent = {"rank": 2, "step": 2, "phase": "any", "bit": 9, "permanent": True}
+    for r in run_ranks(workers.replay_run, 4, 5, interval=3, fault=permanent, **variant):
+        assert next(d for d in r["detections"] if d[0] == "replay") == ("replay", 3, (2,))
+    # ... and a flip on a step that is not audited goes unseen, as documented.
+    blind = {"rank": 1, "step": 3, "phase": "train", "bit": 2}
+    for r in run_ranks(workers.replay_run, 3, 5, interval=2, fault=blind, **variant):
+        assert r["detections"] == []
+
+
 @pytest.mark.parametrize(("width", "unused", "as_view", "flat"),
                          [(32, False, False, True), (33, False, False, False),
                           (32, True, False, True), (32, False, True, True)])
