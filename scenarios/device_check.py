@@ -26,6 +26,7 @@ Results go to ``DIR/device_check.json`` and are printed.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -127,16 +128,18 @@ def check_kernels(device: torch.device) -> dict[str, Any]:
             mismatches.append(f"loss_word {dtype}")
     odd = [(1024, 512), (1024,), (7,), (3, 3), (10, 1024), (0,), (10,)]
     whole = [(1024, 512), (1024,), (8,), (4, 4), (10, 1024), (0,), (12,)]  # whole 8-byte words
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    many = [(64, 4 * i) for i in range(1, 21)]  # > _FEW_SPANS: the cumulative-sum path
+    for dtype, sizes in itertools.product((torch.float32, torch.float16, torch.bfloat16),
+                                          (whole, many)):
         unit = torch.empty((), dtype=dtype).element_size()
-        for sizes in (odd, whole):
-            grads = [torch.randn(s, generator=g).to(dtype) for s in sizes]
+        for shapes in (odd, sizes):
+            grads = [torch.randn(s, generator=g).to(dtype) for s in shapes]
             words = [-(-(t.numel() * unit) // 8) for t in grads]
             offsets = [sum(words[:i]) for i in range(len(grads))]
             want = int(grads_digest(grads, offsets, torch.device("cpu")))
             got = int(grads_digest([t.to(device) for t in grads], offsets, device))
             if got != want:
-                mismatches.append(f"grads_digest {dtype} {sizes}: device {got}, cpu {want}")
+                mismatches.append(f"grads_digest {dtype} {shapes}: device {got}, cpu {want}")
         # A DDP-like bucket: the same gradients as views of one flat buffer, in reverse order.
         order = list(reversed(range(len(grads))))
         buf = torch.cat([grads[i].reshape(-1) for i in order]).to(device)
@@ -148,7 +151,8 @@ def check_kernels(device: torch.device) -> dict[str, Any]:
         if plan is None:
             mismatches.append(f"_BucketPlan.of refused an aligned {dtype} bucket")
         elif (got := int(plan.digest(buf))) != want:
-            mismatches.append(f"bucket digest {dtype}: device {got}, cpu {want}")
+            mismatches.append(f"bucket digest {dtype}, {len(sizes)} gradients: device {got}, "
+                              f"cpu {want}")
     return {"passed": not mismatches, "mismatches": mismatches,
             "fused_unscale_kernel_used": fused}
 

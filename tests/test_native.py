@@ -296,3 +296,27 @@ def test_the_plain_build_scales_and_digests_the_same(tmp_path: Path, native: Non
     x = torch.randn(2 * 70_001, generator=torch.Generator().manual_seed(2))
     x[5] = float("-inf")
     _check_scale_digest(native_mod.NativeKernel(lib), x, 7)
+
+
+@pytest.mark.parametrize("count", [1, 3, 9, 40])  # few spans: a sum each; many: one cumsum
+def test_bucket_digest_is_the_same_on_the_host_and_the_tensor_path(native: None,
+                                                                   count: int) -> None:
+    from sdc_guard.checks.replay import _FEW_SPANS, _BucketPlan, grads_digest
+
+    g = torch.Generator().manual_seed(count)
+    sizes = [2 * int(n) for n in torch.randint(1, 300, (count,), generator=g)]
+    grads = [torch.randn(n, generator=g) for n in sizes]
+    offsets = [sum(sizes[:i]) // 2 for i in range(count)]
+    order = list(reversed(range(count)))  # DDP lays the last parameters out first
+    buf = torch.cat([grads[i] for i in order])
+    views, at = [], 0
+    for i in order:
+        views.append(buf[at:at + sizes[i]])
+        at += sizes[i]
+    plan = _BucketPlan.of(buf, views, order, offsets)
+    assert plan is not None
+    want = int(grads_digest(grads, offsets, torch.device("cpu")))
+    assert int(plan.digest(buf)) == want  # the C kernel, per span
+    fpmod.disable_native()
+    assert int(plan.digest(buf)) == want  # tensor ops: the device path
+    assert (count > _FEW_SPANS) == (count in (9, 40))

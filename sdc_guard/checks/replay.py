@@ -98,6 +98,10 @@ def micro_batches(batch: Any, count: int) -> Sequence[Any]:
     return batch
 
 
+_FEW_SPANS = 8
+"""Up to this many gradients in a bucket, the device path sums each span on its own."""
+
+
 @dataclass(frozen=True)
 class _BucketPlan:
     """Where each parameter's gradient lies in a DDP bucket buffer, in 64-bit words."""
@@ -108,6 +112,8 @@ class _BucketPlan:
     """int64, per gradient: its word offset in parameter order minus its offset in the buffer."""
     moved: list[tuple[int, int, int]]
     """(start, end, word offset in parameter order) per gradient, for ``host_spans_digest``."""
+    last: torch.Tensor
+    """int64, per gradient: the index of its last word in the buffer (the spans tile it)."""
 
     @staticmethod
     def of(buf: torch.Tensor, grads: Sequence[torch.Tensor], idx: Sequence[int],
@@ -138,8 +144,9 @@ class _BucketPlan:
             return None
         shift = torch.tensor([offsets[i] - a for a, _, i in spans], dtype=torch.int64,
                              device=buf.device)
+        last = torch.tensor([b - 1 for _, b, _ in spans], dtype=torch.int64, device=buf.device)
         return _BucketPlan([(a, b) for a, b, _ in spans], shift,
-                           [(a, b, offsets[i]) for a, b, i in spans])
+                           [(a, b, offsets[i]) for a, b, i in spans], last)
 
     def digest(self, buf: torch.Tensor) -> torch.Tensor:
         """The buffer's share of the gradient word (0-d int64), on the host or the device.
@@ -148,13 +155,19 @@ class _BucketPlan:
         bucket; moving them to their offset o_p in parameter order adds
         ``2 (o_p - b_p) S_p`` (``concat_digest``), with S_p the plain sum of p's
         words: one pass over the buffer plus a sum per parameter. On the CPU the C
-        kernel reads each span once and the parts combine in Python integers.
+        kernel reads each span once and the parts combine in Python integers. On a
+        device, a bucket of many gradients takes its sums from one cumulative sum
+        (the spans tile the buffer), a few kernels instead of one per gradient.
         """
         host = host_spans_digest(buf, self.moved)  # CPU: one kernel call per gradient
         if host is not None:
             return torch.tensor(to_signed64(host), dtype=torch.int64)
         words = buf.view(torch.int64)
-        sums = torch.stack([words[a:b].sum() for a, b in self.spans])
+        if len(self.spans) > _FEW_SPANS:
+            at = torch.cumsum(words, 0)[self.last]  # wraps mod 2**64, like every sum here
+            sums = torch.cat([at[:1], at[1:] - at[:-1]])
+        else:
+            sums = torch.stack([words[a:b].sum() for a, b in self.spans])
         return digest_parts(buf)[0] + 2 * (self.shift * sums).sum()
 
 
