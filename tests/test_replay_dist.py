@@ -23,6 +23,17 @@ def test_replay_on_and_off_end_bit_identical() -> None:
     assert on[0]["final"] == off[0]["final"]
 
 
+def test_without_the_c_kernel_the_audit_is_as_clean_and_as_sharp() -> None:
+    # The torch path everywhere (no fused digest in the scaling pass): same training, same
+    # verdicts.
+    clean = run_ranks(workers.replay_run, 3, 8, native=False)
+    assert all(r["detections"] == [] for r in clean)
+    assert clean[0]["final"] == run_ranks(workers.replay_run, 3, 8)[0]["final"]
+    fault = {"rank": 1, "step": 4, "phase": "train", "bit": 2}
+    for r in run_ranks(workers.replay_run, 3, 6, fault=fault, native=False):
+        assert ("replay", 4, (1,)) in r["detections"], r["detections"]
+
+
 @pytest.mark.parametrize("nonfinite", [True, False], ids=["shared-word", "replay-alone"])
 @pytest.mark.parametrize("phase", ["train", "replay"])
 def test_transient_activation_flip_on_rank_1_is_localised(phase: str, nonfinite: bool) -> None:

@@ -123,14 +123,17 @@ def _micro_batches(k: int):  # type: ignore[no-untyped-def]
 def replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
                fault: dict[str, Any] | None = None, batchnorm: bool = False,
                micro: int = 1, skip_steps: tuple[int, ...] = (),
-               nonfinite: bool = True) -> dict[str, Any]:
+               nonfinite: bool = True, native: bool = True) -> dict[str, Any]:
     """Guarded training with the replay audit; optionally a bit flip in an activation of one rank.
 
     fault = {"rank", "step", "phase": "train"|"replay"|"any", "bit", "permanent": bool}, or
     {"site": "grad_nan", "rank", "step"}: a NaN in that rank's local gradient bucket.
     ``skip_steps``: steps this run leaves out entirely (the "never saw the fault" oracle).
     ``nonfinite``: the non-finite check too (then both share one word on audit steps).
+    ``native``: False runs the digests on the torch path (as without a C compiler).
     """
+    if not native:
+        sdc_guard.fingerprints.disable_native()
     torch.manual_seed(0)
     model = DDP(DropMLP(batchnorm))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
