@@ -89,3 +89,14 @@ def test_gather_if_different_agrees_on_every_rank(words: list[int]) -> None:
     res = run_ranks(workers.vote_run, 3, words)
     expected = None if len(set(words)) == 1 else words
     assert res == [expected] * 3
+
+
+@pytest.mark.parametrize("words", [
+    [7, 7], [-(2**63), -(2**63)], [2**63 - 1, 2**63 - 1],
+    [5, -(2**63)], [-1, 0], [2**63 - 1, -(2**63)], [0, 2**63 - 1], [1, 2],
+    [2**62, -(2**62)],
+])
+def test_gather_if_different_agrees_with_two_ranks(words: list[int]) -> None:
+    res = run_ranks(workers.vote_run, 2, words)
+    expected = None if len(set(words)) == 1 else words
+    assert res == [expected] * 2
