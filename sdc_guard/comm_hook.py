@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket
 
+from sdc_guard.fingerprints import _native_kernel, host_spans_scale_digest
+
 CommHook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
 BucketCallback = Callable[[GradBucket], None]
 """Called with the bucket; may modify ``bucket.buffer()`` in place."""
@@ -160,8 +162,6 @@ class GuardCommHook:
         aligned float32 CPU words, or a request already pending): the observer then
         computes the digest itself.
         """
-        from sdc_guard.fingerprints import _native_kernel
-
         if (self._digest_request is not None or self.inner_hook is not None
                 or buf.dtype != torch.float32 or buf.device.type != "cpu"
                 or not buf.is_contiguous() or buf.data_ptr() % 8 or buf.numel() % 2
@@ -182,8 +182,6 @@ class GuardCommHook:
         scale = 1.0 / self.world_size
         request, self._digest_request = self._digest_request, None
         if request is not None:
-            from sdc_guard.fingerprints import host_spans_scale_digest
-
             spans, deliver = request
             done = host_spans_scale_digest(buf, spans, scale)  # spans tile buf: all is scaled
             assert done is not None  # request_digest checked the kernel and the buffer
