@@ -667,13 +667,13 @@ def main(argv: list[str] | None = None) -> int:
         ("overhead", lambda: check_overhead(3, rounds=3 if q else 12, block=3 if q else 8,
                                             batch=128)),
         ("replay", lambda: replay_overhead(3, rounds=3 if q else 12, batch=128)),
-        ("replay_alone", lambda: replay_overhead(3, rounds=3 if q else 6, batch=128,
+        ("replay_alone", lambda: replay_overhead(3, rounds=3 if q else 12, batch=128,
                                                  nonfinite=False)),
         ("overhead_world2", lambda: check_overhead(2, rounds=3 if q else 6, block=3 if q else 8,
                                                    batch=128)),
-        ("replay_world2", lambda: replay_overhead(2, rounds=3 if q else 6, batch=128)),
-        ("replay_world1", lambda: replay_overhead(1, rounds=3 if q else 6, batch=128)),
-        ("replay_world1_torch", lambda: replay_overhead(1, rounds=3 if q else 6, batch=128,
+        ("replay_world2", lambda: replay_overhead(2, rounds=3 if q else 12, batch=128)),
+        ("replay_world1", lambda: replay_overhead(1, rounds=3 if q else 12, batch=128)),
+        ("replay_world1_torch", lambda: replay_overhead(1, rounds=3 if q else 12, batch=128,
                                                         native=False)),
     ]
     for key, measure in runs:
