@@ -516,7 +516,7 @@ def host_spans_digest(buf: torch.Tensor, spans: Iterable[tuple[int, int, int]]) 
     audit's view of a DDP bucket, whose gradients lie at other offsets in the bucket
     than in parameter order. ``buf`` must be contiguous and 8-byte aligned.
     """
-    done = _host_spans(buf, spans, None)
+    done = _host_spans("host_spans_digest", buf, spans, None)
     return None if done is None else done[0]
 
 
@@ -527,10 +527,10 @@ def host_spans_scale_digest(buf: torch.Tensor, spans: Iterable[tuple[int, int, i
     with "was any of them NaN or Inf". None without the C kernel or a float32 ``buf``."""
     if buf.dtype != torch.float32:
         return None
-    return _host_spans(buf, spans, scale)
+    return _host_spans("host_spans_scale_digest", buf, spans, scale)
 
 
-def _host_spans(buf: torch.Tensor, spans: Iterable[tuple[int, int, int]],
+def _host_spans(name: str, buf: torch.Tensor, spans: Iterable[tuple[int, int, int]],
                 scale: float | None) -> tuple[int, bool] | None:
     kernel = _native_kernel()
     if (kernel is None or buf.device.type != "cpu" or not buf.is_contiguous()
@@ -541,8 +541,7 @@ def _host_spans(buf: torch.Tensor, spans: Iterable[tuple[int, int, int]],
     total, bad = 0, False
     for a, b, offset in spans:
         if not 0 <= a <= b <= end:
-            raise ValueError(f"host_spans_digest: span [{a}, {b}) lies outside the buffer's "
-                             f"{end} words.")
+            raise ValueError(f"{name}: span [{a}, {b}) lies outside the buffer's {end} words.")
         if scale is None:
             d, s = kernel.words_at(base + 8 * a, b - a, 2)
         else:

@@ -320,3 +320,11 @@ def test_bucket_digest_is_the_same_on_the_host_and_the_tensor_path(native: None,
     fpmod.disable_native()
     assert int(plan.digest(buf)) == want  # tensor ops: the device path
     assert (count > _FEW_SPANS) == (count in (9, 40))
+
+
+def test_host_spans_scale_digest_names_a_bad_span_and_refuses_other_dtypes(native: None) -> None:
+    buf = torch.zeros(8)
+    with pytest.raises(ValueError, match=r"host_spans_scale_digest: span \[2, 9\) lies outside"):
+        fpmod.host_spans_scale_digest(buf, [(2, 9, 0)], 0.5)
+    assert fpmod.host_spans_scale_digest(torch.zeros(8, dtype=torch.float16), [(0, 2, 0)],
+                                         0.5) is None
