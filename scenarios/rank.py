@@ -259,6 +259,8 @@ class RankRunner:
             detections += [(d.check, d.step, tuple(d.suspect_ranks)) for d in rep.detections]
             if rep.detections and stop_on_detection:
                 break
+        # The non-finite flags still out (sent every few steps, collected a step later).
+        detections += [(d.check, d.step, tuple(d.suspect_ranks)) for d in s.guard.flush()]
         out = {
             "rank": self.rank,
             "state_fps": [to_unsigned64(v) for v in torch.stack(fps).tolist()],

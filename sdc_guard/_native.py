@@ -103,6 +103,17 @@ CLONES static uint32_t scale_f32(float* f, int64_t n, float scale) {
   return bad;
 }
 
+/* 1 if any of n float32 at f is NaN or Inf (read only). */
+CLONES static uint32_t check_f32(const float* f, int64_t n) {
+  uint32_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    memcpy(&u, &f[i], 4);
+    bad |= (u & 0x7f800000u) == 0x7f800000u;
+  }
+  return bad;
+}
+
 typedef struct {
   const char* x; int64_t lo, n; int mode; uint64_t s1, s2; float scale; uint32_t bad;
 } job_t;
@@ -127,9 +138,14 @@ static void scale_words(job_t* j) {
   j->bad = bad;
 }
 
+/* Modes 0, 4 and 5 count float32 lanes, the others 64-bit words. Mode 4 scales n
+   float32 in place and flags NaN/Inf (scale_f32), mode 5 only flags (check_f32). */
 static void run(job_t* j) {
-  const void* p = j->x + (j->mode == 0 ? 4 : 8) * j->lo;
-  if (j->mode == 0) block0(p, j->n, &j->s1, &j->s2);
+  const void* p = j->x + (j->mode == 0 || j->mode >= 4 ? 4 : 8) * j->lo;
+  j->s1 = j->s2 = 0;
+  if (j->mode == 4) j->bad = scale_f32((float*)p, j->n, j->scale);
+  else if (j->mode == 5) j->bad = check_f32((const float*)p, j->n);
+  else if (j->mode == 0) block0(p, j->n, &j->s1, &j->s2);
   else if (j->mode == 1) block1(p, j->n, &j->s1, &j->s2);
   else if (j->mode == 2) block2(p, j->n, &j->s1, &j->s2);
   else scale_words(j);
@@ -146,7 +162,7 @@ static void* thread_main(void* arg) {
    scale_words) also scales x in place and sets out[2] to 1 if a float was NaN or Inf. */
 static int weighted(const void* x, int64_t n, int mode, int threads, float scale,
                     uint64_t* out) {
-  if (n < 0 || mode < 0 || mode > 3) return 1;
+  if (n < 0 || mode < 0 || mode > 5) return 1;
   if (threads < 1) threads = 1;
   if (threads > MAX_THREADS) threads = MAX_THREADS;
   job_t jobs[MAX_THREADS];
@@ -176,12 +192,12 @@ static int weighted(const void* x, int64_t n, int mode, int threads, float scale
   }
   out[0] = total;
   out[1] = plain;
-  if (mode == 3) out[2] = bad;
+  if (mode >= 3) out[2] = bad;
   return 0;
 }
 
 int sdc_weighted_sum(const void* x, int64_t n, int mode, int threads, uint64_t* out) {
-  if (mode == 3) return 1;
+  if (mode >= 3) return 1;
   return weighted(x, n, mode, threads, 1.0f, out);
 }
 
@@ -189,6 +205,19 @@ int sdc_weighted_sum(const void* x, int64_t n, int mode, int threads, uint64_t* 
    multiplied by scale in place; out[2] = 1 if any of them was NaN or Inf. */
 int sdc_scale_digest(void* x, int64_t n, float scale, int threads, uint64_t* out) {
   return weighted(x, n, 3, threads, scale, out);
+}
+
+/* n float32 at x multiplied by scale in place (torch's mul_); 1 if any was NaN or Inf
+   before, 0 if none, -1 on bad arguments. */
+int sdc_scale_check(void* x, int64_t n, float scale, int threads) {
+  uint64_t out[3];
+  return weighted(x, n, 4, threads, scale, out) ? -1 : (int)out[2];
+}
+
+/* 1 if any of n float32 at x is NaN or Inf, 0 if none, -1 on bad arguments. */
+int sdc_nonfinite(const void* x, int64_t n, int threads) {
+  uint64_t out[3];
+  return weighted(x, n, 5, threads, 1.0f, out) ? -1 : (int)out[2];
 }
 """
 
@@ -212,6 +241,14 @@ class NativeKernel:
                           ctypes.POINTER(ctypes.c_uint64)]
         fused.restype = ctypes.c_int
         self._fused = fused
+        scale_check = self._lib.sdc_scale_check
+        scale_check.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+        scale_check.restype = ctypes.c_int
+        self._scale_check = scale_check
+        nonfinite = self._lib.sdc_nonfinite
+        nonfinite.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+        nonfinite.restype = ctypes.c_int
+        self._nonfinite = nonfinite
 
     def weighted_sum(self, src: torch.Tensor, mode: int) -> list[int]:
         """int64 bits of ``[sum_k (2k+1) v_k, sum_k v_k]`` (mod 2**64).
@@ -252,6 +289,26 @@ class NativeKernel:
         if self._fused(address, n, scale, threads, out) != 0:  # pragma: no cover
             raise RuntimeError("sdc_scale_digest rejected its arguments")
         return out[0], out[1], bool(out[2])
+
+    def scale_check_at(self, address: int, n: int, scale: float) -> bool:
+        """``n`` float32 at ``address`` multiplied by ``scale`` in place (the bits of torch's
+        ``mul_``); whether any of them was NaN or Inf. One pass over memory.
+
+        The caller guarantees the memory: ``n`` writable float32 of a live CPU tensor.
+        """
+        threads = max(1, min(torch.get_num_threads(), n // _PER_THREAD))
+        bad = self._scale_check(address, n, scale, threads)
+        if bad < 0:  # pragma: no cover
+            raise RuntimeError("sdc_scale_check rejected its arguments")
+        return bool(bad)
+
+    def nonfinite_at(self, address: int, n: int) -> bool:
+        """Whether any of ``n`` float32 at ``address`` (a live CPU tensor's) is NaN or Inf."""
+        threads = max(1, min(torch.get_num_threads(), n // _PER_THREAD))
+        bad = self._nonfinite(address, n, threads)
+        if bad < 0:  # pragma: no cover
+            raise RuntimeError("sdc_nonfinite rejected its arguments")
+        return bool(bad)
 
 
 def _cache_dir() -> Path:

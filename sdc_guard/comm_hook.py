@@ -68,7 +68,37 @@ _fused_ok: dict[str, bool] = {}
 _scales: dict[tuple[torch.device, float], torch.Tensor] = {}
 
 
-def _scale_and_check(buf: torch.Tensor, scale: float) -> torch.Tensor:
+def _host_words(buf: torch.Tensor) -> bool:
+    """Can the C kernel read ``buf`` in place: contiguous float32 in CPU memory?"""
+    return buf.dtype == torch.float32 and buf.device.type == "cpu" and buf.is_contiguous()
+
+
+Flag = bool | torch.Tensor
+"""A non-finite flag: a Python bool when the C kernel computed it on the host, else a
+0-d bool tensor on the buffer's device (no host sync until the step's verdict)."""
+
+
+def _check(buf: torch.Tensor) -> Flag:
+    """Does ``buf`` hold a NaN or Inf? On the host (a bool) where the C kernel can read it."""
+    kernel = _native_kernel() if _host_words(buf) else None
+    if kernel is not None:
+        return kernel.nonfinite_at(buf.data_ptr(), buf.numel())
+    return _bad(buf)
+
+
+def _scale_and_check(buf: torch.Tensor, scale: float) -> Flag:
+    """``buf.mul_(scale)`` and "was ``buf`` non-finite", in one read pass where possible.
+
+    Contiguous float32 on the CPU: the C kernel scales and flags in one pass and gives a
+    Python bool (no tensor op at all). Elsewhere, ``_scale_and_check_tensor``.
+    """
+    kernel = _native_kernel() if _host_words(buf) else None
+    if kernel is not None:
+        return kernel.scale_check_at(buf.data_ptr(), buf.numel(), scale)
+    return _scale_and_check_tensor(buf, scale)
+
+
+def _scale_and_check_tensor(buf: torch.Tensor, scale: float) -> torch.Tensor:
     """``buf.mul_(scale)`` and a 0-d bool "was ``buf`` non-finite", in one read pass if possible.
 
     torch's fused AMP unscale kernel multiplies by a float32 scale and flags any NaN or
@@ -124,7 +154,7 @@ class GuardCommHook:
         self.fused_digests = 0
         """How many observer digests the scaling pass has computed (``request_digest``)."""
         self.step = -1
-        self.local_bad: torch.Tensor | None = None
+        self.local_bad: Flag | None = None
         self._results: list[torch.Tensor] = []
 
     def begin_step(self, step: int) -> None:
@@ -133,22 +163,38 @@ class GuardCommHook:
         self.local_bad = None
         self._results = []
 
-    def flags(self, device: torch.device) -> torch.Tensor:
-        """int32 ``[local_bad, reduced_bad]`` for this step, on ``device``.
+    def host_flags(self) -> tuple[bool, bool]:
+        """``(local_bad, reduced_bad)`` for this step, as Python bools.
 
         Call after the backward pass: the reduced results are checked here, on the
-        caller's thread, rather than in a callback per bucket.
+        caller's thread, rather than in a callback per bucket. On the CPU (with the C
+        kernel) every flag is already a host value; flags that live on a device cost
+        one host sync, for all of them together.
         """
-        out = torch.zeros(2, dtype=torch.int32, device=device)
-        if self.local_bad is not None:
-            out[0] = self.local_bad.to(device)
-        if self._results:
-            bad = [_bad(t) for t in self._results]
-            out[1] = (bad[0] if len(bad) == 1 else torch.stack(bad).any()).to(device)
-        return out
+        local: Flag = False if self.local_bad is None else self.local_bad
+        reduced: Flag = False
+        for t in self._results:
+            bad = _check(t)
+            if isinstance(bad, bool) and isinstance(reduced, bool):
+                reduced = reduced or bad
+            else:
+                reduced = torch.as_tensor(reduced, device=t.device) | bad
+        if isinstance(local, torch.Tensor) and isinstance(reduced, torch.Tensor):
+            both = torch.stack([local.to(reduced.device), reduced]).tolist()  # one host sync
+            return bool(both[0]), bool(both[1])
+        return bool(local), bool(reduced)  # a tensor here: one .item(), one host sync
 
-    def _or_local(self, flag: torch.Tensor) -> None:
-        self.local_bad = flag if self.local_bad is None else self.local_bad | flag
+    def flags(self, device: torch.device) -> torch.Tensor:
+        """int32 ``[local_bad, reduced_bad]`` for this step, on ``device`` (``host_flags``)."""
+        return torch.tensor(self.host_flags(), dtype=torch.int32, device=device)
+
+    def _or_local(self, flag: Flag) -> None:
+        if self.local_bad is None:
+            self.local_bad = flag
+        elif isinstance(flag, bool) and isinstance(self.local_bad, bool):
+            self.local_bad = self.local_bad or flag
+        else:
+            self.local_bad = torch.as_tensor(self.local_bad) | flag
 
     def request_digest(self, buf: torch.Tensor, spans: list[tuple[int, int, int]],
                        deliver: Callable[[int], None]) -> bool:
@@ -188,7 +234,7 @@ class GuardCommHook:
             self.fused_digests += 1
             deliver(done[0])
             if self.check_nonfinite:
-                self._or_local(torch.tensor(done[1]))
+                self._or_local(done[1])
         elif self.check_nonfinite:  # the local check rides the 1/world scaling pass
             self._or_local(_scale_and_check(buf, scale))
         else:
@@ -214,7 +260,7 @@ class GuardCommHook:
         if state.inner_hook is None:
             state._scale(bucket.buffer())
         elif state.check_nonfinite:
-            state._or_local(_bad(bucket.buffer()))  # the user's hook owns the scaling
+            state._or_local(_check(bucket.buffer()))  # the user's hook owns the scaling
         if bucket.is_last():
             for last in state.before_last_allreduce:
                 last()

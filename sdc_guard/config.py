@@ -13,6 +13,15 @@ class GuardConfig:
     nonfinite: bool = True
     """Check gradients for NaN/Inf before and after the all-reduce (every step)."""
 
+    nonfinite_exchange_interval: int = 8
+    """The non-finite check's flags of N steps travel in one small all-reduce, started at
+    the end of the N steps and collected a step later, never waited for
+    (``sdc_guard.checks.nonfinite``). Containment does not wait for it: a rank withholds
+    its own step at once when its reduced gradients are non-finite. The detection, with
+    its own step and suspects, is reported when the word arrives: 1 to N steps later.
+    1 = a word every step. Each word is a collective, and on an oversubscribed CPU host
+    even one that nobody waits for costs about 3% of a step (``bench/RESULTS.md``)."""
+
     weights_interval: int = 1
     """Compare fingerprints of the updated weights across ranks every N steps (0 = off)."""
 
@@ -40,6 +49,12 @@ class GuardConfig:
     """Append one JSON line per detection (and per injection, from the injectors) to this file."""
 
     def __post_init__(self) -> None:
+        value = self.nonfinite_exchange_interval
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                "GuardConfig.nonfinite_exchange_interval must be an int >= 1 (steps whose "
+                f"non-finite flags travel in one word; 1 = every step), got {value!r}."
+            )
         for name in ("weights_interval", "replay_interval"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):

@@ -105,7 +105,8 @@ class SDCGuard:
         )
         model.register_comm_hook(self.comm, GuardCommHook.hook)
         self.nonfinite = NonFiniteCheck(
-            self.comm, group=process_group, expect_overflow=grad_scaler is not None
+            self.comm, group=process_group, expect_overflow=grad_scaler is not None,
+            exchange_interval=config.nonfinite_exchange_interval,
         )
         self.weights = WeightsCheck(
             model,
@@ -164,10 +165,11 @@ class SDCGuard:
                 scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
                 scaled.backward()
 
-        detections: list[Detection] = []
-        if cfg.nonfinite or (audit and self.replay is not None):
-            detections += self._pre_step_verdict(step, audit)
-        skipped = bool(detections) and self.config.skip_step_on_detection
+        detections = self._pre_step_verdict(step, audit)
+        # Withheld: a check fired on this step's gradients (detections that arrive now
+        # about earlier steps were contained when those steps ran).
+        skipped = ((self.nonfinite.withheld_here or any(d.step == step for d in detections))
+                   and self.config.skip_step_on_detection)
         if not skipped:
             if self.before_optimizer_step is not None:
                 self.before_optimizer_step(self)
@@ -189,22 +191,40 @@ class SDCGuard:
     def _pre_step_verdict(self, step: int, audit: bool) -> list[Detection]:
         """The non-finite check and, on audit steps, the replay audit: before the optimizer step.
 
-        Each alone agrees through one int64 word whose sum over the ranks is 0 exactly
-        when it is clean on every rank (one small all-reduce, the cheapest collective),
-        and gathers its evidence only when the sum is not 0. On an audit step with both
-        on, the two share that word: one synchronisation point rather than two.
+        On other steps the non-finite check sends its word without waiting for it unless
+        this rank flagged something (``NonFiniteCheck.verdict``). The replay audit must
+        agree before the optimizer step: through one int64 word whose sum over the ranks
+        is 0 exactly when it is clean on every rank (one small all-reduce, the cheapest
+        collective), gathering its evidence only when the sum is not 0. On an audit step
+        with both on, the non-finite flags join that word: one synchronisation point.
         """
         replay = self.replay if audit else None
         if replay is None:
-            return self.nonfinite.verdict(step, self.device)
+            if self.config.nonfinite:
+                return self.nonfinite.verdict(step, self.device)
+            return self.nonfinite.collect()
+        found = self.nonfinite.collect()  # an earlier step's word, if still outstanding
         if not self.config.nonfinite:
-            return replay.verdict(step)
+            return found + replay.verdict(step)
         flags, words = self.nonfinite.row(self.device), replay.row()
         if sum_word(pack_flags(flags) + replay.term(words), self.group) == 0:
-            return []
+            return found
         rows = all_gather_rows(torch.cat([flags, words]), self.group).tolist()
-        return (self.nonfinite.judge(step, [r[:2] for r in rows])
+        return (found + self.nonfinite.judge(step, [r[:2] for r in rows])
                 + replay.judge(step, [r[2:] for r in rows]))
+
+    def flush(self) -> list[Detection]:
+        """Detections still due after the last ``step``. Collective: call once on every rank.
+
+        The non-finite check sends its flags every ``nonfinite_exchange_interval`` steps and
+        collects them a step later (``sdc_guard.checks.nonfinite``); the words still out are
+        sent and collected here. Detections it returns are recorded like any other (event
+        log, ``on_detection``).
+        """
+        found = self.nonfinite.flush(self.device)
+        for d in found:
+            self._record(d, False)
+        return found
 
     def _record(self, d: Detection, skipped: bool) -> None:
         log.warning("SDC detection at step %d by %s: suspects %s (%s)", d.step, d.check,

@@ -32,18 +32,28 @@ def all_gather_rows(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
 
 
 class PendingSum:
-    """An int64 SUM all-reduce of one word in flight; ``wait()`` gives the total."""
+    """An int64 SUM all-reduce of a few words in flight; ``wait()`` gives the total of the first,
+    ``wait_all()`` of every word."""
 
-    def __init__(self, word: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
-        self.word = word.detach().to(torch.int64).reshape(1).clone()
+    def __init__(self, word: torch.Tensor, group: dist.ProcessGroup | None = None, *,
+                 in_place: bool = False) -> None:
+        """``in_place``: ``word`` is a 1-D int64 tensor the caller hands over, summed where it
+        is (no copy); otherwise a copy is summed and ``word`` is left as it was."""
+        self.word = word if in_place else word.detach().to(torch.int64).reshape(-1).clone()
         work = dist.all_reduce(self.word, group=group, async_op=True)
         if work is None:  # pragma: no cover - async_op=True always returns a Work handle
             raise RuntimeError("torch.distributed.all_reduce(async_op=True) returned no Work")
         self.work = work
+        self._totals: list[int] | None = None
+
+    def wait_all(self) -> list[int]:
+        if self._totals is None:
+            self.work.wait()
+            self._totals = [int(v) for v in self.word.tolist()]
+        return self._totals
 
     def wait(self) -> int:
-        self.work.wait()
-        return int(self.word.item())
+        return self.wait_all()[0]
 
 
 def sum_word(word: torch.Tensor, group: dist.ProcessGroup | None = None) -> int:
@@ -83,3 +93,30 @@ def pack_flags(flags: torch.Tensor) -> torch.Tensor:
     """
     wide = flags.to(torch.int64)
     return wide[0] + (wide[1] << 32)
+
+
+_BITS = 63
+"""Flag bits per int64 word: the sign bit is left alone, so every total stays positive."""
+
+
+def flag_words(flags: Sequence[bool], rank: int, world: int) -> list[int]:
+    """This rank's ``flags`` (``k`` of them) as bits of int64 words, for a SUM all-reduce.
+
+    Flag ``i`` of rank ``r`` is bit ``i * world + r``; no two ranks share a bit, so the
+    sum over the ranks is their bitwise OR and says exactly which rank raised which
+    flag (``flag_rows``): one small all-reduce names everyone, with no second
+    collective. ``ceil(k * world / 63)`` words: one for up to 31 ranks with two flags.
+    """
+    words = [0] * -(-len(flags) * world // _BITS)
+    for i, on in enumerate(flags):
+        if on:
+            pos = i * world + rank
+            words[pos // _BITS] |= 1 << (pos % _BITS)
+    return words
+
+
+def flag_rows(words: Sequence[int], k: int, world: int) -> list[list[int]]:
+    """Every rank's ``k`` flags (row ``r``: rank ``r``) from the summed ``flag_words``."""
+    def bit(pos: int) -> int:
+        return (words[pos // _BITS] >> (pos % _BITS)) & 1
+    return [[bit(i * world + r) for i in range(k)] for r in range(world)]

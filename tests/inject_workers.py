@@ -79,6 +79,7 @@ def guard_trials(rank: int, world: int, trials: list[dict[str, Any]]) -> list[di
         grads: dict[int, list[int]] = {}
         _grad_observer(guard.comm, lambda g=guard: g.comm.step, grads)
         reports = [guard.step(s) for s in range(trial["steps"])]
+        flushed = guard.flush()
         guard.comm.before.pop()  # the observer
         for h in handles:
             h.remove()
@@ -88,7 +89,7 @@ def guard_trials(rank: int, world: int, trials: list[dict[str, Any]]) -> list[di
                  and _no_module_hooks(model.module))
         results.append({
             "detections": [(d.check, d.step, d.suspect_ranks)
-                           for r in reports for d in r.detections],
+                           for d in [*(d for r in reports for d in r.detections), *flushed]],
             "skipped": [r.step for r in reports if r.skipped],
             "losses": [r.loss for r in reports],
             "grads": [grads.get(s, []) for s in range(trial["steps"])],

@@ -23,10 +23,10 @@ SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, -3.4e38
        world=st.integers(1, 9), n=st.integers(0, 3000), seed=st.integers(0, 2**31 - 1),
        specials=st.lists(st.tuples(st.integers(0, 2999), st.sampled_from(SPECIALS)),
                          max_size=3),
-       fused=st.booleans())
+       fused=st.booleans(), native=st.booleans())
 def test_scale_and_check_is_mul_bit_for_bit_with_an_exact_flag(
         dtype: torch.dtype, world: int, n: int, seed: int,
-        specials: list[tuple[int, float]], fused: bool) -> None:
+        specials: list[tuple[int, float]], fused: bool, native: bool) -> None:
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(n, generator=g, dtype=torch.float64)
          * 10.0 ** torch.randint(-6, 6, (n,), generator=g)).to(dtype)
@@ -34,13 +34,20 @@ def test_scale_and_check_is_mul_bit_for_bit_with_an_exact_flag(
         if i < n:
             x[i] = v
     expected = x.clone().mul_(1.0 / world)
+    native = native and dtype == torch.float32 and fpmod.native_enabled()
     with pytest.MonkeyPatch.context() as m:
+        if not native:  # torch's paths: the fused AMP kernel, or two passes
+            m.setattr(ch, "_native_kernel", lambda: None)
         if not fused:
             m.setitem(ch._fused_ok, "cpu", False)  # the two-pass fallback
         bad = ch._scale_and_check(x, 1.0 / world)
+        checked = ch._check(expected)
+    assert isinstance(bad, bool) is native  # the C kernel's flag is a host value
     assert torch.equal(x.view(torch.uint8), expected.view(torch.uint8))
     nonfinite = not bool(torch.isfinite(expected).all())
-    if fused and dtype != torch.float64:
+    if native:
+        assert bad == nonfinite and checked == nonfinite  # exact, element by element
+    elif fused and dtype != torch.float64:
         assert bool(bad) == nonfinite  # exact, element by element
     else:  # isfinite(sum): never misses; may also flag a finite sum that overflows
         assert bool(bad) or not nonfinite
@@ -97,3 +104,28 @@ def test_request_digest_refuses_what_the_pass_cannot_do(one_rank: None) -> None:
     assert not hook.request_digest(buf, whole, print)  # one request per bucket
     with_user_hook = ch.GuardCommHook(inner_hook=lambda state, bucket: None)  # type: ignore[arg-type, return-value]
     assert not with_user_hook.request_digest(buf, whole, print)
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize(("local_nan", "reduced_nan"), [(False, False), (True, False),
+                                                        (False, True), (True, True)])
+def test_host_flags_say_which_side_was_non_finite(one_rank: None, native: bool,
+                                                  local_nan: bool, reduced_nan: bool) -> None:
+    if native and not fpmod.native_enabled():
+        pytest.skip("no C kernel here")
+    with pytest.MonkeyPatch.context() as m:
+        if not native:  # tensor flags on the buffer's device, read with one host sync
+            m.setattr(ch, "_native_kernel", lambda: None)
+        hook = ch.GuardCommHook()
+        hook.begin_step(0)
+        for i in range(3):  # three buckets; the bad one is the middle one
+            local = torch.ones(1000 + i)
+            if local_nan and i == 1:
+                local[500] = float("nan")
+            hook._scale(local)
+            reduced = torch.ones(999 - i)
+            if reduced_nan and i == 1:
+                reduced[-1] = float("inf")
+            hook._results.append(reduced)
+        assert hook.host_flags() == (local_nan, reduced_nan)
+        assert hook.flags(torch.device("cpu")).tolist() == [int(local_nan), int(reduced_nan)]

@@ -22,6 +22,8 @@ from sdc_guard.vote import majority_outliers
         ({"seed": -1}, "seed must be an int >= 0"),
         ({"replay_interval": 5}, "replay_interval=5 needs deterministic=True"),
         ({"event_log": 3}, "event_log must be a path"),
+        ({"nonfinite_exchange_interval": 0}, "nonfinite_exchange_interval must be an int >= 1"),
+        ({"nonfinite_exchange_interval": True}, "nonfinite_exchange_interval must be an int"),
     ],
 )
 def test_bad_config_names_the_field(kwargs: dict[str, object], match: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from scenarios.launch import run_ranks
@@ -25,24 +27,83 @@ def test_weight_bitflip_names_rank_1() -> None:
         assert r["detections"][0] == ("weights", 5, (1,))
 
 
-def test_nan_gradient_names_rank_2_and_is_contained() -> None:
+@pytest.mark.parametrize(("steps", "reported_at"), [(6, []), (10, [(8, "nonfinite", 4)])])
+def test_nan_gradient_names_rank_2_and_is_contained(
+        steps: int, reported_at: list[tuple[Any, ...]]) -> None:
     fault = {"site": "grad_nan", "rank": 2, "step": 4}
-    res = run_ranks(workers.guarded_run, 4, 6, fault)
+    res = run_ranks(workers.guarded_run, 4, steps, fault)
     for r in res:
         assert r["detections"] == [("nonfinite", 4, (2,))]
+        # Withheld on every rank at step 4 (each saw the NaN in its reduced result). The
+        # word of steps 0-7 (the default window) that names rank 2 is reported at step 8,
+        # or by flush() when training ends before.
         assert r["skipped"] == [4]
+        assert r["reported_at"] == reported_at
     # Containment: the NaN never reached the weights, which still agree everywhere.
     assert len({r["final"] for r in res}) == 1
 
 
-@pytest.mark.parametrize(("ranks", "suspects"), [((1,), (1,)), ((0, 1, 2), ())])
-def test_non_finite_reduced_result_is_judged_the_same_on_every_rank(
-        ranks: tuple[int, ...], suspects: tuple[int, ...]) -> None:
-    fault = {"site": "reduced_nan", "ranks": ranks, "step": 3}
-    res = run_ranks(workers.guarded_run, 3, 5, fault)
+def test_a_non_finite_reduction_on_every_rank_is_withheld_everywhere() -> None:
+    fault = {"site": "reduced_nan", "ranks": (0, 1, 2), "step": 3}
+    res = run_ranks(workers.guarded_run, 3, 5, fault, {"nonfinite_exchange_interval": 1})
     for r in res:
-        assert r["detections"] == [("nonfinite", 3, suspects)]
+        assert r["detections"] == [("nonfinite", 3, ())]
+        assert r["reported_at"] == [(4, "nonfinite", 3)]
         assert r["skipped"] == [3]
+    assert len({r["final"] for r in res}) == 1
+
+
+def test_a_non_finite_result_on_one_rank_only_is_withheld_there_and_reported_everywhere() -> None:
+    # Rank 1's copy of the reduced gradients is corrupt; the others' are right. Rank 1
+    # withholds its step at once; every rank reports the detection in step 4's report.
+    fault = {"site": "reduced_nan", "ranks": (1,), "step": 3}
+    cfg = {"weights_interval": 0, "nonfinite_exchange_interval": 1}
+    res = run_ranks(workers.guarded_run, 3, 6, fault, cfg)
+    for r in res:
+        assert r["detections"] == [("nonfinite", 3, (1,))]
+        assert r["reported_at"] == [(4, "nonfinite", 3)]
+        assert r["skipped"] == ([3] if r["rank"] == 1 else [])
+        assert r["flushed"] == []
+    # Rank 1 missed step 3's update; the others applied it. The weights check sees it.
+    assert res[0]["final"] == res[2]["final"] != res[1]["final"]
+    with_weights = run_ranks(workers.guarded_run, 3, 6, fault, {"nonfinite_exchange_interval": 1})
+    for r in with_weights:
+        assert r["detections"][:2] == [("weights", 3, (1,)), ("nonfinite", 3, (1,))]
+        assert r["reported_at"][:2] == [(3, "weights", 3), (4, "nonfinite", 3)]
+
+
+def test_ranks_that_stop_at_the_first_detection_stop_together() -> None:
+    fault = {"site": "reduced_nan", "ranks": (2,), "step": 2}
+    cfg = {"weights_interval": 0, "nonfinite_exchange_interval": 1}
+    res = run_ranks(workers.guarded_run, 3, 8, fault, cfg, "adamw", True)
+    for r in res:  # the worker meets every rank after its loop: one left alone would hang
+        assert r["steps_run"] == 4 and r["detections"] == [("nonfinite", 2, (2,))]
+
+
+def test_the_last_steps_word_is_collected_by_flush() -> None:
+    fault = {"site": "reduced_nan", "ranks": (1,), "step": 4}
+    res = run_ranks(workers.guarded_run, 3, 5, fault, {"weights_interval": 0,
+                                                       "nonfinite_exchange_interval": 1})
+    for r in res:
+        assert r["reported_at"] == []
+        assert r["flushed"] == [("nonfinite", 4, (1,))]
+        assert r["skipped"] == ([4] if r["rank"] == 1 else [])
+
+
+@pytest.mark.parametrize(("steps", "reported_at", "flushed"), [(9, [(6, "nonfinite", 4)], []),
+                                                                (5, [], [("nonfinite", 4, (2,))])])
+def test_flags_of_several_steps_travel_in_one_word(steps: int, reported_at: list[tuple[Any, ...]],
+                                                   flushed: list[tuple[Any, ...]]) -> None:
+    # Windows of 3 steps: [0, 1, 2] [3, 4, 5] [6, 7, 8]. Step 4's NaN is withheld at once on
+    # every rank; its word leaves at step 5 and arrives at step 6, or, when training stops
+    # at step 4, is sent and judged by flush() (a partial window).
+    fault = {"site": "grad_nan", "rank": 2, "step": 4}
+    cfg = {"weights_interval": 0, "nonfinite_exchange_interval": 3}
+    res = run_ranks(workers.guarded_run, 3, steps, fault, cfg)
+    for r in res:
+        assert r["skipped"] == [4]
+        assert r["reported_at"] == reported_at
+        assert r["flushed"] == flushed
     assert len({r["final"] for r in res}) == 1
 
 

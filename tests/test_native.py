@@ -295,7 +295,16 @@ def test_the_plain_build_scales_and_digests_the_same(tmp_path: Path, native: Non
                    check=True)
     x = torch.randn(2 * 70_001, generator=torch.Generator().manual_seed(2))
     x[5] = float("-inf")
-    _check_scale_digest(native_mod.NativeKernel(lib), x, 7)
+    plain = native_mod.NativeKernel(lib)
+    _check_scale_digest(plain, x, 7)
+    for bad in (None, 2 * 70_001 - 1):
+        y = torch.randn(2 * 70_001, generator=torch.Generator().manual_seed(3))
+        if bad is not None:
+            y[bad] = float("nan")
+        want = y.clone().mul_(1.0 / 3)
+        assert plain.nonfinite_at(y.data_ptr(), y.numel()) is (bad is not None)
+        assert plain.scale_check_at(y.data_ptr(), y.numel(), 1.0 / 3) is (bad is not None)
+        assert torch.equal(y.view(torch.int32), want.view(torch.int32))
 
 
 @pytest.mark.parametrize("count", [1, 3, 9, 40])  # few spans: a sum each; many: one cumsum
@@ -328,3 +337,23 @@ def test_host_spans_scale_digest_names_a_bad_span_and_refuses_other_dtypes(nativ
         fpmod.host_spans_scale_digest(buf, [(2, 9, 0)], 0.5)
     assert fpmod.host_spans_scale_digest(torch.zeros(8, dtype=torch.float16), [(0, 2, 0)],
                                          0.5) is None
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_scale_check_and_nonfinite_are_exact_on_every_thread(native: None, threads: int) -> None:
+    kernel = fpmod._native_kernel()
+    assert kernel is not None
+    n = 3 * (1 << 18) + 77  # enough elements for three threads, and a ragged tail
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for where in (None, 0, n // 3 + 5, n - 1):  # no bad value, or one in each thread's share
+            x = torch.randn(n, generator=torch.Generator().manual_seed(1))
+            if where is not None:
+                x[where] = float("-inf") if where % 2 else float("nan")
+            want = x.clone().mul_(1.0 / 7)
+            assert kernel.nonfinite_at(x.data_ptr(), n) is (where is not None)
+            assert kernel.scale_check_at(x.data_ptr(), n, 1.0 / 7) is (where is not None)
+            assert torch.equal(x.view(torch.int32), want.view(torch.int32))
+    finally:
+        torch.set_num_threads(old)

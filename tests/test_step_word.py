@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from sdc_guard.checks.replay import ReplayAudit
 from sdc_guard.fingerprints import to_signed64
-from sdc_guard.vote import pack_flags
+from sdc_guard.vote import flag_rows, flag_words, pack_flags
 
 words64 = st.integers(min_value=0, max_value=(1 << 64) - 1).map(to_signed64)
 
@@ -68,3 +68,19 @@ def test_packed_flags_sum_to_zero_only_when_no_rank_flags(flags: list[tuple[bool
 def test_the_host_term_equals_the_device_term(words: list[int]) -> None:
     row = torch.tensor(words, dtype=torch.int64)
     assert int(ReplayAudit._term_host(row)) == int(ReplayAudit._term_device(row))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 70).flatmap(lambda world: st.integers(1, 20).flatmap(
+    lambda k: st.lists(st.lists(st.booleans(), min_size=k, max_size=k),
+                       min_size=world, max_size=world))))
+def test_flag_words_summed_over_the_ranks_name_every_flag(flags: list[list[bool]]) -> None:
+    world, k = len(flags), len(flags[0])
+    per_rank = [flag_words(f, r, world) for r, f in enumerate(flags)]
+    assert len({len(w) for w in per_rank}) == 1
+    # The SUM all-reduce, in int64 as the collective does it: no word overflows.
+    total = [sum(col) for col in zip(*per_rank, strict=True)]
+    assert all(0 <= t < 2**63 for t in total)
+    assert flag_rows(total, k, world) == [[int(b) for b in f] for f in flags]
+    if k * world <= 63:
+        assert len(total) == 1  # one word: gloo's cheapest all-reduce

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -43,9 +44,18 @@ def _summary(reports: list[sdc_guard.StepReport]) -> list[tuple[str, int, tuple[
     return [(d.check, d.step, d.suspect_ranks) for r in reports for d in r.detections]
 
 
+def _flushed(found: list[sdc_guard.Detection]) -> list[tuple[str, int, tuple[int, ...]]]:
+    return [(d.check, d.step, d.suspect_ranks) for d in found]
+
+
 def guarded_run(rank: int, world: int, steps: int, fault: dict[str, Any] | None = None,
-                cfg: dict[str, Any] | None = None, opt: str = "adamw") -> dict[str, Any]:
-    """Train ``steps`` guarded steps; optionally corrupt something on one rank at one step."""
+                cfg: dict[str, Any] | None = None, opt: str = "adamw",
+                stop_on_detection: bool = False) -> dict[str, Any]:
+    """Train ``steps`` guarded steps; optionally corrupt something on one rank at one step.
+
+    ``stop_on_detection``: leave the loop at the first report with a detection, as a
+    user's loop would, then meet the other ranks (a rank that stopped alone would hang).
+    """
     model = DDP(make_mlp())
     optimizer = make_optimizer(model, opt)
     guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for,
@@ -68,9 +78,19 @@ def guarded_run(rank: int, world: int, steps: int, fault: dict[str, Any] | None 
             if guard.comm.step == fault["step"] and bucket.is_last():
                 out[0] = float("nan")
         guard.comm.after.append(corrupt)
-    reports = [guard.step(s) for s in range(steps)]
+    reports = []
+    for s in range(steps):
+        reports.append(guard.step(s))
+        if stop_on_detection and reports[-1].detections:
+            break
+    flushed = guard.flush()
+    dist.barrier()
     out = {
-        "detections": _summary(reports),
+        "detections": _summary(reports) + _flushed(flushed),
+        "reported_at": [(r.step, d.check, d.step) for r in reports for d in r.detections],
+        "flushed": _flushed(flushed),
+        "rank": rank,
+        "steps_run": len(reports),
         "skipped": [r.step for r in reports if r.skipped],
         "losses": [r.loss for r in reports],
         "final": sdc_guard.fingerprint(list(model.module.parameters())),
@@ -166,8 +186,9 @@ def replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
             continue
         current["step"] = s
         reports.append(guard.step(s))
+    flushed = guard.flush()
     out = {
-        "detections": _summary(reports),
+        "detections": _summary(reports) + _flushed(flushed),
         "skipped": [r.step for r in reports if r.skipped],
         "final": sdc_guard.fingerprint(list(model.module.parameters())),
     }
@@ -225,7 +246,8 @@ def replay_layout_run(rank: int, world: int, steps: int, *, width: int,
     guard.comm.local_observers.append(compare)
     guard.comm.before_last_allreduce.insert(0, total)
     reports = [guard.step(s) for s in range(steps)]
-    return {"detections": _summary(reports), "same": same, "summed": summed,
+    return {"detections": _summary(reports) + _flushed(guard.flush()), "same": same,
+            "summed": summed,
             "fused": guard.comm.fused_digests, "native": native_enabled(),
             "flat_buckets": [p is not None for p in replay._plans.values()]}
 
@@ -249,7 +271,7 @@ def hooks_run(rank: int, world: int, mode: str) -> dict[str, Any]:
                 bucket.buffer()[0] = float("inf") if mode == "scaler" else float("nan")
         guard.comm.before.append(poison)
     reports = [guard.step(s) for s in range(5)]
-    out: dict[str, Any] = {"detections": _summary(reports),
+    out: dict[str, Any] = {"detections": _summary(reports) + _flushed(guard.flush()),
                            "final": sdc_guard.fingerprint(list(model.module.parameters()))}
     if mode == "scaler":
         out["scale"] = float(kwargs["grad_scaler"].get_scale())
