@@ -7,8 +7,10 @@ Definitions (each trial gets exactly one outcome, checked in this order):
 ``crashed`` (from an exception)
     Some rank raised or died, and no check had fired before (the pool reports it).
 ``detected``
-    At least one check fired. ``detect_step`` is the first step with a detection;
-    ``check`` is the first check that fired there and ``checks`` all of them.
+    At least one check fired. ``detect_step`` is the first step with a detection (the
+    step it happened at: the non-finite check reports a few steps later);
+    ``check`` is the first check that fired there, in the order the checks run within
+    a step (nonfinite, replay, weights), and ``checks`` all of them.
     ``blame_correct``: the union of the suspect ranks of the detections at
     ``detect_step`` is exactly the set of ranks where an injection fired.
 ``crashed`` (non-finite)
@@ -56,6 +58,9 @@ from typing import Any
 from injectors.bits import dtype_from_name, value_of
 from scenarios.campaign import TrialSpec
 from scenarios.store import GoldenRun
+
+
+_CHECK_ORDER = {"nonfinite": 0, "replay": 1, "weights": 2}
 
 
 def _nonfinite_records(records: list[dict[str, Any]]) -> bool:
@@ -124,7 +129,9 @@ def classify(trial: TrialSpec, golden: GoldenRun, results: list[dict[str, Any]],
     })
     if dets:
         d = min(step for _, step, _ in dets)
-        at = [x for x in dets if x[1] == d]
+        # In the order the checks run within a step (the non-finite check reports its
+        # detections a few steps later, but they are of this step all the same).
+        at = sorted((x for x in dets if x[1] == d), key=lambda x: _CHECK_ORDER.get(x[0], 99))
         suspects = sorted({r for _, _, sus in at for r in sus})
         contained = d in skipped and (first_div is None or first_div > d)
         row.update({

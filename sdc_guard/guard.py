@@ -18,7 +18,6 @@ from sdc_guard.config import GuardConfig
 from sdc_guard.determinism import enable_determinism, rng_stream
 from sdc_guard.events import EventLog
 from sdc_guard.report import Detection, StepReport
-from sdc_guard.vote import all_gather_rows, pack_flags, sum_word
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +152,7 @@ class SDCGuard:
         self.comm.begin_step(step)
         losses: list[torch.Tensor] = []
         if self.replay is not None:  # on audit steps: the neighbour's replay, first
-            self.replay.begin(audit, step, losses, send_early=not cfg.nonfinite)
+            self.replay.begin(audit, step, losses)
         self.optimizer.zero_grad(set_to_none=True)
         for i, mb in enumerate(batches):
             last = i == len(batches) - 1
@@ -191,27 +190,19 @@ class SDCGuard:
     def _pre_step_verdict(self, step: int, audit: bool) -> list[Detection]:
         """The non-finite check and, on audit steps, the replay audit: before the optimizer step.
 
-        On other steps the non-finite check sends its word without waiting for it unless
-        this rank flagged something (``NonFiniteCheck.verdict``). The replay audit must
-        agree before the optimizer step: through one int64 word whose sum over the ranks
-        is 0 exactly when it is clean on every rank (one small all-reduce, the cheapest
-        collective), gathering its evidence only when the sum is not 0. On an audit step
-        with both on, the non-finite flags join that word: one synchronisation point.
+        The non-finite check needs no agreement to contain (``NonFiniteCheck.verdict``): it
+        returns the detections of its last word, and ``withheld_here``. The replay audit
+        must agree before the optimizer step: through one int64 word whose sum over the
+        ranks is 0 exactly when every ring edge matches, started in the comm hook just
+        before the last gradient all-reduce so that it travels in that all-reduce's
+        shadow (one small all-reduce, the cheapest collective), and its evidence is
+        gathered only when the sum is not 0.
         """
-        replay = self.replay if audit else None
-        if replay is None:
-            if self.config.nonfinite:
-                return self.nonfinite.verdict(step, self.device)
-            return self.nonfinite.collect()
-        found = self.nonfinite.collect()  # an earlier step's word, if still outstanding
-        if not self.config.nonfinite:
-            return found + replay.verdict(step)
-        flags, words = self.nonfinite.row(self.device), replay.row()
-        if sum_word(pack_flags(flags) + replay.term(words), self.group) == 0:
-            return found
-        rows = all_gather_rows(torch.cat([flags, words]), self.group).tolist()
-        return (found + self.nonfinite.judge(step, [r[:2] for r in rows])
-                + replay.judge(step, [r[2:] for r in rows]))
+        found = (self.nonfinite.verdict(step, self.device) if self.config.nonfinite
+                 else self.nonfinite.collect())
+        if audit and self.replay is not None:
+            found += self.replay.verdict(step)
+        return found
 
     def flush(self) -> list[Detection]:
         """Detections still due after the last ``step``. Collective: call once on every rank.

@@ -85,16 +85,6 @@ def gather_if_different(word: torch.Tensor, group: dist.ProcessGroup | None = No
     return [int(v) for v in all_gather_rows(w, group)[:, 0].tolist()]
 
 
-def pack_flags(flags: torch.Tensor) -> torch.Tensor:
-    """int32 ``[local, reduced]`` as one int64 word, the counts in its two halves.
-
-    Summed over ranks each half is at most the world size, so the halves never carry
-    into each other; the sum is 0 exactly when no rank flagged anything.
-    """
-    wide = flags.to(torch.int64)
-    return wide[0] + (wide[1] << 32)
-
-
 _BITS = 63
 """Flag bits per int64 word: the sign bit is left alone, so every total stays positive."""
 

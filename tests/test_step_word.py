@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from sdc_guard.checks.replay import ReplayAudit
 from sdc_guard.fingerprints import to_signed64
-from sdc_guard.vote import flag_rows, flag_words, pack_flags
+from sdc_guard.vote import flag_rows, flag_words
 
 words64 = st.integers(min_value=0, max_value=(1 << 64) - 1).map(to_signed64)
 
@@ -53,14 +53,6 @@ def test_a_rank_wrong_both_times_leaves_a_non_zero_sum() -> None:
     own[2] = (13, 103 ^ 4)        # rank 2's own gradients are wrong ...
     replayed[2] = (14, 104 ^ 8)   # ... and so is its replay of rank 3's batch
     assert _ring_sum(_rows(own, replayed)) != 0
-
-
-@given(st.lists(st.tuples(st.booleans(), st.booleans()), min_size=1, max_size=64))
-def test_packed_flags_sum_to_zero_only_when_no_rank_flags(flags: list[tuple[bool, bool]]) -> None:
-    total = sum(int(pack_flags(torch.tensor(f, dtype=torch.int32))) for f in flags)
-    assert (total == 0) == (not any(a or b for a, b in flags))
-    assert total & 0xFFFFFFFF == sum(a for a, _ in flags)  # the halves never carry
-    assert total >> 32 == sum(b for _, b in flags)
 
 
 @settings(max_examples=200, deadline=None)

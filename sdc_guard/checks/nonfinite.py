@@ -34,10 +34,6 @@ Suspects:
   the ranks that saw it (a single rank's bad result is its own; all ranks alike
   means the reduction itself, with no suspect).
 
-On a replay audit step the audit needs a meeting point before the optimizer step
-anyway: the check then joins the audit's word and reports in that very step
-(``SDCGuard._pre_step_verdict``).
-
 With a ``GradScaler`` (fp16 mixed precision) Inf gradients are expected: the
 scaler skips the step and lowers the scale (the check does not withhold it: the
 scaler must see the overflow). Local non-finite gradients are then not reported;
@@ -83,10 +79,6 @@ class NonFiniteCheck:
         self.withheld_here = False
         """Set by ``verdict``: this rank's reduced gradients of the step are non-finite, so
         it must not apply them (left False with a ``GradScaler``, which skips by itself)."""
-
-    def row(self, device: torch.device) -> torch.Tensor:
-        """This rank's int64 ``[local, reduced]`` flags, for a gather shared with other checks."""
-        return self.hook.flags(device).to(torch.int64)
 
     def verdict(self, step: int, device: torch.device) -> list[Detection]:
         """Flag ``step`` (see the module doc): returns the detections of the word that is due.

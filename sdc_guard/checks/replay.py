@@ -231,7 +231,6 @@ class ReplayAudit:
         self._replayed: tuple[torch.Tensor, torch.Tensor] | None = None
         self._row_cache: torch.Tensor | None = None
         self._pending: PendingSum | None = None
-        self._send_early = True
         comm.local_observers.append(self._observe)
         comm.before_last_allreduce.append(self._send_words)
 
@@ -276,19 +275,15 @@ class ReplayAudit:
         """Gradient word of separate gradients (of the parameters at ``indices``)."""
         return grads_digest(grads, [self.offsets[i] for i in indices], self.device)
 
-    def begin(self, audit: bool, step: int, own_losses: list[torch.Tensor], *,
-              send_early: bool = True) -> None:
+    def begin(self, audit: bool, step: int, own_losses: list[torch.Tensor]) -> None:
         """Call before the own forward pass of ``step``; ``audit`` says whether it is audited.
 
         On an audit step the neighbour's micro-batches are replayed here, first, from
         the same pre-step weights. ``own_losses`` is the list the guard appends the
-        step's own (detached) losses to, before each backward pass. ``send_early``:
-        gather the words in the comm hook, before the last gradient all-reduce (for
-        ``verdict``); ``False`` when the caller gathers ``row()`` with other checks'
-        words after the backward pass and calls ``judge``.
+        step's own (detached) losses to, before each backward pass. The words are sent
+        from the comm hook, just before the last gradient all-reduce (``verdict``).
         """
         self._observing = audit
-        self._send_early = send_early
         self._own_grad = None
         self._own_losses = own_losses
         self._replayed = None
@@ -304,8 +299,7 @@ class ReplayAudit:
         Runs in the comm hook just before the step's last gradient all-reduce, when the
         own gradients have all been digested: the ranks meet there anyway.
         """
-        if (not self._send_early or not self._observing or self._replayed is None
-                or self._pending is not None):
+        if not self._observing or self._replayed is None or self._pending is not None:
             return
         self._pending = PendingSum(self.term(self.row()), self.group)
 
@@ -386,7 +380,6 @@ class ReplayAudit:
         if self._replayed is None:
             raise RuntimeError("ReplayAudit.verdict: begin(audit=True, ...) did not run this step")
         if self._pending is None:  # the hook never saw a last bucket (the same on every rank)
-            self._send_early = True
             self._send_words()
         assert self._pending is not None
         total, self._pending = self._pending.wait(), None
