@@ -310,6 +310,77 @@ def _overhead_rank(rank: int, world: int, rounds: int, block: int, batch: int) -
     return result
 
 
+BLOCK_CONFIGS = ("plain DDP", GUARD_OFF, "nonfinite", NF_EVERY)
+
+
+def _blocks_rank(rank: int, world: int, rounds: int, block: int, batch: int) -> dict[str, Any]:
+    """Step time as a training loop sees it: blocks of ``block`` steps timed as a whole,
+    with no barrier between the steps (a barrier per step adds two meeting points of its
+    own, and lines the ranks' phases up); the configurations rotate round by round."""
+    batch_for = functools.partial(classification_batch, batch=batch, d_in=512, n_out=10)
+    plains: list[Callable[[int], None]] = []
+    guards: list[SDCGuard] = []
+    for _ in range(INSTANCES):
+        model = DDP(reference_mlp())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def plain(step: int, model: DDP = model, opt: torch.optim.Optimizer = opt) -> None:
+            opt.zero_grad(set_to_none=True)
+            cross_entropy_loss(model, batch_for(rank, step)).backward()
+            opt.step()
+
+        plains.append(plain)
+        gmodel = DDP(reference_mlp())
+        gopt = torch.optim.AdamW(gmodel.parameters(), lr=1e-3)
+        guards.append(SDCGuard(gmodel, gopt, loss_fn=cross_entropy_loss, batch_for=batch_for))
+
+    def runner(name: str, i: int) -> Callable[[int], object]:
+        cfg = CONFIGS[name]
+        if cfg is None:
+            return plains[i]
+        _set_checks(guards[i], **cfg)
+        return guards[i].step
+
+    names = list(BLOCK_CONFIGS)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    cpu: dict[str, list[float]] = {k: [] for k in names}
+    step = 0
+    for r in range(rounds + 1):  # round 0 warms up
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            run = runner(name, r % INSTANCES)
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(block):
+                run(step)
+                step += 1
+            c1 = time.process_time()
+            dist.barrier()
+            if r:
+                times[name].append((time.perf_counter() - t0) / block)
+                cpu[name].append((c1 - c0) / block)
+    for g in guards:
+        g.flush()
+    per_round = {k: [[v] for v in vs] for k, vs in times.items()}
+
+    def ratio(m: dict[str, list[float]], k: str) -> float:
+        return statistics.median(a / b for a, b in zip(m[k], m[GUARD_OFF], strict=True)) - 1.0
+
+    return {
+        "step_s": {k: statistics.median(v) for k, v in times.items()},
+        "step_cpu_s": {k: statistics.median(v) for k, v in cpu.items()},
+        "vs_guard_off": {k: ratio(times, k) for k in names if k != GUARD_OFF},
+        "vs_guard_off_interval_90": {k: _interval(per_round, lambda m, k=k: ratio(m, k))
+                                     for k in names if k != GUARD_OFF},
+        "cpu_vs_guard_off": {k: ratio(cpu, k) for k in names if k != GUARD_OFF},
+    }
+
+
+def check_overhead_blocks(world: int, rounds: int, block: int, batch: int) -> dict[str, Any]:
+    res = run_ranks(_blocks_rank, world, rounds, block, batch, timeout=1800)[0]
+    res.update({"world": world, "batch": batch, "rounds": rounds, "block": block})
+    return res
+
+
 REPLAY_INTERVALS = (1, 2, 5, 10, 50)
 
 
@@ -587,6 +658,24 @@ def _overhead_md(ov: dict[str, Any], *, reference: bool) -> list[str]:
                   f"**{ov['overhead_vs_guard_off'][NF_EVERY]*100:+.1f}%** vs the guard with its "
                   "checks off."]
     lines.append("")
+    bl = ov.get("blocks")
+    if bl:
+        lines += [f"Timed as a training loop runs: blocks of {bl['block']} steps with no barrier "
+                  f"between the steps, {bl['rounds']} rounds, the order rotating; the median over "
+                  "rounds of each round's ratio to the guard with its checks off (a barrier per "
+                  "step, as in the table above, adds two meeting points per step and lines the "
+                  "ranks' phases up, which on 3 ranks sharing 2 cores magnifies any extra work):",
+                  "", "| configuration | median step (ms) | vs guard, checks off | 90% interval "
+                  "(bootstrap over rounds) | CPU vs guard, checks off |", "|---|---|---|---|---|"]
+        for name, sec in bl["step_s"].items():
+            if name == GUARD_OFF:
+                lines.append(f"| {name} | {sec*1e3:.2f} | | | |")
+                continue
+            lo, hi = bl["vs_guard_off_interval_90"][name]
+            lines.append(f"| {name} | {sec*1e3:.2f} | **{bl['vs_guard_off'][name]*100:+.1f}%** | "
+                         f"{lo*100:+.1f}% .. {hi*100:+.1f}% | "
+                         f"{bl['cpu_vs_guard_off'][name]*100:+.1f}% |")
+        lines.append("")
     target = " (target <= 1.5x)" if reference else ""
     lines += ["weights verdict / (fingerprint then all_gather, timed as one) = "
               f"**{ov['weights_cost_ratio_to_timed_ideal']:.2f}x**{target}; / (sum of the two "
@@ -680,7 +769,8 @@ def _markdown(results: dict[str, Any]) -> str:
                   "AdamW moments and step counters), 1 list, microseconds per tensor:", "",
                   "| method | us per tensor |", "|---|---|"]
         lines += [f"| {k} | {v:.2f} |" for k, v in small["us_per_tensor"].items()]
-    lines += _overhead_md(results["overhead"], reference=True)
+    lines += _overhead_md({**results["overhead"], "blocks": results.get("overhead_blocks")},
+                          reference=True)
     if results.get("replay"):
         lines += _replay_md(results["replay"])
     if results.get("replay_alone"):
@@ -733,6 +823,8 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("overhead", lambda: check_overhead(3, rounds=3 if q else 24, block=3 if q else 8,
                                             batch=128)),
+        ("overhead_blocks", lambda: check_overhead_blocks(3, rounds=4 if q else 48,
+                                                          block=8 if q else 24, batch=128)),
         ("replay", lambda: replay_overhead(3, rounds=3 if q else 12, batch=128)),
         ("replay_alone", lambda: replay_overhead(3, rounds=3 if q else 12, batch=128,
                                                  nonfinite=False)),

@@ -59,7 +59,6 @@ from injectors.bits import dtype_from_name, value_of
 from scenarios.campaign import TrialSpec
 from scenarios.store import GoldenRun
 
-
 _CHECK_ORDER = {"nonfinite": 0, "replay": 1, "weights": 2}
 
 

@@ -196,6 +196,7 @@ class GuardSpec:
     scenario). In a campaign, ``replay_interval`` is set per trial from the matrix."""
 
     nonfinite: bool = True
+    nonfinite_exchange_interval: int = GuardConfig().nonfinite_exchange_interval
     weights_interval: int = 1
     replay_interval: int = 0
     include_optimizer_state: bool = True
@@ -209,6 +210,7 @@ class GuardSpec:
         for name in ("nonfinite", "include_optimizer_state", "skip_step_on_detection",
                      "deterministic"):
             _bool(f"guard.{name}", getattr(self, name))
+        _int("guard.nonfinite_exchange_interval", self.nonfinite_exchange_interval, 1)
         _int("guard.weights_interval", self.weights_interval, 0)
         _int("guard.replay_interval", self.replay_interval, 0)
 
@@ -218,6 +220,7 @@ class GuardSpec:
         k = self.replay_interval if replay_interval is None else replay_interval
         return GuardConfig(
             nonfinite=self.nonfinite, weights_interval=self.weights_interval, replay_interval=k,
+            nonfinite_exchange_interval=self.nonfinite_exchange_interval,
             include_optimizer_state=self.include_optimizer_state,
             skip_step_on_detection=self.skip_step_on_detection,
             deterministic=self.deterministic or k > 0, seed=seed, micro_batches=micro_batches,

@@ -10,6 +10,11 @@ only, which any compiler vectorises at plain ``-O3``), from which ``sum v`` and
 path, bit for bit (``tests/test_native.py``), so a fingerprint never depends on
 which path ran.
 
+Two more entry points serve the non-finite check on float32 CPU buffers:
+``sdc_scale_check`` (DDP's 1/world scaling, the bits of ``mul_``, with a NaN/Inf
+flag, in one pass) and ``sdc_nonfinite`` (the flag alone, read only). Their
+flags come back as Python bools: no tensor op, no host sync.
+
 It is plain C with no dependency (not even torch's headers): the system C
 compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) builds it in well under a
 second, once per machine and source version, into a per-user cache

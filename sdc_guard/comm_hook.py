@@ -4,18 +4,20 @@ Per bucket, in this order::
 
     before-callbacks (fault injectors: site "gradient_before_allreduce")
     -> local gradient observers (the replay audit's gradient digest; they only read)
-    -> the 1/world scaling pass, with the local non-finite flag fused in (on
-       device, no host sync) where torch allows; on the CPU it also computes a
-       digest an observer asked for (``request_digest``), in the same pass
+    -> the 1/world scaling pass, with the local non-finite flag fused in: on the
+       CPU the C kernel scales, flags (a Python bool, no tensor op) and computes a
+       digest an observer asked for (``request_digest``), in one pass; on a device
+       torch's fused AMP unscale kernel (a device flag, no host sync)
     -> on the step's last bucket: before-last-all-reduce callbacks (the replay
-       audit, alone, starts its small all-reduce here)
+       audit starts its small all-reduce here)
     -> the all-reduce (ours, or the user's own comm hook)
     -> after-callbacks (fault injectors: site "gradient_after_allreduce")
 
 and, after the backward pass, on the caller's thread (no Python callback per
 bucket on the communication thread unless an after-callback or a user hook
-needs one): the reduced non-finite flag over every bucket's result. Whatever an
-injector writes is exactly what the checks see.
+needs one): the reduced non-finite flag over every bucket's result (``host_flags``:
+one read pass, by the C kernel on the CPU). Whatever an injector writes is exactly
+what the checks see.
 
 Our default all-reduce reproduces DDP's built-in reducer bit for bit: the
 built-in path multiplies each gradient by ``1/world`` (``mul``, not ``div``)

@@ -32,9 +32,12 @@ class SDCGuard:
     ``guard.step(step)`` does, in order: the ``before_step`` hooks; on audit steps
     the replay of the ring neighbour's batch; zero the gradients;
     ``loss_fn(model, batch_for(rank, step))``; backward (the comm hook flags
-    non-finite gradients per bucket); the pre-step verdicts (non-finite, replay);
-    the optimizer step, unless a detection withholds it on every rank; the
-    post-step weight check; the event log and ``on_detection`` callback.
+    non-finite gradients per bucket); the pre-step verdicts (the non-finite flags,
+    and the replay audit's agreement on audit steps); the optimizer step, unless
+    this step's gradients are withheld (non-finite here, or a replay detection on
+    every rank); the post-step weight check; the event log and ``on_detection``
+    callback. Non-finite detections arrive a few steps after their step (see
+    ``sdc_guard.checks.nonfinite``); call ``flush()`` after the last step.
     """
 
     def __init__(

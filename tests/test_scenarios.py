@@ -117,6 +117,11 @@ def test_guard_section_maps_to_guard_config() -> None:
     assert (cfg.weights_interval, cfg.replay_interval, cfg.deterministic, cfg.seed,
             cfg.micro_batches, cfg.include_optimizer_state) == (2, 4, True, 5, 2, False)
     assert sc.guard_config(0).deterministic is False
+    assert cfg.nonfinite_exchange_interval == 8  # GuardConfig's default
+    one = scenario_from_dict({"guard": {"nonfinite_exchange_interval": 1}}, name="g1")
+    assert one.guard_config(0).nonfinite_exchange_interval == 1
+    with pytest.raises(ScenarioError, match=r"guard\.nonfinite_exchange_interval"):
+        scenario_from_dict({"guard": {"nonfinite_exchange_interval": 0}}, name="g0")
 
 
 # -- campaign plans ---------------------------------------------------------------------------
