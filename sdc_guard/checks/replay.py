@@ -17,11 +17,11 @@ no more often than DDP does.
 Each rank has four 64-bit words: its own loss and gradient words and those of
 its replay. Edge r -> n is *bad* when r's replay of n's batch disagrees with
 what n reported for itself. A one-word all-reduce settles the common case: its
-sum is 0 exactly when every edge agrees (``ReplayAudit.term``). With the
-non-finite check on, that word is shared with the check's flags after the
-backward pass (one collective for both, the same one the non-finite check
-needs anyway); without it the all-reduce starts in the comm hook just before
-the step's last gradient all-reduce, where the ranks meet anyway. Only when the
+sum is 0 exactly when every edge agrees (``ReplayAudit.term``). The all-reduce
+starts in the comm hook just before the step's last gradient all-reduce, where
+the ranks meet anyway, and is waited for before the optimizer step: the only
+agreement the guard's default checks need before it (the non-finite check
+contains without one). Only when the
 sum is not 0 does an all_gather of every rank's four words follow, and every
 rank compares each edge bit for bit.
 
