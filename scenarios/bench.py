@@ -197,9 +197,14 @@ def _set_checks(guard: SDCGuard, *, nonfinite: bool, weights_interval: int,
     guard.config.replay_interval = replay_interval
 
 
-def _overhead_rank(rank: int, world: int, rounds: int, block: int, batch: int) -> dict[str, Any]:
-    d_in, n_out = 512, 10
-    batch_for = functools.partial(classification_batch, batch=batch, d_in=d_in, n_out=n_out)
+Runner = Callable[[str, int], Callable[[int], object]]
+
+
+def _reference_runs(rank: int, batch: int) -> tuple[list[SDCGuard], Runner]:
+    """``INSTANCES`` plain DDP loops and guarded models of the reference scenario: the
+    guards, and ``runner(config name, instance)``, the step function with that ``CONFIGS``
+    entry set (a plain loop for "plain DDP")."""
+    batch_for = functools.partial(classification_batch, batch=batch, d_in=512, n_out=10)
     plains: list[Callable[[int], None]] = []
     guards: list[SDCGuard] = []
     for _ in range(INSTANCES):
@@ -216,12 +221,18 @@ def _overhead_rank(rank: int, world: int, rounds: int, block: int, batch: int) -
         gopt = torch.optim.AdamW(gmodel.parameters(), lr=1e-3)
         guards.append(SDCGuard(gmodel, gopt, loss_fn=cross_entropy_loss, batch_for=batch_for))
 
-    def runner(name: str, i: int) -> Callable[[int], None]:
+    def runner(name: str, i: int) -> Callable[[int], object]:
         cfg = CONFIGS[name]
         if cfg is None:
             return plains[i]
         _set_checks(guards[i], **cfg)
         return guards[i].step
+
+    return guards, runner
+
+
+def _overhead_rank(rank: int, world: int, rounds: int, block: int, batch: int) -> dict[str, Any]:
+    guards, runner = _reference_runs(rank, batch)
 
     params = sum(p.numel() for p in reference_mlp().parameters())
     times: dict[str, list[float]] = {k: [] for k in CONFIGS}
@@ -317,29 +328,7 @@ def _blocks_rank(rank: int, world: int, rounds: int, block: int, batch: int) -> 
     """Step time as a training loop sees it: blocks of ``block`` steps timed as a whole,
     with no barrier between the steps (a barrier per step adds two meeting points of its
     own, and lines the ranks' phases up); the configurations rotate round by round."""
-    batch_for = functools.partial(classification_batch, batch=batch, d_in=512, n_out=10)
-    plains: list[Callable[[int], None]] = []
-    guards: list[SDCGuard] = []
-    for _ in range(INSTANCES):
-        model = DDP(reference_mlp())
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-        def plain(step: int, model: DDP = model, opt: torch.optim.Optimizer = opt) -> None:
-            opt.zero_grad(set_to_none=True)
-            cross_entropy_loss(model, batch_for(rank, step)).backward()
-            opt.step()
-
-        plains.append(plain)
-        gmodel = DDP(reference_mlp())
-        gopt = torch.optim.AdamW(gmodel.parameters(), lr=1e-3)
-        guards.append(SDCGuard(gmodel, gopt, loss_fn=cross_entropy_loss, batch_for=batch_for))
-
-    def runner(name: str, i: int) -> Callable[[int], object]:
-        cfg = CONFIGS[name]
-        if cfg is None:
-            return plains[i]
-        _set_checks(guards[i], **cfg)
-        return guards[i].step
+    guards, runner = _reference_runs(rank, batch)
 
     names = list(BLOCK_CONFIGS)
     times: dict[str, list[float]] = {k: [] for k in names}
