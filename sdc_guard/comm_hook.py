@@ -186,10 +186,6 @@ class GuardCommHook:
             return bool(both[0]), bool(both[1])
         return bool(local), bool(reduced)  # a tensor here: one .item(), one host sync
 
-    def flags(self, device: torch.device) -> torch.Tensor:
-        """int32 ``[local_bad, reduced_bad]`` for this step, on ``device`` (``host_flags``)."""
-        return torch.tensor(self.host_flags(), dtype=torch.int32, device=device)
-
     def _or_local(self, flag: Flag) -> None:
         if self.local_bad is None:
             self.local_bad = flag
