@@ -12,12 +12,14 @@ Per bucket, in this order::
        audit starts its small all-reduce here)
     -> the all-reduce (ours, or the user's own comm hook)
     -> after-callbacks (fault injectors: site "gradient_after_allreduce")
+    -> the reduced non-finite flag of the bucket's result (``reduced_result``)
 
-and, after the backward pass, on the caller's thread (no Python callback per
-bucket on the communication thread unless an after-callback or a user hook
-needs one): the reduced non-finite flag over every bucket's result (``host_flags``:
-one read pass, by the C kernel on the CPU). Whatever an injector writes is exactly
-what the checks see.
+The reduced result is read in the all-reduce future's callback (the Python callback
+DDP needs from a Python comm hook anyway), on the communication thread, as soon as
+the all-reduce completes: on the CPU the C kernel reads the buffer while it is still
+in cache from the reduction and gives a Python bool; a device buffer's flag is left
+to ``host_flags``, on the caller's thread (no device kernels on that thread).
+Whatever an injector writes is exactly what the checks see.
 
 Our default all-reduce reproduces DDP's built-in reducer bit for bit: the
 built-in path multiplies each gradient by ``1/world`` (``mul``, not ``div``)
@@ -157,24 +159,39 @@ class GuardCommHook:
         """How many observer digests the scaling pass has computed (``request_digest``)."""
         self.step = -1
         self.local_bad: Flag | None = None
+        self._reduced_host: list[bool] = []
+        """Host flags of this step's reduced buckets, appended by the future callbacks (a
+        list: ``append`` is atomic, and two buckets' callbacks may run on two threads)."""
         self._results: list[torch.Tensor] = []
+        """Reduced buckets whose flag ``host_flags`` computes (not host float32 words)."""
 
     def begin_step(self, step: int) -> None:
         """Reset the per-step flags; call before the backward pass of ``step``."""
         self.step = step
         self.local_bad = None
+        self._reduced_host = []
         self._results = []
+
+    def reduced_result(self, out: torch.Tensor) -> None:
+        """Flag a bucket's reduced result: the C kernel reads host float32 words here, on
+        the calling thread (the all-reduce's callback, while they are in cache); other
+        buffers are flagged by ``host_flags``."""
+        kernel = _native_kernel() if _host_words(out) else None
+        if kernel is not None:
+            self._reduced_host.append(kernel.nonfinite_at(out.data_ptr(), out.numel()))
+        else:
+            self._results.append(out)
 
     def host_flags(self) -> tuple[bool, bool]:
         """``(local_bad, reduced_bad)`` for this step, as Python bools.
 
-        Call after the backward pass: the reduced results are checked here, on the
-        caller's thread, rather than in a callback per bucket. On the CPU (with the C
-        kernel) every flag is already a host value; flags that live on a device cost
-        one host sync, for all of them together.
+        Call after the backward pass (DDP waits for every bucket's future, so every
+        ``reduced_result`` has run). On the CPU (with the C kernel) every flag is already
+        a host value; flags that live on a device cost one host sync, for all of them
+        together.
         """
         local: Flag = False if self.local_bad is None else self.local_bad
-        reduced: Flag = False
+        reduced: Flag = any(self._reduced_host)
         for t in self._results:
             bad = _check(t)
             if isinstance(bad, bool) and isinstance(reduced, bool):
@@ -238,15 +255,12 @@ class GuardCommHook:
         else:
             buf.mul_(scale)
 
-    def _allreduce(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-        buf = bucket.buffer()
-        work = dist.all_reduce(buf, group=self.process_group, async_op=True)
+    def _allreduce(self, bucket: GradBucket) -> torch.futures.Future[Any]:
+        """The in-place SUM all-reduce of the bucket; its future's value is ``[buffer]``."""
+        work = dist.all_reduce(bucket.buffer(), group=self.process_group, async_op=True)
         if work is None:  # pragma: no cover - async_op=True always returns a Work handle
             raise RuntimeError("torch.distributed.all_reduce(async_op=True) returned no Work")
-        fut: torch.futures.Future[torch.Tensor] = work.get_future().then(
-            lambda f: f.value()[0]
-        )
-        return fut
+        return work.get_future()
 
     @staticmethod
     def hook(state: "GuardCommHook", bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -264,22 +278,18 @@ class GuardCommHook:
                 last()
         if state.inner_hook is None:
             fut = state._allreduce(bucket)
-            if not state.after:
-                # The all-reduce is in place: the bucket buffer holds the result, and
-                # still does after the backward pass, when ``flags`` checks it.
-                if state.check_nonfinite:
-                    state._results.append(bucket.buffer())
-                return fut
         else:
             fut = state.inner_hook(state.inner_state, bucket)
 
+        # DDP needs a Python callback on a Python hook's future anyway (its value must be
+        # a Python object); the reduced check rides it, on the communication thread.
         def _after(f: torch.futures.Future[Any]) -> torch.Tensor:
             value = f.value()
             out: torch.Tensor = value[0] if isinstance(value, list) else value
             for cb in state.after:
                 cb(bucket, out)
             if state.check_nonfinite:
-                state._results.append(out)
+                state.reduced_result(out)
             return out
 
         return fut.then(_after)

@@ -126,5 +126,5 @@ def test_host_flags_say_which_side_was_non_finite(one_rank: None, native: bool,
             reduced = torch.ones(999 - i)
             if reduced_nan and i == 1:
                 reduced[-1] = float("inf")
-            hook._results.append(reduced)
+            hook.reduced_result(reduced)
         assert hook.host_flags() == (local_nan, reduced_nan)
