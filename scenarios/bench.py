@@ -160,7 +160,8 @@ def _rounds(samples: list[Any], rounds: int) -> list[list[Any]]:
 # -- per-check overhead ---------------------------------------------------------------------
 NF_SCALE = "nonfinite: DDP's 1/world scaling pass alone (paid anyway)"
 NF_FUSED = "nonfinite: the same pass with the local check fused in"
-NF_RED = "nonfinite: reduced-result check (one read pass)"
+NF_RED = ("nonfinite: reduced-result check (one read pass), right after the all-reduce, "
+          "where the guard runs it")
 NF_WORD = "nonfinite: flags word sent, the previous step's collected"
 GUARD_OFF = "guard, all checks off"
 NF_EVERY = "nonfinite, flags sent every step (exchange interval 1)"
@@ -255,6 +256,7 @@ def _overhead_rank(rank: int, world: int, rounds: int, block: int, batch: int) -
     flat = torch.cat([t.reshape(-1).float() for t in state_tensors(wg.model, wg.optimizer)])
     word = torch.zeros(1, dtype=torch.int64)
     grads = torch.cat([p.detach().reshape(-1) for p in wg.model.parameters()])
+    reduced = torch.zeros_like(grads)  # all-reduced again and again: zeros stay finite
     sent: list[PendingSum] = []
 
     def send_and_collect() -> None:  # what NonFiniteCheck.verdict does on a clean step
@@ -299,7 +301,8 @@ def _overhead_rank(rank: int, world: int, rounds: int, block: int, batch: int) -
             dist.barrier()
             direct[NF_FUSED].append(_time(lambda: bool(_scale_and_check(grads, -1.0))))
             dist.barrier()
-            direct[NF_RED].append(_time(lambda: bool(_check(grads))))
+            dist.all_reduce(reduced)  # the guard reads the result in the all-reduce's callback
+            direct[NF_RED].append(_time(lambda: bool(_check(reduced))))
             dist.barrier()
             direct[NF_WORD].append(_time(send_and_collect))
     per_round = {k: _rounds(v, rounds) for k, v in times.items()}
