@@ -260,7 +260,8 @@ class GuardCommHook:
         work = dist.all_reduce(bucket.buffer(), group=self.process_group, async_op=True)
         if work is None:  # pragma: no cover - async_op=True always returns a Work handle
             raise RuntimeError("torch.distributed.all_reduce(async_op=True) returned no Work")
-        return work.get_future()
+        fut: torch.futures.Future[Any] = work.get_future()
+        return fut
 
     @staticmethod
     def hook(state: "GuardCommHook", bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
