@@ -16,8 +16,10 @@ Per bucket, in this order::
 
 The reduced result is read in the all-reduce future's callback (the Python callback
 DDP needs from a Python comm hook anyway), on the communication thread, as soon as
-the all-reduce completes: on the CPU the C kernel reads the buffer while it is still
-in cache from the reduction and gives a Python bool; a device buffer's flag is left
+the all-reduce completes, while the main thread computes the rest of the backward
+pass or waits for it: on the CPU the C kernel reads the buffer and gives a Python
+bool (measured: as long a read as after the backward pass, but a smaller increase
+in step time, ``bench/RESULTS.md``); a device buffer's flag is left
 to ``host_flags``, on the caller's thread (no device kernels on that thread).
 Whatever an injector writes is exactly what the checks see.
 
@@ -174,8 +176,8 @@ class GuardCommHook:
 
     def reduced_result(self, out: torch.Tensor) -> None:
         """Flag a bucket's reduced result: the C kernel reads host float32 words here, on
-        the calling thread (the all-reduce's callback, while they are in cache); other
-        buffers are flagged by ``host_flags``."""
+        the calling thread (the all-reduce's callback); other buffers are flagged by
+        ``host_flags``."""
         kernel = _native_kernel() if _host_words(out) else None
         if kernel is not None:
             self._reduced_host.append(kernel.nonfinite_at(out.data_ptr(), out.numel()))

@@ -1,9 +1,10 @@
 """Check "nonfinite": NaN/Inf in the gradients, before and after the all-reduce.
 
 The comm hook flags, per step, whether any bucket was non-finite before the
-all-reduce (the local gradients) and after it (the reduced result); both flags
-are host values by the end of the backward pass (the C kernel computes them in
-the scaling pass and in one read of the result).
+all-reduce (the local gradients) and after it (the reduced result); on the CPU
+both flags are host values by the end of the backward pass (the C kernel
+computes them in the scaling pass, and in one read of each bucket's result in
+the all-reduce's callback, on the communication thread).
 
 **Containment needs no communication.** The reduced result is the same on every
 rank (each element's sum is computed once by the all-reduce and copied to every
