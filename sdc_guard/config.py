@@ -20,7 +20,7 @@ class GuardConfig:
     its own step at once when its reduced gradients are non-finite. The detection, with
     its own step and suspects, is reported when the word arrives: 1 to N steps later.
     1 = a word every step. Each word is a collective, and on an oversubscribed CPU host
-    even one that nobody waits for costs about 3% of a step (``bench/RESULTS.md``)."""
+    even one that nobody waits for costs 1-3% of a step (``bench/RESULTS.md``)."""
 
     weights_interval: int = 1
     """Compare fingerprints of the updated weights across ranks every N steps (0 = off)."""

@@ -233,7 +233,7 @@ def replay_layout_run(rank: int, world: int, steps: int, *, width: int,
         idx = [replay.index[id(p)] for p in bucket.parameters()]
         per_gradient = int(replay._digest(bucket.gradients(), idx))
         step_words.append(per_gradient)
-        plan = replay._plan(bucket)
+        plan = replay._plan(bucket, idx)
         if plan is not None:  # the buffer's own path (host or tensor)
             same.append(int(plan.digest(bucket.buffer())) == per_gradient)
 

@@ -239,9 +239,9 @@ class ReplayAudit:
         if not self._observing:
             return
         buf = bucket.buffer()
-        plan = self._plan(bucket)
+        idx = [self.index.get(id(p), -1) for p in bucket.parameters()]
+        plan = self._plan(bucket, idx)
         if plan is None:
-            idx = [self.index.get(id(p), -1) for p in bucket.parameters()]
             kept = [(i, g) for i, g in zip(idx, bucket.gradients(), strict=True) if i >= 0]
             self._add_own(self._digest([g for _, g in kept], [i for i, _ in kept]))
         elif not self.comm.request_digest(buf, plan.moved, self._add_own_host):
@@ -254,7 +254,7 @@ class ReplayAudit:
     def _add_own_host(self, part: int) -> None:
         self._add_own(torch.tensor(to_signed64(part), dtype=torch.int64))
 
-    def _plan(self, bucket: GradBucket) -> _BucketPlan | None:
+    def _plan(self, bucket: GradBucket, idx: list[int]) -> _BucketPlan | None:
         """Where the bucket's gradients lie in its flat buffer (cached), or None.
 
         With a plan the bucket's share of the gradient word comes from the buffer
@@ -263,7 +263,6 @@ class ReplayAudit:
         is the same.
         """
         buf = bucket.buffer()
-        idx = [self.index.get(id(p), -1) for p in bucket.parameters()]
         key = (bucket.index(), buf.data_ptr(), buf.numel(), *idx)
         if key not in self._plans:
             if len(self._plans) > 64:
