@@ -127,6 +127,10 @@ def test_guard_composes_with_a_user_comm_hook() -> None:
     res = run_ranks(workers.hooks_run, 3, "user_hook")
     for r in res:
         assert r["detections"] == [("nonfinite", 2, (1,))]
+        # Contained: the user hook's reduced result was checked, so every rank withheld
+        # step 2 and the NaN never reached the weights.
+        assert r["skipped"] == [2]
+        assert r["finite"]
     assert len({r["final"] for r in res}) == 1
 
 

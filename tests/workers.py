@@ -272,7 +272,10 @@ def hooks_run(rank: int, world: int, mode: str) -> dict[str, Any]:
         guard.comm.before.append(poison)
     reports = [guard.step(s) for s in range(5)]
     out: dict[str, Any] = {"detections": _summary(reports) + _flushed(guard.flush()),
-                           "final": sdc_guard.fingerprint(list(model.module.parameters()))}
+                           "final": sdc_guard.fingerprint(list(model.module.parameters())),
+                           "skipped": [r.step for r in reports if r.skipped],
+                           "finite": all(bool(torch.isfinite(p).all())
+                                         for p in model.module.parameters())}
     if mode == "scaler":
         out["scale"] = float(kwargs["grad_scaler"].get_scale())
     return out
