@@ -116,7 +116,7 @@ def resolve_target(fault: Fault, ctx: InjectionContext) -> Any:
         if ctx.comm is None:
             raise FaultError(
                 "site", f"{fault.site!r} injects through sdc_guard's comm hook: arm under an "
-                "SDCGuard, or register GuardCommHook(check_nonfinite=False) on the DDP model "
+                "SDCGuard, or register GuardCommHook() on the DDP model "
                 "and pass it as InjectionContext.plain(..., comm=hook)."
             )
         if not param.requires_grad:

@@ -16,7 +16,7 @@ callbacks go (the step hooks). Two constructors cover the two ways to train:
   at the start of each step, before the forward; the gradient sites need a
   ``sdc_guard.comm_hook.GuardCommHook`` registered on the DDP model::
 
-      comm = GuardCommHook(check_nonfinite=False)
+      comm = GuardCommHook()
       ddp.register_comm_hook(comm, GuardCommHook.hook)
       ctx = InjectionContext.plain(ddp, optimizer=opt, comm=comm, events=records)
 """

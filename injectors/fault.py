@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Final
 
 from injectors.bits import FIELDS, dtype_from_name, layout_of
-from sdc_guard.fingerprints import mix64_int
+from sdc_guard.determinism import derive_seed
 
 __all__ = [
     "KINDS", "MODELS", "PARAMETER_SITES", "PHASES", "SITES", "Fault", "FaultError", "seeded_rng",
@@ -67,7 +67,6 @@ PHASES: Final = ("train", "replay", "arbitrate", "any")
 step, the guard's replay of a neighbour's batch, its arbitration replay, or any of them."""
 KINDS: Final = ("bitflip", "set", "random", "zero")
 
-_MASK64: Final = (1 << 64) - 1
 _FIRE: Final = 1
 _WHERE: Final = 2
 _VALUE: Final = 3
@@ -85,17 +84,9 @@ class FaultError(ValueError):
         return (type(self), (self.field, self.message))  # picklable across spawned ranks
 
 
-def _mix(z: int) -> int:
-    """splitmix64's finaliser: a bijection on 64-bit words (the one the fingerprints use)."""
-    return mix64_int(z)
-
-
 def seeded_rng(*parts: int) -> random.Random:
     """A ``random.Random`` determined by the integers ``parts`` alone (same in every process)."""
-    h = 0x9E3779B97F4A7C15
-    for p in parts:
-        h = _mix(h + (p & _MASK64))
-    return random.Random(h)
+    return random.Random(derive_seed(*parts))
 
 
 def _is_int(v: object) -> bool:

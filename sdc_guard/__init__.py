@@ -1,23 +1,32 @@
 """sdc_guard: catch silent data corruption inside PyTorch DDP training.
 
-Public API (stable): ``fingerprint``, ``GuardConfig``, ``SDCGuard``, ``StepReport``,
-``Detection``. See DESIGN.md and README.md.
+Public API (stable): ``fingerprint``, ``fingerprint_tensor``, ``GuardConfig``,
+``SDCGuard``, ``StepReport``, ``Detection``, ``EventLog``, ``read_events``,
+``state_tensors``, ``native_kernel``, ``native_enabled``; the types ``LossFn`` and
+``BatchFor``. See README.md and docs/.
 """
 
+from sdc_guard.checks.weights import state_tensors
 from sdc_guard.config import GuardConfig
 from sdc_guard.events import EventLog, read_events
-from sdc_guard.fingerprints import fingerprint, fingerprint_tensor
+from sdc_guard.fingerprints import fingerprint, fingerprint_tensor, native_enabled, native_kernel
 from sdc_guard.guard import SDCGuard
 from sdc_guard.report import Detection, StepReport
+from sdc_guard.types import BatchFor, LossFn
 
 __all__ = [
+    "BatchFor",
     "Detection",
     "EventLog",
     "GuardConfig",
+    "LossFn",
     "SDCGuard",
     "StepReport",
     "fingerprint",
     "fingerprint_tensor",
+    "native_enabled",
+    "native_kernel",
     "read_events",
+    "state_tensors",
 ]
 __version__ = "0.1.0"

@@ -6,9 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class GuardConfig:
-    """Which checks run, how often, and what happens on a detection."""
+    """Which checks run, how often, and what happens on a detection. Frozen: derive variants
+    with ``dataclasses.replace``."""
 
     nonfinite: bool = True
     """Check gradients for NaN/Inf before and after the all-reduce (every step)."""

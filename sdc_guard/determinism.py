@@ -22,9 +22,7 @@ from collections.abc import Iterator
 
 import torch
 
-from sdc_guard.fingerprints import mix64_int
-
-_MASK64 = (1 << 64) - 1
+from sdc_guard.fingerprints.words import MASK64, SEED, mix64_int
 
 
 def enable_determinism(seed: int = 0) -> None:
@@ -36,11 +34,20 @@ def enable_determinism(seed: int = 0) -> None:
     torch.manual_seed(seed)
 
 
+def derive_seed(*parts: int) -> int:
+    """A 64-bit seed determined by the integers ``parts`` alone: the same in every process
+    and on every machine (no Python ``hash()``). Fault models draw from it."""
+    h = SEED
+    for p in parts:
+        h = mix64_int(h + (p & MASK64))
+    return h
+
+
 def stream_seed(seed: int, rank: int, step: int, micro: int = 0) -> int:
     """A 63-bit seed for one (rank, step, micro-batch); the same in every process."""
-    z = seed & _MASK64
+    z = seed & MASK64
     for part in (rank, step, micro):
-        z = mix64_int(z + 0x9E3779B97F4A7C15 + part)
+        z = mix64_int(z + SEED + part)
     return z >> 1
 
 

@@ -11,33 +11,29 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from sdc_guard.checks import NonFiniteCheck, WeightsCheck
-from sdc_guard.checks.replay import ReplayAudit, micro_batches
+from sdc_guard.checks import Check, build_checks
 from sdc_guard.comm_hook import CommHook, GuardCommHook
 from sdc_guard.config import GuardConfig
 from sdc_guard.determinism import enable_determinism, rng_stream
 from sdc_guard.events import EventLog
 from sdc_guard.report import Detection, StepReport
+from sdc_guard.types import BatchFor, LossFn, StepHook, micro_batches
 
 log = logging.getLogger(__name__)
-
-LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
-BatchFor = Callable[[int, int], Any]
-StepHook = Callable[[int], None]
 
 
 class SDCGuard:
     """Runs forward, backward, the checks and the optimizer step of a DDP model.
 
-    ``guard.step(step)`` does, in order: the ``before_step`` hooks; on audit steps
-    the replay of the ring neighbour's batch; zero the gradients;
-    ``loss_fn(model, batch_for(rank, step))``; backward (the comm hook flags
-    non-finite gradients per bucket); the pre-step verdicts (the non-finite flags,
-    and the replay audit's agreement on audit steps); the optimizer step, unless
-    this step's gradients are withheld (non-finite here, or a replay detection on
-    every rank); the post-step weight check; the event log and ``on_detection``
-    callback. Non-finite detections arrive a few steps after their step (see
-    ``sdc_guard.checks.nonfinite``); call ``flush()`` after the last step.
+    It coordinates; the checks (``sdc_guard.checks``, one protocol: ``checks.base``)
+    know themselves. ``guard.step(step)`` does, in order: the ``before_step`` hooks;
+    ``begin_step`` of every check due at this step (the replay audit replays its
+    ring neighbour's batch here); zero the gradients; per micro-batch,
+    ``loss_fn(model, batch)``, the checks' ``on_loss`` and backward (the comm hook
+    hands each bucket to the checks that subscribed); the checks' pre-step verdicts;
+    the optimizer step, unless a verdict withholds it; the post-step verdicts; the
+    event log and ``on_detection`` callback. Some detections arrive a few steps after
+    their step (``Detection.step`` says which); call ``flush()`` after the last step.
     """
 
     def __init__(
@@ -74,12 +70,6 @@ class SDCGuard:
             raise TypeError("SDCGuard(loss_fn=...) must be callable: loss_fn(model, batch) -> loss.")
         if batch_for is not None and not callable(batch_for):
             raise TypeError("SDCGuard(batch_for=...) must be callable: batch_for(rank, step).")
-        if config.replay_interval and batch_for is None:
-            raise ValueError(
-                f"GuardConfig.replay_interval={config.replay_interval} needs batch_for: the "
-                "replay audit recomputes a neighbour's micro-batch, so pass "
-                "SDCGuard(..., batch_for=lambda rank, step: ...) or set replay_interval=0."
-            )
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "SDCGuard needs an initialised torch.distributed process group "
@@ -99,43 +89,39 @@ class SDCGuard:
         self.device = next(model.parameters()).device
         self.before_step: list[StepHook] = []
         """Callables run with the step number at the start of ``step`` (fault injectors use it)."""
-        self.comm = GuardCommHook(
-            process_group,
-            check_nonfinite=config.nonfinite,
-            inner_hook=comm_hook,
-            inner_state=comm_hook_state,
-        )
+        self.comm = GuardCommHook(process_group, inner_hook=comm_hook,
+                                  inner_state=comm_hook_state)
         model.register_comm_hook(self.comm, GuardCommHook.hook)
-        self.nonfinite = NonFiniteCheck(
-            self.comm, group=process_group, expect_overflow=grad_scaler is not None,
-            exchange_interval=config.nonfinite_exchange_interval,
-        )
-        self.weights = WeightsCheck(
-            model,
-            optimizer,
-            include_optimizer_state=config.include_optimizer_state,
-            group=process_group,
-        )
-        self.replay: ReplayAudit | None = None
+        self.checks: list[Check] = []
+        self.events: EventLog | None = None
+        self.reconfigure(config)
+
+    def reconfigure(self, config: GuardConfig) -> None:
+        """Switch to ``config`` for the steps that follow: the checks are built anew.
+
+        Call on every rank between steps, after ``flush()`` if the old config had the
+        non-finite check on (its words still in flight belong to the old checks).
+        Benchmarks use it to alternate configurations on one model.
+        """
+        if not isinstance(config, GuardConfig):
+            raise TypeError(f"SDCGuard.reconfigure(config): a sdc_guard.GuardConfig, got "
+                            f"{type(config).__name__}.")
+        if config.replay_interval and self.batch_for is None:
+            raise ValueError(
+                f"GuardConfig.replay_interval={config.replay_interval} needs batch_for: the "
+                "replay audit recomputes a neighbour's micro-batch, so pass "
+                "SDCGuard(..., batch_for=lambda rank, step: ...) or set replay_interval=0."
+            )
         if config.deterministic:
             enable_determinism(config.seed)
-        if config.replay_interval:
-            assert batch_for is not None  # validated above
-            self.replay = ReplayAudit(
-                model,
-                loss_fn=loss_fn,
-                batch_for=batch_for,
-                comm=self.comm,
-                rank=self.rank,
-                world_size=self.world_size,
-                seed=config.seed,
-                micro_batch_count=config.micro_batches,
-                group=process_group,
-                scale=grad_scaler.scale if grad_scaler is not None else None,
-            )
-        self.events: EventLog | None = (
-            EventLog(config.event_log, rank=self.rank) if config.event_log is not None else None
-        )
+        self.comm.listeners.clear()
+        self.config = config
+        self.checks = build_checks(
+            config, model=self.model, optimizer=self.optimizer, comm=self.comm,
+            loss_fn=self.loss_fn, batch_for=self.batch_for, grad_scaler=self.grad_scaler,
+            group=self.group)
+        self.events = (EventLog(config.event_log, rank=self.rank)
+                       if config.event_log is not None else None)
 
     # -- the step ---------------------------------------------------------------------------
     def step(self, step: int) -> StepReport:
@@ -151,12 +137,12 @@ class SDCGuard:
             hook(step)
         cfg = self.config
         batches = micro_batches(self.batch_for(self.rank, step), cfg.micro_batches)
-        audit = bool(cfg.replay_interval) and step % cfg.replay_interval == 0
+        due = [c for c in self.checks if c.due(step)]
         self.comm.begin_step(step)
-        losses: list[torch.Tensor] = []
-        if self.replay is not None:  # on audit steps: the neighbour's replay, first
-            self.replay.begin(audit, step, losses)
+        for check in due:
+            check.begin_step(step)
         self.optimizer.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
         for i, mb in enumerate(batches):
             last = i == len(batches) - 1
             with contextlib.nullcontext() if last else self.model.no_sync():
@@ -164,14 +150,14 @@ class SDCGuard:
                       if cfg.deterministic else contextlib.nullcontext()):
                     loss = self.loss_fn(self.model, mb)
                 losses.append(loss.detach())
+                for check in due:
+                    check.on_loss(losses[-1])
                 scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
                 scaled.backward()
 
-        detections = self._pre_step_verdict(step, audit)
-        # Withheld: a check fired on this step's gradients (detections that arrive now
-        # about earlier steps were contained when those steps ran).
-        skipped = ((self.nonfinite.withheld_here or any(d.step == step for d in detections))
-                   and self.config.skip_step_on_detection)
+        verdicts = [check.pre_step(step) for check in due]
+        detections = [d for v in verdicts for d in v.detections]
+        skipped = any(v.withhold for v in verdicts) and cfg.skip_step_on_detection
         if not skipped:
             if self.before_optimizer_step is not None:
                 self.before_optimizer_step(self)
@@ -180,8 +166,8 @@ class SDCGuard:
                 self.grad_scaler.update()
             else:
                 self.optimizer.step()
-        if self.config.weights_interval and step % self.config.weights_interval == 0:
-            detections += self.weights.verdict(step, self.device)
+        for check in due:
+            detections += check.post_step(step)
 
         mean_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
         report = StepReport(step=step, loss=float(mean_loss.item()), skipped=skipped,
@@ -190,32 +176,15 @@ class SDCGuard:
             self._record(d, skipped)
         return report
 
-    def _pre_step_verdict(self, step: int, audit: bool) -> list[Detection]:
-        """The non-finite check and, on audit steps, the replay audit: before the optimizer step.
-
-        The non-finite check needs no agreement to contain (``NonFiniteCheck.verdict``): it
-        returns the detections of its last word, and ``withheld_here``. The replay audit
-        must agree before the optimizer step: through one int64 word whose sum over the
-        ranks is 0 exactly when every ring edge matches, started in the comm hook just
-        before the last gradient all-reduce so that it travels in that all-reduce's
-        shadow (one small all-reduce, the cheapest collective), and its evidence is
-        gathered only when the sum is not 0.
-        """
-        found = (self.nonfinite.verdict(step, self.device) if self.config.nonfinite
-                 else self.nonfinite.collect())
-        if audit and self.replay is not None:
-            found += self.replay.verdict(step)
-        return found
-
     def flush(self) -> list[Detection]:
         """Detections still due after the last ``step``. Collective: call once on every rank.
 
         The non-finite check sends its flags every ``nonfinite_exchange_interval`` steps and
         collects them a step later (``sdc_guard.checks.nonfinite``); the words still out are
-        sent and collected here. Detections it returns are recorded like any other (event
-        log, ``on_detection``).
+        sent and collected here. Detections are recorded like any other (event log,
+        ``on_detection``).
         """
-        found = self.nonfinite.flush(self.device)
+        found = [d for check in self.checks for d in check.flush()]
         for d in found:
             self._record(d, False)
         return found
@@ -231,7 +200,7 @@ class SDCGuard:
     @property
     def phase(self) -> str:
         """What the model is computing now: "train", or "replay"/"arbitrate" inside the audit."""
-        return self.replay.phase if self.replay is not None else "train"
+        return next((c.phase for c in self.checks if c.phase != "train"), "train")
 
     def log_event(self, record: dict[str, Any]) -> None:
         """Append a record to the event log (no-op without one). Injectors write here."""

@@ -1,7 +1,12 @@
-"""Rank functions for the multi-rank tests (module level so spawned ranks can import them)."""
+"""Rank functions for the multi-rank tests (module level so spawned ranks can import them).
+
+The guard's tests (``guarded_run``, ``replay_run``, ...) and the injectors' (``guard_trials``,
+``plain_trials``, ...) share one tiny MLP, its data and its loss."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from typing import Any
 
 import torch
@@ -11,8 +16,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sdc_guard
+from injectors import Fault, InjectionContext, InjectionHandle, arm
 from sdc_guard import GuardConfig, SDCGuard
-from sdc_guard.fingerprints import native_enabled, to_signed64
+from sdc_guard.checks.replay import ReplayAudit
+from sdc_guard.comm_hook import BucketListener, GuardCommHook
+from sdc_guard.fingerprints.words import to_signed64
 
 
 def make_mlp(seed: int = 0, width: int = 32) -> nn.Module:
@@ -140,20 +148,25 @@ def _micro_batches(k: int):  # type: ignore[no-untyped-def]
     return batches
 
 
-def replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
-               fault: dict[str, Any] | None = None, batchnorm: bool = False,
-               micro: int = 1, skip_steps: tuple[int, ...] = (),
-               nonfinite: bool = True, native: bool = True) -> dict[str, Any]:
+def replay_run(rank: int, world: int, steps: int, *, native: bool = True,
+               **kwargs: Any) -> dict[str, Any]:
+    """``_replay_run``; ``native=False`` runs the digests on the torch path (as without a C
+    compiler)."""
+    with contextlib.nullcontext() if native else sdc_guard.native_kernel(False):
+        return _replay_run(rank, world, steps, **kwargs)
+
+
+def _replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
+                fault: dict[str, Any] | None = None, batchnorm: bool = False,
+                micro: int = 1, skip_steps: tuple[int, ...] = (),
+                nonfinite: bool = True) -> dict[str, Any]:
     """Guarded training with the replay audit; optionally a bit flip in an activation of one rank.
 
     fault = {"rank", "step", "phase": "train"|"replay"|"any", "bit", "permanent": bool}, or
     {"site": "grad_nan", "rank", "step"}: a NaN in that rank's local gradient bucket.
     ``skip_steps``: steps this run leaves out entirely (the "never saw the fault" oracle).
     ``nonfinite``: the non-finite check too (then both share one word on audit steps).
-    ``native``: False runs the digests on the torch path (as without a C compiler).
     """
-    if not native:
-        sdc_guard.fingerprints.disable_native()
     torch.manual_seed(0)
     model = DDP(DropMLP(batchnorm))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -223,13 +236,19 @@ def replay_layout_run(rank: int, world: int, steps: int, *, width: int,
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     cfg = GuardConfig(replay_interval=1, deterministic=True, weights_interval=1)
     guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for, config=cfg)
-    replay = guard.replay
-    assert replay is not None
+    replay = next(c for c in guard.checks if isinstance(c, ReplayAudit))
     same: list[bool] = []
     step_words: list[int] = []
     summed: list[bool] = []
 
-    def compare(bucket: Any) -> None:  # a local observer: runs before the scaling pass
+    class Compare(BucketListener):
+        def local(self, bucket: Any) -> None:  # runs before the scaling pass
+            compare(bucket)
+
+        def before_last_allreduce(self) -> None:  # every share has been delivered
+            total()
+
+    def compare(bucket: Any) -> None:
         idx = [replay.index[id(p)] for p in bucket.parameters()]
         per_gradient = int(replay._digest(bucket.gradients(), idx))
         step_words.append(per_gradient)
@@ -243,12 +262,11 @@ def replay_layout_run(rank: int, world: int, steps: int, *, width: int,
         summed.append(int(replay._own_grad) == want)
         step_words.clear()
 
-    guard.comm.local_observers.append(compare)
-    guard.comm.before_last_allreduce.insert(0, total)
+    guard.comm.subscribe(Compare())
     reports = [guard.step(s) for s in range(steps)]
     return {"detections": _summary(reports) + _flushed(guard.flush()), "same": same,
             "summed": summed,
-            "fused": guard.comm.fused_digests, "native": native_enabled(),
+            "fused": guard.comm.fused_digests, "native": sdc_guard.native_enabled(),
             "flat_buckets": [p is not None for p in replay._plans.values()]}
 
 
@@ -283,6 +301,137 @@ def hooks_run(rank: int, world: int, mode: str) -> dict[str, Any]:
 
 def vote_run(rank: int, world: int, words: list[int]) -> list[int] | None:
     """gather_if_different on this rank's word from ``words`` (one per rank)."""
-    from sdc_guard.vote import gather_if_different
+    from sdc_guard.collectives import gather_if_different
 
     return gather_if_different(torch.tensor([words[rank]], dtype=torch.int64))
+
+
+# -- the injectors' tests -----------------------------------------------------------------
+PADDING_FEATURE = 15
+"""Input feature that is always 0: column 15 of ``0.weight`` has an exactly-zero gradient."""
+
+
+def padded_batch_for(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch_for`` with input feature ``PADDING_FEATURE`` always 0."""
+    g = torch.Generator().manual_seed(1_000_003 * step + rank)
+    x = torch.randn(8, 16, generator=g)
+    x[:, PADDING_FEATURE] = 0.0
+    y = torch.randint(0, 4, (8,), generator=g)
+    return x, y
+
+
+def _no_module_hooks(model: nn.Module) -> bool:
+    return all(not m._forward_hooks and not m._backward_hooks for m in model.modules())
+
+
+def _same_items(now: list[Any], before: list[Any]) -> bool:
+    return len(now) == len(before) and all(a is b for a, b in zip(now, before, strict=True))
+
+
+def _grad_observer(comm: GuardCommHook, step_of: Any, out: dict[int, list[int]]) -> None:
+    """Record a fingerprint of each local bucket as the all-reduce would see it."""
+    def observe(bucket: Any) -> None:
+        out.setdefault(step_of(), []).append(sdc_guard.fingerprint(bucket.buffer()))
+    comm.before.append(observe)
+
+
+def guard_trials(rank: int, world: int, trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each trial: ``faults`` (list of Fault), ``steps``, ``opt``, ``cfg`` (GuardConfig kwargs)."""
+    results = []
+    for trial in trials:
+        model = DDP(make_mlp())
+        optimizer = make_optimizer(model, trial.get("opt", "adamw"))
+        guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=padded_batch_for,
+                         config=GuardConfig(**trial.get("cfg", {})))
+        lists_before = (list(guard.before_step), list(guard.comm.before), list(guard.comm.after))
+        handles = [arm(f, guard=guard) for f in trial.get("faults", [])]
+        grads: dict[int, list[int]] = {}
+        _grad_observer(guard.comm, lambda g=guard: g.comm.step, grads)
+        reports = [guard.step(s) for s in range(trial["steps"])]
+        flushed = guard.flush()
+        guard.comm.before.pop()  # the observer
+        for h in handles:
+            h.remove()
+        clean = (_same_items(guard.before_step, lists_before[0])
+                 and _same_items(guard.comm.before, lists_before[1])
+                 and _same_items(guard.comm.after, lists_before[2])
+                 and _no_module_hooks(model.module))
+        results.append({
+            "detections": [(d.check, d.step, d.suspect_ranks)
+                           for d in [*(d for r in reports for d in r.detections), *flushed]],
+            "skipped": [r.step for r in reports if r.skipped],
+            "losses": [r.loss for r in reports],
+            "grads": [grads.get(s, []) for s in range(trial["steps"])],
+            "final": sdc_guard.fingerprint(list(model.module.parameters())),
+            "records": [rec for h in handles for rec in h.records],
+            "armed": [h.armed for h in handles],
+            "clean": clean,
+        })
+        del guard, model, optimizer, handles
+    gc.collect()  # once: with torch._dynamo imported (by DDP) a full collection costs ~1 s
+    dist.barrier()
+    return results
+
+
+def plain_trials(rank: int, world: int, trials: list[dict[str, Any]],
+                 bad_faults: list[Fault]) -> tuple[list[dict[str, Any]], list[str]]:
+    """A user's own DDP loop with ``GuardCommHook()`` and no SDCGuard.
+
+    Each trial: ``faults``, ``steps``, optional ``events`` (a path for an EventLog sink).
+    Also arms each of ``bad_faults`` (see ``arm_errors``), in the same process group.
+    """
+    errors = arm_errors(rank, world, bad_faults)
+    results = []
+    for trial in trials:
+        model = DDP(make_mlp())
+        optimizer = make_optimizer(model, trial.get("opt", "adamw"))
+        comm = GuardCommHook()
+        model.register_comm_hook(comm, GuardCommHook.hook)
+        sink: list[dict[str, Any]] = []
+        events = trial.get("events")
+        ctx = InjectionContext.plain(model, optimizer=optimizer, comm=comm,
+                                     events=events if events is not None else sink)
+        handles: list[InjectionHandle] = [arm(f, context=ctx) for f in trial.get("faults", [])]
+        losses = []
+        for s in range(trial["steps"]):
+            for h in handles:  # several handles on one context: the step starts once
+                h.begin_step(s)
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model, padded_batch_for(rank, s))
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        for h in handles:
+            h.remove()
+        results.append({
+            "losses": losses,
+            "final": sdc_guard.fingerprint(list(model.module.parameters())),
+            "records": [rec for h in handles for rec in h.records],
+            "sink": sink,
+            "armed": [h.armed for h in handles],
+            "clean": (comm.before == [] and comm.after == [] and ctx.step_hooks == []
+                      and _no_module_hooks(model.module)),
+        })
+        del model, optimizer, comm, ctx, handles
+    gc.collect()
+    dist.barrier()
+    return results, errors
+
+
+def arm_errors(rank: int, world: int, faults: list[Fault]) -> list[str]:
+    """Arm each fault on every rank against a plain context; return each error (or "")."""
+    model = DDP(make_mlp())
+    comm = GuardCommHook()
+    model.register_comm_hook(comm, GuardCommHook.hook)
+    ctx = InjectionContext.plain(model, comm=comm)
+    out = []
+    for f in faults:
+        try:
+            h = arm(f, context=ctx)
+            out.append(f"armed={h.armed}")
+            h.remove()
+        except ValueError as e:
+            out.append(f"{type(e).__name__}: {e}")
+    del model, comm, ctx
+    gc.collect()
+    return out

@@ -1,6 +1,66 @@
-"""The guard's checks. Each one is a small collaborator that ``SDCGuard.step`` sequences."""
+"""The guard's checks: one class each, one protocol (``base.Check``), built from the config.
 
+``build_checks`` is the only place that knows which checks exist; ``SDCGuard``
+loops over what it returns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from sdc_guard.checks.base import Check, Verdict
 from sdc_guard.checks.nonfinite import NonFiniteCheck
+from sdc_guard.checks.replay import ReplayAudit
 from sdc_guard.checks.weights import WeightsCheck, state_tensors
+from sdc_guard.comm_hook import GuardCommHook
+from sdc_guard.config import GuardConfig
+from sdc_guard.types import BatchFor, LossFn
 
-__all__ = ["NonFiniteCheck", "WeightsCheck", "state_tensors"]
+__all__ = [
+    "Check",
+    "NonFiniteCheck",
+    "ReplayAudit",
+    "Verdict",
+    "WeightsCheck",
+    "build_checks",
+    "state_tensors",
+]
+
+
+def build_checks(
+    config: GuardConfig,
+    *,
+    model: DistributedDataParallel,
+    optimizer: torch.optim.Optimizer,
+    comm: GuardCommHook,
+    loss_fn: LossFn,
+    batch_for: BatchFor | None,
+    grad_scaler: Any,
+    group: dist.ProcessGroup | None,
+) -> list[Check]:
+    """The enabled checks, in the order their verdicts run: non-finite, replay, weights.
+
+    Checks that need the gradients subscribe to ``comm`` as they are built.
+    """
+    device = next(model.parameters()).device
+    checks: list[Check] = []
+    if config.nonfinite:
+        checks.append(NonFiniteCheck(
+            comm, device=device, group=group, expect_overflow=grad_scaler is not None,
+            exchange_interval=config.nonfinite_exchange_interval))
+    if config.replay_interval:
+        if batch_for is None:
+            raise ValueError("GuardConfig.replay_interval needs batch_for.")
+        checks.append(ReplayAudit(
+            model, interval=config.replay_interval, loss_fn=loss_fn, batch_for=batch_for,
+            comm=comm, seed=config.seed, micro_batch_count=config.micro_batches, group=group,
+            scale=grad_scaler.scale if grad_scaler is not None else None))
+    if config.weights_interval:
+        checks.append(WeightsCheck(
+            model, optimizer, interval=config.weights_interval,
+            include_optimizer_state=config.include_optimizer_state, device=device, group=group))
+    return checks

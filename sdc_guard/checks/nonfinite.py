@@ -1,10 +1,11 @@
 """Check "nonfinite": NaN/Inf in the gradients, before and after the all-reduce.
 
-The comm hook flags, per step, whether any bucket was non-finite before the
-all-reduce (the local gradients) and after it (the reduced result); on the CPU
-both flags are host values by the end of the backward pass (the C kernel
-computes them in the scaling pass, and in one read of each bucket's result in
-the all-reduce's callback, on the communication thread).
+The check subscribes to the comm hook for two flags per bucket: whether its local
+gradients were non-finite (computed in the fused 1/world scaling pass,
+``sdc_guard.scaling``) and whether its reduced result is (read here, in the
+all-reduce's callback, on the communication thread). On the CPU both are host
+values by the end of the backward pass (the C kernel); a device buffer's reduced
+flag is computed on the caller's thread at the verdict, one host sync for all.
 
 **Containment needs no communication.** The reduced result is the same on every
 rank (each element's sum is computed once by the all-reduce and copied to every
@@ -17,7 +18,7 @@ rank's *copy* of the result after the all-reduce makes the ranks differ: that
 rank withholds, the others apply their (correct) step.
 
 **Naming the suspects needs one word.** Every rank puts its two flags per step as
-bits of int64 words (``vote.flag_words``: rank r owns its own bits, so the SUM
+bits of int64 words (``collectives.flag_words``: rank r owns its own bits, so the SUM
 all-reduce of the words is their OR and names every rank that flagged anything,
 with no second collective). The words of ``GuardConfig.nonfinite_exchange_interval``
 steps travel together in one small all-reduce that is started at the end of the
@@ -48,10 +49,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import GradBucket
 
-from sdc_guard.comm_hook import GuardCommHook
+from sdc_guard.checks.base import Check, Verdict
+from sdc_guard.collectives import PendingSum, flag_rows, flag_words
+from sdc_guard.comm_hook import BucketListener, GuardCommHook
+from sdc_guard.fingerprints.native import active_kernel
 from sdc_guard.report import Detection
-from sdc_guard.vote import PendingSum, flag_rows, flag_words
+from sdc_guard.scaling import Flag, check_nonfinite, host_words
 
 
 @dataclass
@@ -60,16 +65,22 @@ class _Sent:
     word: PendingSum
 
 
-class NonFiniteCheck:
+class NonFiniteCheck(Check, BucketListener):
+    """NaN/Inf in the local and the reduced gradients, every step; see the module doc."""
+
+    name = "nonfinite"
+    wants_flag = True
+
     def __init__(
         self,
-        hook: GuardCommHook,
+        comm: GuardCommHook,
         *,
+        device: torch.device,
         group: dist.ProcessGroup | None = None,
         expect_overflow: bool = False,
         exchange_interval: int = 1,
     ) -> None:
-        self.hook = hook
+        self.device = device
         self.group = group
         self.expect_overflow = expect_overflow
         self.exchange_interval = exchange_interval
@@ -77,52 +88,99 @@ class NonFiniteCheck:
         self.world_size = dist.get_world_size(group)
         self._window: list[tuple[int, bool, bool]] = []
         self._sent: _Sent | None = None
-        self.withheld_here = False
-        """Set by ``verdict``: this rank's reduced gradients of the step are non-finite, so
-        it must not apply them (left False with a ``GradScaler``, which skips by itself)."""
+        self._local: Flag | None = None
+        self._reduced_host: list[bool] = []
+        """Host flags of this step's reduced buckets, appended by the all-reduce callbacks
+        (a list: ``append`` is atomic, and two buckets' callbacks may run on two threads)."""
+        self._reduced_device: list[torch.Tensor] = []
+        """Reduced buckets whose flag ``host_flags`` computes (not host float32 words)."""
+        comm.subscribe(self)
 
-    def verdict(self, step: int, device: torch.device) -> list[Detection]:
-        """Flag ``step`` (see the module doc): returns the detections of the word that is due.
+    # -- per bucket, from the comm hook ----------------------------------------------------
+    def after_scaling(self, bucket: GradBucket, flag: Flag | None,
+                      digest: int | torch.Tensor | None) -> None:
+        if flag is None:
+            return
+        if self._local is None:
+            self._local = flag
+        elif isinstance(flag, bool) and isinstance(self._local, bool):
+            self._local = self._local or flag
+        else:
+            self._local = torch.as_tensor(self._local) | flag
 
-        Those are of earlier steps (each carries its own). ``withheld_here`` says whether
-        this rank must withhold ``step``'s optimizer step.
+    def reduced(self, bucket: GradBucket, out: torch.Tensor) -> None:
+        """Host float32 words are read here, by the C kernel, on the communication thread;
+        device buffers are flagged later by ``host_flags`` (no device kernels on this thread)."""
+        kernel = active_kernel() if host_words(out) else None
+        if kernel is not None:
+            self._reduced_host.append(kernel.nonfinite_at(out.data_ptr(), out.numel()))
+        else:
+            self._reduced_device.append(out)
+
+    # -- per step ---------------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        self._local = None
+        self._reduced_host = []
+        self._reduced_device = []
+
+    def host_flags(self) -> tuple[bool, bool]:
+        """``(local_bad, reduced_bad)`` for this step, as Python bools.
+
+        Call after the backward pass (DDP waits for every bucket's future, so every
+        ``reduced`` has run). On the CPU (with the C kernel) every flag is already a host
+        value; flags that live on a device cost one host sync, for all of them together.
         """
-        local, reduced = self.hook.host_flags()
-        found = self.collect()  # the word sent at the end of the previous window
-        self.withheld_here = reduced and not self.expect_overflow
+        local: Flag = False if self._local is None else self._local
+        reduced: Flag = any(self._reduced_host)
+        for t in self._reduced_device:
+            bad = check_nonfinite(t)
+            if isinstance(bad, bool) and isinstance(reduced, bool):
+                reduced = reduced or bad
+            else:
+                reduced = torch.as_tensor(reduced, device=t.device) | bad
+        if isinstance(local, torch.Tensor) and isinstance(reduced, torch.Tensor):
+            both = torch.stack([local.to(reduced.device), reduced]).tolist()  # one host sync
+            return bool(both[0]), bool(both[1])
+        return bool(local), bool(reduced)  # a tensor here: one .item(), one host sync
+
+    def pre_step(self, step: int) -> Verdict:
+        """Flag ``step`` and judge the word that is due (its detections are of earlier steps,
+        each with its own). Withholds this rank's step when its reduced gradients are
+        non-finite (not with a ``GradScaler``, which must see the overflow and skips itself)."""
+        local, reduced = self.host_flags()
+        found = self._collect()  # the word sent at the end of the previous window
         self._window.append((step, local, reduced))
         if len(self._window) >= self.exchange_interval:
-            self._send(device)
+            self._send()
+        return Verdict(found, withhold=reduced and not self.expect_overflow)
+
+    def flush(self) -> list[Detection]:
+        """Send the partial window and judge everything outstanding. Collective when a
+        window is open: every rank has the same window, so all of them send."""
+        found = self._collect()
+        if self._window:
+            self._send()
+            found += self._collect()
         return found
 
-    def _send(self, device: torch.device) -> None:
+    def _send(self) -> None:
         flags = [f for _, local, reduced in self._window for f in (local, reduced)]
         words = flag_words(flags, self.rank, self.world_size)
-        word = PendingSum(torch.tensor(words, dtype=torch.int64, device=device), self.group,
+        word = PendingSum(torch.tensor(words, dtype=torch.int64, device=self.device), self.group,
                           in_place=True)
         self._sent = _Sent([s for s, _, _ in self._window], word)
         self._window = []
 
-    def collect(self) -> list[Detection]:
+    def _collect(self) -> list[Detection]:
         """Judge the word in flight, if any: it was sent a step ago, so this rarely waits.
         Starts no collective."""
         sent, self._sent = self._sent, None
-        self.withheld_here = False
         if sent is None:
             return []
         rows = flag_rows(sent.word.wait_all(), 2 * len(sent.steps), self.world_size)
         found: list[Detection] = []
         for i, step in enumerate(sent.steps):
             found += self.judge(step, [row[2 * i:2 * i + 2] for row in rows])
-        return found
-
-    def flush(self, device: torch.device) -> list[Detection]:
-        """Send the partial window and judge everything outstanding. Collective when a
-        window is open: every rank has the same window, so all of them send."""
-        found = self.collect()
-        if self._window:
-            self._send(device)
-            found += self.collect()
         return found
 
     def judge(self, step: int, rows: list[list[int]]) -> list[Detection]:

@@ -10,14 +10,15 @@ order: linear, so each DDP bucket adds its share from its flat buffer, the
 replay adds its separate gradients' shares, and the value does not depend on
 the bucketing; a parameter without a gradient is zeros on both sides. On the
 CPU a float32 bucket's share is computed by the comm hook's 1/world scaling
-pass (``GuardCommHook.request_digest``: one C pass digests the local words,
-scales them and flags non-finite values), so the audit reads its own gradients
-no more often than DDP does.
+pass (the audit subscribes to the hook and hands it the bucket's spans,
+``BucketListener.local``: one C pass digests the local words, scales them and
+flags non-finite values), so the audit reads its own gradients no more often
+than DDP does.
 
 Each rank has four 64-bit words: its own loss and gradient words and those of
 its replay. Edge r -> n is *bad* when r's replay of n's batch disagrees with
 what n reported for itself. A one-word all-reduce settles the common case: its
-sum is 0 exactly when every edge agrees (``ReplayAudit.term``). The all-reduce
+sum is 0 exactly when every edge agrees (``replay_term_host``). The all-reduce
 starts in the comm hook just before the step's last gradient all-reduce, where
 the ranks meet anyway, and is waited for before the optimizer step: the only
 agreement the guard's default checks need before it (the non-finite check
@@ -64,60 +65,44 @@ from torch import nn
 from torch._C._distributed_c10d import GradBucket
 from torch.nn.parallel import DistributedDataParallel
 
-from sdc_guard.comm_hook import GuardCommHook
+from sdc_guard.checks.base import Check, Verdict
+from sdc_guard.collectives import PendingSum, all_gather_rows
+from sdc_guard.comm_hook import BucketListener, GuardCommHook
 from sdc_guard.determinism import rng_stream
-from sdc_guard.fingerprints import (
+from sdc_guard.fingerprints.digest import (
     concat_digest,
     digest_parts,
     host_concat_digest,
     host_spans_digest,
     loss_word,
-    mix64,
-    mix64_int,
-    to_signed64,
-    to_unsigned64,
     word_count,
 )
+from sdc_guard.fingerprints.words import mix64, mix64_int, to_signed64, to_unsigned64
 from sdc_guard.report import Detection
-from sdc_guard.vote import PendingSum, all_gather_rows
-
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
-
-
-def micro_batches(batch: Any, count: int) -> Sequence[Any]:
-    """The micro-batches of one step: ``batch`` itself, or the ``count`` items it holds."""
-    if count == 1:
-        return [batch]
-    if not isinstance(batch, Sequence) or len(batch) != count:
-        raise ValueError(
-            f"GuardConfig.micro_batches={count}: batch_for(rank, step) must return a sequence "
-            f"of {count} micro-batches, got {type(batch).__name__}"
-            + (f" of length {len(batch)}" if isinstance(batch, Sequence) else "")
-            + "."
-        )
-    return batch
-
+from sdc_guard.scaling import Flag
+from sdc_guard.types import BatchFor, LossFn, micro_batches
 
 _FEW_SPANS = 8
 """Up to this many gradients in a bucket, the device path sums each span on its own."""
 
 
 @dataclass(frozen=True)
-class _BucketPlan:
+class BucketPlan:
     """Where each parameter's gradient lies in a DDP bucket buffer, in 64-bit words."""
 
-    spans: list[tuple[int, int]]
+    ranges: list[tuple[int, int]]
     """[start, end) word range of each gradient in the buffer."""
     shift: torch.Tensor
     """int64, per gradient: its word offset in parameter order minus its offset in the buffer."""
-    moved: list[tuple[int, int, int]]
-    """(start, end, word offset in parameter order) per gradient, for ``host_spans_digest``."""
+    spans: list[tuple[int, int, int]]
+    """(start, end, word offset in parameter order) per gradient: what the comm hook's
+    scaling pass digests (``sdc_guard.comm_hook.DigestSpans``)."""
     last: torch.Tensor
     """int64, per gradient: the index of its last word in the buffer (the spans tile it)."""
 
     @staticmethod
     def of(buf: torch.Tensor, grads: Sequence[torch.Tensor], idx: Sequence[int],
-           offsets: Sequence[int]) -> _BucketPlan | None:
+           offsets: Sequence[int]) -> BucketPlan | None:
         """The plan, or None unless the gradients tile the buffer in whole, aligned words."""
         size = buf.element_size()
         if (buf.dim() != 1 or not buf.is_contiguous() or buf.data_ptr() % 8
@@ -145,7 +130,7 @@ class _BucketPlan:
         shift = torch.tensor([offsets[i] - a for a, _, i in spans], dtype=torch.int64,
                              device=buf.device)
         last = torch.tensor([b - 1 for _, b, _ in spans], dtype=torch.int64, device=buf.device)
-        return _BucketPlan([(a, b) for a, b, _ in spans], shift,
+        return BucketPlan([(a, b) for a, b, _ in spans], shift,
                            [(a, b, offsets[i]) for a, b, i in spans], last)
 
     def digest(self, buf: torch.Tensor) -> torch.Tensor:
@@ -159,15 +144,15 @@ class _BucketPlan:
         device, a bucket of many gradients takes its sums from one cumulative sum
         (the spans tile the buffer), a few kernels instead of one per gradient.
         """
-        host = host_spans_digest(buf, self.moved)  # CPU: one kernel call per gradient
+        host = host_spans_digest(buf, self.spans)  # CPU: one kernel call per gradient
         if host is not None:
             return torch.tensor(to_signed64(host), dtype=torch.int64)
         words = buf.view(torch.int64)
-        if len(self.spans) > _FEW_SPANS:
+        if len(self.ranges) > _FEW_SPANS:
             at = torch.cumsum(words, 0)[self.last]  # wraps mod 2**64, like every sum here
             sums = torch.cat([at[:1], at[1:] - at[:-1]])
         else:
-            sums = torch.stack([words[a:b].sum() for a, b in self.spans])
+            sums = torch.stack([words[a:b].sum() for a, b in self.ranges])
         return digest_parts(buf)[0] + 2 * (self.shift * sums).sum()
 
 
@@ -188,29 +173,64 @@ def grads_digest(grads: Sequence[torch.Tensor], offsets: Sequence[int],
     return concat_digest(parts, torch.tensor(list(offsets), dtype=torch.int64, device=device))
 
 
-class ReplayAudit:
+def replay_term(row: torch.Tensor) -> torch.Tensor:
+    """This rank's term of the step word: ``h(replayed) - h(own)``, a 0-d int64.
+
+    ``row`` is ``ReplayAudit.row()``. ``h(loss, grad) = mix(mix(loss) + grad)`` is a
+    bijection in each word when the other is fixed. Summed over the ring, every
+    ``h(own_n)`` cancels against the ``h(replayed)`` of the rank before n when that edge
+    agrees, so the sum is 0 exactly when every edge agrees. One bad edge always leaves a
+    non-zero sum; several could cancel only by a 64-bit coincidence. A non-zero sum sends
+    the ranks on to the full gather of the rows and ``judge``, which compares every edge
+    word by word.
+    """
+    if row.device.type == "cpu":  # a few integer ops on the host, not ~40 tiny kernels
+        return replay_term_host(row)
+    return replay_term_device(row)
+
+
+def replay_term_host(row: torch.Tensor) -> torch.Tensor:
+    """``replay_term`` in Python integers."""
+    own_loss, own_grad, rep_loss, rep_grad = row.tolist()
+    term = (mix64_int(mix64_int(rep_loss) + rep_grad)
+            - mix64_int(mix64_int(own_loss) + own_grad))
+    return torch.tensor(to_signed64(term), dtype=torch.int64)
+
+
+def replay_term_device(row: torch.Tensor) -> torch.Tensor:
+    """``replay_term`` in tensor ops on the row's device (no host sync)."""
+    def h(loss: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        return mix64(mix64(loss) + grad)
+
+    return h(row[2], row[3]) - h(row[0], row[1])
+
+
+class ReplayAudit(Check, BucketListener):
+    """The ring replay audit, every ``interval`` steps; see the module doc."""
+
+    name = "replay"
+
     def __init__(
         self,
         model: DistributedDataParallel,
         *,
+        interval: int,
         loss_fn: LossFn,
-        batch_for: Callable[[int, int], Any],
+        batch_for: BatchFor,
         comm: GuardCommHook,
-        rank: int,
-        world_size: int,
         seed: int,
         micro_batch_count: int,
         group: dist.ProcessGroup | None = None,
         scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.model = model
+        self.interval = interval
         self.scale = scale
         self.module: nn.Module = model.module
         self.loss_fn = loss_fn
         self.batch_for = batch_for
-        self.comm = comm
-        self.rank = rank
-        self.world = world_size
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
         self.seed = seed
         self.micro = micro_batch_count
         self.group = group
@@ -222,75 +242,82 @@ class ReplayAudit:
         # parameter order (each padded to whole 64-bit words), wherever it is computed.
         ends = list(itertools.accumulate(word_count(p) for p in self.params))
         self.offsets = [0, *ends[:-1]] if ends else []
-        self._plans: dict[tuple[int, ...], _BucketPlan | None] = {}
-        self.phase = "train"
-        """"train" (the rank's own step), "replay" or "arbitrate"; fault injectors read it."""
+        self._plans: dict[tuple[int, ...], BucketPlan | None] = {}
         self._own_grad: torch.Tensor | None = None
         self._observing = False
         self._own_losses: list[torch.Tensor] = []
         self._replayed: tuple[torch.Tensor, torch.Tensor] | None = None
         self._row_cache: torch.Tensor | None = None
         self._pending: PendingSum | None = None
-        comm.local_observers.append(self._observe)
-        comm.before_last_allreduce.append(self._send_words)
+        comm.subscribe(self)
+
+    def due(self, step: int) -> bool:
+        return step % self.interval == 0
 
     # -- own computation, seen in the comm hook --------------------------------------------
-    def _observe(self, bucket: GradBucket) -> None:
+    def local(self, bucket: GradBucket) -> BucketPlan | None:
+        """On audit steps, the bucket's share of the own gradient word: its spans, for the
+        comm hook's scaling pass to digest (``after_scaling`` receives the value), or, for
+        a bucket whose gradients do not tile it, digested here per gradient."""
         if not self._observing:
-            return
-        buf = bucket.buffer()
+            return None
         idx = [self.index.get(id(p), -1) for p in bucket.parameters()]
         plan = self._plan(bucket, idx)
         if plan is None:
             kept = [(i, g) for i, g in zip(idx, bucket.gradients(), strict=True) if i >= 0]
             self._add_own(self._digest([g for _, g in kept], [i for i, _ in kept]))
-        elif not self.comm.request_digest(buf, plan.moved, self._add_own_host):
-            self._add_own(plan.digest(buf))
-        # else: the comm hook's scaling pass delivers the digest (one read of the bucket)
+        return plan
+
+    def after_scaling(self, bucket: GradBucket, flag: Flag | None,
+                      digest: int | torch.Tensor | None) -> None:
+        if digest is None:
+            return
+        if isinstance(digest, int):
+            digest = torch.tensor(to_signed64(digest), dtype=torch.int64)
+        self._add_own(digest)
 
     def _add_own(self, part: torch.Tensor) -> None:
         self._own_grad = part if self._own_grad is None else self._own_grad + part
 
-    def _add_own_host(self, part: int) -> None:
-        self._add_own(torch.tensor(to_signed64(part), dtype=torch.int64))
-
-    def _plan(self, bucket: GradBucket, idx: list[int]) -> _BucketPlan | None:
+    def _plan(self, bucket: GradBucket, idx: list[int]) -> BucketPlan | None:
         """Where the bucket's gradients lie in its flat buffer (cached), or None.
 
         With a plan the bucket's share of the gradient word comes from the buffer
-        itself (``_BucketPlan.digest``); buckets whose gradients are not whole, aligned
-        words of the buffer take the per-parameter path (``grads_digest``); the value
-        is the same.
+        itself (``BucketPlan.digest``, or the comm hook's scaling pass); buckets whose
+        gradients are not whole, aligned words of the buffer take the per-parameter
+        path (``grads_digest``); the value is the same.
         """
         buf = bucket.buffer()
         key = (bucket.index(), buf.data_ptr(), buf.numel(), *idx)
         if key not in self._plans:
             if len(self._plans) > 64:
                 self._plans.clear()
-            self._plans[key] = _BucketPlan.of(buf, bucket.gradients(), idx, self.offsets)
+            self._plans[key] = BucketPlan.of(buf, bucket.gradients(), idx, self.offsets)
         return self._plans[key]
 
     def _digest(self, grads: Sequence[torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
         """Gradient word of separate gradients (of the parameters at ``indices``)."""
         return grads_digest(grads, [self.offsets[i] for i in indices], self.device)
 
-    def begin(self, audit: bool, step: int, own_losses: list[torch.Tensor]) -> None:
-        """Call before the own forward pass of ``step``; ``audit`` says whether it is audited.
-
-        On an audit step the neighbour's micro-batches are replayed here, first, from
-        the same pre-step weights. ``own_losses`` is the list the guard appends the
-        step's own (detached) losses to, before each backward pass. The words are sent
-        from the comm hook, just before the last gradient all-reduce (``verdict``).
+    def begin_step(self, step: int) -> None:
+        """Replay the neighbour's micro-batches of ``step`` first, from the same pre-step
+        weights; then watch this rank's own losses and local gradients. The words are
+        sent from the comm hook, just before the last gradient all-reduce (``pre_step``).
         """
-        self._observing = audit
         self._own_grad = None
-        self._own_losses = own_losses
+        self._own_losses = []
         self._replayed = None
         self._row_cache = None
         self._pending = None
         self.phase = "train"
-        if audit:
-            self._replayed = self._replay((self.rank + 1) % self.world, step, "replay")
+        self._observing = True
+        self._replayed = self._replay((self.rank + 1) % self.world, step, "replay")
+
+    def on_loss(self, loss: torch.Tensor) -> None:
+        self._own_losses.append(loss)
+
+    def before_last_allreduce(self) -> None:
+        self._send_words()
 
     def _send_words(self) -> None:
         """Start the all-reduce of this rank's term of the step word (see ``term``).
@@ -300,13 +327,13 @@ class ReplayAudit:
         """
         if not self._observing or self._replayed is None or self._pending is not None:
             return
-        self._pending = PendingSum(self.term(self.row()), self.group)
+        self._pending = PendingSum(replay_term(self.row()), self.group)
 
     def row(self) -> torch.Tensor:
         """This rank's four int64 words: own loss, own gradients, replayed loss, replayed
         gradients (of the neighbour's batch). Computed once per audit step."""
         if self._replayed is None:
-            raise RuntimeError("ReplayAudit: begin(audit=True, ...) did not run this step")
+            raise RuntimeError("ReplayAudit: begin_step did not run this step")
         if self._row_cache is None:
             own_loss = loss_word(self._own_losses)
             own_grad = (self._own_grad if self._own_grad is not None
@@ -316,36 +343,6 @@ class ReplayAudit:
                                            rep_loss.to(self.device), rep_grad])
             self._observing = False
         return self._row_cache
-
-    @staticmethod
-    def term(row: torch.Tensor) -> torch.Tensor:
-        """This rank's term of the step word: ``h(replayed) - h(own)``, a 0-d int64.
-
-        ``h(loss, grad) = mix(mix(loss) + grad)`` is a bijection in each word when the
-        other is fixed. Summed over the ring, every ``h(own_n)`` cancels against the
-        ``h(replayed)`` of the rank before n when that edge agrees, so the sum is 0
-        exactly when every edge agrees. One bad edge always leaves a non-zero sum;
-        several could cancel only by a 64-bit coincidence. A non-zero sum sends the
-        ranks on to the full gather of ``row()`` and ``judge``, which compares every
-        edge word by word.
-        """
-        if row.device.type == "cpu":  # a few integer ops on the host, not ~40 tiny kernels
-            return ReplayAudit._term_host(row)
-        return ReplayAudit._term_device(row)
-
-    @staticmethod
-    def _term_host(row: torch.Tensor) -> torch.Tensor:
-        own_loss, own_grad, rep_loss, rep_grad = row.tolist()
-        term = (mix64_int(mix64_int(rep_loss) + rep_grad)
-                - mix64_int(mix64_int(own_loss) + own_grad))
-        return torch.tensor(to_signed64(term), dtype=torch.int64)
-
-    @staticmethod
-    def _term_device(row: torch.Tensor) -> torch.Tensor:
-        def h(loss: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-            return mix64(mix64(loss) + grad)
-
-        return h(row[2], row[3]) - h(row[0], row[1])
 
     # -- recomputation ----------------------------------------------------------------------
     def _replay(self, rank: int, step: int, phase: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -374,17 +371,21 @@ class ReplayAudit:
         return loss_word(losses), self._digest([g for _, g in kept], [i for i, _ in kept])
 
     # -- verdict ----------------------------------------------------------------------------
-    def verdict(self, step: int) -> list[Detection]:
-        """Compare the gathered ring edges, arbitrate single bad edges, localise."""
+    def pre_step(self, step: int) -> Verdict:
+        """Agree on the step word; on a mismatch compare the gathered ring edges, arbitrate
+        single bad edges, localise. A detection withholds the step on every rank."""
         if self._replayed is None:
-            raise RuntimeError("ReplayAudit.verdict: begin(audit=True, ...) did not run this step")
-        if self._pending is None:  # the hook never saw a last bucket (the same on every rank)
-            self._send_words()
-        assert self._pending is not None
-        total, self._pending = self._pending.wait(), None
-        if total == 0:  # every edge agrees
-            return []
-        return self.judge(step, all_gather_rows(self.row(), self.group).tolist())
+            raise RuntimeError("ReplayAudit.pre_step: begin_step did not run this step")
+        try:
+            if self._pending is None:  # the hook never saw a last bucket (alike on every rank)
+                self._send_words()
+            pending, self._pending = self._pending, None
+            if pending is None or pending.wait() == 0:  # every edge agrees
+                return Verdict()
+            found = self.judge(step, all_gather_rows(self.row(), self.group).tolist())
+        finally:
+            self._observing = False
+        return Verdict(found, withhold=bool(found))
 
     def judge(self, step: int, words: list[list[int]]) -> list[Detection]:
         """The detection, if any, from every rank's four words (row r: rank r, as ``row()``)."""

@@ -14,9 +14,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from sdc_guard.fingerprints import fingerprint_tensor, to_unsigned64
+from sdc_guard.checks.base import Check
+from sdc_guard.collectives import gather_if_different, majority_outliers
+from sdc_guard.fingerprints.public import fingerprint_tensor
+from sdc_guard.fingerprints.words import to_unsigned64
 from sdc_guard.report import Detection
-from sdc_guard.vote import gather_if_different, majority_outliers
 
 
 def state_tensors(
@@ -35,26 +37,38 @@ def state_tensors(
     return tensors
 
 
-class WeightsCheck:
+class WeightsCheck(Check):
+    """Replicas' weights (and optimizer state) compared after the step, every ``interval``."""
+
+    name = "weights"
+
     def __init__(
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
+        interval: int,
         include_optimizer_state: bool,
+        device: torch.device,
         group: dist.ProcessGroup | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
+        self.interval = interval
         self.include_optimizer_state = include_optimizer_state
+        self.device = device
         self.group = group
+
+    def due(self, step: int) -> bool:
+        return step % self.interval == 0
 
     def local_fingerprint(self) -> torch.Tensor:
         opt = self.optimizer if self.include_optimizer_state else None
         return fingerprint_tensor(state_tensors(self.model, opt))
 
-    def verdict(self, step: int, device: torch.device) -> list[Detection]:
-        fp = self.local_fingerprint().to(device).reshape(1)
+    def post_step(self, step: int) -> list[Detection]:
+        """Fingerprint this rank's state; one small all-reduce; a vote only on a mismatch."""
+        fp = self.local_fingerprint().to(self.device).reshape(1)
         gathered = gather_if_different(fp, self.group)
         if gathered is None:
             return []

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from sdc_guard import GuardConfig, SDCGuard
+from sdc_guard.collectives import majority_outliers
 from sdc_guard.events import EventLog, read_events
-from sdc_guard.vote import majority_outliers
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from scenarios.launch import run_ranks
 from tests import workers
+from tests.launch import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 

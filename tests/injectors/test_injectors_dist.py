@@ -1,7 +1,7 @@
 """Every fault site on real 3-rank gloo runs: its record, its effect, and what the guard sees.
 
 Each test spawns 3 ranks once and runs several independent trials in them
-(``tests/inject_workers.py``); a trial without faults is the golden run.
+(``tests/workers.py``); a trial without faults is the golden run.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from injectors import Fault
-from scenarios.launch import run_ranks
 from sdc_guard import read_events
-from tests import inject_workers
+from tests import workers
+from tests.launch import run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -57,7 +57,7 @@ def test_weight_state_and_reduced_gradient_sites_are_caught_by_the_weights_check
          "faults": [Fault(site="optimizer_state", rank=1, step=2, target="0.bias",
                           state_key="momentum_buffer", bits=(20,))]},
     ]
-    res = run_ranks(inject_workers.guard_trials, WORLD, trials)
+    res = run_ranks(workers.guard_trials, WORLD, trials)
     _clean(res)
     for trial, rank in enumerate([1, 2, 0, 1]):
         rec = _only_on(res, trial, rank)
@@ -92,13 +92,13 @@ def test_gradient_before_allreduce_nonfinite_is_caught_finite_is_averaged_in() -
         # Every exponent bit of an exactly-zero gradient (an always-zero input feature): ±Inf.
         {"steps": STEPS,
          "faults": [Fault(site="gradient_before_allreduce", rank=2, step=1, target="0.weight",
-                          index=inject_workers.PADDING_FEATURE, field="exponent", count=None)]},
+                          index=workers.PADDING_FEATURE, field="exponent", count=None)]},
         # A finite flip (top mantissa bit of a logit bias gradient).
         {"steps": STEPS,
          "faults": [Fault(site="gradient_before_allreduce", rank=0, step=1, target="4.bias",
                           index=0, bits=(22,))]},
     ]
-    res = run_ranks(inject_workers.guard_trials, WORLD, trials)
+    res = run_ranks(workers.guard_trials, WORLD, trials)
     _clean(res)
     golden = [res[r][0] for r in range(WORLD)]
     assert all(g["detections"] == [] for g in golden)
@@ -145,7 +145,7 @@ def test_activation_sites_change_only_the_faulty_ranks_local_computation() -> No
            "faults": [Fault(site="activation", rank=1, step=1, target="4", index=2, bits=(23,),
                             phase=phase)]} for phase in ("train", "replay")),
     ]
-    res = run_ranks(inject_workers.guard_trials, WORLD, trials)
+    res = run_ranks(workers.guard_trials, WORLD, trials)
     _clean(res)
     golden = [res[r][0] for r in range(WORLD)]
     # activation: rank 1's loss at step 1 changes, nobody else's; then the averaged
@@ -206,7 +206,7 @@ def test_plain_loop_without_a_guard_and_arming_validates_on_every_rank(tmp_path:
                     Fault(site="weight_storage", rank=2, step=2, target="4.bias", bits=(22,))]},
         {"steps": steps, "faults": [intermittent]},
     ]
-    out = run_ranks(inject_workers.plain_trials, WORLD, trials, BAD_FAULTS)
+    out = run_ranks(workers.plain_trials, WORLD, trials, BAD_FAULTS)
     res = [trials_of_rank for trials_of_rank, _ in out]
     _clean(res)
     golden = [res[r][0] for r in range(WORLD)]

@@ -6,9 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdc_guard.checks.replay import ReplayAudit
-from sdc_guard.fingerprints import to_signed64
-from sdc_guard.vote import flag_rows, flag_words
+from sdc_guard.checks.replay import replay_term, replay_term_device, replay_term_host
+from sdc_guard.collectives import flag_rows, flag_words
+from sdc_guard.fingerprints.words import to_signed64
 
 words64 = st.integers(min_value=0, max_value=(1 << 64) - 1).map(to_signed64)
 
@@ -20,7 +20,7 @@ def _rows(own: list[tuple[int, int]], replayed: list[tuple[int, int]]) -> list[t
 def _ring_sum(rows: list[torch.Tensor]) -> int:
     total = torch.zeros((), dtype=torch.int64)
     for row in rows:
-        total = total + ReplayAudit.term(row)
+        total = total + replay_term(row)
     return int(total)
 
 
@@ -59,7 +59,7 @@ def test_a_rank_wrong_both_times_leaves_a_non_zero_sum() -> None:
 @given(st.lists(words64, min_size=4, max_size=4))
 def test_the_host_term_equals_the_device_term(words: list[int]) -> None:
     row = torch.tensor(words, dtype=torch.int64)
-    assert int(ReplayAudit._term_host(row)) == int(ReplayAudit._term_device(row))
+    assert int(replay_term_host(row)) == int(replay_term_device(row))
 
 
 @settings(max_examples=200, deadline=None)

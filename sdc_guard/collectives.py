@@ -1,4 +1,4 @@
-"""Majority votes over per-rank values, and the small collectives that gather them."""
+"""Small agreements between ranks: majority votes, and the small collectives that carry them."""
 
 from __future__ import annotations
 

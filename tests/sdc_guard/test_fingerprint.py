@@ -10,8 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import sdc_guard.fingerprints as fpmod
 from sdc_guard import fingerprint
+from sdc_guard.fingerprints import digest as D
+from sdc_guard.fingerprints import public as P
+from sdc_guard.fingerprints import weighted as W
+from sdc_guard.fingerprints.words import to_signed64
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
           torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
@@ -41,25 +44,25 @@ def _random_tensor(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("n", [0, 1, 5, 1023, 1024, 1025, 5000, (1 << 16) + 3, 300_001])
 def test_fast_path_matches_python_reference(n: int, dtype: torch.dtype) -> None:
     t = _random_tensor(dtype, n, seed=n)
-    got = int(fpmod._tensor_value(t).item()) & M64
+    got = int(P.tensor_value(t).item()) & M64
     assert got == _ref_value(t)
 
 
 def test_fast_path_matches_reference_with_tail_bytes() -> None:
     for n in (1, 3, 7, 9, 13):
         t = _random_tensor(torch.uint8, n, seed=n)
-        assert int(fpmod._tensor_value(t).item()) & M64 == _ref_value(t)
+        assert int(P.tensor_value(t).item()) & M64 == _ref_value(t)
 
 
 def test_large_chunked_path_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     # Force several chunks (and a partial last chunk and a remainder row) on a small tensor.
-    monkeypatch.setattr(fpmod, "_CHUNK", 4 * 64)
-    monkeypatch.setattr(fpmod, "_ROW", 64)
-    monkeypatch.setattr(fpmod, "_SMALL", 32)
+    monkeypatch.setattr(W, "_CHUNK", 4 * 64)
+    monkeypatch.setattr(W, "_ROW", 64)
+    monkeypatch.setattr(W, "SMALL", 32)
     for dtype, n in ((torch.float32, 5 * 256 + 3 * 64 + 17), (torch.float64, 7 * 256 + 64 + 5),
                      (torch.float32, 4 * 256 + 64), (torch.float16, 2 * 256 + 1)):
         t = _random_tensor(dtype, n, seed=n)
-        assert int(fpmod._tensor_value(t).item()) & M64 == _ref_value(t), (dtype, n)
+        assert int(P.tensor_value(t).item()) & M64 == _ref_value(t), (dtype, n)
 
 
 @settings(max_examples=300, deadline=None)
@@ -101,8 +104,8 @@ def test_small_tensors_batched_have_the_values_of_the_single_path(
         else:
             t = _random_tensor(dtype, n, seed=seed + k)
         tensors.append(t[::2] if view and n > 2 else t)
-    got = [int(v) & M64 for v in fpmod._values(tensors, torch.device("cpu"))]
-    assert got == [int(fpmod._tensor_value(t)) & M64 for t in tensors]
+    got = [int(v) & M64 for v in P.tensor_values(tensors, torch.device("cpu"))]
+    assert got == [int(P.tensor_value(t)) & M64 for t in tensors]
     # complex64 elements are 8 bytes: valued as 64-bit words, like int64
     assert got == [_ref_value(t.view(torch.int64) if t.is_complex() else t) for t in tensors]
 
@@ -119,17 +122,17 @@ def _ref_digest(t: torch.Tensor) -> int:
 @pytest.mark.parametrize("n", [0, 1, 3, 5, 1023, 1025, (1 << 16) + 3, 300_001])
 def test_digest_matches_python_reference(n: int, dtype: torch.dtype) -> None:
     t = _random_tensor(dtype, n, seed=n + 7)
-    assert int(fpmod._digest_value(t).item()) & M64 == _ref_digest(t)
+    assert int(D.digest_value(t).item()) & M64 == _ref_digest(t)
 
 
 def test_digest_chunked_path_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fpmod, "_CHUNK", 4 * 64)
-    monkeypatch.setattr(fpmod, "_ROW", 64)
-    monkeypatch.setattr(fpmod, "_SMALL", 32)
+    monkeypatch.setattr(W, "_CHUNK", 4 * 64)
+    monkeypatch.setattr(W, "_ROW", 64)
+    monkeypatch.setattr(W, "SMALL", 32)
     for dtype, n in ((torch.float32, 5 * 256 + 3 * 64 + 17), (torch.float64, 7 * 256 + 5),
                      (torch.float16, 2 * 256 + 1)):
         t = _random_tensor(dtype, n, seed=n)
-        assert int(fpmod._digest_value(t).item()) & M64 == _ref_digest(t), (dtype, n)
+        assert int(D.digest_value(t).item()) & M64 == _ref_digest(t), (dtype, n)
 
 
 @settings(max_examples=300, deadline=None)
@@ -147,12 +150,12 @@ def test_any_single_element_change_changes_the_digest(dtype: torch.dtype, n: int
         return
     iv[i] = new
     u = iv.view(dtype)
-    assert int(fpmod._digest_value(t)) != int(fpmod._digest_value(u))
+    assert int(D.digest_value(t)) != int(D.digest_value(u))
     offsets = torch.tensor([0, 2], dtype=torch.int64)
-    assert int(fpmod.concat_digest(torch.stack([fpmod.digest_parts(torch.zeros(3)),
-                                                fpmod.digest_parts(t)]), offsets)) != int(
-        fpmod.concat_digest(torch.stack([fpmod.digest_parts(torch.zeros(3)),
-                                         fpmod.digest_parts(u)]), offsets))
+    assert int(D.concat_digest(torch.stack([D.digest_parts(torch.zeros(3)),
+                                                D.digest_parts(t)]), offsets)) != int(
+        D.concat_digest(torch.stack([D.digest_parts(torch.zeros(3)),
+                                         D.digest_parts(u)]), offsets))
 
 
 @settings(max_examples=100, deadline=None)
@@ -164,12 +167,12 @@ def test_concat_digest_is_the_digest_of_the_padded_concatenation(
     # give D of the tensors laid end to end, each zero-padded to whole words.
     tensors = [_random_tensor(dtype, n, seed=seed + k) for k, (dtype, n) in enumerate(sizes)]
     padded = b"".join(bytes(t.reshape(-1).view(torch.uint8).tolist()).ljust(
-        fpmod.word_count(t) * 8, b"\0") for t in tensors)
+        D.word_count(t) * 8, b"\0") for t in tensors)
     whole = torch.frombuffer(bytearray(padded), dtype=torch.uint8) if padded else torch.zeros(0)
-    offsets = torch.tensor([sum(fpmod.word_count(u) for u in tensors[:k])
+    offsets = torch.tensor([sum(D.word_count(u) for u in tensors[:k])
                             for k in range(len(tensors))], dtype=torch.int64)
-    parts = torch.stack([fpmod.digest_parts(t) for t in tensors])
-    assert int(fpmod.concat_digest(parts, offsets)) & M64 == _ref_digest(whole)
+    parts = torch.stack([D.digest_parts(t) for t in tensors])
+    assert int(D.concat_digest(parts, offsets)) & M64 == _ref_digest(whole)
     assert [int(p[1]) & M64 for p in parts] == [
         sum(int.from_bytes(bytes(t.reshape(-1).view(torch.uint8).tolist())[i:i + 8].ljust(8, b"\0"),
                            "little") for i in range(0, t.numel() * t.element_size(), 8)) & M64
@@ -287,13 +290,13 @@ def test_bad_input_is_named() -> None:
 
 def test_loss_word_sees_every_bit_of_every_micro_batch_loss() -> None:
     losses = [torch.tensor(2.5), torch.tensor(0.125), torch.tensor(-1.0)]
-    base = int(fpmod.loss_word(losses))
+    base = int(D.loss_word(losses))
     for i in range(3):
         for bit in (0, 22, 31):
             changed = [loss.clone() for loss in losses]
             changed[i].view(torch.int32).bitwise_xor_(-(1 << 31) if bit == 31 else 1 << bit)
-            assert int(fpmod.loss_word(changed)) != base, (i, bit)
-    assert int(fpmod.loss_word(losses[::-1])) != base
+            assert int(D.loss_word(changed)) != base, (i, bit)
+    assert int(D.loss_word(losses[::-1])) != base
 
 
 @settings(max_examples=80, deadline=None)
@@ -306,17 +309,17 @@ def test_loss_word_on_the_host_equals_the_tensor_path(dtype: torch.dtype, n: int
     size = torch.empty((), dtype=dtype).element_size()
     raw = torch.randint(0, 256, (n * size,), generator=g, dtype=torch.uint8)
     losses = list(raw.view(dtype))  # any bits: NaN payloads, negative zeros, ...
-    host = int(fpmod.loss_word(losses))
-    assert host == int(fpmod._loss_word_tensor(losses))
-    signed = [int(v) for v in raw.view(fpmod._INT_OF_SIZE[size])]
-    assert host == fpmod.to_signed64(sum((2 * k + 1) * v for k, v in enumerate(signed)))
+    host = int(D.loss_word(losses))
+    assert host == int(D._loss_word_tensor(losses))
+    signed = [int(v) for v in raw.view(W.INT_OF_SIZE[size])]
+    assert host == to_signed64(sum((2 * k + 1) * v for k, v in enumerate(signed)))
 
 
 def test_digest_helpers_name_bad_input() -> None:
     with pytest.raises(TypeError, match=r"digest_parts: expected a torch\.Tensor"):
-        fpmod.digest_parts([1, 2])  # type: ignore[arg-type]
+        D.digest_parts([1, 2])  # type: ignore[arg-type]
     parts = torch.zeros(3, 2, dtype=torch.int64)
     with pytest.raises(ValueError, match="offsets int64 \\[n\\]"):
-        fpmod.concat_digest(parts, torch.zeros(2, dtype=torch.int64))
+        D.concat_digest(parts, torch.zeros(2, dtype=torch.int64))
     with pytest.raises(ValueError, match="parts must be int64"):
-        fpmod.concat_digest(parts.float(), torch.zeros(3, dtype=torch.int64))
+        D.concat_digest(parts.float(), torch.zeros(3, dtype=torch.int64))

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from scenarios.launch import run_ranks
 from tests import workers
+from tests.launch import run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 

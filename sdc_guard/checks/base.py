@@ -1,0 +1,67 @@
+"""The one protocol every check follows, and what a pre-step verdict returns.
+
+``SDCGuard.step`` only sequences its checks (``sdc_guard.guard``)::
+
+    due = [c for c in checks if c.due(step)]
+    c.begin_step(step)                   # before the forward (the replay replays here)
+    c.on_loss(loss)                      # each micro-batch's loss, before its backward
+    verdict = c.pre_step(step)           # after the backward: detections, withhold?
+    ... optimizer.step() unless a verdict withholds it ...
+    c.post_step(step)                    # after it: detections
+    c.flush()                            # after the last step: detections still due
+
+A check that needs the gradients subscribes to the comm hook when it is built
+(``sdc_guard.comm_hook.BucketListener``); it never calls back into the hook or
+the guard, and the guard shares no mutable state with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sdc_guard.report import Detection
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What a check says before the optimizer step."""
+
+    detections: list[Detection] = field(default_factory=list)
+    """Detections reached now; each carries its own step (it may be an earlier one)."""
+    withhold: bool = False
+    """This rank must not apply this step's gradients (containment)."""
+
+
+class Check:
+    """Base class of the guard's checks: every method has a harmless default."""
+
+    name: str = ""
+    """The ``Detection.check`` value this check reports."""
+
+    phase: str = "train"
+    """What the model is computing for this check right now: "train", or e.g. "replay"
+    while the replay audit recomputes a neighbour's batch (fault injectors read it)."""
+
+    def due(self, step: int) -> bool:
+        """Does this check look at ``step``? The guard calls the methods below only then."""
+        return True
+
+    def begin_step(self, step: int) -> None:
+        """Before the step's forward pass, on the pre-step weights."""
+
+    def on_loss(self, loss: torch.Tensor) -> None:
+        """One micro-batch's (detached) loss, before its backward pass."""
+
+    def pre_step(self, step: int) -> Verdict:
+        """After the backward pass, before ``optimizer.step()``."""
+        return Verdict()
+
+    def post_step(self, step: int) -> list[Detection]:
+        """After ``optimizer.step()`` (or after it was withheld)."""
+        return []
+
+    def flush(self) -> list[Detection]:
+        """After the last step, on every rank: detections still due (may be collective)."""
+        return []

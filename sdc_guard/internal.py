@@ -1,0 +1,43 @@
+"""The internal interface that the benchmarks and the device checks time and verify.
+
+Not a stable API: these are the parts under the public one (the fused scaling pass,
+the non-finite flags word, the replay digest), named here, in one place, so that
+``bench/`` never reaches into private modules. Users need none of it.
+"""
+
+from __future__ import annotations
+
+from sdc_guard.checks.replay import BucketPlan, grads_digest, replay_term_device, replay_term_host
+from sdc_guard.checks.weights import state_tensors
+from sdc_guard.collectives import PendingSum, flag_rows, flag_words
+from sdc_guard.determinism import derive_seed, rng_stream
+from sdc_guard.fingerprints.digest import digest_value, loss_word
+from sdc_guard.fingerprints.public import tensor_value, tensor_values
+from sdc_guard.fingerprints.weighted import DEVICE_CHUNK, INT_OF_SIZE
+from sdc_guard.fingerprints.words import MASK64, to_signed64, to_unsigned64
+from sdc_guard.scaling import check_nonfinite, fused_unscale_ok, scale_and_check
+
+__all__ = [
+    "DEVICE_CHUNK",
+    "INT_OF_SIZE",
+    "MASK64",
+    "BucketPlan",
+    "PendingSum",
+    "check_nonfinite",
+    "derive_seed",
+    "digest_value",
+    "flag_rows",
+    "flag_words",
+    "fused_unscale_ok",
+    "grads_digest",
+    "loss_word",
+    "replay_term_device",
+    "replay_term_host",
+    "rng_stream",
+    "scale_and_check",
+    "state_tensors",
+    "tensor_value",
+    "tensor_values",
+    "to_signed64",
+    "to_unsigned64",
+]

@@ -1,0 +1,146 @@
+"""The fused 1/world scaling pass: the one read of each local gradient bucket the checks share.
+
+DDP's built-in reducer multiplies each gradient bucket by ``1/world`` before a SUM
+all-reduce. The guard's comm hook does that multiplication itself and, in the same
+read of the bucket, computes what the checks subscribed to (``comm_hook``):
+
+* a NaN/Inf flag of the local words (``scale_and_check``): on the CPU the C kernel
+  scales and flags in one pass and gives a Python bool; on a device torch's fused
+  AMP unscale kernel does (a device flag, no host sync);
+* the replay digest of given word spans, before the scaling
+  (``scale_digest_spans``: the C kernel, on contiguous float32 CPU buckets).
+
+Every path gives the bits of ``buf.mul_(1/world)``, so guarded training stays
+bit-identical to plain DDP. ``check_nonfinite`` is the read-only flag the
+non-finite check applies to a bucket's reduced result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sdc_guard.fingerprints.native import active_kernel
+from sdc_guard.fingerprints.words import MASK64
+
+Flag = bool | torch.Tensor
+"""A non-finite flag: a Python bool when the C kernel computed it on the host, else a
+0-d bool tensor on the buffer's device (no host sync until someone reads it)."""
+
+Spans = Sequence[tuple[int, int, int]]
+"""(first word, end word, word offset in parameter order) per gradient of a bucket."""
+
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_fused_ok: dict[str, bool] = {}
+_scales: dict[tuple[torch.device, float], torch.Tensor] = {}
+
+
+def host_words(buf: torch.Tensor) -> bool:
+    """Can the C kernel read ``buf`` in place: contiguous float32 in CPU memory?"""
+    return buf.dtype == torch.float32 and buf.device.type == "cpu" and buf.is_contiguous()
+
+
+def _bad(buf: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor: does ``buf`` hold a NaN or Inf? One read pass, no host sync.
+
+    ``isfinite(sum)`` is about 20x cheaper than ``isfinite(buf).all()``; the sum
+    is accumulated in float32 for 16-bit buffers (an fp16 sum would overflow at
+    65504 and raise false alarms). NaN and Inf always propagate through a sum;
+    a false alarm needs finite gradients whose float32 sum exceeds 3.4e38.
+    """
+    if buf.dtype in (torch.float16, torch.bfloat16):
+        s = buf.sum(dtype=torch.float32)
+    elif buf.is_floating_point():
+        s = buf.sum()
+    else:  # integer buffers cannot hold non-finite values
+        return torch.zeros((), dtype=torch.bool, device=buf.device)
+    return ~torch.isfinite(s)
+
+
+def check_nonfinite(buf: torch.Tensor) -> Flag:
+    """Does ``buf`` hold a NaN or Inf? On the host (a bool) where the C kernel can read it."""
+    kernel = active_kernel() if host_words(buf) else None
+    if kernel is not None:
+        return kernel.nonfinite_at(buf.data_ptr(), buf.numel())
+    return _bad(buf)
+
+
+def scale_and_check(buf: torch.Tensor, scale: float) -> Flag:
+    """``buf.mul_(scale)`` and "was ``buf`` non-finite", in one read pass where possible.
+
+    Contiguous float32 on the CPU: the C kernel scales and flags in one pass and gives a
+    Python bool (no tensor op at all). Elsewhere, ``scale_and_check_tensor``.
+    """
+    kernel = active_kernel() if host_words(buf) else None
+    if kernel is not None:
+        return kernel.scale_check_at(buf.data_ptr(), buf.numel(), scale)
+    return scale_and_check_tensor(buf, scale)
+
+
+def scale_and_check_tensor(buf: torch.Tensor, scale: float) -> torch.Tensor:
+    """``buf.mul_(scale)`` and a 0-d bool "was ``buf`` non-finite", in one read pass if possible.
+
+    torch's fused AMP unscale kernel multiplies by a float32 scale and flags any NaN or
+    Inf as it goes: for float32, float16 and bfloat16 that is the same product as
+    ``mul_`` with a Python float (computed in float32, then rounded), bit for bit, and
+    an exact per-element check. Other dtypes, and a torch without the kernel on this
+    device, take ``_bad`` and ``mul_`` (two passes).
+    """
+    kind = buf.device.type
+    if buf.dtype in _FUSED_DTYPES and _fused_ok.get(kind, True):
+        found = torch.zeros(1, dtype=torch.float32, device=buf.device)
+        inv = _scales.get((buf.device, scale))
+        if inv is None:  # one per device and world size: built once, only ever read
+            inv = _scales[(buf.device, scale)] = torch.full(
+                (1,), scale, dtype=torch.float32, device=buf.device)
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_([buf], found, inv)
+        except (RuntimeError, NotImplementedError):  # no kernel for this device here
+            _fused_ok[kind] = False
+        else:
+            _fused_ok[kind] = True
+            return found[0] != 0
+    bad = _bad(buf)
+    buf.mul_(scale)
+    return bad
+
+
+def fused_unscale_ok(device_type: str) -> bool | None:
+    """Did torch's fused unscale kernel run on this device type (None: not tried yet)?"""
+    return _fused_ok.get(device_type)
+
+
+def can_fuse_digest(buf: torch.Tensor, spans: Spans) -> bool:
+    """Can ``scale_digest_spans`` digest ``spans`` of ``buf`` in the scaling pass?
+
+    Needs the C kernel, contiguous 8-byte aligned float32 CPU words, and spans that
+    tile the whole buffer (the pass scales what it digests: all of it).
+    """
+    if (buf.dtype != torch.float32 or buf.device.type != "cpu" or not buf.is_contiguous()
+            or buf.data_ptr() % 8 or buf.numel() % 2 or active_kernel() is None):
+        return False
+    covered = 0
+    for a, b, _ in sorted(spans):
+        if a != covered or b < a:
+            return False
+        covered = b
+    return covered == buf.numel() // 2
+
+
+def scale_digest_spans(buf: torch.Tensor, spans: Spans, scale: float) -> tuple[int, bool]:
+    """The replay digest of ``spans`` of the words as they were, then ``buf.mul_(scale)``
+    (the bits of ``mul_``), with "was any of it NaN or Inf", in one pass over memory.
+
+    Only where ``can_fuse_digest(buf, spans)`` holds.
+    """
+    kernel = active_kernel()
+    if kernel is None or not can_fuse_digest(buf, spans):
+        raise ValueError("scale_digest_spans: needs can_fuse_digest(buf, spans); check it first.")
+    base = buf.data_ptr()
+    total, bad = 0, False
+    for a, b, offset in spans:
+        d, s, flag = kernel.scale_digest_at(base + 8 * a, b - a, scale)
+        bad |= flag
+        total += d + 2 * offset * s
+    return total & MASK64, bad

@@ -1,0 +1,184 @@
+"""The comm hook's fused scaling pass: DDP's scaling bit for bit, an exact non-finite flag, and
+the digests its listeners ask for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sdc_guard.scaling as sc
+from sdc_guard.checks.nonfinite import NonFiniteCheck
+from sdc_guard.comm_hook import BucketListener, GuardCommHook
+from sdc_guard.fingerprints.digest import host_spans_digest
+from sdc_guard.fingerprints.native import native_enabled
+from sdc_guard.scaling import Flag
+
+SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, -3.4e38, 65504.0,
+            1e-8, 7.0]
+
+
+@settings(max_examples=150, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+       world=st.integers(1, 9), n=st.integers(0, 3000), seed=st.integers(0, 2**31 - 1),
+       specials=st.lists(st.tuples(st.integers(0, 2999), st.sampled_from(SPECIALS)),
+                         max_size=3),
+       fused=st.booleans(), native=st.booleans())
+def test_scale_and_check_is_mul_bit_for_bit_with_an_exact_flag(
+        dtype: torch.dtype, world: int, n: int, seed: int,
+        specials: list[tuple[int, float]], fused: bool, native: bool) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, generator=g, dtype=torch.float64)
+         * 10.0 ** torch.randint(-6, 6, (n,), generator=g)).to(dtype)
+    for i, v in specials:
+        if i < n:
+            x[i] = v
+    expected = x.clone().mul_(1.0 / world)
+    native = native and dtype == torch.float32 and native_enabled()
+    with pytest.MonkeyPatch.context() as m:
+        if not native:  # torch's paths: the fused AMP kernel, or two passes
+            m.setattr(sc, "active_kernel", lambda: None)
+        if not fused:
+            m.setitem(sc._fused_ok, "cpu", False)  # the two-pass fallback
+        bad = sc.scale_and_check(x, 1.0 / world)
+        checked = sc.check_nonfinite(expected)
+    assert isinstance(bad, bool) is native  # the C kernel's flag is a host value
+    assert torch.equal(x.view(torch.uint8), expected.view(torch.uint8))
+    nonfinite = not bool(torch.isfinite(expected).all())
+    if native:
+        assert bad == nonfinite and checked == nonfinite  # exact, element by element
+    elif fused and dtype != torch.float64:
+        assert bool(bad) == nonfinite  # exact, element by element
+    else:  # isfinite(sum): never misses; may also flag a finite sum that overflows
+        assert bool(bad) or not nonfinite
+
+
+class _Bucket:
+    """A stand-in for DDP's GradBucket: the pass reads only its flat buffer."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self._buf = buf
+
+    def buffer(self) -> torch.Tensor:
+        return self._buf
+
+
+@dataclass
+class _Spans:
+    spans: list[tuple[int, int, int]]
+    torch_calls: int = 0
+
+    def digest(self, buf: torch.Tensor) -> torch.Tensor:
+        self.torch_calls += 1
+        value = host_spans_digest(buf, self.spans)
+        assert value is not None
+        return torch.tensor(value - (1 << 64) if value >= 1 << 63 else value)
+
+
+class _Listener(BucketListener):
+    def __init__(self, spans: _Spans | None, *, flag: bool) -> None:
+        self.spans = spans
+        self.wants_flag = flag
+        self.got: list[tuple[Flag | None, int | torch.Tensor | None]] = []
+
+    def local(self, bucket: Any) -> _Spans | None:
+        return self.spans
+
+    def after_scaling(self, bucket: Any, flag: Flag | None,
+                      digest: int | torch.Tensor | None) -> None:
+        self.got.append((flag, digest))
+
+
+@pytest.mark.parametrize("nan", [False, True])
+def test_the_scaling_pass_computes_a_listeners_digest(one_rank: None, nan: bool) -> None:
+    if not native_enabled():
+        pytest.skip("no C kernel here: the spans are digested by torch ops, not fused")
+    hook = GuardCommHook()
+    hook.world_size = 3  # the scale 1/world is all the pass takes from the group
+    buf = torch.randn(2 * 1000, generator=torch.Generator().manual_seed(0))
+    if nan:
+        buf[777] = float("nan")
+    spans = _Spans([(600, 1000, 0), (0, 100, 400), (100, 600, 500)])  # not the buffer's order
+    want = host_spans_digest(buf, spans.spans)
+    want_buf = buf.clone().mul_(1.0 / 3)
+    flagger = _Listener(None, flag=True)
+    digester = _Listener(spans, flag=False)
+    hook.subscribe(flagger)
+    hook.subscribe(digester)
+    hook._local(_Bucket(buf))  # type: ignore[arg-type]
+    assert digester.got == [(nan, want)] and hook.fused_digests == 1
+    assert flagger.got == [(nan, None)] and spans.torch_calls == 0
+    assert torch.equal(buf.view(torch.int32), want_buf.view(torch.int32))
+    hook.listeners.remove(flagger)  # nobody wants the flag: the pass still scales and digests
+    hook._local(_Bucket(buf))  # type: ignore[arg-type]
+    assert digester.got[-1][0] is None and hook.fused_digests == 2
+
+
+def test_spans_the_pass_cannot_fuse_are_digested_before_the_scaling(one_rank: None) -> None:
+    if not native_enabled():
+        pytest.skip("no C kernel here")
+    buf = torch.randn(200, generator=torch.Generator().manual_seed(1))
+    cases = [[(0, 50, 0), (60, 100, 50)],  # a gap
+             [(0, 99, 0)]]  # not the whole buffer
+    for spans in cases:
+        hook = GuardCommHook()
+        hook.world_size = 2
+        b = buf.clone()
+        want = host_spans_digest(b, spans)  # of the words as they were
+        listener = _Listener(_Spans(spans), flag=False)
+        hook.subscribe(listener)
+        hook._local(_Bucket(b))  # type: ignore[arg-type]
+        assert hook.fused_digests == 0 and listener.spans is not None
+        assert listener.spans.torch_calls == 1
+        digest = listener.got[0][1]
+        assert isinstance(digest, torch.Tensor) and int(digest) & ((1 << 64) - 1) == want
+        assert torch.equal(b, buf * 0.5)
+    # one listener's spans ride the pass; a second listener's are digested first
+    hook = GuardCommHook()
+    whole = [(0, 100, 0)]
+    first, second = _Listener(_Spans(whole), flag=False), _Listener(_Spans(whole), flag=False)
+    hook.subscribe(first)
+    hook.subscribe(second)
+    b = buf.clone()
+    want = host_spans_digest(b, whole)
+    hook._local(_Bucket(b))  # type: ignore[arg-type]
+    assert first.got == [(None, want)] and hook.fused_digests == 1
+    second_digest = second.got[0][1]
+    assert isinstance(second_digest, torch.Tensor) and int(second_digest) & ((1 << 64) - 1) == want
+    # a user's comm hook owns the scaling: nothing is fused, the buffer is left alone
+    user = GuardCommHook(inner_hook=lambda state, bucket: None)  # type: ignore[arg-type, return-value]
+    listener = _Listener(_Spans(whole), flag=True)
+    user.subscribe(listener)
+    b = buf.clone()
+    user._local(_Bucket(b))  # type: ignore[arg-type]
+    assert user.fused_digests == 0 and torch.equal(b, buf) and listener.got[0][0] is False
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize(("local_nan", "reduced_nan"), [(False, False), (True, False),
+                                                        (False, True), (True, True)])
+def test_host_flags_say_which_side_was_non_finite(one_rank: None, native: bool,
+                                                  local_nan: bool, reduced_nan: bool) -> None:
+    if native and not native_enabled():
+        pytest.skip("no C kernel here")
+    with pytest.MonkeyPatch.context() as m:
+        if not native:  # tensor flags on the buffer's device, read with one host sync
+            m.setattr(sc, "active_kernel", lambda: None)
+            m.setattr("sdc_guard.checks.nonfinite.active_kernel", lambda: None)
+        hook = GuardCommHook()
+        check = NonFiniteCheck(hook, device=torch.device("cpu"))
+        check.begin_step(0)
+        for i in range(3):  # three buckets; the bad one is the middle one
+            local = torch.ones(1000 + i)
+            if local_nan and i == 1:
+                local[500] = float("nan")
+            hook._local(_Bucket(local))  # type: ignore[arg-type]
+            reduced = torch.ones(999 - i)
+            if reduced_nan and i == 1:
+                reduced[-1] = float("inf")
+            check.reduced(_Bucket(reduced), reduced)  # type: ignore[arg-type]
+        assert check.host_flags() == (local_nan, reduced_nan)
