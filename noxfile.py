@@ -24,17 +24,17 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff on everything, mypy --strict on the sdc_guard library."""
+    """ruff on everything, mypy --strict on the library and the injectors."""
     _install(session)
     session.run("ruff", "check", ".")
-    session.run("mypy", "sdc_guard")
+    session.run("mypy", "sdc_guard", "injectors")
 
 
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
     """Fingerprint throughput and per-check overhead; writes bench/results.json and RESULTS.md."""
     _install(session)
-    session.run("python", "-m", "scenarios.bench", *session.posargs)
+    session.run("python", "-m", "bench", *session.posargs)
 
 
 @nox.session(default=False)

@@ -1,6 +1,6 @@
 """One prepared run for a machine with an accelerator: CUDA/nccl paths and fingerprint throughput.
 
-    python -m scenarios.device_check [--out DIR] [--device cuda] [--mib 256]
+    python -m bench.device_check [--out DIR] [--device cuda] [--mib 256]
 
 Checks, each recorded as passed or failed with its numbers (nothing is skipped
 silently; without CUDA the script says so and exits 2; ``--device cpu`` runs the
@@ -39,13 +39,15 @@ from typing import Any
 
 import torch
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+from sdc_guard import internal
+
+CASE_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
           torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64]
 
 
 def _cases(g: torch.Generator) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
-    for dtype in DTYPES:
+    for dtype in CASE_DTYPES:
         for n in (0, 1, 7, 1023, 65_537, 300_001):
             raw = torch.randint(0, 256, (n * torch.empty((), dtype=dtype).element_size(),),
                                 generator=g, dtype=torch.uint8)
@@ -58,7 +60,6 @@ def _cases(g: torch.Generator) -> list[torch.Tensor]:
 
 def check_values(device: torch.device) -> dict[str, Any]:
     from sdc_guard import fingerprint, fingerprint_tensor
-    from sdc_guard import fingerprints as fp
 
     g = torch.Generator().manual_seed(0)
     mismatches = []
@@ -66,9 +67,9 @@ def check_values(device: torch.device) -> dict[str, Any]:
         d = t.to(device)
         if fingerprint(t) != fingerprint(d):
             mismatches.append(f"fingerprint case {i} {t.dtype} {tuple(t.shape)}")
-        if int(fp._digest_value(t)) != int(fp._digest_value(d)):
+        if int(internal.digest_value(t)) != int(internal.digest_value(d)):
             mismatches.append(f"digest case {i} {t.dtype} {tuple(t.shape)}")
-    big = torch.randn(fp._DEVICE_CHUNK + 12_345, generator=g)  # more than one device chunk
+    big = torch.randn(internal.DEVICE_CHUNK + 12_345, generator=g)  # more than one device chunk
     if fingerprint(big) != fingerprint(big.to(device)):
         mismatches.append("fingerprint of a tensor larger than one device chunk")
     stays = fingerprint_tensor(big.to(device)).device == device
@@ -79,24 +80,21 @@ def check_values(device: torch.device) -> dict[str, Any]:
 def check_kernels(device: torch.device) -> dict[str, Any]:
     """The device paths of the comm hook's fused check and of the replay's words.
 
-    * ``_scale_and_check(buf, 1/world)`` leaves the same bits as ``buf.mul_(1/world)``
+    * ``scale_and_check(buf, 1/world)`` leaves the same bits as ``buf.mul_(1/world)``
       (what the built-in hook does) and flags exactly the buffers holding a NaN or Inf;
     * the step-word term and the loss word computed on the device equal the host
       computations;
-    * a bucket's share of the gradient word (``_BucketPlan.digest``) and the word of
+    * a bucket's share of the gradient word (``BucketPlan.digest``) and the word of
       separate gradients (``grads_digest``) equal the CPU values.
     """
-    from sdc_guard import comm_hook
-    from sdc_guard import fingerprints as fp
-    from sdc_guard.checks.replay import ReplayAudit, _BucketPlan, grads_digest
-    from sdc_guard.fingerprints import loss_word
+    from sdc_guard.internal import INT_OF_SIZE, BucketPlan, grads_digest, loss_word
 
     g = torch.Generator().manual_seed(1)
     mismatches: list[str] = []
     specials = [0.0, -0.0, 1e-45, 6e-8, 65504.0, 3.0e38, -3.0e38, float("inf"), float("-inf"),
                 float("nan")]
     for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
-        as_int = fp._INT_OF_SIZE[dtype.itemsize]
+        as_int = INT_OF_SIZE[dtype.itemsize]
         for world in (1, 2, 3, 4, 6, 7, 8):
             for special in (None, *specials):
                 x = (torch.randn(70_001, generator=g) * 4.0 ** torch.randint(
@@ -105,21 +103,22 @@ def check_kernels(device: torch.device) -> dict[str, Any]:
                     x[12_345] = special
                 d = x.to(device)
                 ref = d.clone().mul_(1 / world)
-                flag = bool(comm_hook._scale_and_check(d, 1 / world))
+                flag = bool(internal.scale_and_check(d, 1 / world))
                 expected = not bool(torch.isfinite(x).all())
                 if not torch.equal(ref.view(as_int), d.view(as_int)):
-                    mismatches.append(f"_scale_and_check != mul_: {dtype} world {world} "
+                    mismatches.append(f"scale_and_check != mul_: {dtype} world {world} "
                                       f"special {special}")
                 if flag != expected:
-                    mismatches.append(f"_scale_and_check flag {flag}, expected {expected}: "
+                    mismatches.append(f"scale_and_check flag {flag}, expected {expected}: "
                                       f"{dtype} world {world} special {special}")
-    fused = comm_hook._fused_ok.get(device.type)
+    fused = internal.fused_unscale_ok(device.type)
     rows = torch.randint(-2**63, 2**63 - 1, (64, 4), generator=g, dtype=torch.int64)
     rows[0] = 0
     rows[1] = torch.tensor([-1, 2**63 - 1, -2**63, 1])
     for i, row in enumerate(rows):
-        on_device = int(ReplayAudit._term_device(row.to(device)))
-        if on_device != int(ReplayAudit._term_host(row)):
+        # Looked up on the module at each call: a test replaces it to see this check fail.
+        on_device = int(internal.replay_term_device(row.to(device)))
+        if on_device != int(internal.replay_term_host(row)):
             mismatches.append(f"step-word term, row {i}")
     for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         losses = list(torch.randn(3, generator=g).to(dtype))
@@ -128,7 +127,7 @@ def check_kernels(device: torch.device) -> dict[str, Any]:
             mismatches.append(f"loss_word {dtype}")
     odd = [(1024, 512), (1024,), (7,), (3, 3), (10, 1024), (0,), (10,)]
     whole = [(1024, 512), (1024,), (8,), (4, 4), (10, 1024), (0,), (12,)]  # whole 8-byte words
-    many = [(64, 4 * i) for i in range(1, 21)]  # > _FEW_SPANS: the cumulative-sum path
+    many = [(64, 4 * i) for i in range(1, 21)]  # many spans: the cumulative-sum path
     for dtype, sizes in itertools.product((torch.float32, torch.float16, torch.bfloat16),
                                           (whole, many)):
         unit = torch.empty((), dtype=dtype).element_size()
@@ -147,9 +146,9 @@ def check_kernels(device: torch.device) -> dict[str, Any]:
         for i in order:
             views.append(buf[at:at + grads[i].numel()].view(grads[i].shape))
             at += grads[i].numel()
-        plan = _BucketPlan.of(buf, views, order, offsets)
+        plan = BucketPlan.of(buf, views, order, offsets)
         if plan is None:
-            mismatches.append(f"_BucketPlan.of refused an aligned {dtype} bucket")
+            mismatches.append(f"BucketPlan.of refused an aligned {dtype} bucket")
         elif (got := int(plan.digest(buf))) != want:
             mismatches.append(f"bucket digest {dtype}, {len(sizes)} gradients: device {got}, "
                               f"cpu {want}")
@@ -158,7 +157,7 @@ def check_kernels(device: torch.device) -> dict[str, Any]:
 
 
 def check_rng(device: torch.device) -> dict[str, Any]:
-    from sdc_guard.determinism import rng_stream
+    from sdc_guard.internal import rng_stream
 
     draws = []
     for _ in range(2):
@@ -171,7 +170,7 @@ def _guarded_rank(rank: int, world: int, device_type: str) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from scenarios.models import classification_batch, cross_entropy_loss, reference_mlp
+    from bench.reference import classification_batch, cross_entropy_loss, reference_mlp
     from sdc_guard import GuardConfig, SDCGuard
 
     if device_type == "cuda":
@@ -183,7 +182,7 @@ def _guarded_rank(rank: int, world: int, device_type: str) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def batch_for(r: int, step: int) -> Any:
-        x, y = classification_batch(r, step, batch=128, d_in=512, n_out=10)
+        x, y = classification_batch(r, step, batch=128)
         return x.to(device), y.to(device)
 
     guard = SDCGuard(model, opt, loss_fn=cross_entropy_loss, batch_for=batch_for,
@@ -206,7 +205,7 @@ def _guarded_rank(rank: int, world: int, device_type: str) -> dict[str, Any]:
 
 def check_guard(device_type: str, world: int) -> dict[str, Any]:
     """Guarded DDP steps on ``world`` ranks: nccl on GPUs, or gloo on the CPU (a dry run)."""
-    from scenarios.launch import run_ranks
+    from scenarios.run.launch import run_ranks
 
     backend = "nccl" if device_type == "cuda" else "gloo"
     results = run_ranks(_guarded_rank, world, device_type, timeout=600, backend=backend)
@@ -234,13 +233,12 @@ def _median_time(fn: Callable[[], object], device: torch.device, reps: int = 9) 
 
 def throughput(device: torch.device, mib: int) -> dict[str, Any]:
     from sdc_guard import fingerprint_tensor
-    from sdc_guard import fingerprints as fp
 
     x = torch.randn(mib * 2**20 // 4, device=device)
     methods: dict[str, Callable[[], object]] = {
         "torch.sum (one read pass)": lambda: x.sum(),
         "sdc_guard.fingerprint_tensor": lambda: fingerprint_tensor(x),
-        "replay word digest": lambda: fp._digest_value(x),
+        "replay word digest": lambda: internal.digest_value(x),
         "torch.hash_tensor (XOR)": lambda: torch.hash_tensor(x),
     }
     times = {k: _median_time(f, device) for k, f in methods.items()}
@@ -251,7 +249,8 @@ def throughput(device: torch.device, mib: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.device_check",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for the JSON")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--mib", type=int, nargs="*", default=[256, 4096])

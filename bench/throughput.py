@@ -1,25 +1,28 @@
-"""``python -m scenarios throughput``: trials per minute, persistent pool vs a process per trial.
+"""``python -m bench.throughput``: campaign trials per minute, persistent pool vs a process per trial.
 
 All runners execute the same trials of ``scenarios/configs/mlp.toml`` (3 ranks,
 20 steps; one fault each, sampled over all six sites, plus clean trials) with
-the same rank code (``scenarios.rank``) and classify them against the same
+the same rank code (``scenarios.run.rank``) and classify them against the same
 golden run:
 
 * pool: ``WorkerPool`` ranks stay in their process group; each trial restores
   the step-0 snapshot into the already-built DDP model;
 * spawn per trial: a fresh ``WorkerPool`` per trial (3 spawned processes that
   import torch, join a new process group, build the model, run one trial, exit);
-* forkserver per trial: ``scenarios.launch.run_ranks`` per trial (processes
+* forkserver per trial: ``scenarios.run.launch.run_ranks`` per trial (processes
   forked from a server that has torch imported already: the cheapest way to get
   fresh processes per trial).
 
 The pool's start-up (spawn, process group, golden run) is reported separately
 and not counted in its rate; the baselines' golden run is not counted either.
-Writes ``<out>/throughput.json`` and ``<out>/throughput.md``.
+Writes ``<out>/throughput.json`` and ``<out>/throughput.md``::
+
+    python -m bench.throughput [--out reports/throughput] [--trials 60] [--baseline-trials 3]
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import logging
 import platform
@@ -29,15 +32,18 @@ from typing import Any
 
 import torch
 
-from scenarios.campaign import CampaignSpec, FaultSpace, plan_trials
-from scenarios.launch import run_ranks
-from scenarios.outcome import classify
-from scenarios.pool import WorkerPool
-from scenarios.rank import Golden, RankRunner, Trial
-from scenarios.spec import Scenario, load_scenario
-from scenarios.store import GoldenRun, write_json
+import scenarios
+from scenarios.report.outcome import classify
+from scenarios.run.launch import run_ranks
+from scenarios.run.pool import WorkerPool
+from scenarios.run.rank import Golden, RankRunner, Trial
+from scenarios.run.store import GoldenRun, write_json
+from scenarios.spec.campaign import CampaignSpec
+from scenarios.spec.faults import FaultSpace
+from scenarios.spec.scenario import Scenario, load_scenario
+from scenarios.spec.trials import plan_trials
 
-CONFIG = Path(__file__).parent / "configs" / "mlp.toml"
+CONFIG = Path(scenarios.__file__).parent / "configs" / "mlp.toml"
 
 
 def _spawned_trial(rank: int, world: int, scenario: Scenario, cmd: Trial) -> dict[str, Any]:
@@ -120,8 +126,18 @@ def measure(out: Path, trials: int, baseline_trials: int) -> dict[str, Any]:
     }
 
 
-def main(out: Path, trials: int, baseline_trials: int) -> int:
-    res = measure(out, trials, baseline_trials)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.throughput",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="reports/throughput", help="directory for the results")
+    ap.add_argument("--trials", type=int, default=60, help="trials through the pool")
+    ap.add_argument("--baseline-trials", type=int, default=3, help="trials per baseline runner")
+    args = ap.parse_args(argv)
+    if args.trials < 1 or args.baseline_trials < 0:
+        ap.error(f"--trials takes a count >= 1 and --baseline-trials one >= 0, got "
+                 f"{args.trials} and {args.baseline_trials}.")
+    out = Path(args.out)
+    res = measure(out, args.trials, args.baseline_trials)
     write_json(out / "throughput.json", res)
     p, b, f = res["pool"], res["spawn_per_trial"], res["forkserver_per_trial"]
     md = "\n".join([
@@ -132,7 +148,7 @@ def main(out: Path, trials: int, baseline_trials: int) -> int:
         f"| persistent pool | {p['trials']} | {p['seconds']:.1f} | {p['trials_per_minute']:.1f} |",
         f"| spawn per trial | {b['trials']} | {b['seconds']:.1f} | "
         f"{b['trials_per_minute'] or 0:.1f} |",
-        f"| forkserver per trial (`scenarios.launch.run_ranks`) | {f['trials']} | "
+        f"| forkserver per trial (`scenarios.run.launch.run_ranks`) | {f['trials']} | "
         f"{f['seconds']:.1f} | {f['trials_per_minute'] or 0:.1f} |", "",
         f"Speed-up: **{res['speedup'] or 0:.1f}x** over spawn per trial, "
         f"{res['speedup_vs_forkserver'] or 0:.1f}x over forkserver per trial; pool start-up "
@@ -141,3 +157,7 @@ def main(out: Path, trials: int, baseline_trials: int) -> int:
     (out / "throughput.md").write_text(md)
     print(md)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,15 +1,15 @@
 """scenarios: run small DDP trainings on several ranks, inject faults, measure the checks.
 
-``python -m scenarios`` (``scenarios.cli``) runs scenario and campaign files. The parts:
+``python -m scenarios`` (``scenarios.cli``) runs scenario and campaign files. Three rooms:
 
-* ``spec``: scenario files (TOML) -> frozen, validated ``Scenario`` records; ``ScenarioError``;
-* ``campaign``: campaign files, the fault matrix / sample (Leveugle et al.), ``TrialSpec`` ids;
-* ``models``: the models and their deterministic synthetic data;
-* ``rank``: what each rank does (sessions reused across trials, golden, trial, overhead);
-* ``pool``: the persistent worker pool (crash and hang handling); ``distributed``: torchrun;
-* ``runner``: the campaign loop; ``store``: ``trials.csv`` and the golden cache;
-* ``outcome``: detected / masked / escaped / crashed / hung, latency, containment;
-* ``report`` and ``plots``: summary.json, report.md, report.html, PNGs;
-* ``throughput``: persistent pool against spawn per trial; ``bench``: sdc_guard benchmarks;
-  ``launch``: ``run_ranks`` for tests and one-off multi-rank functions.
+* ``spec``: what to run, as data: scenario and campaign files (TOML) -> frozen records,
+  the models and their synthetic data, the fault spaces, the trial plan, the guard
+  configurations whose overhead is measured, the seeds;
+* ``run``: running it: the ranks' sessions and commands, the persistent worker pool,
+  torchrun, the campaign loop, ``trials.csv`` and the golden cache;
+* ``report``: what came out: outcomes (detected / masked / escaped / crashed / hung),
+  summary.json, report.md / report.html and the plots.
+
+The harness uses the public API of ``sdc_guard`` only. The benchmarks that time the
+library's parts live in ``bench/``.
 """

@@ -3,7 +3,6 @@
     python -m scenarios run FILE [--out DIR]              one scenario: golden + its faults
     python -m scenarios campaign FILE [--quick] [--out DIR]
     python -m scenarios report DIR                        rebuild summary.json, report.md/html
-    python -m scenarios throughput [--out DIR]            persistent pool vs spawn per trial
     python -m scenarios check FILE                        validate a scenario or campaign file
 
 Ranks start on this machine (a persistent pool, gloo on 127.0.0.1 or nccl with
@@ -21,52 +20,21 @@ import logging
 import sys
 from pathlib import Path
 
-from scenarios.campaign import CampaignSpec, campaign_for_scenario, load_campaign
-from scenarios.pool import PoolError
-from scenarios.spec import ScenarioError, load_scenario, read_toml
-
-
-def _executor(campaign: CampaignSpec) -> object:
-    from scenarios.distributed import launched_by_torchrun
-
-    if launched_by_torchrun():
-        from scenarios.distributed import DistributedExecutor
-
-        wanted = {s.backend for s in campaign.scenarios}
-        return DistributedExecutor(wanted.pop() if len(wanted) == 1 else "auto")
-    from scenarios.runner import PoolExecutor
-
-    return PoolExecutor()
+from scenarios.run.pool import PoolError
+from scenarios.spec.campaign import CampaignSpec, campaign_for_scenario, load_campaign
+from scenarios.spec.errors import ScenarioError
+from scenarios.spec.scenario import load_scenario
+from scenarios.spec.tables import read_toml
+from scenarios.spec.trials import plan_trials
 
 
 def _run_campaign(campaign: CampaignSpec, out: Path, cache: str | None, progress: bool) -> int:
-    from scenarios.report import write_report
-    from scenarios.runner import CampaignRunner
+    from scenarios.report.render import summary_text, write_report
+    from scenarios.run.runner import run_campaign
 
-    executor = _executor(campaign)
-    try:
-        CampaignRunner(campaign, out, executor, cache=cache,  # type: ignore[arg-type]
-                       progress=progress).run()
-    finally:
-        executor.close()  # type: ignore[attr-defined]
-    if getattr(executor, "coordinator", True):
-        s = write_report(out)
-        _print_summary(s, out)
+    if run_campaign(campaign, out, cache=cache, progress=progress):
+        print(summary_text(write_report(out), out))
     return 0
-
-
-def _print_summary(s: dict[str, object], out: Path) -> None:
-    print(f"{s['trials']} fault trials, {s['clean_trials']} clean, "
-          f"{s['false_positives']} false positives; outcomes {s['outcomes']}")
-    sites = s.get("sites")
-    if isinstance(sites, dict):
-        for site, g in sites.items():
-            cov = g["coverage"]
-            print(f"  {site:<26} coverage {'-' if cov is None else f'{cov:.1%}'} "
-                  f"(detected {g['detected']}, masked {g['masked']}, escaped {g['escaped']}, "
-                  f"crashed {g['crashed']}, hung {g['hung']})")
-    print(f"recommended replay interval: {s.get('recommended_replay_interval')}")
-    print(f"report: {out / 'report.html'}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -85,10 +53,6 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
     rep = sub.add_parser("report", help="rebuild the report of an output directory")
     rep.add_argument("dir")
-    thr = sub.add_parser("throughput", help="trials/min: persistent pool vs spawn per trial")
-    thr.add_argument("--out", default="reports/throughput")
-    thr.add_argument("--trials", type=int, default=60, help="trials through the pool")
-    thr.add_argument("--baseline-trials", type=int, default=3, help="spawn-per-trial trials")
     chk = sub.add_parser("check", help="validate a scenario or campaign file")
     chk.add_argument("file")
     return ap
@@ -109,24 +73,18 @@ def main(argv: list[str] | None = None) -> int:
                                                                     else "")))
             return _run_campaign(camp, out, args.cache, not args.no_progress)
         if args.command == "report":
-            from scenarios.report import write_report
+            from scenarios.report.render import summary_text, write_report
 
             out = Path(args.dir)
             if not (out / "trials.csv").exists():
                 raise ScenarioError("dir", str(out), "a campaign output directory with "
                                     "trials.csv")
-            _print_summary(write_report(out), out)
+            print(summary_text(write_report(out), out))
             return 0
-        if args.command == "throughput":
-            from scenarios.throughput import main as throughput
-
-            return throughput(Path(args.out), args.trials, args.baseline_trials)
         if args.command == "check":
             data = read_toml(args.file)
             if "scenarios" in data:
                 camp = load_campaign(args.file)
-                from scenarios.campaign import plan_trials
-
                 print(f"campaign {camp.name!r}: {len(plan_trials(camp))} trials "
                       f"({len(plan_trials(load_campaign(args.file, quick=True)))} with --quick)")
             else:

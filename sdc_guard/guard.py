@@ -114,7 +114,8 @@ class SDCGuard:
             )
         if config.deterministic:
             enable_determinism(config.seed)
-        self.comm.listeners.clear()
+        old = {id(c) for c in self.checks}  # other listeners (a benchmark's) stay subscribed
+        self.comm.listeners[:] = [x for x in self.comm.listeners if id(x) not in old]
         self.config = config
         self.checks = build_checks(
             config, model=self.model, optimizer=self.optimizer, comm=self.comm,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from sdc_guard.checks.replay import BucketPlan, grads_digest, replay_term_device, replay_term_host
 from sdc_guard.checks.weights import state_tensors
 from sdc_guard.collectives import PendingSum, flag_rows, flag_words
+from sdc_guard.comm_hook import BucketListener
 from sdc_guard.determinism import derive_seed, rng_stream
 from sdc_guard.fingerprints.digest import digest_value, loss_word
 from sdc_guard.fingerprints.public import tensor_value, tensor_values
@@ -21,6 +22,7 @@ __all__ = [
     "DEVICE_CHUNK",
     "INT_OF_SIZE",
     "MASK64",
+    "BucketListener",
     "BucketPlan",
     "PendingSum",
     "check_nonfinite",

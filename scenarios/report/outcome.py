@@ -23,7 +23,7 @@ Definitions (each trial gets exactly one outcome, checked in this order):
     ``rel_weight_dev`` (max over ranks of ``||w - w_golden|| / ||w_golden||``)
     and ``loss_diff`` (mean over ranks of the final loss minus golden's) say by how much.
 
-State = parameters + optimizer state (``sdc_guard.checks.state_tensors``: what
+State = parameters + optimizer state (``sdc_guard.state_tensors``: what
 the weights check compares); BatchNorm running statistics are not part of it
 (DDP re-broadcasts them from rank 0 at every forward).
 
@@ -56,8 +56,8 @@ import math
 from typing import Any
 
 from injectors.bits import dtype_from_name, value_of
-from scenarios.campaign import TrialSpec
-from scenarios.store import GoldenRun
+from scenarios.run.store import GoldenRun
+from scenarios.spec.trials import TrialSpec
 
 _CHECK_ORDER = {"nonfinite": 0, "replay": 1, "weights": 2}
 

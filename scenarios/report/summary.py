@@ -1,4 +1,4 @@
-"""A campaign's report: ``summary.json``, ``report.md``, a self-contained ``report.html``, PNGs.
+"""A campaign's numbers (``summary.json``): coverage, latency, overhead, the recommendation.
 
 Everything is computed from the output directory alone (``trials.csv``,
 ``overhead.json``, ``campaign.json``), so ``python -m scenarios report DIR``
@@ -32,8 +32,6 @@ shown next to it. None when no interval fits.
 
 from __future__ import annotations
 
-import base64
-import html
 import json
 import math
 import random
@@ -43,8 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from injectors import SITES
-from scenarios.spec import FIELDS
-from scenarios.store import TrialTable, write_json
+from scenarios.run.store import TrialTable
+from scenarios.spec.faults import FIELDS
+from scenarios.spec.overhead import PLAIN_DDP, replay_only
 
 OUTCOMES = ("detected", "masked", "escaped", "crashed", "hung")
 STATE_SITES = ("weight_storage", "optimizer_state", "gradient_after_allreduce")
@@ -101,15 +100,16 @@ def fit_replay_overhead(samples: dict[str, list[float]],
                         intervals: list[int]) -> dict[str, Any] | None:
     """Least-squares fit of ``overhead(k) = fixed + per_audit / k`` (fractions of plain DDP).
 
-    ``samples``: per-round block times of "plain DDP" and of "replay@<k>" for each k,
-    in the same round order (configurations alternate within a round, so round r's
-    pair shares the machine's state). None with fewer than two distinct intervals.
+    ``samples``: per-round block times of plain DDP and of the replay audit alone every k
+    steps (``scenarios.spec.overhead``: "plain DDP", "replay@<k>"), in the same round order
+    (configurations alternate within a round, so round r's pair shares the machine's
+    state). None with fewer than two distinct intervals.
     """
-    base = samples.get("plain DDP") or []
+    base = samples.get(PLAIN_DDP.name) or []
     xs: list[float] = []
     ys: list[float] = []
     for k in intervals:
-        for b, t in zip(base, samples.get(f"replay@{k}") or [], strict=False):
+        for b, t in zip(base, samples.get(replay_only(k).name) or [], strict=False):
             if b > 0:
                 xs.append(1.0 / k)
                 ys.append(t / b - 1.0)
@@ -270,139 +270,3 @@ def _load(path: Path) -> Any:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-
-
-# -- rendering --------------------------------------------------------------------------------
-def _pct(v: Any) -> str:
-    return "-" if v is None else f"{100 * v:.1f}%"
-
-
-def _ci(v: Any) -> str:
-    return "-" if not v else f"[{100 * v[0]:.0f}, {100 * v[1]:.0f}]%"
-
-
-def _num(v: Any) -> str:
-    return "-" if v is None else (f"{v:g}" if isinstance(v, (int, float)) else str(v))
-
-
-def _tables(s: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
-    head = ["trials", "detected", "masked", "escaped", "crashed", "hung", "coverage", "95% CI",
-            "latency p50", "latency max", "blame correct", "contained"]
-
-    def row(name: str, g: dict[str, Any]) -> list[str]:
-        return [name, str(g["trials"]), *(str(g[o]) for o in OUTCOMES), _pct(g["coverage"]),
-                _ci(g["coverage_ci95"]), _num(g["latency_steps_p50"]),
-                _num(g["latency_steps_max"]), _pct(g["blame_correct"]), str(g["contained"])]
-
-    out = [("Coverage by site", ["site", *head],
-            [row(k, g) for k, g in s["sites"].items()] + [row("all", s["all"])]),
-           ("Coverage by bit field", ["field", *head],
-            [row(k, g) for k, g in s["fields"].items()]),
-           ("Coverage by fault model", ["model", *head],
-            [row(k, g) for k, g in s["fault_models"].items()]),
-           ("Coverage by scenario", ["scenario", *head],
-            [row(k, g) for k, g in s["scenarios"].items()]),
-           ("Escape rate by replay interval", ["interval", "trials", "masked", "escaped",
-                                                "escape rate", "coverage"],
-            [[("off" if k == "0" else k), str(g["trials"]), str(g["masked"]), str(g["escaped"]),
-              _pct(g["escape_rate"]), _pct(g["coverage"])]
-             for k, g in s["replay_intervals"].items()])]
-    ov = s.get("overhead")
-    if ov:
-        rows = [["plain DDP step (ms)", f"{ov['baseline_step_ms']:.2f}"],
-                ["guard, checks off", _pct(ov["guard_checks_off"])],
-                ["nonfinite", _pct(ov["nonfinite"])], ["weights", _pct(ov["weights"])]]
-        fit = (ov.get("replay_fit") or {}).get("predicted", {})
-        rows += [[f"replay every {k}", _pct(v) + (f" (fit: {_pct(fit[k])})" if k in fit else "")]
-                 for k, v in ov["replay"].items()]
-        if ov.get("replay_fit"):
-            f = ov["replay_fit"]
-            rows.append(["replay fit: fixed + per audit / k",
-                         f"{_pct(f['fixed'])} + {_pct(f['per_audit'])} / k"])
-        rows += [[f"all checks, replay {'off' if k == '0' else 'every ' + k}", _pct(v)]
-                 for k, v in ov["total"].items()]
-        out.append((f"Step-time overhead vs plain DDP ({ov['scenario']}, {ov['world_size']} "
-                    f"ranks, medians of {ov['rounds']} alternated blocks of {ov['block']} "
-                    "steps)", ["configuration", "overhead"], rows))
-    t = s["targets"]
-    st = t["state_sites_detected_within_1_step_blame_correct"]
-    nf = t["nonfinite_detected_in_own_step"]
-    out.append(("Targets", ["target", "met", "numbers"], [
-        ["0 false positives", str(t["zero_false_positives"]["met"]),
-         f"{s['false_positives']} of {s['clean_trials']} clean trials"],
-        ["weight/optimizer-state/reduced-gradient faults that changed the trajectory: "
-         "detected within 1 step, right rank", str(st["met"]),
-         f"{st['met_by']} of {st['trials_that_changed_the_trajectory']}"],
-        ["non-finite faults detected in their own step", str(nf["met"]),
-         f"{nf['met_by']} of {nf['relevant']} ({nf['masked']} masked)"],
-    ]))
-    return out
-
-
-def _headline(s: dict[str, Any]) -> list[str]:
-    rec = s["recommended_replay_interval"]
-    secs = s.get("campaign_seconds")
-    return [
-        f"{s['trials']} fault trials, {s['clean_trials']} clean trials, "
-        f"**{s['false_positives']} false positives**.",
-        "Outcomes: " + ", ".join(f"{k} {v}" for k, v in s["outcomes"].items()) + ".",
-        f"Overall coverage {_pct(s['all']['coverage'])} {_ci(s['all']['coverage_ci95'])}.",
-        f"Recommended replay interval for an overhead budget of {_pct(s['overhead_budget'])}: "
-        f"**{rec if rec is not None else 'none fits'}** ({s['recommendation_rule']})"
-        + (f"; {s['recommendation_agreement']:.0%} of bootstrap resamples of the overhead "
-           "rounds agree." if s.get("recommendation_agreement") is not None else "."),
-        f"Campaign time: {secs:.0f} s" + (f", {s['trials_per_minute']:.0f} trials/min."
-                                         if s.get("trials_per_minute") else ".")
-        if secs else "",
-    ]
-
-
-def render_markdown(s: dict[str, Any], plots: list[Path]) -> str:
-    lines = [f"# Fault-injection campaign `{s['campaign']}`" + (" (quick)" if s["quick"] else ""),
-             "", *[x for x in _headline(s) if x], ""]
-    for title, head, rows in _tables(s):
-        lines += [f"## {title}", "", "| " + " | ".join(head) + " |",
-                  "|" + "---|" * len(head)]
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-        lines.append("")
-    lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
-    lines += ["Definitions: see reports/README.md and scenarios/outcome.py.", ""]
-    return "\n".join(lines)
-
-
-def render_html(s: dict[str, Any], plots: list[Path]) -> str:
-    def esc(x: str) -> str:
-        return html.escape(x).replace("**", "")
-
-    parts = ["<!doctype html><html><head><meta charset='utf-8'>",
-             f"<title>Campaign {esc(str(s['campaign']))}</title><style>",
-             "body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}",
-             "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;",
-             "padding:3px 8px;text-align:right}th{background:#eee}td:first-child{text-align:left}",
-             "img{max-width:100%}</style></head><body>",
-             f"<h1>Fault-injection campaign <code>{esc(str(s['campaign']))}</code></h1>"]
-    parts += [f"<p>{esc(x)}</p>" for x in _headline(s) if x]
-    for title, head, rows in _tables(s):
-        parts.append(f"<h2>{esc(title)}</h2><table><tr>"
-                     + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr>")
-        parts += ["<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows]
-        parts.append("</table>")
-    parts.append("<h2>Plots</h2>")
-    for p in plots:
-        data = base64.b64encode(p.read_bytes()).decode()
-        parts.append(f"<p><img alt='{esc(p.stem)}' src='data:image/png;base64,{data}'></p>")
-    parts.append("</body></html>")
-    return "\n".join(parts)
-
-
-def write_report(out: str | Path) -> dict[str, Any]:
-    """Write summary.json, report.md, report.html and the PNG plots into ``out``."""
-    from scenarios.plots import draw_all
-
-    out = Path(out)
-    summary = summarize(out)
-    write_json(out / "summary.json", summary)
-    plots = draw_all(summary, out)
-    (out / "report.md").write_text(render_markdown(summary, plots))
-    (out / "report.html").write_text(render_html(summary, plots))
-    return summary

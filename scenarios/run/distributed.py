@@ -33,9 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scenarios.pool import rank_device
-from scenarios.rank import Command, RankRunner
-from scenarios.spec import Scenario, ScenarioError
+from scenarios.run.pool import rank_device
+from scenarios.run.rank import Command, RankRunner
+from scenarios.spec.errors import ScenarioError
+from scenarios.spec.scenario import Scenario
 
 
 def launched_by_torchrun() -> bool:

@@ -4,7 +4,7 @@ Spawning ranks and importing torch costs seconds; a trial of a small model costs
 tens of milliseconds. So the pool starts ``world_size`` processes once (gloo on
 127.0.0.1 with one thread each, or nccl with one CUDA device each), and every
 command (golden run, trial, overhead measurement) is sent to all of them; each
-rank runs it with its ``scenarios.rank.RankRunner`` and answers on a result
+rank runs it with its ``scenarios.run.rank.RankRunner`` and answers on a result
 queue.
 
 A trial can go wrong in ways that leave the process group unusable. ``run``
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from scenarios.rank import Command, Ping, RankRunner
+from scenarios.run.rank import Command, Ping, RankRunner
 
 
 class PoolError(RuntimeError):
@@ -124,7 +124,7 @@ def _worker(rank: int, world: int, store: str, backend: str, device_type: str,
 
 
 class WorkerPool:
-    """``world_size`` rank processes that run ``scenarios.rank`` commands until closed."""
+    """``world_size`` rank processes that run ``scenarios.run.rank`` commands until closed."""
 
     def __init__(self, world_size: int, *, backend: str = "auto", start_timeout: float = 300.0,
                  pg_timeout: float = 600.0, grace: float = 3.0) -> None:

@@ -1,28 +1,14 @@
-"""What each rank does: build a scenario's DDP model once, then run golden runs and trials on it.
-
-A ``Session`` is one DDP model, optimizer and ``SDCGuard`` for one (scenario,
-guard configuration). DDP accepts one comm hook and the guard registers it in
-its constructor, so a session is built once and reused: each trial restores the
-step-0 snapshot (``state_dict`` copies taken right after construction) into the
-same parameters (``load_state_dict`` copies in place) and a fresh optimizer
-state, arms its faults, trains, and disarms them.
-
-Two warm-up iterations (forward and backward, no optimizer step) run before the
-snapshot is restored the first time: DDP rebuilds its gradient buckets at the
-second iteration, and the bucket layout decides the summation order of the
-all-reduce, so without them the golden run's first step would not be
-bit-identical to a later trial's.
+"""What each rank does: golden runs, trials and overhead rounds on reused sessions.
 
 ``RankRunner.execute(command)`` is the one entry point, used by the persistent
-worker pool (``scenarios.pool``) and by ranks started with ``torchrun``
-(``scenarios.distributed``).
+worker pool (``scenarios.run.pool``) and by ranks started with ``torchrun``
+(``scenarios.run.distributed``). Commands are small picklable records, the same
+on every rank; the sessions they run on (``scenarios.run.session``) stay built
+between commands.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import functools
 import gc
 import math
 import os
@@ -33,19 +19,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from injectors import arm
-from scenarios.campaign import Chaos, TrialSpec
-from scenarios.models import build_model, scenario_loss, synthetic_batch
-from scenarios.spec import Scenario
-from sdc_guard import GuardConfig, SDCGuard
-from sdc_guard.checks import state_tensors
-from sdc_guard.fingerprints import fingerprint_tensor, to_unsigned64
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_CONCAT_BYTES = 1 << 18
+from scenarios.run.session import Session
+from scenarios.spec.overhead import campaign_configs
+from scenarios.spec.scenario import Scenario
+from scenarios.spec.trials import Chaos, TrialSpec
+from sdc_guard import GuardConfig
 
 
 # -- commands (picklable; the same on every rank) -------------------------------------------------
@@ -88,104 +68,6 @@ class Overhead:
 
 
 Command = Ping | Golden | Prepare | Trial | Overhead
-
-
-# -- one model + optimizer + guard ----------------------------------------------------------------
-def _optimizer(scenario: Scenario, params: Any) -> torch.optim.Optimizer:
-    o = scenario.optimizer
-    if o.kind == "sgd":
-        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    return torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
-
-
-def batch_for(scenario: Scenario, device: torch.device, rank: int, step: int) -> Any:
-    """``batch_for(rank, step)`` of a scenario: one batch, or a list of micro-batches."""
-    dtype = DTYPES[scenario.dtype]
-
-    def one(micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = synthetic_batch(scenario.model.kind, scenario.seed, rank, step, micro,
-                               batch=scenario.batch, dtype=dtype)
-        return x.to(device), y.to(device)
-
-    if scenario.micro_batches == 1:
-        return one(0)
-    return [one(i) for i in range(scenario.micro_batches)]
-
-
-def loss_for(micro_batches: int, model: nn.Module, batch: Any) -> torch.Tensor:
-    loss = scenario_loss(model, batch)
-    return loss if micro_batches == 1 else loss / micro_batches
-
-
-class Session:
-    """A DDP model, its optimizer and (unless ``config`` is None) an SDCGuard, reused by trials."""
-
-    def __init__(self, scenario: Scenario, config: GuardConfig | None, rank: int, world: int,
-                 device: torch.device) -> None:
-        self.scenario = scenario
-        self.rank = rank
-        self.device = device
-        module = build_model(scenario.model.kind, width=scenario.model.width,
-                             depth=scenario.model.depth, seed=scenario.seed)
-        module = module.to(device=device, dtype=DTYPES[scenario.dtype])
-        ids = [device.index] if device.type == "cuda" else None
-        self.ddp = DDP(module, device_ids=ids)
-        self.module = module
-        self.optimizer = _optimizer(scenario, module.parameters())
-        self.batch_for = functools.partial(batch_for, scenario, device)
-        self.loss_fn = functools.partial(loss_for, scenario.micro_batches)
-        self.guard = None if config is None else SDCGuard(
-            self.ddp, self.optimizer, loss_fn=self.loss_fn, batch_for=self.batch_for,
-            config=config)
-        self._model0 = copy.deepcopy(module.state_dict())
-        self._opt0 = copy.deepcopy(self.optimizer.state_dict())
-        for step in range(2):  # DDP rebuilds its buckets at the second iteration
-            self.ddp.zero_grad(set_to_none=True)
-            batch = self.batch_for(rank, step)
-            first = batch[0] if scenario.micro_batches > 1 else batch
-            self.loss_fn(self.ddp, first).backward()
-        self.reset()
-
-    def reset(self) -> None:
-        """Back to step 0: the snapshot's weights and buffers, an empty optimizer state."""
-        self.module.load_state_dict(self._model0)
-        self.optimizer.load_state_dict(copy.deepcopy(self._opt0))
-        self.optimizer.zero_grad(set_to_none=True)
-        # The CPU generator directly: torch.manual_seed also queues a lazy CUDA seeding
-        # that formats a stack trace on CPU-only builds (about 1 ms a call).
-        torch.default_generator.manual_seed(self.scenario.seed * 7919 + self.rank)
-        if self.device.type == "cuda":
-            torch.cuda.manual_seed(self.scenario.seed * 7919 + self.rank)
-
-    def plain_step(self, step: int) -> float:
-        """A training step without the guard (the overhead baseline)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        batch = self.batch_for(self.rank, step)
-        batches = batch if self.scenario.micro_batches > 1 else [batch]
-        for i, mb in enumerate(batches):
-            last = i == len(batches) - 1
-            with contextlib.nullcontext() if last else self.ddp.no_sync():
-                loss = self.loss_fn(self.ddp, mb)
-                loss.backward()
-        self.optimizer.step()
-        return float(loss.detach())
-
-    def state_fingerprint(self) -> torch.Tensor:
-        """Parameters + optimizer state (what the weight check compares), in its order.
-
-        Small states (the campaign models) are fingerprinted as one concatenation of
-        their bytes, a single pass instead of one per tensor (the set and order of
-        tensors is fixed within a scenario, so any change of any bit still changes the
-        value); large ones tensor by tensor, to avoid the copy. Stays on the device.
-        """
-        tensors = [t.detach() for t in state_tensors(self.module, self.optimizer)]
-        if sum(t.numel() * t.element_size() for t in tensors) > _CONCAT_BYTES:
-            return fingerprint_tensor(tensors)
-        return fingerprint_tensor(torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]))
-
-    def close(self) -> None:
-        self.guard = None
-        del self.ddp, self.optimizer
 
 
 def _chaos_hook(chaos: Chaos, rank: int) -> Any:
@@ -243,8 +125,8 @@ class RankRunner:
     def _train(self, s: Session, steps: int, *, stop_on_detection: bool,
                params_too: bool = False) -> dict[str, Any]:
         assert s.guard is not None
-        fps: list[torch.Tensor] = []
-        wfps: list[torch.Tensor] = []
+        fps: list[int] = []
+        wfps: list[int] = []
         losses: list[float] = []
         detections: list[tuple[str, int, tuple[int, ...]]] = []
         skipped: list[int] = []
@@ -252,7 +134,7 @@ class RankRunner:
             rep = s.guard.step(step)
             fps.append(s.state_fingerprint())
             if params_too:
-                wfps.append(fingerprint_tensor([p.detach() for p in s.module.parameters()]))
+                wfps.append(s.weights_fingerprint())
             losses.append(rep.loss)
             if rep.skipped:
                 skipped.append(step)
@@ -263,20 +145,20 @@ class RankRunner:
         detections += [(d.check, d.step, tuple(d.suspect_ranks)) for d in s.guard.flush()]
         out = {
             "rank": self.rank,
-            "state_fps": [to_unsigned64(v) for v in torch.stack(fps).tolist()],
+            "state_fps": fps,
             "losses": losses,
             "detections": detections,
             "skipped": skipped,
         }
         if params_too:
-            out["weight_fps"] = [to_unsigned64(v) for v in torch.stack(wfps).tolist()]
+            out["weight_fps"] = wfps
         return out
 
     def golden(self, cmd: Golden) -> dict[str, Any]:
         sc = cmd.scenario
         s = self.session(sc, sc.guard_config())
         s.reset()
-        initial = to_unsigned64(int(s.state_fingerprint()))
+        initial = s.state_fingerprint()
         t0 = time.perf_counter()
         out = self._train(s, sc.steps, stop_on_detection=False, params_too=True)
         out["seconds"] = time.perf_counter() - t0
@@ -322,21 +204,11 @@ class RankRunner:
         return out
 
     def overhead(self, cmd: Overhead) -> dict[str, Any] | None:
-        """Median step time of each configuration, alternated block by block."""
+        """Median step time of each configuration (``scenarios.spec.overhead``), each on a
+        session of its own, alternated block by block."""
         sc = cmd.scenario
-        configs: dict[str, GuardConfig | None] = {"plain DDP": None}
-        base = {"seed": sc.seed, "micro_batches": sc.micro_batches,
-                "include_optimizer_state": sc.guard.include_optimizer_state}
-        configs["guard, checks off"] = GuardConfig(nonfinite=False, weights_interval=0, **base)
-        configs["nonfinite"] = GuardConfig(nonfinite=True, weights_interval=0, **base)
-        configs["weights"] = GuardConfig(nonfinite=False, weights_interval=1, **base)
-        configs["all@0"] = GuardConfig(nonfinite=True, weights_interval=1, **base)
-        for k in cmd.intervals:
-            configs[f"replay@{k}"] = GuardConfig(nonfinite=False, weights_interval=0,
-                                                 replay_interval=k, deterministic=True, **base)
-            configs[f"all@{k}"] = GuardConfig(nonfinite=True, weights_interval=1,
-                                              replay_interval=k, deterministic=True, **base)
-        sessions = {name: self.session(sc, cfg) for name, cfg in configs.items()}
+        sessions = {oc.name: self.session(sc, oc.for_scenario(sc))
+                    for oc in campaign_configs(cmd.intervals)}
         lcm = math.lcm(*cmd.intervals) if cmd.intervals else 1
         block = lcm * max(1, math.ceil(cmd.block / lcm))  # every interval audits block/k steps
         names = list(sessions)

@@ -2,9 +2,9 @@
 
 ``CampaignRunner`` only coordinates. Where the ranks live is an *executor*:
 
-* ``PoolExecutor``: persistent worker pools on this machine (``scenarios.pool``),
+* ``PoolExecutor``: persistent worker pools on this machine (``scenarios.run.pool``),
   one per (world size, backend), restarted after a crash or hang;
-* ``scenarios.distributed.DistributedExecutor``: this process *is* a rank,
+* ``scenarios.run.distributed.DistributedExecutor``: this process *is* a rank,
   started by ``torchrun`` (every rank runs the same loop; rank 0 writes files).
 
 Resuming: trial ids are fixed by the campaign file, the ids already in
@@ -21,13 +21,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Protocol
 
-from scenarios.campaign import CampaignSpec, TrialSpec, describe, plan_trials
-from scenarios.outcome import classify, failed_row
-from scenarios.pool import PoolError, WorkerPool
-from scenarios.rank import Command, Golden, Overhead, Prepare, Trial
-from scenarios.report import fit_replay_overhead
-from scenarios.spec import Scenario
-from scenarios.store import (
+from scenarios.report.outcome import classify, failed_row
+from scenarios.report.summary import fit_replay_overhead
+from scenarios.run.pool import PoolError, WorkerPool
+from scenarios.run.rank import Command, Golden, Overhead, Prepare, Trial
+from scenarios.run.store import (
     GoldenRun,
     TrialTable,
     golden_paths,
@@ -35,6 +33,10 @@ from scenarios.store import (
     save_golden,
     write_json,
 )
+from scenarios.spec.campaign import CampaignSpec
+from scenarios.spec.overhead import HEADLINE, PLAIN_DDP, all_checks, replay_only
+from scenarios.spec.scenario import Scenario
+from scenarios.spec.trials import TrialSpec, describe, plan_trials
 
 
 class Executor(Protocol):
@@ -163,20 +165,18 @@ class CampaignRunner:
             return None
         r0 = res[0]
         step = r0["step_s"]
-        base = step["plain DDP"]
+        base = step[PLAIN_DDP.name]
         return {
             "scenario": sc.name, "world_size": sc.world_size, "model": sc.model.kind,
             "rounds": r0["rounds"], "block": r0["block"], "seconds": time.monotonic() - t0,
             "baseline_step_ms": base * 1e3,
             "step_ms": {k: v * 1e3 for k, v in step.items()},
-            "guard_checks_off": step["guard, checks off"] / base - 1,
-            "nonfinite": step["nonfinite"] / base - 1,
-            "weights": step["weights"] / base - 1,
-            "replay": {str(k): step[f"replay@{k}"] / base - 1 for k in ks},
-            "total": {str(k): step[f"all@{k}"] / base - 1 for k in (0, *ks)},
+            **{oc.key: step[oc.name] / base - 1 for oc in HEADLINE},
+            "replay": {str(k): step[replay_only(k).name] / base - 1 for k in ks},
+            "total": {str(k): step[all_checks(k).name] / base - 1 for k in (0, *ks)},
             "replay_fit": fit_replay_overhead(r0["samples"], list(ks)),
-            "samples_ms": {name: [v * 1e3 for v in r0["samples"][name]]
-                           for name in ("plain DDP", *(f"replay@{k}" for k in ks))},
+            "samples_ms": {oc.name: [v * 1e3 for v in r0["samples"][oc.name]]
+                           for oc in (PLAIN_DDP, *(replay_only(k) for k in ks))},
         }
 
     # -- trials ---------------------------------------------------------------------------------
@@ -300,3 +300,25 @@ class CampaignRunner:
         if coordinator:
             write_json(self.out / "campaign.json", meta)
         return meta
+
+
+def executor_for(campaign: CampaignSpec) -> Executor:
+    """This process as one rank of a ``torchrun`` launch, or a local pool of ranks."""
+    from scenarios.run.distributed import DistributedExecutor, launched_by_torchrun
+
+    if launched_by_torchrun():
+        wanted = {s.backend for s in campaign.scenarios}
+        return DistributedExecutor(wanted.pop() if len(wanted) == 1 else "auto")
+    return PoolExecutor()
+
+
+def run_campaign(campaign: CampaignSpec, out: Path, *, cache: str | Path | None = None,
+                 progress: bool = True) -> bool:
+    """Run ``campaign`` into ``out`` on this machine's ranks or as a torchrun rank; whether
+    this process coordinates (and so should write the report)."""
+    executor = executor_for(campaign)
+    try:
+        CampaignRunner(campaign, out, executor, cache=cache, progress=progress).run()
+    finally:
+        executor.close()
+    return executor.coordinator

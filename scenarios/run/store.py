@@ -60,7 +60,7 @@ class TrialTable:
             with self.path.open() as fh:
                 header = next(csv.reader(fh), None)
             if header is not None and tuple(header) != COLUMNS:
-                from scenarios.spec import ScenarioError
+                from scenarios.spec.errors import ScenarioError
 
                 raise ScenarioError("--out", str(self.path.parent),
                                     "a new output directory", reason="its trials.csv has "

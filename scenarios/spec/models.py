@@ -1,4 +1,4 @@
-"""Small models and deterministic synthetic data for scenarios, tests and benchmarks."""
+"""The scenario models and their deterministic synthetic data; the dtypes a scenario may use."""
 
 from __future__ import annotations
 
@@ -8,46 +8,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scenarios.spec.seeds import data_generator
 
-def reference_mlp(seed: int = 0, d_in: int = 512, width: int = 1024, n_out: int = 10) -> nn.Module:
-    """The benchmarks' reference model: an MLP of about 1.6M parameters."""
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(d_in, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, n_out)
-    )
-
-
-def classification_batch(
-    rank: int, step: int, *, batch: int, d_in: int, n_out: int, seed: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A deterministic batch for (rank, step): the same inputs in every process and run."""
-    g = torch.Generator().manual_seed((seed * 1_000_003 + step) * 65_537 + rank)
-    x = torch.randn(batch, d_in, generator=g)
-    y = torch.randint(0, n_out, (batch,), generator=g)
-    return x, y
-
-
-def cross_entropy_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return F.cross_entropy(model(x), y)
-
-
-# -- scenario models ---------------------------------------------------------------------------
 # Four small models, each with deterministic synthetic data that is a function of
 # (seed, rank, step, micro-batch) alone, so a golden run and every trial see the same
 # batches in every process, and the guard's replay audit can recompute a neighbour's batch.
-
 MODEL_KINDS = ("mlp", "cnn", "cnn_bn", "transformer")
 """Model names accepted by scenario files (``[model] kind = ...``)."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""Parameter and activation dtypes accepted by scenario files (``dtype = ...``)."""
 
 _MLP_IN, _CLASSES = 16, 4
 _IMAGE = 12
 _VOCAB, _SEQ = 16, 12
-
-
-def _generator(seed: int, rank: int, step: int, micro: int) -> torch.Generator:
-    key = ((seed * 1_000_003 + rank) * 1_000_033 + step) * 1_009 + micro
-    return torch.Generator().manual_seed(key & ((1 << 63) - 1))
 
 
 class MLP(nn.Module):
@@ -173,7 +146,7 @@ def synthetic_batch(
     image quadrant, the transformer's from arithmetic sequences (next token =
     previous + a per-sequence stride, mod the vocabulary).
     """
-    g = _generator(seed, rank, step, micro)
+    g = data_generator(seed, rank, step, micro)
     if kind == "mlp":
         x = torch.randn(batch, _MLP_IN, generator=g)
         teacher = torch.randn(_MLP_IN, _CLASSES, generator=torch.Generator().manual_seed(seed))

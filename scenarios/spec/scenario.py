@@ -21,8 +21,9 @@ faults to inject into it::
     kind = "adamw"               # adamw | sgd (with momentum)
     lr = 0.01
 
-    [guard]                      # maps to sdc_guard.GuardConfig
-    replay_interval = 2
+    [guard]                      # a sdc_guard.GuardConfig: any of its fields but seed and
+    replay_interval = 2          # micro_batches (the scenario's own); deterministic is on
+                                 # whenever the replay audit is (it needs it)
 
     [[faults]]                   # an explicit list (one trial per entry: injectors.Fault fields)
     site = "weight_storage"
@@ -45,109 +46,33 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import math
-import sys
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Final
 
-from injectors import MODELS as FAULT_MODELS
-from injectors import SITES, Fault, FaultError
-from scenarios.models import (
+from injectors import Fault, FaultError
+from scenarios.spec.errors import ScenarioError, need_bool, need_choice, need_int, need_number
+from scenarios.spec.faults import STATE_KEYS, FaultSpace, space_of
+from scenarios.spec.models import (
+    DTYPES,
     MODEL_KINDS,
     activation_targets,
     build_model,
     parameter_targets,
     synthetic_batch,
 )
+from scenarios.spec.tables import known_keys, read_toml, table_of
 from sdc_guard import GuardConfig
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
-
-DTYPES: Final = ("float32", "bfloat16")
 BACKENDS: Final = ("auto", "gloo", "nccl")
-OPTIMIZERS: Final = ("adamw", "sgd")
-STATE_KEYS: Final = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
-FIELDS: Final = ("sign", "exponent", "mantissa", "any", "nan", "inf")
-"""Bit fields of a campaign: one random bit of the sign / exponent / mantissa / any field
-(a bit flip), or the whole element set to NaN / +Inf (a value fault)."""
-MODES: Final = ("matrix", "sample")
-_TRAINING_CODE: Final = ("models.py", "rank.py")
-"""Source files whose contents are part of ``Scenario.training_key`` (the golden cache key),
-with ``sdc_guard/fingerprints.py`` (the golden run stores fingerprints)."""
-
-
-class ScenarioError(ValueError):
-    """A scenario or campaign file that cannot be run as written.
-
-    ``file``, ``field`` (a dotted path such as ``optimizer.kind``), ``value`` and
-    ``allowed`` say what is wrong and what would be accepted.
-    """
-
-    def __init__(self, field: str, value: Any, allowed: str, *, reason: str = "",
-                 file: str | Path | None = None) -> None:
-        self.file = None if file is None else str(file)
-        self.field = field
-        self.value = value
-        self.allowed = allowed
-        self.reason = reason
-        super().__init__(str(self))
-
-    def __str__(self) -> str:
-        where = f"{self.file}: " if self.file else ""
-        why = f" ({self.reason})" if self.reason else ""
-        return f"{where}{self.field} = {self.value!r} is not valid{why}; allowed: {self.allowed}"
-
-    def in_file(self, file: str | Path, prefix: str = "") -> ScenarioError:
-        """The same error, located in ``file`` (and under table ``prefix``)."""
-        name = f"{prefix}.{self.field}" if prefix and not self.field.startswith(prefix) else (
-            self.field)
-        return ScenarioError(name, self.value, self.allowed, reason=self.reason,
-                             file=self.file or file)
-
-
-# -- small validators --------------------------------------------------------------------------
-def _int(name: str, v: Any, lo: int, hi: int | None = None) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
-        rng = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
-        raise ScenarioError(name, v, rng)
-
-
-def _float(name: str, v: Any, lo: float, hi: float, *, lo_open: bool = False) -> None:
-    ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
-          and (v > lo if lo_open else v >= lo) and v <= hi)
-    if not ok:
-        raise ScenarioError(name, v, f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
-
-
-def _choice(name: str, v: Any, allowed: tuple[str, ...]) -> None:
-    if v not in allowed:
-        raise ScenarioError(name, v, f"one of {list(allowed)}")
-
-
-def _bool(name: str, v: Any) -> None:
-    if not isinstance(v, bool):
-        raise ScenarioError(name, v, "true or false")
-
-
-def _choices(name: str, v: Any, allowed: tuple[str, ...]) -> None:
-    if not isinstance(v, tuple) or not v:
-        raise ScenarioError(name, v, f"a non-empty list of {list(allowed)}")
-    for x in v:
-        _choice(name, x, allowed)
-    if len(set(v)) != len(v):
-        raise ScenarioError(name, list(v), f"distinct values from {list(allowed)}")
-
-
-def _ints(name: str, v: Any, lo: int, *, empty: bool = False) -> None:
-    if not isinstance(v, tuple) or (not v and not empty):
-        raise ScenarioError(name, v, f"a {'' if empty else 'non-empty '}list of integers >= {lo}")
-    for x in v:
-        _int(name, x, lo)
+OPTIMIZERS: Final = tuple(STATE_KEYS)
+FROM_SCENARIO: Final = ("seed", "micro_batches")
+"""``GuardConfig`` fields the scenario sets itself (its data and batches depend on them too)."""
+TRAINING_CODE: Final = ("spec/models.py", "run/session.py", "run/rank.py")
+"""Harness files (relative to ``scenarios/``) that build the model, the data and the optimizer
+and train them: with the ``sdc_guard`` sources, part of ``Scenario.training_key``."""
 
 
 # -- the parts of a scenario -------------------------------------------------------------------
@@ -156,18 +81,18 @@ class ModelSpec:
     """Which model to train."""
 
     kind: str = "mlp"
-    """One of ``scenarios.models.MODEL_KINDS``: mlp, cnn, cnn_bn (BatchNorm), transformer."""
+    """One of ``scenarios.spec.models.MODEL_KINDS``: mlp, cnn, cnn_bn (BatchNorm), transformer."""
     width: int = 32
     """Hidden units (mlp), channels of the first convolution (cnn), model width (transformer)."""
     depth: int = 2
     """Hidden layers (mlp) or transformer blocks; the CNNs always have two convolutions."""
 
     def __post_init__(self) -> None:
-        _choice("model.kind", self.kind, MODEL_KINDS)
-        _int("model.width", self.width, 2, 4096)
+        need_choice("model.kind", self.kind, MODEL_KINDS)
+        need_int("model.width", self.width, 2, 4096)
         if self.kind == "transformer" and self.width % 2:
             raise ScenarioError("model.width", self.width, "an even integer (2 attention heads)")
-        _int("model.depth", self.depth, 1, 64)
+        need_int("model.depth", self.depth, 1, 64)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -184,112 +109,33 @@ class OptimizerSpec:
     """Decoupled (AdamW) or L2 (SGD) weight decay."""
 
     def __post_init__(self) -> None:
-        _choice("optimizer.kind", self.kind, OPTIMIZERS)
-        _float("optimizer.lr", self.lr, 0.0, 10.0, lo_open=True)
-        _float("optimizer.momentum", self.momentum, 0.0, 1.0, lo_open=True)
-        _float("optimizer.weight_decay", self.weight_decay, 0.0, 1.0)
+        need_choice("optimizer.kind", self.kind, OPTIMIZERS)
+        need_number("optimizer.lr", self.lr, 0.0, 10.0, lo_open=True)
+        need_number("optimizer.momentum", self.momentum, 0.0, 1.0, lo_open=True)
+        need_number("optimizer.weight_decay", self.weight_decay, 0.0, 1.0)
 
 
-@dataclass(kw_only=True, frozen=True, slots=True)
-class GuardSpec:
-    """The guard's checks (``sdc_guard.GuardConfig``; seed and micro-batches come from the
-    scenario). In a campaign, ``replay_interval`` is set per trial from the matrix."""
-
-    nonfinite: bool = True
-    nonfinite_exchange_interval: int = GuardConfig().nonfinite_exchange_interval
-    weights_interval: int = 1
-    replay_interval: int = 0
-    include_optimizer_state: bool = True
-    skip_step_on_detection: bool = True
-    deterministic: bool = False
-    """Deterministic mode; switched on for every run with a replay interval > 0 (the audit
-    needs it), as a user would. Our models draw no random numbers, so it does not change
-    the trajectory: clean trials at every interval are checked against one golden run."""
-
-    def __post_init__(self) -> None:
-        for name in ("nonfinite", "include_optimizer_state", "skip_step_on_detection",
-                     "deterministic"):
-            _bool(f"guard.{name}", getattr(self, name))
-        _int("guard.nonfinite_exchange_interval", self.nonfinite_exchange_interval, 1)
-        _int("guard.weights_interval", self.weights_interval, 0)
-        _int("guard.replay_interval", self.replay_interval, 0)
-
-    def config(self, *, seed: int, micro_batches: int,
-               replay_interval: int | None = None) -> GuardConfig:
-        """The ``GuardConfig`` for a run (``replay_interval`` overrides the file's)."""
-        k = self.replay_interval if replay_interval is None else replay_interval
-        return GuardConfig(
-            nonfinite=self.nonfinite, weights_interval=self.weights_interval, replay_interval=k,
-            nonfinite_exchange_interval=self.nonfinite_exchange_interval,
-            include_optimizer_state=self.include_optimizer_state,
-            skip_step_on_detection=self.skip_step_on_detection,
-            deterministic=self.deterministic or k > 0, seed=seed, micro_batches=micro_batches,
-        )
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
-class FaultSpace:
-    """A campaign's faults: a full matrix of its axes, or a random sample from them.
-
-    Each trial gets one fault: a site, a bit field, a fault model, a first step, a
-    rank and a replay interval from the axes; its target (a module for activation
-    sites, a parameter otherwise) and the element inside it are drawn from the
-    trial's seed. ``optimizer_state`` faults at step 0 are left out of a matrix
-    (optimizers create their state in the first step).
-    """
-
-    mode: str = "matrix"
-    """``"matrix"`` (every combination of the axes) or ``"sample"`` (random draws)."""
-    sites: tuple[str, ...] = SITES
-    fields: tuple[str, ...] = ("sign", "exponent", "mantissa")
-    """Bit fields: ``FIELDS`` (sign / exponent / mantissa / any: one random bit; nan / inf)."""
-    models: tuple[str, ...] = ("transient",)
-    """Fault models: transient, intermittent, permanent."""
-    steps: tuple[int, ...] = ()
-    """First steps; empty = every step from 1 to the scenario's last (sample mode)."""
-    ranks: tuple[int, ...] = ()
-    """Faulty ranks; empty = every rank."""
-    replay_intervals: tuple[int, ...] = (0,)
-    """Replay audit intervals to run the trials under (0 = audit off)."""
-    p: float = 0.5
-    """Intermittent faults: probability of firing at each step."""
-    repeat: int = 1
-    """Matrix mode: trials per combination (each with its own seed: other targets, elements)."""
-    trials_per_site: int = 0
-    """Sample mode: trials per site; 0 = sized by ``margin`` (Leveugle et al. 2009)."""
-    margin: float = 0.1
-    """Sample mode: target margin of error of each site's coverage."""
-    confidence: float = 0.95
-    """Sample mode: confidence level of ``margin`` (0.90, 0.95 or 0.99)."""
-    seed: int = 0
-    """Seeds the sample, the targets and the elements: trial ids are a function of it."""
-
-    def __post_init__(self) -> None:
-        _choice("mode", self.mode, MODES)
-        _choices("sites", self.sites, SITES)
-        _choices("fields", self.fields, FIELDS)
-        _choices("models", self.models, FAULT_MODELS)
-        _ints("steps", self.steps, 0, empty=True)
-        _ints("ranks", self.ranks, 0, empty=True)
-        _ints("replay_intervals", self.replay_intervals, 0)
-        _float("p", self.p, 0.0, 1.0, lo_open=True)
-        _int("repeat", self.repeat, 1, 1000)
-        _int("trials_per_site", self.trials_per_site, 0)
-        _float("margin", self.margin, 0.0, 0.5, lo_open=True)
-        _choice("confidence", self.confidence, (0.9, 0.95, 0.99))  # type: ignore[arg-type]
-        _int("seed", self.seed, 0)
-        if self.mode == "matrix" and not self.steps:
-            raise ScenarioError("steps", [], "a non-empty list of steps in matrix mode")
-
-    def check_against(self, scenario: Scenario) -> None:
-        for s in self.steps:
-            if s >= scenario.steps:
-                raise ScenarioError("steps", s, f"steps in [0, {scenario.steps - 1}] "
-                                    f"(scenario {scenario.name!r} trains {scenario.steps} steps)")
-        for r in self.ranks:
-            if r >= scenario.world_size:
-                raise ScenarioError("ranks", r, f"ranks in [0, {scenario.world_size - 1}] "
-                                    f"(scenario {scenario.name!r} has {scenario.world_size})")
+def guard_from_table(table: Mapping[str, Any]) -> GuardConfig:
+    """The ``GuardConfig`` of a ``[guard]`` table (``seed`` and ``micro_batches`` are the
+    scenario's: ``Scenario`` fills them in). Deterministic mode is on when the table turns
+    the replay audit on and does not say otherwise, as the audit needs it."""
+    names = [f.name for f in fields(GuardConfig) if f.name not in FROM_SCENARIO]
+    for key in FROM_SCENARIO:
+        if key in table:
+            raise ScenarioError(f"guard.{key}", table[key], f"{key} at the top level of the "
+                                "scenario, not in [guard]", reason="the scenario's data uses it too")
+    known_keys(table, names, "guard.")
+    kw = dict(table)
+    k = kw.get("replay_interval", 0)
+    if "deterministic" not in kw and isinstance(k, int) and not isinstance(k, bool) and k > 0:
+        kw["deterministic"] = True
+    try:
+        return GuardConfig(**kw)
+    except ValueError as e:  # GuardConfig names the field first: "GuardConfig.<field> ..."
+        m = re.search(r"GuardConfig\.(\w+)", str(e))
+        key = m.group(1) if m and m.group(1) in kw else next(iter(kw), "?")
+        raise ScenarioError(f"guard.{key}", kw.get(key), "a value sdc_guard.GuardConfig accepts",
+                            reason=str(e).rstrip(".")) from None
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -308,7 +154,10 @@ class Scenario:
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     dtype: str = "float32"
     """Parameter and activation dtype: float32 or bfloat16 (the loss is taken in float32)."""
-    guard: GuardSpec = field(default_factory=GuardSpec)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    """The guard's checks (``[guard]``); its ``seed`` and ``micro_batches`` are the
+    scenario's own (filled in here). In a campaign the replay interval is set per trial
+    (``guard_config``)."""
     seed: int = 0
     """Seeds the initial weights, the data and the guard's random streams."""
     backend: str = "auto"
@@ -326,24 +175,25 @@ class Scenario:
         if not isinstance(self.name, str) or not self.name or not all(
                 c.isalnum() or c in "-_." for c in self.name):
             raise ScenarioError("name", self.name, "a non-empty name of letters, digits, - _ .")
-        _int("world_size", self.world_size, 1, 1024)
-        _int("steps", self.steps, 1, 100_000)
-        _int("batch", self.batch, 1, 65_536)
-        _int("micro_batches", self.micro_batches, 1, 1024)
-        _choice("dtype", self.dtype, DTYPES)
-        _int("seed", self.seed, 0)
-        _choice("backend", self.backend, BACKENDS)
-        _float("trial_timeout_s", self.trial_timeout_s, 1.0, 86_400.0)
-        _bool("stop_on_detection", self.stop_on_detection)
+        need_int("world_size", self.world_size, 1, 1024)
+        need_int("steps", self.steps, 1, 100_000)
+        need_int("batch", self.batch, 1, 65_536)
+        need_int("micro_batches", self.micro_batches, 1, 1024)
+        need_choice("dtype", self.dtype, tuple(DTYPES))
+        need_int("seed", self.seed, 0)
+        need_choice("backend", self.backend, BACKENDS)
+        need_number("trial_timeout_s", self.trial_timeout_s, 1.0, 86_400.0)
+        need_bool("stop_on_detection", self.stop_on_detection)
+        if not isinstance(self.guard, GuardConfig):
+            raise ScenarioError("guard", self.guard, "a sdc_guard.GuardConfig")
+        if (self.guard.seed, self.guard.micro_batches) != (self.seed, self.micro_batches):
+            object.__setattr__(self, "guard", replace(self.guard, seed=self.seed,
+                                                      micro_batches=self.micro_batches))
         if self.faults and self.space is not None:
             raise ScenarioError("faults", f"{len(self.faults)} fault(s)",
                                 "either [[faults]] or [matrix]/[sample], not both")
         if self.space is not None:
-            try:
-                self.space.check_against(self)
-            except ScenarioError as e:
-                raise ScenarioError(f"{self.space.mode}.{e.field}", e.value, e.allowed,
-                                    reason=e.reason) from None
+            self.space.check_against(self)
         for i, f in enumerate(self.faults):
             self._check_fault(i, f)
 
@@ -411,8 +261,11 @@ class Scenario:
         return {n: sizes.get(n, 1) for n in names}
 
     def guard_config(self, replay_interval: int | None = None) -> GuardConfig:
-        return self.guard.config(seed=self.seed, micro_batches=self.micro_batches,
-                                 replay_interval=replay_interval)
+        """The guard's configuration for a run at ``replay_interval`` (None: the file's),
+        deterministic mode on when the audit is (it needs it; our models draw no random
+        numbers, so it does not change the trajectory: one golden run serves them all)."""
+        k = self.guard.replay_interval if replay_interval is None else replay_interval
+        return replace(self.guard, replay_interval=k, deterministic=self.guard.deterministic or k > 0)
 
     def training_key(self) -> str:
         """A hash of everything that determines the fault-free trajectory (the golden run)."""
@@ -430,63 +283,34 @@ class Scenario:
 
 @functools.cache
 def _code_hash() -> str:
-    """The code that builds the model, the data and the optimizer is part of the golden key."""
-    import sdc_guard.fingerprints
+    """The code that trains a scenario (the harness's and the library's) is part of the
+    golden key: a golden run computed by other code is not reused."""
+    import sdc_guard
 
-    here = Path(__file__).parent
-    files = [here / f for f in _TRAINING_CODE] + [Path(sdc_guard.fingerprints.__file__)]
+    here = Path(__file__).parents[1]
+    lib = Path(sdc_guard.__file__).parent
+    files = [here / f for f in TRAINING_CODE] + sorted(
+        p for p in lib.rglob("*") if p.suffix in (".py", ".c"))
     return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
 
 
 # -- TOML -> dataclasses -----------------------------------------------------------------------
-def _known(cls: type, table: Mapping[str, Any], prefix: str, extra: tuple[str, ...] = ()) -> None:
-    names = [f.name for f in fields(cls) if f.name not in ("faults", "space")] + list(extra)
-    for key in table:
-        if key not in names:
-            raise ScenarioError(f"{prefix}{key}", table[key], f"the keys {sorted(names)}",
-                                reason="unknown key")
-
-
-def _tuples(table: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in table.items()}
-
-
-def _table(data: Mapping[str, Any], key: str) -> Mapping[str, Any]:
-    v = data.get(key, {})
-    if not isinstance(v, Mapping):
-        raise ScenarioError(key, v, "a TOML table ([" + key + "])")
-    return v
-
-
-def fault_space(table: Mapping[str, Any], mode: str) -> FaultSpace:
-    """A ``FaultSpace`` from a ``[matrix]`` or ``[sample]`` table."""
-    if not isinstance(table, Mapping):
-        raise ScenarioError(mode, table, f"a TOML table ([{mode}])")
-    _known(FaultSpace, table, f"{mode}.")
-    if "mode" in table and table["mode"] != mode:
-        raise ScenarioError(f"{mode}.mode", table["mode"], f"{mode!r} (or leave it out)")
-    try:
-        return FaultSpace(**{**_tuples(table), "mode": mode})
-    except ScenarioError as e:
-        raise ScenarioError(f"{mode}.{e.field}", e.value, e.allowed, reason=e.reason) from None
-
-
 def scenario_from_dict(data: Mapping[str, Any], *, name: str) -> Scenario:
     """Build a ``Scenario`` from plain data (a parsed TOML document)."""
-    _known(Scenario, data, "", extra=("faults", "matrix", "sample"))
+    known_keys(data, [f.name for f in fields(Scenario) if f.name not in ("faults", "space")]
+               + ["faults", "matrix", "sample"], "")
     kw: dict[str, Any] = {k: v for k, v in data.items()
                           if k not in ("model", "optimizer", "guard", "faults", "matrix",
                                        "sample")}
     kw.setdefault("name", name)
-    for key, cls in (("model", ModelSpec), ("optimizer", OptimizerSpec), ("guard", GuardSpec)):
-        table = _table(data, key)
-        _known(cls, table, f"{key}.")
+    for key, cls in (("model", ModelSpec), ("optimizer", OptimizerSpec)):
+        table = table_of(data, key)
+        known_keys(table, [f.name for f in fields(cls)], f"{key}.")
         kw[key] = cls(**table)
-    spaces = [m for m in MODES if m in data]
-    if len(spaces) > 1:
-        raise ScenarioError("sample", "[matrix] and [sample]", "one of [matrix] or [sample]")
-    if spaces:
-        kw["space"] = fault_space(data[spaces[0]], spaces[0])
+    kw["guard"] = guard_from_table(table_of(data, "guard"))
+    space = space_of(data)
+    if space is not None:
+        kw["space"] = space
     raw = data.get("faults", [])
     if not isinstance(raw, list) or not all(isinstance(x, Mapping) for x in raw):
         raise ScenarioError("faults", raw, "an array of tables ([[faults]])")
@@ -503,20 +327,6 @@ def scenario_from_dict(data: Mapping[str, Any], *, name: str) -> Scenario:
     return Scenario(**kw)
 
 
-def read_toml(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    try:
-        with p.open("rb") as fh:
-            return tomllib.load(fh)
-    except FileNotFoundError:
-        raise ScenarioError("file", str(p), "an existing TOML file", file=p) from None
-    except OSError as e:
-        raise ScenarioError("file", str(p), "a readable TOML file", reason=e.strerror or str(e),
-                            file=p) from None
-    except tomllib.TOMLDecodeError as e:
-        raise ScenarioError("toml", str(e), "valid TOML", file=p) from None
-
-
 def load_scenario(path: str | Path) -> Scenario:
     """Read and validate a scenario file; every problem is a ``ScenarioError`` naming it."""
     p = Path(path)
@@ -526,12 +336,5 @@ def load_scenario(path: str | Path) -> Scenario:
     except ScenarioError as e:
         raise e.in_file(p) from None
     except TypeError as e:  # e.g. a table where a number was expected
-        raise ScenarioError("?", str(e), "see the scenario format in scenarios/spec.py",
+        raise ScenarioError("?", str(e), "see the scenario format in scenarios/spec/scenario.py",
                             file=p) from None
-
-
-def with_replay(scenario: Scenario, interval: int) -> Scenario:
-    """The scenario with the guard's replay interval set (``deterministic`` on when needed)."""
-    guard = replace(scenario.guard, replay_interval=interval,
-                    deterministic=scenario.guard.deterministic or interval > 0)
-    return replace(scenario, guard=guard)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scenarios import device_check
+from bench import device_check
 
 
 @pytest.mark.timeout(120)
@@ -33,10 +33,10 @@ def test_guard_check_expects_what_each_world_size_reports(world: int) -> None:
 
 
 def test_kernel_check_fails_on_a_wrong_device_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sdc_guard.checks.replay import ReplayAudit
+    from sdc_guard import internal
 
-    real = ReplayAudit._term_device
-    monkeypatch.setattr(ReplayAudit, "_term_device", staticmethod(lambda row: real(row) + 1))
+    real = internal.replay_term_device
+    monkeypatch.setattr(internal, "replay_term_device", lambda row: real(row) + 1)
     report = device_check.check_kernels(torch.device("cpu"))
     assert not report["passed"]
     assert any("step-word term" in m for m in report["mismatches"])

@@ -13,27 +13,23 @@ from typing import Any
 
 import pytest
 
-from scenarios.campaign import (
-    CampaignSpec,
-    FaultSpace,
-    TrialSpec,
-    leveugle_sample_size,
-    load_campaign,
-    plan_trials,
-)
 from scenarios.cli import main
-from scenarios.outcome import classify, failed_row
-from scenarios.report import (
+from scenarios.report.outcome import classify, failed_row
+from scenarios.report.render import write_report
+from scenarios.report.summary import (
     fit_replay_overhead,
     recommend,
     recommendation_agreement,
     wilson,
-    write_report,
 )
-from scenarios.spec import ScenarioError, load_scenario, scenario_from_dict
-from scenarios.store import COLUMNS, GoldenRun, TrialTable
+from scenarios.run.store import COLUMNS, GoldenRun, TrialTable
+from scenarios.spec.campaign import CampaignSpec, load_campaign
+from scenarios.spec.errors import ScenarioError
+from scenarios.spec.faults import FaultSpace
+from scenarios.spec.scenario import load_scenario, scenario_from_dict
+from scenarios.spec.trials import TrialSpec, leveugle_sample_size, plan_trials
 
-CONFIGS = Path(__file__).resolve().parents[1] / "scenarios" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "scenarios" / "configs"
 
 
 def _write(tmp_path: Path, text: str, name: str = "s.toml") -> Path:
@@ -63,6 +59,9 @@ def test_every_shipped_config_loads() -> None:
     ('[optimizer]\nkind = "adam"\n', "optimizer.kind", "adam"),
     ("stepz = 3\n", "stepz", 3),
     ('[guard]\nreplay_interval = -1\n', "guard.replay_interval", -1),
+    ('[guard]\nbogus = 1\n', "guard.bogus", 1),  # not a GuardConfig field
+    ('[guard]\nseed = 3\n', "guard.seed", 3),  # the scenario's own
+    ('[guard]\nreplay_interval = 2\ndeterministic = false\n', "guard.replay_interval", 2),
     ('[sample]\nsites = ["weights"]\n', "sample.sites", "weights"),
     ('[matrix]\nsteps = [40]\n', "matrix.steps", 40),
     ('[[faults]]\nsite = "weight_storage"\nrank = 5\nstep = 1\ntarget = "net.0.weight"\n'
@@ -122,6 +121,27 @@ def test_guard_section_maps_to_guard_config() -> None:
     assert one.guard_config(0).nonfinite_exchange_interval == 1
     with pytest.raises(ScenarioError, match=r"guard\.nonfinite_exchange_interval"):
         scenario_from_dict({"guard": {"nonfinite_exchange_interval": 0}}, name="g0")
+    # The replay audit turns deterministic mode on unless the file says otherwise.
+    audited = scenario_from_dict({"seed": 3, "guard": {"replay_interval": 2}}, name="r")
+    assert (audited.guard.deterministic, audited.guard.seed, audited.guard_config().replay_interval
+            ) == (True, 3, 2)
+
+
+def test_overhead_configurations_are_declared_once() -> None:
+    from dataclasses import replace
+
+    from scenarios.spec.overhead import CHECKS_OFF, HEADLINE, PLAIN_DDP, campaign_configs
+
+    configs = campaign_configs((1, 4))
+    names = [oc.name for oc in configs]
+    assert len(set(names)) == len(names) and names[0] == PLAIN_DDP.name
+    assert [oc.key for oc in HEADLINE] == ["guard_checks_off", "nonfinite", "weights"]
+    sc = scenario_from_dict({"seed": 7, "micro_batches": 2,
+                             "guard": {"include_optimizer_state": False}}, name="o")
+    cfg = CHECKS_OFF.for_scenario(sc)
+    assert cfg == replace(CHECKS_OFF.config, seed=7, micro_batches=2,  # type: ignore[arg-type]
+                          include_optimizer_state=False)
+    assert PLAIN_DDP.for_scenario(sc) is None
 
 
 # -- campaign plans ---------------------------------------------------------------------------
@@ -343,7 +363,7 @@ def test_report_from_a_trial_table(tmp_path: Path) -> None:
 
 # -- torchrun failure handling ------------------------------------------------------------------
 def test_watchdog_ends_a_hung_process() -> None:
-    code = ("import time\nfrom scenarios.distributed import watchdog\n"
+    code = ("import time\nfrom scenarios.run.distributed import watchdog\n"
             "with watchdog(0.5, lambda: print('fired', flush=True)):\n    time.sleep(60)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        cwd=CONFIGS.parents[1])
@@ -351,8 +371,8 @@ def test_watchdog_ends_a_hung_process() -> None:
 
 
 def test_a_trial_in_flight_when_the_ranks_went_down_is_recorded(tmp_path: Path) -> None:
-    from scenarios.runner import CampaignRunner, PoolExecutor
-    from scenarios.store import write_json
+    from scenarios.run.runner import CampaignRunner, PoolExecutor
+    from scenarios.run.store import write_json
 
     space = FaultSpace(sites=("weight_storage",), fields=("sign", "exponent"), steps=(2,),
                        ranks=(1,))

@@ -15,13 +15,14 @@ from typing import Any
 import pytest
 
 from injectors import Fault
-from scenarios.campaign import Chaos, TrialSpec, campaign_for_scenario, load_campaign, plan_trials
-from scenarios.runner import CampaignRunner, PoolExecutor
-from scenarios.spec import scenario_from_dict
+from scenarios.run.runner import CampaignRunner, PoolExecutor
+from scenarios.spec.campaign import campaign_for_scenario, load_campaign
+from scenarios.spec.scenario import scenario_from_dict
+from scenarios.spec.trials import Chaos, TrialSpec, plan_trials
 
 pytestmark = pytest.mark.timeout(300)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SCENARIO = """
 world_size = 3

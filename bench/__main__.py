@@ -1,0 +1,74 @@
+"""``python -m bench`` (``nox -s bench``): fingerprint throughput and per-check step-time overhead.
+
+Every number is a median over alternated repetitions measured in one run, and is
+written next to the ratio it is judged by. Results go to ``bench/results.json`` and
+``bench/RESULTS.md`` (quoted in the README)::
+
+    python -m bench [--quick] [--out bench]
+
+The parts: ``fingerprint`` (throughput), ``overhead`` (per check, per step and in
+blocks), ``replay`` (the replay audit against its ideal), ``results`` (RESULTS.md);
+``reference`` (the workload) and ``timing`` (repetitions, bootstrap intervals).
+``python -m bench.throughput`` measures the campaign harness, ``python -m
+bench.device_check`` checks a machine with an accelerator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.fingerprint import fingerprint_throughput
+from bench.overhead import check_overhead, check_overhead_blocks
+from bench.replay import replay_overhead
+from bench.results import markdown
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions, smaller tensor")
+    ap.add_argument("--out", default="bench", help="directory for results.json and RESULTS.md")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
+                   f"torch {torch.__version__}",
+        "quick": args.quick,
+    }
+    results["fingerprint"] = fingerprint_throughput(64 if args.quick else 256,
+                                                    3 if args.quick else 9)
+    print(json.dumps(results["fingerprint"], indent=1))
+    q = args.quick
+    runs: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        ("overhead", lambda: check_overhead(3, rounds=3 if q else 24, block=3 if q else 8,
+                                            batch=128)),
+        ("overhead_blocks", lambda: check_overhead_blocks(3, rounds=4 if q else 48,
+                                                          block=8 if q else 24, batch=128)),
+        ("replay", lambda: replay_overhead(3, rounds=3 if q else 12, batch=128)),
+        ("replay_alone", lambda: replay_overhead(3, rounds=3 if q else 12, batch=128,
+                                                 nonfinite=False)),
+        ("overhead_world2", lambda: check_overhead(2, rounds=3 if q else 6, block=3 if q else 8,
+                                                   batch=128)),
+        ("replay_world2", lambda: replay_overhead(2, rounds=3 if q else 12, batch=128)),
+        ("replay_world1", lambda: replay_overhead(1, rounds=3 if q else 12, batch=128)),
+        ("replay_world1_torch", lambda: replay_overhead(1, rounds=3 if q else 12, batch=128,
+                                                        native=False)),
+    ]
+    for key, measure in runs:
+        results[key] = measure()
+        print(json.dumps(results[key], indent=1))
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "RESULTS.md").write_text(markdown(results))
+    print((out / "RESULTS.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

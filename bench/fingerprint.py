@@ -1,0 +1,82 @@
+"""Fingerprint throughput: GiB/s of ``sdc_guard.fingerprint`` beside other ways to summarise a
+tensor, and the per-tensor cost for a model's many small tensors."""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bench.timing import alternate
+from sdc_guard import fingerprint, fingerprint_tensor, native_enabled, native_kernel
+from sdc_guard.internal import tensor_value, tensor_values
+
+GIB = 1024**3
+
+
+def _on_path(native: bool, fn: Callable[[], object]) -> object:
+    """``fn()`` with the C kernel on or off, the previous choice restored afterwards."""
+    with native_kernel(native):
+        return fn()
+
+
+def fingerprint_throughput(mib: int, rounds: int) -> dict[str, Any]:
+    """GiB/s of each way to summarise the same float32 tensor, alternated round by round."""
+    x = torch.randn(mib * 1024 * 1024 // 4)
+    nbytes = x.numel() * 4
+    mv = memoryview(x.numpy()).cast("B")
+    methods: dict[str, Callable[[], object]] = {
+        "torch.sum (one read pass)": lambda: float(x.sum()),
+        "sdc_guard.fingerprint (torch ops: no C compiler)":
+            lambda: _on_path(False, lambda: fingerprint(x)),
+        "torch.hash_tensor (XOR, order-blind)": lambda: torch.hash_tensor(x).view(torch.int64).item(),
+        "sha256 over the bytes": lambda: hashlib.sha256(mv).digest(),
+    }
+    try:
+        import xxhash
+
+        methods["xxh3_64 over the bytes"] = lambda: xxhash.xxh3_64_intdigest(mv)
+    except ImportError:  # pragma: no cover - xxhash is in the dev extra
+        pass
+    if native_enabled():
+        methods["sdc_guard.fingerprint (C kernel, the default)"] = (
+            lambda: _on_path(True, lambda: fingerprint(x)))
+    times = alternate(methods, rounds)
+    base = statistics.median(times["torch.sum (one read pass)"])
+    out: dict[str, Any] = {"tensor_mib": mib, "threads": torch.get_num_threads(), "methods": {}}
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        out["methods"][name] = {
+            "median_s": med,
+            "gib_per_s": nbytes / med / GIB,
+            "ratio_to_sum": base / med,
+        }
+    out["many_small"] = many_small_tensors(rounds)
+    return out
+
+
+def many_small_tensors(rounds: int) -> dict[str, Any]:
+    """Microseconds per tensor for a model's many small tensors, batched against one by one.
+
+    800 tensors like a transformer's biases, norm weights, their two AdamW moments and
+    step counters (200 each of 1024, 1024, 1024 float32 and one scalar).
+    """
+    tensors: list[torch.Tensor] = []
+    for i in range(200):
+        tensors += [torch.randn(1024), torch.randn(1024), torch.rand(1024),
+                    torch.tensor(float(i))]
+    cpu = torch.device("cpu")
+    methods: dict[str, Callable[[], object]] = {
+        "values batched (the default for a list)": lambda: tensor_values(tensors, cpu),
+        "values one tensor at a time": lambda: torch.stack(
+            [tensor_value(t) for t in tensors]),
+        "torch.sum of each tensor": lambda: torch.stack([t.sum() for t in tensors]),
+        "fingerprint_tensor of the list": lambda: fingerprint_tensor(tensors).item(),
+    }
+    times = alternate(methods, rounds * 3)
+    return {"tensors": len(tensors),
+            "us_per_tensor": {k: statistics.median(v) / len(tensors) * 1e6
+                              for k, v in times.items()}}

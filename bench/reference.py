@@ -1,0 +1,95 @@
+"""The benchmarks' reference workload: an MLP of about 1.6M parameters, its data and loss, and
+guarded and plain DDP instances of it whose configuration is switched block by block."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from scenarios.spec.overhead import OverheadConfig
+from scenarios.spec.seeds import data_generator
+from sdc_guard import GuardConfig, SDCGuard
+
+D_IN, N_OUT = 512, 10
+
+INSTANCES = 3
+"""Model instances of each kind, used in turn round by round (the round counts in
+``bench.__main__`` are multiples of it). Two instances of the same model can differ in
+speed by 1-2% (where their memory landed), as much as the cheapest check costs: with
+every configuration of a kind on one instance and the instances rotated, that difference
+neither biases a comparison nor hides from the bootstrap intervals."""
+
+
+def reference_mlp(seed: int = 0, d_in: int = D_IN, width: int = 1024,
+                  n_out: int = N_OUT) -> nn.Module:
+    """The reference model: 512 -> 1024 -> 1024 -> 10, ReLU."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(d_in, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, n_out)
+    )
+
+
+def classification_batch(rank: int, step: int, *, batch: int, d_in: int = D_IN,
+                         n_out: int = N_OUT, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic batch for (rank, step): the same inputs in every process and run."""
+    g = data_generator(seed, rank, step, 0)
+    x = torch.randn(batch, d_in, generator=g)
+    y = torch.randint(0, n_out, (batch,), generator=g)
+    return x, y
+
+
+def cross_entropy_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The reference ``loss_fn`` (``sdc_guard.LossFn``)."""
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def switch(guard: SDCGuard, config: GuardConfig) -> None:
+    """Give ``guard`` the checks of ``config`` for the steps that follow (every rank alike).
+
+    The benchmarks alternate configurations on one model; the non-finite words still
+    out belong to the old checks and are collected first.
+    """
+    if guard.config == config:
+        return
+    if guard.config.nonfinite:
+        guard.flush()
+    guard.reconfigure(config)
+
+
+Runner = Callable[[OverheadConfig, int], Callable[[int], object]]
+"""``runner(configuration, instance)``: the step function of that instance, set to it."""
+
+
+def reference_runs(rank: int, batch: int) -> tuple[list[SDCGuard], Runner]:
+    """``INSTANCES`` plain DDP loops and guarded models of the reference workload: the
+    guards, and the ``Runner`` (a plain loop for a configuration without a guard)."""
+    batch_for = functools.partial(classification_batch, batch=batch)
+    plains: list[Callable[[int], None]] = []
+    guards: list[SDCGuard] = []
+    for _ in range(INSTANCES):
+        model = DDP(reference_mlp())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def plain(step: int, model: DDP = model, opt: torch.optim.Optimizer = opt) -> None:
+            opt.zero_grad(set_to_none=True)
+            cross_entropy_loss(model, batch_for(rank, step)).backward()
+            opt.step()
+
+        plains.append(plain)
+        gmodel = DDP(reference_mlp())
+        gopt = torch.optim.AdamW(gmodel.parameters(), lr=1e-3)
+        guards.append(SDCGuard(gmodel, gopt, loss_fn=cross_entropy_loss, batch_for=batch_for))
+
+    def runner(oc: OverheadConfig, i: int) -> Callable[[int], object]:
+        if oc.config is None:
+            return plains[i]
+        switch(guards[i], oc.config)
+        return guards[i].step
+
+    return guards, runner

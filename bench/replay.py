@@ -1,0 +1,258 @@
+"""Replay audit overhead: step time with the audit every k steps, beside replay off and an
+"ideal" run that only adds the recomputation the audit cannot avoid."""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from bench.reference import (
+    INSTANCES,
+    classification_batch,
+    cross_entropy_loss,
+    reference_mlp,
+    switch,
+)
+from bench.timing import bootstrap_interval, split_rounds
+from scenarios.run.launch import run_ranks
+from scenarios.spec.overhead import replay_only
+from sdc_guard import GuardConfig, SDCGuard, native_kernel
+from sdc_guard.internal import BucketListener, PendingSum
+
+REPLAY_INTERVALS = (1, 2, 5, 10, 50)
+
+
+class _BeforeLastAllreduce(BucketListener):
+    """A comm-hook listener that only calls ``fn`` once per step, just before the last
+    gradient all-reduce: where the audit starts its word, and so where the ideal's
+    agreement starts its own."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+
+    def before_last_allreduce(self) -> None:
+        self.fn()
+
+
+def _replay_rank(rank: int, world: int, rounds: int, batch: int,
+                 native: bool = True, nonfinite: bool = True) -> dict[str, Any]:
+    """``_measure`` with the C kernel on (``native``) or the torch path forced."""
+    with native_kernel(native) as native_in_use:
+        return _measure(rank, world, rounds, batch, nonfinite=nonfinite,
+                        native_in_use=native_in_use)
+
+
+def _measure(rank: int, world: int, rounds: int, batch: int, *, nonfinite: bool,
+             native_in_use: bool) -> dict[str, Any]:
+    """Step time with the replay audit at several intervals, beside replay off and the ideal.
+
+    ``nonfinite``: the non-finite check runs in every configuration (replay off and the
+    ideal too), as with the guard's default configuration; on audit steps the replay's
+    words then share its gather. ``False``: the replay alone, with a gather of its own.
+
+    The ideal of interval k is a real run, alternated with the others: replay off, plus
+    one plain forward+backward of the neighbour's batch at the start of every k-th step
+    (what the audit must at least do), so it meets the same contention and the same
+    synchronisation pattern as the audit. The cost per step is estimated from the
+    medians of the audit (or extra) steps and of the other steps (see
+    ``extra_per_step``), for the audit and the ideal alike.
+    """
+    batch_for = functools.partial(classification_batch, batch=batch)
+
+    def audit(k: int) -> GuardConfig:  # the audit every k steps (0: off), deterministic mode
+        config = replay_only(max(k, 1)).config
+        assert config is not None
+        return replace(config, replay_interval=k, nonfinite=nonfinite)
+
+    configs = {"off": (audit(0), 0, False),
+               **{f"audit {k}": (audit(k), 0, False) for k in REPLAY_INTERVALS},
+               **{f"ideal {k}": (audit(0), k, False) for k in REPLAY_INTERVALS}}
+    if world > 1:
+        configs.update({f"agree {k}": (audit(0), k, True) for k in REPLAY_INTERVALS})
+    """name -> (the guard's configuration, interval of the ideal's extra forward+backward,
+    whether the ideal also agrees on an 8-byte word before the optimizer step, as an audit
+    must)"""
+    guards: list[SDCGuard] = []
+    listeners: list[_BeforeLastAllreduce] = []
+    extra_every = [0]
+    agree_on = [False]
+    agreeing: list[PendingSum] = []
+
+    def wait_agreeing(_: SDCGuard) -> None:
+        for p in agreeing:
+            p.wait()
+    for _ in range(INSTANCES):
+        model = DDP(reference_mlp())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        g = SDCGuard(model, opt, loss_fn=cross_entropy_loss, batch_for=batch_for,
+                     config=audit(1), before_optimizer_step=wait_agreeing)
+        module = model.module
+        params = [p for p in module.parameters() if p.requires_grad]
+        pending_agree = [False]
+
+        def extra(step: int, module: torch.nn.Module = module,
+                  params: list[torch.Tensor] = params, pending: list[bool] = pending_agree) -> None:
+            agreeing.clear()
+            every = extra_every[0]
+            if every and step % every == 0:
+                loss = cross_entropy_loss(module, batch_for((rank + 1) % world, step))
+                torch.autograd.grad(loss, params)
+                pending[0] = agree_on[0]
+
+        def send(pending: list[bool] = pending_agree) -> None:
+            # Where the audit starts its word: in the last gradient all-reduce's shadow.
+            if pending[0]:
+                pending[0] = False
+                agreeing.append(PendingSum(torch.zeros(1, dtype=torch.int64)))
+
+        g.before_step.append(extra)
+        guards.append(g)
+        listeners.append(_BeforeLastAllreduce(send))
+
+    def runner(name: str, i: int) -> SDCGuard:
+        config, ideal, agree = configs[name]
+        g = guards[i]
+        switch(g, config)  # a new configuration has new checks; ours stays subscribed
+        if listeners[i] not in g.comm.listeners:
+            g.comm.subscribe(listeners[i])
+        extra_every[0] = ideal
+        agree_on[0] = agree
+        return g
+
+    module = reference_mlp()
+    params = list(module.parameters())
+    steps = {k: 0 for k in configs}
+    times: dict[str, list[float]] = {k: [] for k in configs}
+    cpu: dict[str, list[float]] = {k: [] for k in configs}
+    thread: dict[str, list[float]] = {k: [] for k in configs}
+    step_ids: dict[str, list[int]] = {k: [] for k in configs}
+    fwd_bwd: list[float] = []
+    for i in range(INSTANCES):  # warm-up
+        for name in configs:
+            runner(name, i).step(1)
+    every = {name: int(name.split()[1]) if " " in name else 1 for name in configs}
+    # At least 4 audit (or extra) steps per block, so every interval gets the same count.
+    per_block = {name: max(10, 4 * every[name]) for name in configs}
+    for r in range(rounds):
+        for name in configs:
+            g = runner(name, r % INSTANCES)
+            for _ in range(per_block[name]):
+                dist.barrier()
+                t0 = time.perf_counter()
+                c0 = time.process_time()
+                h0 = time.thread_time()
+                g.step(steps[name])
+                h1 = time.thread_time()
+                c1 = time.process_time()
+                dist.barrier()
+                times[name].append(time.perf_counter() - t0)
+                cpu[name].append(c1 - c0)
+                thread[name].append(h1 - h0)
+                step_ids[name].append(steps[name])
+                steps[name] += 1
+        for _ in range(3):
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = cross_entropy_loss(module, batch_for(rank, 0))
+            torch.autograd.grad(loss, params)
+            fwd_bwd.append(time.perf_counter() - t0)
+
+    def extra_per_step(samples: dict[str, list[tuple[int, float]]], name: str) -> float:
+        """Robust mean extra time per step of ``name`` over "off": medians by phase.
+
+        Interval k's steps are 1/k audit (or extra) steps and (k-1)/k others; the median
+        of each kind, weighted so, is what the mean would be without this machine's
+        occasional 100 ms stalls, which would otherwise swamp 1% effects.
+        """
+        k = every[name]
+        base = statistics.median(t for _, t in samples["off"])
+        hit = statistics.median(t for st, t in samples[name] if st % k == 0)
+        if k == 1:
+            return hit - base
+        rest = statistics.median(t for st, t in samples[name] if st % k != 0)
+        return (hit - base) / k + (rest - base) * (k - 1) / k
+
+    def per_hit(samples: dict[str, list[tuple[int, float]]], name: str) -> float:
+        """Extra time of one audit (or extra) step over the same configuration's other steps.
+
+        The other steps of interval k run in the same blocks as its audit steps, so
+        this difference does not carry the noise of comparing two configurations;
+        for k = 1 (no other steps) it is taken over "off". What interval k costs per
+        step is this divided by k, if its other steps cost what "off" costs:
+        ``rest_vs_off`` below checks that.
+        """
+        k = every[name]
+        hit = statistics.median(t for st, t in samples[name] if st % k == 0)
+        if k == 1:
+            return hit - statistics.median(t for _, t in samples["off"])
+        return hit - statistics.median(t for st, t in samples[name] if st % k != 0)
+
+    def rest_vs_off(samples: dict[str, list[tuple[int, float]]], name: str) -> float:
+        k = every[name]
+        if k == 1:
+            return 0.0
+        return (statistics.median(t for st, t in samples[name] if st % k != 0)
+                - statistics.median(t for _, t in samples["off"]))
+
+    tagged = {k: list(zip(step_ids[k], times[k], strict=True)) for k in configs}
+    ctagged = {k: list(zip(step_ids[k], cpu[k], strict=True)) for k in configs}
+    htagged = {k: list(zip(step_ids[k], thread[k], strict=True)) for k in configs}
+    off = statistics.median(times["off"])
+    coff = statistics.median(cpu["off"])
+    fb = statistics.median(fwd_bwd)
+    out: dict[str, Any] = {"step_s_replay_off": off, "forward_backward_s": fb,
+                           "step_cpu_s_replay_off": coff, "native_kernel": native_in_use,
+                           "steps_per_config": len(times["off"]), "rounds": rounds,
+                           "intervals": {}}
+    per_round = {k: split_rounds(v, rounds) for k, v in tagged.items()}
+    for k in REPLAY_INTERVALS:
+        a, i = f"audit {k}", f"ideal {k}"
+        audit, ideal = extra_per_step(tagged, a), extra_per_step(tagged, i)
+        sub = {n: per_round[n] for n in ("off", a, i)}
+        g = f"agree {k}"
+        if g in configs:
+            sub_g = {n: per_round[n] for n in ("off", a, g)}
+            out.setdefault("agree", {})[str(k)] = {
+                "per_audit_step_ratio": per_hit(tagged, a) / per_hit(tagged, g),
+                "per_audit_step_ratio_interval_90": bootstrap_interval(
+                    sub_g, lambda m, a=a, g=g: per_hit(m, a) / per_hit(m, g)),
+                "agree_step_extra_s": per_hit(tagged, g),
+            }
+        out["intervals"][str(k)] = {
+            "per_audit_step_ratio": per_hit(tagged, a) / per_hit(tagged, i),
+            "per_audit_step_ratio_interval_90": bootstrap_interval(
+                sub, lambda m, a=a, i=i: per_hit(m, a) / per_hit(m, i)),
+            "per_audit_step_thread_cpu_ratio": per_hit(htagged, a) / per_hit(htagged, i),
+            "audit_step_extra_s": per_hit(tagged, a),
+            "ideal_step_extra_s": per_hit(tagged, i),
+            "audit_rest_vs_off_s": rest_vs_off(tagged, a),
+            "audit_rest_vs_off_interval_90": bootstrap_interval(sub, lambda m, a=a: rest_vs_off(m, a)),
+            "ideal_rest_vs_off_s": rest_vs_off(tagged, i),
+            "ratio_to_ideal_interval_90": bootstrap_interval(
+                sub, lambda m, a=a, i=i: extra_per_step(m, a) / extra_per_step(m, i)),
+            "step_s": off + audit,
+            "ideal_step_s": off + ideal,
+            "overhead": audit / off,
+            "ideal_overhead": ideal / off,
+            "ratio_to_ideal": audit / ideal,
+            "formula_overhead": fb / k / off,
+            "ratio_to_formula": audit / (fb / k),
+            "cpu_ratio_to_ideal": extra_per_step(ctagged, a) / extra_per_step(ctagged, i),
+        }
+    return out
+
+
+def replay_overhead(world: int, rounds: int, batch: int, native: bool = True,
+                    nonfinite: bool = True) -> dict[str, Any]:
+    """The replay audit's overhead on ``world`` ranks (see ``_measure``)."""
+    res = run_ranks(_replay_rank, world, rounds, batch, native, nonfinite, timeout=3600)[0]
+    res.update({"world": world, "batch": batch, "nonfinite": nonfinite})
+    return res

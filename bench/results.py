@@ -1,0 +1,203 @@
+"""``bench/RESULTS.md`` from ``bench/results.json``: the tables the README and docs quote."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.reference import INSTANCES
+from scenarios.spec.overhead import CHECKS_OFF, NONFINITE, NONFINITE_EVERY_STEP
+
+GUARD_OFF = CHECKS_OFF.name
+NF_EVERY = NONFINITE_EVERY_STEP.name
+
+
+def overhead_md(ov: dict[str, Any], *, reference: bool) -> list[str]:
+    lines = ["", f"## Step-time overhead: {ov['world']} ranks x 1 thread, MLP of "
+             f"{ov['params']/1e6:.2f}M parameters, batch {ov['batch']}, AdamW", "",
+             "Wall time is the target metric; CPU time (the rank's process, all threads) is the "
+             "work the check adds, without the waits.", "",
+             f"Plain DDP and the guard run on separate models; the guard's configurations "
+             f"share one, switched block by block; {INSTANCES} instances of each are used in "
+             "turn, round by round, so that the speed difference between two instances of the "
+             "same model (1-2% here) is sampled by the intervals rather than hidden in them. "
+             "The order of the configurations rotates round by round. "
+             "The last column compares each check with the guard's own model, checks off.", "",
+             "| configuration | median step (ms) | overhead vs plain DDP | 90% interval (bootstrap "
+             "over rounds) | median CPU per step (ms) | CPU overhead | vs guard, checks off "
+             "(90% interval) |",
+             "|---|---|---|---|---|---|---|"]
+    for name, s in ov["step_s"].items():
+        lo, hi = ov["overhead_interval_90"].get(name, (0.0, 0.0))
+        same = ""
+        if name in ov.get("overhead_vs_guard_off", {}):
+            glo, ghi = ov["vs_guard_off_interval_90"][name]
+            same = (f"{ov['overhead_vs_guard_off'][name]*100:+.1f}% "
+                    f"({glo*100:+.1f}% .. {ghi*100:+.1f}%)")
+        lines.append(f"| {name} | {s*1e3:.2f} | {ov['overhead_vs_plain_ddp'][name]*100:+.1f}% | "
+                     f"{lo*100:+.1f}% .. {hi*100:+.1f}% | {ov['step_cpu_s'][name]*1e3:.2f} | "
+                     f"{ov['cpu_overhead_vs_plain_ddp'][name]*100:+.1f}% | {same} |")
+    d = ov["direct_s"]
+    lines += ["", "Parts measured directly (after a barrier; parameters + AdamW state = "
+              f"{ov['state_bytes']/2**20:.1f} MiB):", "", "| part | median (ms) |", "|---|---|"]
+    for name, s in d.items():
+        lines.append(f"| {name} | {s*1e3:.3f} |")
+    target = " (target <= 2%)" if reference else ""
+    lines += ["", "nonfinite, measured directly (the fused pass minus the scaling pass, the "
+              "reduced-result check, and sending the flags word, once every "
+              f"{ov.get('nonfinite_exchange_interval', 1)} steps) = "
+              f"**{ov['nonfinite_direct_fraction_of_plain_step']*100:.1f}%** of a plain DDP step"
+              f"{target}; in step time **{ov['overhead_vs_plain_ddp'][NONFINITE.name]*100:+.1f}%**"
+              " vs plain DDP and "
+              f"**{ov['overhead_vs_guard_off'][NONFINITE.name]*100:+.1f}%** vs the guard with its "
+              "checks off (same model), in CPU time "
+              f"**{ov['cpu_overhead_vs_plain_ddp'][NONFINITE.name]*100:+.1f}%**."]
+    if NF_EVERY in ov["overhead_vs_guard_off"]:
+        lines += ["With its flags sent every step (`nonfinite_exchange_interval=1`: a word nobody "
+                  "waits for, but a collective all the same): "
+                  f"**{ov['overhead_vs_guard_off'][NF_EVERY]*100:+.1f}%** vs the guard with its "
+                  "checks off."]
+    lines.append("")
+    bl = ov.get("blocks")
+    if bl:
+        lines += [f"Timed as a training loop runs: blocks of {bl['block']} steps with no barrier "
+                  f"between the steps, {bl['rounds']} rounds, the order rotating; the median over "
+                  "rounds of each round's ratio to the guard with its checks off (a barrier per "
+                  "step, as in the table above, adds two meeting points per step and lines the "
+                  "ranks' phases up, which on 3 ranks sharing 2 cores magnifies any extra work):",
+                  "", "| configuration | median step (ms) | vs guard, checks off | 90% interval "
+                  "(bootstrap over rounds) | CPU vs guard, checks off |", "|---|---|---|---|---|"]
+        for name, sec in bl["step_s"].items():
+            if name == GUARD_OFF:
+                lines.append(f"| {name} | {sec*1e3:.2f} | | | |")
+                continue
+            lo, hi = bl["vs_guard_off_interval_90"][name]
+            lines.append(f"| {name} | {sec*1e3:.2f} | **{bl['vs_guard_off'][name]*100:+.1f}%** | "
+                         f"{lo*100:+.1f}% .. {hi*100:+.1f}% | "
+                         f"{bl['cpu_vs_guard_off'][name]*100:+.1f}% |")
+        lines.append("")
+    target = " (target <= 1.5x)" if reference else ""
+    lines += ["weights verdict / (fingerprint then all_gather, timed as one) = "
+              f"**{ov['weights_cost_ratio_to_timed_ideal']:.2f}x**{target}; / (sum of the two "
+              f"medians) = {ov['weights_cost_ratio']:.2f}x; (local fingerprint + all_gather) / "
+              f"(flat fingerprint + all_gather) = {ov['weights_local_cost_ratio']:.2f}x.", ""]
+    return lines
+
+
+def replay_md(rp: dict[str, Any]) -> list[str]:
+    kernel = "" if rp.get("native_kernel") else ", digests on the torch path (no C kernel)"
+    checks = ("the non-finite check on in every configuration" if rp.get("nonfinite", False)
+              else "the replay alone")
+    lines = [f"## Replay audit overhead ({rp['world']} rank(s), batch {rp['batch']}, {checks}, "
+             f"{rp.get('rounds', rp['steps_per_config'] // 10)} rounds, alternated{kernel})", "",
+             f"Replay off: {rp['step_s_replay_off']*1e3:.2f} ms/step (median) "
+             f"({rp['step_cpu_s_replay_off']*1e3:.2f} ms CPU). Ideal run: replay off plus one "
+             "plain forward+backward of the neighbour's batch every k steps, alternated with the "
+             "others. Every configuration runs on the same model, switched block by block "
+             f"({INSTANCES} instances used in turn, round by round). For reference, one "
+             "forward+backward timed alone: "
+             f"{rp['forward_backward_s']*1e3:.2f} ms. Interval k runs blocks of max(10, 4k) "
+             "steps, so every interval has the same number of audit (or extra) steps.", "",
+             "**Per audit step** (the target: what an audit adds beyond its recomputation): the "
+             "extra time of an audit step over the other steps of the same configuration "
+             "(over \"off\" for k = 1), against the same for the ideal's extra "
+             "forward+backward. Comparing steps within one configuration keeps the noise "
+             "between configurations out, which at long intervals is larger than the whole "
+             "effect. The main-thread CPU column is the same ratio in the rank's main-thread "
+             "CPU time: the work an audit adds, without the waits of 3 ranks sharing 2 cores. "
+             "The last column checks the premise: the audit configuration's other "
+             "steps cost what \"off\" costs.", "",
+             "| interval | audit step extra (ms) | ideal step extra (ms) | **measured / ideal, per "
+             "audit step** | 90% interval (bootstrap over rounds) | main-thread CPU, measured / "
+             "ideal | audit's other steps vs off (ms, 90% interval) |",
+             "|---|---|---|---|---|---|---|"]
+    for k, r in rp["intervals"].items():
+        lo, hi = r["per_audit_step_ratio_interval_90"]
+        rlo, rhi = r["audit_rest_vs_off_interval_90"]
+        rest = ("-" if k == "1" else f"{r['audit_rest_vs_off_s']*1e3:+.2f} "
+                f"({rlo*1e3:+.2f} .. {rhi*1e3:+.2f})")
+        lines.append(f"| {k} | {r['audit_step_extra_s']*1e3:.2f} | "
+                     f"{r['ideal_step_extra_s']*1e3:.2f} | **{r['per_audit_step_ratio']:.2f}** | "
+                     f"{lo:.2f} .. {hi:.2f} | "
+                     f"{r.get('per_audit_step_thread_cpu_ratio', float('nan')):.2f} | {rest} |")
+    if rp.get("agree"):
+        lines += ["", "The audit must also agree before the optimizer step: one small all-reduce "
+                  "per audit step, the only collective the guard's default checks make before "
+                  "it (the non-finite check contains without one). On this machine, where 3 "
+                  "ranks share 2 cores, any collective costs a few ms of wall time. The same "
+                  "ratio against the ideal plus that agreement (the ideal's extra step also "
+                  "starts an 8-byte all-reduce before its last gradient all-reduce and waits "
+                  "for it before the optimizer step):", "",
+                  "| interval | ideal + agreement, step extra (ms) | measured / (ideal + "
+                  "agreement), per audit step | 90% interval |", "|---|---|---|---|"]
+        for k, r in rp["agree"].items():
+            lo, hi = r["per_audit_step_ratio_interval_90"]
+            lines.append(f"| {k} | {r['agree_step_extra_s']*1e3:.2f} | "
+                         f"{r['per_audit_step_ratio']:.2f} | {lo:.2f} .. {hi:.2f} |")
+    lines += ["", "Per step, over the whole run (robust means: the median of the audit (or "
+              "extra) steps and of the other steps, weighted 1/k and (k-1)/k, so that this "
+              "machine's occasional 100 ms stalls do not swamp effects of 1%; at long "
+              "intervals the difference between two configurations' other steps, pure noise "
+              "here, outweighs the audit):", "",
+              "| interval | audit step (ms) | audit overhead | ideal step (ms) | ideal overhead "
+              "| measured / ideal | 90% interval (bootstrap over rounds) | CPU measured / ideal "
+              "| measured / (fwd+bwd alone / k) |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for k, r in rp["intervals"].items():
+        lo, hi = r["ratio_to_ideal_interval_90"]
+        lines.append(f"| {k} | {r['step_s']*1e3:.2f} | {r['overhead']*100:+.1f}% | "
+                     f"{r['ideal_step_s']*1e3:.2f} | {r['ideal_overhead']*100:+.1f}% | "
+                     f"{r['ratio_to_ideal']:.2f} | {lo:.2f} .. {hi:.2f} | "
+                     f"{r['cpu_ratio_to_ideal']:.2f} | {r['ratio_to_formula']:.2f} |")
+    lines.append("")
+    return lines
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = [f"# Benchmark results ({results['machine']})", "",
+             "Produced by `nox -s bench` (`python -m bench`). Medians of alternated "
+             "repetitions in one run.", ""]
+    fp = results["fingerprint"]
+    lines += [f"## Fingerprint throughput: {fp['tensor_mib']} MiB float32, "
+              f"{fp['threads']} threads", "",
+              "| method | GiB/s | ratio to torch.sum |", "|---|---|---|"]
+    for name, m in fp["methods"].items():
+        lines.append(f"| {name} | {m['gib_per_s']:.2f} | {m['ratio_to_sum']:.2f} |")
+    small = fp.get("many_small")
+    if small:
+        lines += ["", f"Many small tensors ({small['tensors']}: a model's biases, norms, their "
+                  "AdamW moments and step counters), 1 list, microseconds per tensor:", "",
+                  "| method | us per tensor |", "|---|---|"]
+        lines += [f"| {k} | {v:.2f} |" for k, v in small["us_per_tensor"].items()]
+    lines += overhead_md({**results["overhead"], "blocks": results.get("overhead_blocks")},
+                          reference=True)
+    if results.get("replay"):
+        lines += replay_md(results["replay"])
+    if results.get("replay_alone"):
+        lines += ["## The replay audit alone", "",
+                  "The same, with the non-finite check off everywhere: the audit's words then "
+                  "need a gather of their own (started in the comm hook before the last gradient "
+                  "all-reduce), one more synchronisation point on audit steps.", ""]
+        lines += replay_md(results["replay_alone"])
+    if results.get("overhead_world2"):
+        lines += ["## The same with 2 ranks on the 2 cores (no oversubscription)", "",
+                  "With 3 ranks on 2 cores every synchronisation point makes the ranks' next "
+                  "compute phases collide, which costs wall time that is not work. These runs "
+                  "show the checks without that effect.", ""]
+        lines += overhead_md(results["overhead_world2"], reference=False)
+        if results.get("replay_world2"):
+            lines += replay_md(results["replay_world2"])
+    if results.get("replay_world1"):
+        lines += ["## The audit's own cost: one rank alone", "",
+                  "A single rank replays its own batch (the ring of one): no other process "
+                  "competes for the cores and no rank waits for another, so this is the work the "
+                  "audit adds, against one forward+backward.", ""]
+        lines += replay_md(results["replay_world1"])
+    fallback = [k for k in ("replay_world1_torch",)
+                if k in results and not results[k].get("native_kernel")]
+    if fallback:
+        lines += ["## The same audit on the torch path", "",
+                  "`SDC_GUARD_NATIVE=0` (what a machine without a C compiler runs): the "
+                  "gradient digests take torch ops instead of the C kernel.", ""]
+    for key in fallback:
+        lines += replay_md(results[key])
+    return "\n".join(lines) + "\n"

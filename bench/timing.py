@@ -1,0 +1,58 @@
+"""Timing helpers of the benchmarks: alternated repetitions and bootstrap intervals."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+Rounds = dict[str, list[list[float]]]
+"""Per configuration, per round, the samples measured in that round."""
+
+
+def seconds(fn: Callable[[], object]) -> float:
+    """Wall seconds of one call of ``fn``."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def alternate(methods: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each method: one warm-up call each, then ``rounds`` alternated rounds."""
+    times: dict[str, list[float]] = {k: [] for k in methods}
+    for fn in methods.values():
+        fn()
+    for _ in range(rounds):
+        for name, fn in methods.items():
+            times[name].append(seconds(fn))
+    return times
+
+
+def bootstrap_interval(rounds: Rounds, stat: Callable[[dict[str, list[float]]], float],
+                       n: int = 1000) -> tuple[float, float]:
+    """A 90% bootstrap interval of ``stat`` over the measurement rounds.
+
+    The configurations alternate inside a round, so a round is the unit of
+    resampling: each resample pools the samples of randomly drawn rounds and applies
+    the same ``stat`` as the headline number. Seeded, so reproducible.
+    """
+    rng = random.Random(0)
+    count = len(next(iter(rounds.values())))
+    stats = []
+    for _ in range(n):
+        pick = [rng.randrange(count) for _ in range(count)]
+        pooled = {k: [x for i in pick for x in v[i]] for k, v in rounds.items()}
+        try:
+            stats.append(stat(pooled))
+        except (ZeroDivisionError, statistics.StatisticsError):
+            continue
+    stats.sort()
+    return stats[int(0.05 * len(stats))], stats[int(0.95 * len(stats)) - 1]
+
+
+def split_rounds(samples: list[Any], rounds: int) -> list[list[Any]]:
+    """``samples`` of ``rounds`` equal rounds, as one list per round."""
+    per = len(samples) // rounds
+    return [samples[i * per:(i + 1) * per] for i in range(rounds)]

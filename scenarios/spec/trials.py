@@ -1,0 +1,222 @@
+"""Which trials a campaign runs: a deterministic list of frozen ``TrialSpec`` records.
+
+Each scenario of the campaign gets its fault trials (its fault space, sampled or
+as a full matrix, or its own ``[[faults]]``) and clean trials (no fault: false
+positives), spread evenly among them. Every choice is seeded by
+``scenarios.spec.seeds.seed_of``, and trial ids are hashes of what the trial does
+(scenario, fault, replay interval, seed), so the same file always yields the same
+ids: a resumed campaign skips the ids already in ``trials.csv``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from injectors import Fault
+from scenarios.spec.campaign import CampaignSpec
+from scenarios.spec.errors import ScenarioError, need_int
+from scenarios.spec.faults import STATE_KEYS, FaultSpace
+from scenarios.spec.scenario import Scenario
+from scenarios.spec.seeds import seed_of
+
+CHAOS_ACTIONS: Final = ("raise", "exit", "hang")
+Z: Final = {0.9: 1.645, 0.95: 1.96, 0.99: 2.576}
+"""Two-sided normal quantiles t for the Leveugle et al. sample size."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Chaos:
+    """A harness self-test: make one rank raise, exit or hang at one step (not a data fault)."""
+
+    action: str
+    rank: int
+    step: int
+
+    def __post_init__(self) -> None:
+        if self.action not in CHAOS_ACTIONS:
+            raise ScenarioError("chaos.action", self.action, f"one of {list(CHAOS_ACTIONS)}")
+        need_int("chaos.rank", self.rank, 0)
+        need_int("chaos.step", self.step, 0)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class TrialSpec:
+    """One trial: a scenario, the faults armed for it (none: a clean trial), a replay interval."""
+
+    id: str
+    scenario: str
+    replay_interval: int
+    faults: tuple[Fault, ...] = ()
+    site: str = ""
+    """Label for tables: the (first) fault's site; empty for clean trials."""
+    field: str = ""
+    """Label: the bit field (sign / exponent / mantissa / any / nan / inf), or "custom"."""
+    fault_model: str = ""
+    chaos: Chaos | None = None
+
+    @property
+    def kind(self) -> str:
+        return "fault" if self.faults else ("chaos" if self.chaos else "clean")
+
+
+# -- sample size --------------------------------------------------------------------------------
+def leveugle_sample_size(population: int, margin: float, confidence: float = 0.95,
+                         p: float = 0.5) -> int:
+    """Statistical fault injection (Leveugle et al., DATE 2009): trials for a margin of error.
+
+    ``n = N / (1 + e^2 (N - 1) / (t^2 p (1 - p)))`` for a population of ``N`` faults,
+    margin ``e``, the normal quantile ``t`` of the confidence level and the expected
+    proportion ``p`` (0.5: the worst case). Rounded up.
+    """
+    if population < 1:
+        return 0
+    t = Z[confidence]
+    n = population / (1 + margin**2 * (population - 1) / (t**2 * p * (1 - p)))
+    return min(population, math.ceil(n - 1e-9))
+
+
+def _bits(scenario: Scenario) -> int:
+    return 32 if scenario.dtype == "float32" else 16
+
+
+# -- building trials ----------------------------------------------------------------------------
+def _trial_id(scenario: Scenario, *parts: Any) -> str:
+    blob = json.dumps([scenario.name, scenario.training_key(), *parts], sort_keys=True,
+                      default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def make_fault(scenario: Scenario, *, site: str, field_name: str, model: str, step: int,
+               rank: int, seed: int, p: float, sizes: Mapping[str, int]) -> Fault:
+    """One fault from matrix axes; target (weighted by elements) and state key drawn from seed."""
+    rng = random.Random(seed)
+    names = sorted(sizes)
+    target = rng.choices(names, weights=[sizes[n] for n in names])[0] if site not in (
+        "activation", "activation_grad") else rng.choice(names)
+    kw: dict[str, Any] = {"site": site, "rank": rank, "step": step, "target": target,
+                          "model": model, "seed": seed % (1 << 31)}
+    if field_name in ("nan", "inf"):
+        kw.update(kind="set", value=float(field_name))
+    else:
+        kw.update(kind="bitflip", field=field_name, count=1)
+    if site == "optimizer_state":
+        kw["state_key"] = rng.choice(STATE_KEYS[scenario.optimizer.kind])
+    if model == "intermittent":
+        kw["p"] = p
+    if model == "permanent" and site in ("activation", "activation_grad"):
+        kw["phase"] = "any"  # a broken unit also corrupts the audit's recomputations
+    return Fault(**kw)
+
+
+def _fault_trial(scenario: Scenario, space: FaultSpace, combo: tuple[Any, ...], seed: int,
+                 sizes: Mapping[str, int]) -> TrialSpec | None:
+    k, site, fld, model, step, rank = combo
+    if site == "optimizer_state" and step == 0:
+        return None  # no optimizer state exists before the first step
+    fault = make_fault(scenario, site=site, field_name=fld, model=model, step=step, rank=rank,
+                       seed=seed, p=space.p, sizes=sizes)
+    tid = _trial_id(scenario, k, fault.to_dict())
+    return TrialSpec(id=tid, scenario=scenario.name, replay_interval=k, faults=(fault,),
+                     site=site, field=fld, fault_model=model)
+
+
+def _space_trials(scenario: Scenario, space: FaultSpace) -> list[TrialSpec]:
+    ranks = space.ranks or tuple(range(scenario.world_size))
+    steps = space.steps or tuple(range(1, scenario.steps))
+    sizes = {site: scenario.target_sizes(site) for site in space.sites}
+    out: list[TrialSpec] = []
+    if space.mode == "matrix":
+        for combo in itertools.product(space.replay_intervals, space.sites, space.fields,
+                                       space.models, steps, ranks):
+            for rep in range(space.repeat):
+                seed = seed_of(space.seed, scenario.name, combo, rep)
+                t = _fault_trial(scenario, space, combo, seed, sizes[combo[1]])
+                if t is not None:
+                    out.append(t)
+        return out
+    for site in space.sites:
+        n = space.trials_per_site
+        if not n:
+            population = (sum(sizes[site].values()) * _bits(scenario) * len(steps) * len(ranks)
+                          * len(space.models) * len(space.replay_intervals))
+            n = leveugle_sample_size(population, space.margin, space.confidence)
+        rng = random.Random(seed_of(space.seed, scenario.name, site))
+        site_steps = [s for s in steps if site != "optimizer_state" or s > 0] or [1]
+        for i in range(n):
+            combo = (rng.choice(space.replay_intervals), site, rng.choice(space.fields),
+                     rng.choice(space.models), rng.choice(site_steps), rng.choice(ranks))
+            seed = seed_of(space.seed, scenario.name, site, i)
+            trial = _fault_trial(scenario, space, combo, seed, sizes[site])
+            if trial is not None:
+                out.append(trial)
+    return out
+
+
+def _explicit_trials(scenario: Scenario) -> list[TrialSpec]:
+    k = scenario.guard.replay_interval
+    return [TrialSpec(id=_trial_id(scenario, k, f.to_dict(), i), scenario=scenario.name,
+                      replay_interval=k, faults=(f,), site=f.site,
+                      field=f.field or (f.kind if f.kind != "bitflip" else "custom"),
+                      fault_model=f.model)
+            for i, f in enumerate(scenario.faults)]
+
+
+def clean_trials(scenario: Scenario, intervals: tuple[int, ...], count: int) -> list[TrialSpec]:
+    return [TrialSpec(id=_trial_id(scenario, k, "clean", i), scenario=scenario.name,
+                      replay_interval=k)
+            for k in intervals for i in range(count)]
+
+
+def _interleave(faults: list[TrialSpec], clean: list[TrialSpec]) -> list[TrialSpec]:
+    """Clean trials spread evenly among the fault trials (each checks the reset after faults)."""
+    if not clean:
+        return faults
+    out: list[TrialSpec] = []
+    every = max(1, len(faults) // len(clean))
+    it = iter(clean)
+    for i, t in enumerate(faults):
+        if i % every == 0:
+            c = next(it, None)
+            if c is not None:
+                out.append(c)
+        out.append(t)
+    out.extend(it)
+    return out
+
+
+def plan_trials(campaign: CampaignSpec) -> list[TrialSpec]:
+    """Every trial of the campaign, in a fixed order (the same list on every call)."""
+    trials: list[TrialSpec] = []
+    for scenario in campaign.scenarios:
+        space = campaign.space or scenario.space
+        if space is not None:
+            faults = _space_trials(scenario, space)
+            intervals = space.replay_intervals
+        else:
+            faults = _explicit_trials(scenario)
+            intervals = (scenario.guard.replay_interval,)
+        clean = clean_trials(scenario, intervals, campaign.clean_trials)
+        trials += _interleave(faults, clean)
+    ids = [t.id for t in trials]
+    if len(set(ids)) != len(ids):  # two combinations drew the very same fault: run it once
+        unique: dict[str, TrialSpec] = {}
+        for t in trials:
+            unique.setdefault(t.id, t)
+        trials = list(unique.values())
+    return trials
+
+
+def describe(campaign: CampaignSpec, trials: list[TrialSpec]) -> dict[str, Any]:
+    """Counts per scenario / site / kind, for the log and the report."""
+    by: dict[str, int] = {}
+    for t in trials:
+        key = f"{t.scenario}/{t.site or t.kind}"
+        by[key] = by.get(key, 0) + 1
+    return {"campaign": campaign.name, "trials": len(trials), "by_scenario_site": by}
