@@ -30,7 +30,7 @@ def native(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         warnings.simplefilter("always")
         available = nat.enable_native()
     if not available:
-        pytest.skip("sdc_guard._native could not be built here (the torch path is used): "
+        pytest.skip("the C kernel could not be built here (the torch path is used): "
                     + "; ".join(str(w.message) for w in caught))
     yield
 
