@@ -49,6 +49,13 @@ class GuardConfig:
     event_log: str | Path | None = None
     """Append one JSON line per detection (and per injection, from the injectors) to this file."""
 
+    node_name_env: str = "NODE_NAME"
+    """The environment variable that holds this rank's Kubernetes node name (the downward API's
+    ``spec.nodeName``); without it, the hostname names the node (``sdc_guard.topology``)."""
+
+    pod_name_env: str = "POD_NAME"
+    """The environment variable that holds this rank's pod name (``metadata.name``)."""
+
     def __post_init__(self) -> None:
         value = self.nonfinite_exchange_interval
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -88,6 +95,11 @@ class GuardConfig:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"GuardConfig.{name} must be True or False, got {value!r}.")
+        for name in ("node_name_env", "pod_name_env"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"GuardConfig.{name} must be the name of an environment "
+                                 f"variable, got {value!r}.")
         if self.event_log is not None and not isinstance(self.event_log, (str, Path)):
             raise ValueError(
                 f"GuardConfig.event_log must be a path (str or pathlib.Path) or None, "

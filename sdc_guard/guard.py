@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,10 @@ from sdc_guard.comm_hook import CommHook, GuardCommHook
 from sdc_guard.config import GuardConfig
 from sdc_guard.determinism import enable_determinism, rng_stream
 from sdc_guard.events import EventLog
+from sdc_guard.remediation import Remediation
 from sdc_guard.report import Detection, StepReport
+from sdc_guard.telemetry import gpu_snapshot
+from sdc_guard.topology import Topology, gather_topology
 from sdc_guard.types import BatchFor, LossFn, StepHook, micro_batches
 
 log = logging.getLogger(__name__)
@@ -50,6 +54,7 @@ class SDCGuard:
         comm_hook: CommHook | None = None,
         comm_hook_state: Any = None,
         process_group: dist.ProcessGroup | None = None,
+        remediation: Remediation | None = None,
     ) -> None:
         config = GuardConfig() if config is None else config
         if not isinstance(config, GuardConfig):
@@ -70,6 +75,11 @@ class SDCGuard:
             raise TypeError("SDCGuard(loss_fn=...) must be callable: loss_fn(model, batch) -> loss.")
         if batch_for is not None and not callable(batch_for):
             raise TypeError("SDCGuard(batch_for=...) must be callable: batch_for(rank, step).")
+        if remediation is not None and not isinstance(remediation, Remediation):
+            raise TypeError(
+                f"SDCGuard(remediation=...) must be a sdc_guard.remediation.Remediation (e.g. "
+                f"KubeQuarantine(...)), got {type(remediation).__name__}."
+            )
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "SDCGuard needs an initialised torch.distributed process group "
@@ -87,6 +97,10 @@ class SDCGuard:
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self.device = next(model.parameters()).device
+        self.topology: Topology = gather_topology(
+            process_group, node_env=config.node_name_env, pod_env=config.pod_name_env)
+        """Every rank's hostname, pod and node, gathered once here (``sdc_guard.topology``)."""
+        self.remediation = remediation
         self.before_step: list[StepHook] = []
         """Callables run with the step number at the start of ``step`` (fault injectors use it)."""
         self.comm = GuardCommHook(process_group, inner_hook=comm_hook,
@@ -95,6 +109,8 @@ class SDCGuard:
         self.checks: list[Check] = []
         self.events: EventLog | None = None
         self.reconfigure(config)
+        if remediation is not None:
+            remediation.bind(topology=self.topology, rank=self.rank, log_event=self.log_event)
 
     def reconfigure(self, config: GuardConfig) -> None:
         """Switch to ``config`` for the steps that follow: the checks are built anew.
@@ -171,6 +187,7 @@ class SDCGuard:
             detections += check.post_step(step)
 
         mean_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+        detections = [self._placed(d) for d in detections]
         report = StepReport(step=step, loss=float(mean_loss.item()), skipped=skipped,
                             detections=detections)
         for d in detections:
@@ -185,16 +202,28 @@ class SDCGuard:
         sent and collected here. Detections are recorded like any other (event log,
         ``on_detection``).
         """
-        found = [d for check in self.checks for d in check.flush()]
+        found = [self._placed(d) for check in self.checks for d in check.flush()]
         for d in found:
             self._record(d, False)
+        if self.remediation is not None:
+            self.remediation.drain()
         return found
 
+    def _placed(self, d: Detection) -> Detection:
+        """``d`` with its suspects' nodes and, on a suspect rank, this rank's GPU snapshot."""
+        d = dataclasses.replace(d, suspect_nodes=self.topology.nodes_of(d.suspect_ranks))
+        if self.rank in d.suspect_ranks:
+            d = dataclasses.replace(d, evidence={**d.evidence,
+                                                 "telemetry": gpu_snapshot(self.device)})
+        return d
+
     def _record(self, d: Detection, skipped: bool) -> None:
-        log.warning("SDC detection at step %d by %s: suspects %s (%s)", d.step, d.check,
-                    list(d.suspect_ranks), d.detail)
+        log.warning("SDC detection at step %d by %s: suspects %s on %s (%s)", d.step, d.check,
+                    list(d.suspect_ranks), list(d.suspect_nodes), d.detail)
         if self.events is not None:
             self.events.write({**d.to_json(), "optimizer_step_skipped": skipped})
+        if self.remediation is not None:
+            self.remediation.act(d)
         if self.on_detection is not None:
             self.on_detection(d)
 

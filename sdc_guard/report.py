@@ -21,7 +21,11 @@ class Detection:
     detail: str = ""
     """A sentence for humans: what differed and why these suspects."""
     evidence: dict[str, Any] = field(default_factory=dict, compare=False)
-    """Machine-readable evidence (fingerprints per rank, flags per rank, ...)."""
+    """Machine-readable evidence (fingerprints per rank, flags per rank, ...). On a suspect
+    rank it also holds ``"telemetry"``: that rank's own GPU snapshot (``sdc_guard.telemetry``)."""
+    suspect_nodes: tuple[str, ...] = ()
+    """The nodes of ``suspect_ranks`` (``sdc_guard.topology``: the Kubernetes node name, or the
+    hostname without one), filled in by the guard."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -29,6 +33,7 @@ class Detection:
             "check": self.check,
             "step": self.step,
             "suspect_ranks": list(self.suspect_ranks),
+            "suspect_nodes": list(self.suspect_nodes),
             "detail": self.detail,
             "evidence": self.evidence,
         }

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import time
 from typing import Any
 
 import torch
@@ -58,16 +60,27 @@ def _flushed(found: list[sdc_guard.Detection]) -> list[tuple[str, int, tuple[int
 
 def guarded_run(rank: int, world: int, steps: int, fault: dict[str, Any] | None = None,
                 cfg: dict[str, Any] | None = None, opt: str = "adamw",
-                stop_on_detection: bool = False) -> dict[str, Any]:
+                stop_on_detection: bool = False,
+                quarantine: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train ``steps`` guarded steps; optionally corrupt something on one rank at one step.
 
     ``stop_on_detection``: leave the loop at the first report with a detection, as a
     user's loop would, then meet the other ranks (a rank that stopped alone would hang).
+    ``quarantine``: ``{"nodes": [node of each rank], "kwargs": KubeQuarantine's}``: each
+    rank runs as a pod on its node (NODE_NAME, POD_NAME) with a ``KubeQuarantine``.
     """
     model = DDP(make_mlp())
     optimizer = make_optimizer(model, opt)
+    remediation = None
+    if quarantine is not None:
+        from sdc_guard.remediation import KubeQuarantine
+
+        os.environ["NODE_NAME"] = quarantine["nodes"][rank]
+        os.environ["POD_NAME"] = f"job-worker-{rank}"
+        os.environ["POD_NAMESPACE"] = "ml"
+        remediation = KubeQuarantine(**quarantine["kwargs"])
     guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for,
-                     config=GuardConfig(**(cfg or {})))
+                     config=GuardConfig(**(cfg or {})), remediation=remediation)
     fault = fault or {}
     if fault.get("site") == "weight_bitflip" and fault["rank"] == rank:
         def flip(step: int) -> None:
@@ -75,7 +88,7 @@ def guarded_run(rank: int, world: int, steps: int, fault: dict[str, Any] | None 
                 w = next(model.module.parameters()).detach()
                 w.view(-1).view(torch.int32)[3] ^= 1 << fault.get("bit", 0)
         guard.before_step.append(flip)
-    if fault.get("site") == "grad_nan" and fault["rank"] == rank:
+    if fault.get("site") == "grad_nan" and rank in fault.get("ranks", [fault.get("rank")]):
         def nan(bucket: Any) -> None:
             if guard.comm.step == fault["step"]:
                 bucket.buffer()[0] = float("nan")
@@ -87,8 +100,11 @@ def guarded_run(rank: int, world: int, steps: int, fault: dict[str, Any] | None 
                 out[0] = float("nan")
         guard.comm.after.append(corrupt)
     reports = []
+    step_s = []
     for s in range(steps):
+        t0 = time.perf_counter()
         reports.append(guard.step(s))
+        step_s.append(time.perf_counter() - t0)
         if stop_on_detection and reports[-1].detections:
             break
     flushed = guard.flush()
@@ -102,7 +118,13 @@ def guarded_run(rank: int, world: int, steps: int, fault: dict[str, Any] | None 
         "skipped": [r.step for r in reports if r.skipped],
         "losses": [r.loss for r in reports],
         "final": sdc_guard.fingerprint(list(model.module.parameters())),
+        "step_s": step_s,
+        "suspect_nodes": [d.suspect_nodes for r in reports for d in r.detections]
+        + [d.suspect_nodes for d in flushed],
+        "telemetry": [d.evidence.get("telemetry") for r in reports for d in r.detections],
     }
+    if remediation is not None:
+        out["actions"] = [a.to_json() for a in remediation.actions]
     return out
 
 

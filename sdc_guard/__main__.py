@@ -1,0 +1,20 @@
+"""``python -m sdc_guard``: operator commands (``quarantine list|show|release``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from sdc_guard.remediation import cli as quarantine_cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sdc_guard", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    quarantine_cli.add_parser(sub)
+    args = parser.parse_args(argv)
+    return quarantine_cli.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Where each rank runs: hostname, pod and Kubernetes node, gathered once when the guard starts.
+
+A detection names ranks; a quarantine acts on nodes. The guard gathers every rank's place
+once (one ``all_gather_object`` at construction, never on the detection path) and maps
+suspect ranks to ``Detection.suspect_nodes`` with it.
+
+The node name comes from the downward API (``NODE_NAME`` from ``spec.nodeName``) and the pod
+name from ``POD_NAME`` (``metadata.name``), as ``deploy/pytorchjob.yaml`` sets them; the
+variable names are configurable. Without a node name (a bare-metal ``torchrun``), the
+hostname stands in for the node.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlace:
+    """One rank's place in the cluster."""
+
+    rank: int
+    hostname: str
+    node: str
+    """The Kubernetes node name, or the hostname when the node-name variable is unset."""
+    pod: str | None = None
+    """The pod name, when the pod-name variable is set."""
+    namespace: str | None = None
+    """The pod's namespace (``POD_NAMESPACE``), when set."""
+
+    def to_json(self) -> dict[str, object]:
+        return {"rank": self.rank, "hostname": self.hostname, "node": self.node, "pod": self.pod,
+                "namespace": self.namespace}
+
+
+def local_place(rank: int, *, node_env: str = "NODE_NAME", pod_env: str = "POD_NAME",
+                namespace_env: str = "POD_NAMESPACE",
+                environ: Mapping[str, str] | None = None) -> RankPlace:
+    """This process's place, from the environment (downward API) and the hostname."""
+    env = os.environ if environ is None else environ
+    hostname = socket.gethostname()
+    return RankPlace(rank=rank, hostname=hostname, node=env.get(node_env) or hostname,
+                     pod=env.get(pod_env) or None, namespace=env.get(namespace_env) or None)
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Every rank's place, indexed by rank in the guard's process group."""
+
+    places: tuple[RankPlace, ...]
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """The distinct nodes of the job, in rank order of first appearance."""
+        return tuple(dict.fromkeys(p.node for p in self.places))
+
+    def nodes_of(self, ranks: Iterable[int]) -> tuple[str, ...]:
+        """The distinct nodes that hold ``ranks``, in the order of the ranks given."""
+        return tuple(dict.fromkeys(self.places[r].node for r in ranks))
+
+    def ranks_on(self, node: str) -> tuple[int, ...]:
+        return tuple(p.rank for p in self.places if p.node == node)
+
+    def to_json(self) -> list[dict[str, object]]:
+        return [p.to_json() for p in self.places]
+
+
+def gather_topology(group: dist.ProcessGroup | None = None, *, node_env: str = "NODE_NAME",
+                    pod_env: str = "POD_NAME", namespace_env: str = "POD_NAMESPACE") -> Topology:
+    """Every rank's place. Collective (one ``all_gather_object``): call on every rank."""
+    rank = dist.get_rank(group)
+    mine = local_place(rank, node_env=node_env, pod_env=pod_env, namespace_env=namespace_env)
+    out: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, mine.to_json(), group=group)
+    places = []
+    for r, rec in enumerate(out):
+        if not isinstance(rec, dict):  # pragma: no cover - all_gather_object fills every slot
+            raise RuntimeError(f"gather_topology: rank {r} sent {rec!r}, not its place")
+        places.append(RankPlace(rank=r, hostname=str(rec["hostname"]), node=str(rec["node"]),
+                                pod=rec["pod"] if rec["pod"] is None else str(rec["pod"]),
+                                namespace=(None if rec["namespace"] is None
+                                           else str(rec["namespace"]))))
+    return Topology(tuple(places))
