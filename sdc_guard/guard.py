@@ -75,11 +75,6 @@ class SDCGuard:
             raise TypeError("SDCGuard(loss_fn=...) must be callable: loss_fn(model, batch) -> loss.")
         if batch_for is not None and not callable(batch_for):
             raise TypeError("SDCGuard(batch_for=...) must be callable: batch_for(rank, step).")
-        if remediation is not None and not isinstance(remediation, Remediation):
-            raise TypeError(
-                f"SDCGuard(remediation=...) must be a sdc_guard.remediation.Remediation (e.g. "
-                f"KubeQuarantine(...)), got {type(remediation).__name__}."
-            )
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "SDCGuard needs an initialised torch.distributed process group "
@@ -100,7 +95,7 @@ class SDCGuard:
         self.topology: Topology = gather_topology(
             process_group, node_env=config.node_name_env, pod_env=config.pod_name_env)
         """Every rank's hostname, pod and node, gathered once here (``sdc_guard.topology``)."""
-        self.remediation = remediation
+        self.remediation: Remediation | None = None
         self.before_step: list[StepHook] = []
         """Callables run with the step number at the start of ``step`` (fault injectors use it)."""
         self.comm = GuardCommHook(process_group, inner_hook=comm_hook,
@@ -109,8 +104,22 @@ class SDCGuard:
         self.checks: list[Check] = []
         self.events: EventLog | None = None
         self.reconfigure(config)
+        self.set_remediation(remediation)
+
+    def set_remediation(self, remediation: Remediation | None) -> None:
+        """Hand every detection from now on to ``remediation`` (None: to nobody).
+
+        ``remediation`` is bound to this guard's topology and event log here; the campaign
+        harness gives each trial a quarantine of its own this way.
+        """
+        if remediation is not None and not isinstance(remediation, Remediation):
+            raise TypeError(
+                f"SDCGuard(remediation=...) must be a sdc_guard.remediation.Remediation (e.g. "
+                f"KubeQuarantine(...)), got {type(remediation).__name__}."
+            )
         if remediation is not None:
             remediation.bind(topology=self.topology, rank=self.rank, log_event=self.log_event)
+        self.remediation = remediation
 
     def reconfigure(self, config: GuardConfig) -> None:
         """Switch to ``config`` for the steps that follow: the checks are built anew.

@@ -44,6 +44,14 @@ effect was caught in its own step (earlier firings of an intermittent or permane
 fault may have been masked, e.g. a NaN gradient at a ReLU's inactive input, which
 its backward replaces by 0).
 
+Quarantine (scenarios with ``[quarantine]``): ``cordoned_nodes`` are the nodes the trial's
+``KubeQuarantine`` cordoned on the API stand-in (or, in a dry run, would have); each rank
+``r`` stands for node ``node-<r>``. ``cordon_correct``: they are exactly the nodes of the
+ranks where an injection fired. ``breaker_tripped``: the circuit breaker refused a detection.
+``fault_to_cordon_s``: wall seconds from the start of the first step an injection fired in
+(on the injected rank) to the first cordon. ``quarantine_errors``: API calls that failed for
+good, over all ranks. Empty without ``[quarantine]``.
+
 Latency: ``latency_from_injection = detect_step - first_injection`` (the first
 step at which an injection fired) and ``latency_from_divergence = detect_step -
 first_divergence`` (empty when contained: nothing diverged).
@@ -96,6 +104,28 @@ def failed_row(trial: TrialSpec, kind: str, reason: str, seconds: float) -> dict
     return {**base_row(trial), "outcome": kind, "error": reason[:500], "seconds": seconds}
 
 
+def _quarantine(results: list[dict[str, Any]], records: list[dict[str, Any]],
+                first_inj: int | None, injected_ranks: list[int]) -> dict[str, Any]:
+    """The quarantine columns (see the module doc); {} when the trial ran without one."""
+    if all(r.get("quarantine") is None for r in results):
+        return {}
+    actions = [a for r in results for a in r.get("quarantine") or []]
+    cordons = [a for a in actions if a["action"] == "cordon"]
+    nodes = sorted({a["node"] for a in cordons})
+    out: dict[str, Any] = {
+        "cordoned_nodes": nodes,
+        "cordon_correct": nodes == [f"node-{r}" for r in injected_ranks],
+        "breaker_tripped": any(a["action"] == "breaker" for a in actions),
+        "quarantine_errors": sum(1 for a in actions if a["action"] == "error"),
+    }
+    if cordons and first_inj is not None:
+        by_rank = {r["rank"]: r for r in results}
+        rank = next(int(rec["rank"]) for rec in records if int(rec["step"]) == first_inj)
+        started = by_rank[rank]["step_started"][first_inj]
+        out["fault_to_cordon_s"] = round(min(a["time"] for a in cordons) - started, 4)
+    return out
+
+
 def classify(trial: TrialSpec, golden: GoldenRun, results: list[dict[str, Any]],
              seconds: float) -> dict[str, Any]:
     """The outcome row of a trial whose ranks all answered."""
@@ -120,6 +150,7 @@ def classify(trial: TrialSpec, golden: GoldenRun, results: list[dict[str, Any]],
     diverged = [s for s in range(n) if any(r["state_fps"][s] != expected(s) for r in results)]
     first_div = diverged[0] if diverged else None
     nonfinite_loss = [r["rank"] for r in results if any(not math.isfinite(x) for x in r["losses"])]
+    row.update(_quarantine(results, records, first_inj, injected_ranks))
     row.update({
         "injections": len(records), "first_injection": first_inj,
         "injected_ranks": injected_ranks, "nonfinite_injected": _nonfinite_records(records),

@@ -67,6 +67,19 @@ def _tables(s: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
         out.append((f"Step-time overhead vs plain DDP ({ov['scenario']}, {ov['world_size']} "
                     f"ranks, medians of {ov['rounds']} alternated blocks of {ov['block']} "
                     "steps)", ["configuration", "overhead"], rows))
+    q = s.get("quarantine")
+    if q:
+        def qrow(name: str, g: dict[str, Any]) -> list[str]:
+            return [name, str(g["trials"]), str(g["detected"]), str(g["cordoned"]),
+                    str(g["cordoned_right_nodes"]), str(g["breaker_tripped"]),
+                    str(g["api_errors"]), _num(g["fault_to_cordon_s_p50"]),
+                    _num(g["fault_to_cordon_s_max"])]
+
+        out.append(("Quarantine (a node per rank, on the loopback Kubernetes API stand-in)",
+                    ["site", "trials", "detected", "cordoned", "the injected ranks' nodes",
+                     "breaker tripped", "API errors", "fault to cordon p50 (s)", "max (s)"],
+                    [qrow(k, g) for k, g in q["sites"].items()] + [qrow("all", q["all"]),
+                                                                    qrow("clean", q["clean"])]))
     t = s["targets"]
     st = t["state_sites_detected_within_1_step_blame_correct"]
     nf = t["nonfinite_detected_in_own_step"]

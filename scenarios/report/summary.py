@@ -194,6 +194,32 @@ def _targets(faults: list[dict[str, str]], clean_fp: int) -> dict[str, Any]:
     }
 
 
+def _quarantine(faults: list[dict[str, str]], clean: list[dict[str, str]]) -> dict[str, Any] | None:
+    """Cordons per site (scenarios with ``[quarantine]``; None when no trial had one)."""
+    ran = [r for r in (*faults, *clean) if r.get("cordon_correct", "") != ""]
+    if not ran:
+        return None
+
+    def group(rows: list[dict[str, str]]) -> dict[str, Any]:
+        det = [r for r in rows if r["outcome"] == "detected"]
+        cordoned = [r for r in rows if json.loads(r["cordoned_nodes"] or "[]")]
+        secs = [float(r["fault_to_cordon_s"]) for r in rows if r["fault_to_cordon_s"] != ""]
+        return {
+            "trials": len(rows), "detected": len(det), "cordoned": len(cordoned),
+            "cordoned_right_nodes": sum(1 for r in cordoned if _bool(r["cordon_correct"])),
+            "breaker_tripped": sum(1 for r in rows if _bool(r["breaker_tripped"])),
+            "api_errors": sum(int(r["quarantine_errors"] or 0) for r in rows),
+            "fault_to_cordon_s_p50": statistics.median(secs) if secs else None,
+            "fault_to_cordon_s_max": max(secs) if secs else None,
+        }
+
+    qf = [r for r in faults if r.get("cordon_correct", "") != ""]
+    qc = [r for r in clean if r.get("cordon_correct", "") != ""]
+    return {"sites": {s: group([r for r in qf if r["site"] == s])
+                      for s in SITES if any(r["site"] == s for r in qf)},
+            "all": group(qf), "clean": group(qc)}
+
+
 def summarize(out: Path) -> dict[str, Any]:
     rows = TrialTable(out / "trials.csv").rows()
     meta = _load(out / "campaign.json") or {}
@@ -256,6 +282,7 @@ def summarize(out: Path) -> dict[str, Any]:
             "smallest replay interval >= 1 whose replay-audit overhead "
             "(overhead.replay.<k>, vs plain DDP) is within overhead_budget"),
         "targets": _targets(faults, fp),
+        "quarantine": _quarantine(faults, clean),
         "site_order": list(SITES), "field_order": fields,
         "campaign_seconds": sum(r.get("seconds", 0.0) for r in runs) or meta.get("seconds"),
         "trials_per_minute": meta.get("trials_per_minute"),

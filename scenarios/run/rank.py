@@ -26,6 +26,7 @@ from scenarios.spec.overhead import campaign_configs
 from scenarios.spec.scenario import Scenario
 from scenarios.spec.trials import Chaos, TrialSpec
 from sdc_guard import GuardConfig
+from sdc_guard.remediation import KubeQuarantine
 
 
 # -- commands (picklable; the same on every rank) -------------------------------------------------
@@ -47,6 +48,8 @@ class Trial:
     trial: TrialSpec
     golden_path: str | None = None
     """Where the golden final parameters are, if this process has not computed them itself."""
+    kubeconfig: str | None = None
+    """With the scenario's ``[quarantine]``: the kubeconfig of this trial's API stand-in."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +103,9 @@ class RankRunner:
         self.device = device
         self.sessions: dict[tuple[str, str], Session] = {}
         self.golden_final: dict[str, list[torch.Tensor]] = {}
+        # Each rank stands for a node of its own (the guard's topology reads NODE_NAME when
+        # it is built), unless a real one is set (torchrun in a pod, from the downward API).
+        os.environ.setdefault("NODE_NAME", f"node-{rank}")
 
     def session(self, scenario: Scenario, config: GuardConfig | None) -> Session:
         key = (scenario.training_key(), repr(config))
@@ -130,7 +136,9 @@ class RankRunner:
         losses: list[float] = []
         detections: list[tuple[str, int, tuple[int, ...]]] = []
         skipped: list[int] = []
+        started: list[float] = []
         for step in range(steps):
+            started.append(time.time())
             rep = s.guard.step(step)
             fps.append(s.state_fingerprint())
             if params_too:
@@ -149,6 +157,7 @@ class RankRunner:
             "losses": losses,
             "detections": detections,
             "skipped": skipped,
+            "step_started": started,
         }
         if params_too:
             out["weight_fps"] = wfps
@@ -187,6 +196,12 @@ class RankRunner:
         chaos = _chaos_hook(spec.chaos, self.rank) if spec.chaos is not None else None
         if chaos is not None:
             s.guard.before_step.append(chaos)
+        quarantine = None
+        if sc.quarantine is not None and cmd.kubeconfig is not None:
+            quarantine = KubeQuarantine(kubeconfig=cmd.kubeconfig, job=f"trial-{spec.id}",
+                                        backoff_s=0.05, request_timeout_s=5.0, deadline_s=10.0,
+                                        **sc.quarantine.kwargs())
+            s.guard.set_remediation(quarantine)
         try:
             out = self._train(s, sc.steps, stop_on_detection=sc.stop_on_detection)
         finally:
@@ -194,7 +209,11 @@ class RankRunner:
                 h.remove()
             if chaos is not None:
                 s.guard.before_step.remove(chaos)
+            if quarantine is not None:
+                quarantine.close()  # the evidence held back by the rate limit, too
+                s.guard.set_remediation(None)
         out["records"] = [r for h in handles for r in h.records]
+        out["quarantine"] = [a.to_json() for a in quarantine.actions] if quarantine else None
         out["rel_weight_dev"] = None
         golden = self._golden_weights(sc, cmd.golden_path)
         if golden is not None and len(out["state_fps"]) == sc.steps:

@@ -14,15 +14,18 @@ from disk when present.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 from scenarios.report.outcome import classify, failed_row
 from scenarios.report.summary import fit_replay_overhead
+from scenarios.run.kubeapi import StandInAPIServer
 from scenarios.run.pool import PoolError, WorkerPool
 from scenarios.run.rank import Command, Golden, Overhead, Prepare, Trial
 from scenarios.run.store import (
@@ -34,6 +37,7 @@ from scenarios.run.store import (
     write_json,
 )
 from scenarios.spec.campaign import CampaignSpec
+from scenarios.spec.errors import ScenarioError
 from scenarios.spec.overhead import HEADLINE, PLAIN_DDP, all_checks, replay_only
 from scenarios.spec.scenario import Scenario
 from scenarios.spec.trials import TrialSpec, describe, plan_trials
@@ -191,12 +195,30 @@ class CampaignRunner:
                 self.executor.run(sc, Prepare(sc, t.replay_interval, str(pt)), timeout=600.0)
                 self._prepared.add(key)
                 t0 = time.monotonic()
-            res = self.executor.run(sc, Trial(sc, t, str(pt)), timeout=sc.trial_timeout_s)
+            with self._api_server(sc) as kubeconfig:
+                res = self.executor.run(sc, Trial(sc, t, str(pt), kubeconfig),
+                                        timeout=sc.trial_timeout_s)
         except PoolError as e:
             return failed_row(t, e.kind, e.reason, time.monotonic() - t0)
         if res is None:
             return None
         return classify(t, golden, res, time.monotonic() - t0)
+
+    @contextlib.contextmanager
+    def _api_server(self, sc: Scenario) -> Iterator[str | None]:
+        """With ``[quarantine]``: a fresh loopback API stand-in for one trial, a node per rank
+        (``node-<rank>``, as ``RankRunner`` names them), and its kubeconfig's path."""
+        if sc.quarantine is None:
+            yield None
+            return
+        if not self.executor.shared_files:
+            raise ScenarioError("quarantine", "[quarantine]", "a campaign on one machine",
+                                reason="the API stand-in listens on this machine's loopback")
+        with StandInAPIServer() as srv:
+            for r in range(sc.world_size):
+                srv.add_node(f"node-{r}")
+            path = srv.write_kubeconfig(self.out / "kube" / "kubeconfig")
+            yield str(path)
 
     # -- torchrun: a trial that took its ranks down ----------------------------------------
     def _mark_inflight(self, t: TrialSpec) -> None:

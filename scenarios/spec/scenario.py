@@ -25,6 +25,11 @@ faults to inject into it::
     replay_interval = 2          # micro_batches (the scenario's own); deterministic is on
                                  # whenever the replay audit is (it needs it)
 
+    [quarantine]                 # optional: each rank runs as if on its own node (node-<rank>)
+    max_nodes = 1                # and a sdc_guard KubeQuarantine acts on every detection,
+    max_fraction = 0.34          # against a loopback Kubernetes API stand-in started per trial
+    dry_run = false              # (scenarios.run.kubeapi); the report shows the cordons
+
     [[faults]]                   # an explicit list (one trial per entry: injectors.Fault fields)
     site = "weight_storage"
     rank = 1
@@ -115,6 +120,32 @@ class OptimizerSpec:
         need_number("optimizer.weight_decay", self.weight_decay, 0.0, 1.0)
 
 
+@dataclass(kw_only=True, frozen=True, slots=True)
+class QuarantineSpec:
+    """``[quarantine]``: trials quarantine suspect nodes (``sdc_guard.remediation``) on a
+    loopback stand-in for the Kubernetes API server, one node per rank."""
+
+    max_nodes: int = 1
+    """The breaker's absolute limit (``KubeQuarantine(max_nodes=...)``)."""
+    max_fraction: float = 0.34
+    """The breaker's fraction of the job's nodes (3 ranks: one node)."""
+    window_s: float = 3600.0
+    """The breaker's sliding window."""
+    dry_run: bool = False
+    """Send every write with ``dryRun=All`` (the report then shows what would be cordoned)."""
+
+    def __post_init__(self) -> None:
+        need_int("quarantine.max_nodes", self.max_nodes, 0, 100_000)
+        need_number("quarantine.max_fraction", self.max_fraction, 0.0, 1.0)
+        need_number("quarantine.window_s", self.window_s, 0.0, 10.0**9, lo_open=True)
+        need_bool("quarantine.dry_run", self.dry_run)
+
+    def kwargs(self) -> dict[str, Any]:
+        """``KubeQuarantine`` arguments (besides the kubeconfig and the job's name)."""
+        return {"max_nodes": self.max_nodes, "max_fraction": self.max_fraction,
+                "window_s": self.window_s, "dry_run": self.dry_run}
+
+
 def guard_from_table(table: Mapping[str, Any]) -> GuardConfig:
     """The ``GuardConfig`` of a ``[guard]`` table (``seed`` and ``micro_batches`` are the
     scenario's: ``Scenario`` fills them in). Deterministic mode is on when the table turns
@@ -166,6 +197,8 @@ class Scenario:
     """A trial whose ranks have not all answered by then is recorded as hung."""
     stop_on_detection: bool = True
     """End a trial at its first detection (the outcome is known; saves time)."""
+    quarantine: QuarantineSpec | None = None
+    """``[quarantine]``: trials quarantine suspect nodes on a loopback API stand-in."""
     faults: tuple[Fault, ...] = ()
     """Explicit faults, one trial each (``[[faults]]``)."""
     space: FaultSpace | None = None
@@ -274,7 +307,8 @@ class Scenario:
         import sdc_guard
 
         d = asdict(self)
-        for k in ("name", "guard", "faults", "space", "trial_timeout_s", "stop_on_detection"):
+        for k in ("name", "guard", "faults", "space", "trial_timeout_s", "stop_on_detection",
+                  "quarantine"):
             d.pop(k)
         d["versions"] = [torch.__version__, sdc_guard.__version__, _code_hash()]
         blob = json.dumps(d, sort_keys=True, default=str).encode()
@@ -301,13 +335,17 @@ def scenario_from_dict(data: Mapping[str, Any], *, name: str) -> Scenario:
                + ["faults", "matrix", "sample"], "")
     kw: dict[str, Any] = {k: v for k, v in data.items()
                           if k not in ("model", "optimizer", "guard", "faults", "matrix",
-                                       "sample")}
+                                       "sample", "quarantine")}
     kw.setdefault("name", name)
     for key, cls in (("model", ModelSpec), ("optimizer", OptimizerSpec)):
         table = table_of(data, key)
         known_keys(table, [f.name for f in fields(cls)], f"{key}.")
         kw[key] = cls(**table)
     kw["guard"] = guard_from_table(table_of(data, "guard"))
+    if "quarantine" in data:
+        table = table_of(data, "quarantine")
+        known_keys(table, [f.name for f in fields(QuarantineSpec)], "quarantine.")
+        kw["quarantine"] = QuarantineSpec(**table)
     space = space_of(data)
     if space is not None:
         kw["space"] = space

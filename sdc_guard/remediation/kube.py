@@ -36,7 +36,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -167,6 +167,11 @@ class KubeQuarantine:
                     return False
                 self._idle.wait(left)
         return True
+
+    def holds(self, nodes: Iterable[str]) -> bool:
+        """True when this process has quarantined every one of ``nodes`` (dry-run
+        quarantines count only in a dry run)."""
+        return all(n in self._mine for n in nodes)
 
     def close(self, timeout: float | None = None) -> None:
         """Write the evidence held back by the rate limit and stop the worker (bounded)."""

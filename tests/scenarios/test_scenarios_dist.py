@@ -218,3 +218,29 @@ value = inf
     assert (ga["outcome"], ga["check"], ga["suspects"], ga["nonfinite_injected"]) == (
         "detected", "nonfinite", "[2]", "true")
     assert (out / "report.html").exists()
+
+
+def test_quarantine_cordons_the_faulty_ranks_node_and_nothing_on_clean_trials(
+        tmp_path: Path) -> None:
+    """``[quarantine]``: each trial gets its own API stand-in with a node per rank; the row
+    says which nodes were cordoned, whether they are the injected rank's, and how long after
+    the fault's step began."""
+    sc = scenario_from_dict({"world_size": 3, "steps": 6, "batch": 16, "trial_timeout_s": 30,
+                             "model": {"kind": "mlp", "width": 16},
+                             "quarantine": {"max_nodes": 1}}, name="tiny")
+    executor = PoolExecutor()
+    runner = CampaignRunner(campaign_for_scenario(sc), tmp_path, executor, progress=False)
+    try:
+        runner.goldens["tiny"] = runner.golden(sc)
+        clean = runner.trial(TrialSpec(id="c", scenario="tiny", replay_interval=1))
+        assert clean is not None and clean["outcome"] == "masked"
+        assert (clean["cordoned_nodes"], clean["breaker_tripped"]) == ([], False)
+        for rank in (1, 2):  # a fresh stand-in per trial: the second is not a breaker trip
+            row = runner.trial(_fault(site="weight_storage", rank=rank, step=2,
+                                      target="net.2.weight", bits=(30,)))
+            assert row is not None and row["outcome"] == "detected"
+            assert row["cordoned_nodes"] == [f"node-{rank}"] and row["cordon_correct"] is True
+            assert row["breaker_tripped"] is False and row["quarantine_errors"] == 0
+            assert 0 < row["fault_to_cordon_s"] < sc.trial_timeout_s
+    finally:
+        executor.close()

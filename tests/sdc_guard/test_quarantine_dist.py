@@ -4,12 +4,15 @@ loopback stand-in for the Kubernetes API server (``scenarios.run.kubeapi``)."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from scenarios.run.kubeapi import StandInAPIServer
+from sdc_guard import read_events
 from sdc_guard.remediation.evidence import EVIDENCE, MARKER, TAINT_KEY, parse_entries
 from tests import workers
 from tests.launch import run_ranks
@@ -45,9 +48,10 @@ def _our_taints(node: dict[str, Any]) -> list[dict[str, Any]]:
 WEIGHT_FLIP = {"site": "weight_bitflip", "rank": 1, "step": 3, "bit": 0}
 
 
-def test_a_fault_on_rank_1_cordons_exactly_its_node(server: Any) -> None:
-    res = run_ranks(workers.guarded_run, 3, 6, WEIGHT_FLIP, None, "adamw", False,
-                    _quarantine(server, dry_run=False))
+def test_a_fault_on_rank_1_cordons_exactly_its_node(server: Any, tmp_path: Path) -> None:
+    log = tmp_path / "events.jsonl"
+    res = run_ranks(workers.guarded_run, 3, 6, WEIGHT_FLIP, {"event_log": str(log)}, "adamw",
+                    False, _quarantine(server, dry_run=False))
     assert all(r["detections"][0] == ("weights", 3, (1,)) for r in res)
     assert all(r["suspect_nodes"][0] == ("gpu-b",) for r in res)
     cordoned = [n for n in [*NODES, "gpu-spare"] if server.node(n)["spec"].get("unschedulable")]
@@ -71,6 +75,14 @@ def test_a_fault_on_rank_1_cordons_exactly_its_node(server: Any) -> None:
     assert [a["action"] for a in res[1]["actions"]] == ["evidence"]
     assert res[2]["actions"] == []
     assert res[1]["telemetry"][0]["available"] is False and res[0]["telemetry"][0] is None
+    events = read_events(log)
+    det = [e for e in events if e["event"] == "detection" and e["step"] == 3]
+    assert sorted(e["rank"] for e in det) == [0, 1, 2]
+    assert all(e["suspect_nodes"] == ["gpu-b"] for e in det)
+    assert [e["evidence"].get("telemetry", {}).get("available") for e in det
+            if e["rank"] == 1] == [False]
+    cordons = [e for e in events if e["event"] == "quarantine" and e["action"] == "cordon"]
+    assert [(e["rank"], e["node"], e["dry_run"]) for e in cordons] == [(0, "gpu-b", False)]
 
 
 def test_dry_run_is_the_default_and_stores_nothing(server: Any) -> None:
@@ -99,10 +111,24 @@ def test_every_rank_suspect_trips_the_breaker_and_cordons_nothing(server: Any) -
     assert not [e for e in server.events if e["involvedObject"]["kind"] == "Node"]
 
 
-def test_a_dead_api_server_leaves_training_going(server: Any) -> None:
-    server.stop()
+def test_an_api_server_killed_mid_run_leaves_training_going(server: Any) -> None:
+    """The server dies while the quarantine talks to it (its first request, held 1 s, is
+    the moment): the quarantine fails and says so; training runs to its last step."""
+    server.delay("GET", "/api/v1/nodes", 1.0, times=1)
+
+    def kill_at_first_request() -> None:
+        deadline = time.monotonic() + 120
+        while not server.requests and time.monotonic() < deadline:
+            time.sleep(0.01)
+        server.stop()
+
+    killer = threading.Thread(target=kill_at_first_request, daemon=True)
+    killer.start()
     res = run_ranks(workers.guarded_run, 3, 8, WEIGHT_FLIP, None, "adamw", False,
-                    _quarantine(server, dry_run=False, retries=2, deadline_s=1.0))
+                    _quarantine(server, dry_run=False, retries=2, deadline_s=1.0,
+                                request_timeout_s=3.0))
+    killer.join(5)
+    assert server.requests, "the quarantine never reached the server"
     assert all(r["steps_run"] == 8 for r in res)
     assert all(r["detections"][0] == ("weights", 3, (1,)) for r in res)
     assert {a["action"] for a in res[0]["actions"]} == {"error"}

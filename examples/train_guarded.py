@@ -1,0 +1,122 @@
+"""A guarded DDP training that quarantines the node of a convicted rank, then exits to restart.
+
+One process per rank, started by a launcher that sets ``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR`` and ``MASTER_PORT`` (the Kubeflow training-operator does, for
+``deploy/pytorchjob.yaml``; so does ``torchrun``). ``NODE_NAME`` and ``POD_NAME`` come from
+the downward API. nccl on GPUs, gloo on CPUs. The model and data are synthetic stand-ins for
+yours: replace ``make_model`` and ``batch_for``.
+
+On a detection with suspects, with ``--act`` (a real quarantine, not a dry run), every rank
+leaves the loop at the same step (detections arrive on every rank in the same call), the
+guard's ``flush()`` waits for the quarantine, and the process exits with
+``EXIT_QUARANTINED`` (200): ``restartPolicy: ExitCode`` retries codes 128-255, so the job's
+pods are recreated, away from the cordoned node. If the acting rank could not quarantine (the
+breaker tripped, the API refused), it exits 1 instead, which ``ExitCode`` treats as
+permanent: a human should look. Without ``--act`` (the default, a dry run) training goes on.
+
+    python examples/train_guarded.py --steps 200 [--act] [--kubeconfig PATH] [--plant-fault STEP]
+
+``--plant-fault STEP`` flips a bit of one weight on rank 1 at STEP, to see the whole path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import sdc_guard
+from sdc_guard.remediation import EXIT_QUARANTINED, KubeQuarantine
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)  # every replica starts from the same weights
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 10))
+
+
+def batch_for(device: torch.device):  # type: ignore[no-untyped-def]
+    def fetch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Deterministic in (rank, step): the replay audit fetches a neighbour's batch again.
+        g = torch.Generator().manual_seed(1_000_003 * step + rank)
+        x = torch.randn(64, 32, generator=g)
+        return x.to(device), (x[:, :10].argmax(dim=1)).to(device)
+    return fetch
+
+
+def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--act", action="store_true",
+                    help="quarantine for real (default: a dry run, dryRun=All)")
+    ap.add_argument("--kubeconfig", default=None,
+                    help="kubeconfig path (default: the pod's service account)")
+    ap.add_argument("--no-quarantine", action="store_true", help="detect only")
+    ap.add_argument("--plant-fault", type=int, default=None, metavar="STEP",
+                    help="flip a bit of a weight on rank 1 at STEP (a demonstration)")
+    ap.add_argument("--event-log", default=None, help="JSON-lines file for detections")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo", init_method="env://")
+    rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else \
+        torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    model = DDP(make_model().to(device), device_ids=[device.index] if cuda else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    quarantine = None if args.no_quarantine else KubeQuarantine(
+        dry_run=not args.act, max_nodes=1, max_fraction=0.1, kubeconfig=args.kubeconfig)
+    config = sdc_guard.GuardConfig(replay_interval=4, deterministic=True,
+                                   event_log=args.event_log)
+    guard = sdc_guard.SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for(device),
+                               config=config, remediation=quarantine)
+    if args.plant_fault is not None and rank == 1:
+        def flip(step: int) -> None:
+            if step == args.plant_fault:
+                w = next(model.module.parameters()).detach()
+                w.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 22)
+        guard.before_step.append(flip)
+
+    code = 0
+    for step in range(args.steps):
+        report = guard.step(step)
+        convicted = [d for d in report.detections if d.suspect_ranks]
+        if convicted and quarantine is not None and not quarantine.dry_run:
+            guard.flush()  # collective: every rank is here, at the same step
+            held = rank != quarantine.acting_rank or quarantine.holds(
+                n for d in convicted for n in d.suspect_nodes)
+            code = EXIT_QUARANTINED if held else 1
+            print(f"rank {rank}: {convicted[0].check} detection at step {convicted[0].step}, "
+                  f"suspects {list(convicted[0].suspect_nodes)}; exiting {code}", flush=True)
+            break
+    else:
+        guard.flush()
+    if quarantine is not None:
+        quarantine.close()  # evidence held back by the rate limit goes out now
+    # Tear down in this order: the DDP reducer's destructor joins a gloo thread that waits for
+    # the GIL, and a process that skips it can hang or abort at exit.
+    dist.barrier()
+    del guard, model, optimizer
+    gc.collect()
+    dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
