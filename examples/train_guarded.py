@@ -57,6 +57,14 @@ def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     return F.cross_entropy(model(x), y)
 
 
+def _bit_flip(param: torch.Tensor, at: int):  # type: ignore[no-untyped-def]
+    """A ``before_step`` hook: flip bit 22 of the first element of ``param`` at step ``at``."""
+    def flip(step: int) -> None:
+        if step == at:
+            param.detach().view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 22)
+    return flip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200)
@@ -87,11 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     guard = sdc_guard.SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for(device),
                                config=config, remediation=quarantine)
     if args.plant_fault is not None and rank == 1:
-        def flip(step: int) -> None:
-            if step == args.plant_fault:
-                w = next(model.module.parameters()).detach()
-                w.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 22)
-        guard.before_step.append(flip)
+        guard.before_step.append(_bit_flip(next(model.module.parameters()), args.plant_fault))
 
     code = 0
     for step in range(args.steps):
