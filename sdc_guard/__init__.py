@@ -2,10 +2,11 @@
 
 Public API (stable): ``fingerprint``, ``fingerprint_tensor``, ``GuardConfig``,
 ``SDCGuard``, ``StepReport``, ``Detection``, ``EventLog``, ``read_events``,
-``state_tensors``, ``native_kernel``, ``native_enabled``; the types ``LossFn`` and
+``state_tensors``, ``native_kernel``, ``native_enabled``, ``CheckpointManager``; the types ``LossFn`` and
 ``BatchFor``. See README.md and docs/.
 """
 
+from sdc_guard.checkpoint import CheckpointManager
 from sdc_guard.checks.weights import state_tensors
 from sdc_guard.config import GuardConfig
 from sdc_guard.events import EventLog, read_events
@@ -16,6 +17,7 @@ from sdc_guard.types import BatchFor, LossFn
 
 __all__ = [
     "BatchFor",
+    "CheckpointManager",
     "Detection",
     "EventLog",
     "GuardConfig",

@@ -32,6 +32,16 @@ class GuardConfig:
     include_optimizer_state: bool = True
     """Fold the optimizer state tensors (Adam moments, momentum buffers) into the weight check."""
 
+    repair_by_majority: bool = True
+    """When the weights check's suspects are a strict minority, repair their parameters and
+    optimizer state in place by a broadcast from the majority and verify it with a second
+    vote (``sdc_guard.checks.weights``): reported with ``Detection.repaired``, no quarantine,
+    no rollback. False: report only."""
+
+    repair_window_steps: int = 1000
+    """A rank repaired twice within this many steps has a permanent fault: the second
+    detection is reported unrepaired (quarantine, suspect window, rollback)."""
+
     skip_step_on_detection: bool = True
     """Containment: withhold ``optimizer.step()`` on every rank when a pre-step check fires."""
 
@@ -63,6 +73,10 @@ class GuardConfig:
                 "GuardConfig.nonfinite_exchange_interval must be an int >= 1 (steps whose "
                 f"non-finite flags travel in one word; 1 = every step), got {value!r}."
             )
+        if isinstance(self.repair_window_steps, bool) or not isinstance(
+                self.repair_window_steps, int) or self.repair_window_steps < 1:
+            raise ValueError(f"GuardConfig.repair_window_steps must be an int >= 1, got "
+                             f"{self.repair_window_steps!r}.")
         for name in ("weights_interval", "replay_interval"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -91,7 +105,7 @@ class GuardConfig:
                 "GuardConfig(deterministic=True, ...) or replay_interval=0."
             )
         for name in ("nonfinite", "include_optimizer_state", "skip_step_on_detection",
-                     "deterministic"):
+                     "deterministic", "repair_by_majority"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"GuardConfig.{name} must be True or False, got {value!r}.")

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from sdc_guard.checkpoint import CheckpointManager
 from sdc_guard.checks import Check, build_checks
 from sdc_guard.comm_hook import CommHook, GuardCommHook
 from sdc_guard.config import GuardConfig
@@ -55,6 +56,7 @@ class SDCGuard:
         comm_hook_state: Any = None,
         process_group: dist.ProcessGroup | None = None,
         remediation: Remediation | None = None,
+        checkpoints: CheckpointManager | None = None,
     ) -> None:
         config = GuardConfig() if config is None else config
         if not isinstance(config, GuardConfig):
@@ -105,6 +107,13 @@ class SDCGuard:
         self.events: EventLog | None = None
         self.reconfigure(config)
         self.set_remediation(remediation)
+        if checkpoints is not None and not isinstance(checkpoints, CheckpointManager):
+            raise TypeError(f"SDCGuard(checkpoints=...) must be a sdc_guard.CheckpointManager, "
+                            f"got {type(checkpoints).__name__}.")
+        self.checkpoints = checkpoints
+        """Told of every unrepaired detection and its suspect window (``sdc_guard.checkpoint``)."""
+        if checkpoints is not None:
+            checkpoints.bind(self)
 
     def set_remediation(self, remediation: Remediation | None) -> None:
         """Hand every detection from now on to ``remediation`` (None: to nobody).
@@ -226,13 +235,30 @@ class SDCGuard:
                                                  "telemetry": gpu_snapshot(self.device)})
         return d
 
+    @property
+    def clean_through(self) -> int | None:
+        """The newest step every enabled check has verified clean (-1: none yet; None: no
+        check is enabled). A suspect window starts after it (``sdc_guard.checkpoint``)."""
+        return min((c.clean_through for c in self.checks), default=None)
+
+    def rewind(self, step: int) -> None:
+        """The run was restored to the state after ``step``: every check counts it verified
+        (``CheckpointManager.restore`` calls this)."""
+        for c in self.checks:
+            c.rewind(step)
+
     def _record(self, d: Detection, skipped: bool) -> None:
         log.warning("SDC detection at step %d by %s: suspects %s on %s (%s)", d.step, d.check,
                     list(d.suspect_ranks), list(d.suspect_nodes), d.detail)
         if self.events is not None:
             self.events.write({**d.to_json(), "optimizer_step_skipped": skipped})
-        if self.remediation is not None:
-            self.remediation.act(d)
+        if not d.repaired:  # a repaired detection neither quarantines nor opens a window
+            if self.checkpoints is not None:
+                through = self.clean_through
+                start = d.step if through is None else min(d.step, through + 1)
+                self.checkpoints.record_detection(d, start)
+            if self.remediation is not None:
+                self.remediation.act(d)
         if self.on_detection is not None:
             self.on_detection(d)
 

@@ -26,6 +26,9 @@ class Detection:
     suspect_nodes: tuple[str, ...] = ()
     """The nodes of ``suspect_ranks`` (``sdc_guard.topology``: the Kubernetes node name, or the
     hostname without one), filled in by the guard."""
+    repaired: bool = False
+    """The weights check repaired the suspects' state in place from the majority and verified
+    it (``GuardConfig.repair_by_majority``): no quarantine, no suspect window."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -34,6 +37,7 @@ class Detection:
             "step": self.step,
             "suspect_ranks": list(self.suspect_ranks),
             "suspect_nodes": list(self.suspect_nodes),
+            "repaired": self.repaired,
             "detail": self.detail,
             "evidence": self.evidence,
         }

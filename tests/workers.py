@@ -457,3 +457,51 @@ def arm_errors(rank: int, world: int, faults: list[Fault]) -> list[str]:
     del model, comm, ctx
     gc.collect()
     return out
+
+
+def recovery_run(rank: int, world: int, steps: int, ckpt_dir: str, *, every: int,
+                 fault: dict[str, Any] | None, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Train with a checkpoint every ``every`` steps; on the first unrepaired detection the
+    faulty rank's fault is removed (its node replaced) and the run is restored from the last
+    clean checkpoint, then trained to the end."""
+    from sdc_guard import CheckpointManager
+
+    model = DDP(make_mlp())
+    optimizer = make_optimizer(model, "adamw")
+    ckpt = CheckpointManager(ckpt_dir, keep=2)
+    guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for,
+                     config=GuardConfig(**cfg), checkpoints=ckpt)
+    armed = {"on": fault is not None and fault["rank"] == rank}
+
+    def fires(step: int) -> bool:
+        return bool(fault and armed["on"] and step >= fault["step"]
+                    and (fault.get("permanent") or step == fault["step"]))
+
+    def flip() -> None:
+        w = next(model.module.parameters()).detach()
+        w.view(-1).view(torch.int32)[3] ^= 1 << (fault or {}).get("bit", 0)
+
+    if fault is not None and fault.get("after_step"):
+        # after the step's backward, before its optimizer step: this replica's state only
+        guard.before_optimizer_step = lambda g: flip() if fires(g.comm.step) else None
+    elif fault is not None:  # before the forward: it reaches every replica via the gradient
+        guard.before_step.append(lambda step: flip() if fires(step) else None)
+    detections: list[tuple[str, int, tuple[int, ...], bool]] = []
+    restored: list[tuple[int, int]] = []
+    step = 0
+    while step < steps:
+        rep = guard.step(step)
+        detections += [(d.check, d.step, d.suspect_ranks, d.repaired) for d in rep.detections]
+        if any(not d.repaired for d in rep.detections) and not restored:
+            armed["on"] = False  # the faulty node is replaced
+            resume = ckpt.restore(model, optimizer)
+            restored.append((step, resume))
+            step = resume
+            continue
+        if step % every == 0:
+            ckpt.save(step, model, optimizer)
+        step += 1
+    guard.flush()
+    dist.barrier()
+    return {"detections": detections, "restored": restored,
+            "final": sdc_guard.fingerprint(sdc_guard.state_tensors(model.module, optimizer))}

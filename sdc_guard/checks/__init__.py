@@ -62,5 +62,6 @@ def build_checks(
     if config.weights_interval:
         checks.append(WeightsCheck(
             model, optimizer, interval=config.weights_interval,
-            include_optimizer_state=config.include_optimizer_state, device=device, group=group))
+            include_optimizer_state=config.include_optimizer_state, device=device, group=group,
+            repair=config.repair_by_majority, repair_window_steps=config.repair_window_steps))
     return checks

@@ -44,6 +44,28 @@ class Check:
     """What the model is computing for this check right now: "train", or e.g. "replay"
     while the replay audit recomputes a neighbour's batch (fault injectors read it)."""
 
+    clean_through: int = -1
+    """The newest step through which this check has verified the run clean (-1: none yet).
+    It stops at the check's first detection and moves again only after ``rewind`` (a
+    restore from a checkpoint): a suspect window starts after the newest step every check
+    has verified (``SDCGuard.clean_through``, ``sdc_guard.checkpoint``)."""
+
+    _tainted: bool = False
+
+    def verified(self, step: int) -> None:
+        """Record that this check found ``step`` clean."""
+        if not self._tainted and step > self.clean_through:
+            self.clean_through = step
+
+    def tainted(self) -> None:
+        """Record a detection: ``clean_through`` stays where it is until ``rewind``."""
+        self._tainted = True
+
+    def rewind(self, step: int) -> None:
+        """The run was restored to the state after ``step`` (a checkpoint verified clean)."""
+        self.clean_through = step
+        self._tainted = False
+
     def due(self, step: int) -> bool:
         """Does this check look at ``step``? The guard calls the methods below only then."""
         return True

@@ -163,6 +163,15 @@ class NonFiniteCheck(Check, BucketListener):
             found += self._collect()
         return found
 
+    def rewind(self, step: int) -> None:
+        """A restore: the flags in flight and unsent belong to the abandoned timeline. The word
+        in flight is waited for (every rank started it) and dropped, unjudged."""
+        sent, self._sent = self._sent, None
+        if sent is not None:
+            sent.word.wait_all()
+        self._window = []
+        super().rewind(step)
+
     def _send(self) -> None:
         flags = [f for _, local, reduced in self._window for f in (local, reduced)]
         words = flag_words(flags, self.rank, self.world_size)
@@ -180,7 +189,12 @@ class NonFiniteCheck(Check, BucketListener):
         rows = flag_rows(sent.word.wait_all(), 2 * len(sent.steps), self.world_size)
         found: list[Detection] = []
         for i, step in enumerate(sent.steps):
-            found += self.judge(step, [row[2 * i:2 * i + 2] for row in rows])
+            judged = self.judge(step, [row[2 * i:2 * i + 2] for row in rows])
+            if judged:
+                self.tainted()
+            else:
+                self.verified(step)
+            found += judged
         return found
 
     def judge(self, step: int, rows: list[list[int]]) -> list[Detection]:

@@ -381,10 +381,15 @@ class ReplayAudit(Check, BucketListener):
                 self._send_words()
             pending, self._pending = self._pending, None
             if pending is None or pending.wait() == 0:  # every edge agrees
+                self.verified(step)
                 return Verdict()
             found = self.judge(step, all_gather_rows(self.row(), self.group).tolist())
         finally:
             self._observing = False
+        if found:
+            self.tainted()
+        else:
+            self.verified(step)
         return Verdict(found, withhold=bool(found))
 
     def judge(self, step: int, words: list[list[int]]) -> list[Detection]:

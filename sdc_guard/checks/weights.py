@@ -7,9 +7,19 @@ all-reduce (the maximum and minimum of the 64-bit words) settles the common case
 every rank equal; otherwise one ``all_gather`` of the word per rank and a
 majority vote: ranks outside a strict majority are suspects; no strict majority
 (or world size 2) is a detection without a suspect.
+
+Repair by majority (``GuardConfig.repair_by_majority``, on by default): when the suspects
+are a strict minority, the lowest-numbered rank of the majority broadcasts its parameters and
+optimizer state to every rank, and a second vote verifies that every rank now agrees. The
+detection is reported with ``repaired=True``; the guard does not quarantine for it and no
+suspect window opens (the state is the majority's again). A rank repaired a second time
+within ``repair_window_steps`` is treated as a permanent fault: its detection is reported
+unrepaired (quarantine, rollback), though the state is still made whole.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,6 +61,8 @@ class WeightsCheck(Check):
         include_optimizer_state: bool,
         device: torch.device,
         group: dist.ProcessGroup | None = None,
+        repair: bool = False,
+        repair_window_steps: int = 1000,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -58,6 +70,10 @@ class WeightsCheck(Check):
         self.include_optimizer_state = include_optimizer_state
         self.device = device
         self.group = group
+        self.repair = repair
+        self.repair_window_steps = repair_window_steps
+        self.repairs: dict[int, list[int]] = {}
+        """Steps at which each rank was repaired."""
 
     def due(self, step: int) -> bool:
         return step % self.interval == 0
@@ -71,13 +87,16 @@ class WeightsCheck(Check):
         fp = self.local_fingerprint().to(self.device).reshape(1)
         gathered = gather_if_different(fp, self.group)
         if gathered is None:
+            self.verified(step)
             return []
         values = [to_unsigned64(v) for v in gathered]
         outliers = majority_outliers(values)
         if outliers == ():
+            self.verified(step)
             return []
-        evidence = {"fingerprints": [f"{v:016x}" for v in values]}
+        evidence: dict[str, Any] = {"fingerprints": [f"{v:016x}" for v in values]}
         if outliers is None:
+            self.tainted()
             return [
                 Detection(
                     "weights",
@@ -88,12 +107,36 @@ class WeightsCheck(Check):
                     evidence=evidence,
                 )
             ]
-        return [
-            Detection(
-                "weights",
-                step,
-                outliers,
-                detail=f"rank(s) {list(outliers)} hold weights that differ from the majority",
-                evidence=evidence,
-            )
-        ]
+        detail = f"rank(s) {list(outliers)} hold weights that differ from the majority"
+        repaired = False
+        if self.repair and 2 * len(outliers) < len(values):
+            repeat = [r for r in outliers if any(step - s < self.repair_window_steps
+                                                 for s in self.repairs.get(r, []))]
+            ok = self._repair(outliers)
+            for r in outliers:
+                self.repairs.setdefault(r, []).append(step)
+            evidence["repair"] = {"source": min(set(range(len(values))) - set(outliers)),
+                                  "verified": ok, "repeat_ranks": repeat}
+            repaired = ok and not repeat
+            detail += (f"; repaired in place from rank {evidence['repair']['source']}"
+                       + (" and verified" if ok else ", but the ranks still differ"))
+            if repeat:
+                detail += (f"; rank(s) {repeat} repaired before within "
+                           f"{self.repair_window_steps} steps: a permanent fault")
+        if repaired:
+            self.verified(step)
+        else:
+            self.tainted()
+        return [Detection("weights", step, outliers, detail=detail, evidence=evidence,
+                          repaired=repaired)]
+
+    def _repair(self, outliers: tuple[int, ...]) -> bool:
+        """Broadcast the majority's parameters and optimizer state; vote again. Collective."""
+        world = dist.get_world_size(self.group)
+        source = min(set(range(world)) - set(outliers))
+        src = dist.get_global_rank(self.group, source) if self.group is not None else source
+        with torch.no_grad():
+            for t in state_tensors(self.model, self.optimizer):
+                dist.broadcast(t, src=src, group=self.group)
+        return gather_if_different(self.local_fingerprint().to(self.device).reshape(1),
+                                   self.group) is None

@@ -1,0 +1,362 @@
+"""Checkpoints that know the suspect window: save, verify, restore the last clean state.
+
+::
+
+    ckpt = sdc_guard.CheckpointManager(directory, keep=3)
+    guard = sdc_guard.SDCGuard(..., checkpoints=ckpt)    # records suspect windows
+    ckpt.save(step, model, optimizer)                     # collective: every rank calls
+    start = ckpt.restore(model, optimizer)                # the step to train next
+
+**What a checkpoint holds.** The model's and the optimizer's ``state_dict``, every rank's
+random-number-generator states (torch CPU and CUDA, Python's ``random``, NumPy's when it is
+installed; they differ per rank), the step, the guard's verification state
+(``SDCGuard.clean_through`` and each check's), and the 64-bit fingerprint of the parameters
+and optimizer state (``sdc_guard.fingerprint`` over ``state_tensors``), checked again after
+loading. Rank 0 writes it (DDP replicas are identical; the ranks' RNG states are gathered
+first): ``step-000000120.pt`` and its manifest ``step-000000120.json`` (size, SHA-256,
+fingerprint, generation). Both are written to a temporary name, fsynced and renamed; the
+manifest is written last and is the commit point, so a killed save leaves no checkpoint
+that looks whole. Loading uses ``torch.load(weights_only=True)``: no arbitrary unpickling.
+
+**The suspect window.** Every check knows the newest step it has verified clean (the
+weights check: its last passing vote; the replay audit: its last passing audit; the
+non-finite check: every step whose flags it has collected). On a detection at step d that
+was not repaired in place, the window starts at ``min(d, SDCGuard.clean_through + 1)``: after
+the newest step *every* enabled check verified. The manager records the detection and the
+window in ``windows.json`` in its directory (a restarted job sees it) and from then on
+refuses to restore any checkpoint of that timeline saved at a step inside the window, and
+saves no new checkpoint until the run is restored (its state is suspect). A checkpoint taken
+between replay audits is only as clean as the last audit before it.
+
+**Timelines.** ``restore`` starts a new generation: checkpoints saved after it belong to
+the new timeline, which the old windows do not cover.
+
+**Keeping.** The newest ``keep`` checkpoints stay, and, whatever ``keep`` says, so does the
+newest one that every enabled check has verified clean. A corrupt or missing checkpoint is
+logged at ERROR with the file and the reason, and the next older one is used; with none
+usable, ``restore`` returns 0 (train from scratch) and says so.
+
+The directory must be storage that every rank and every replacement pod can read (a
+ReadWriteMany PersistentVolumeClaim in ``deploy/pytorchjob.yaml``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from sdc_guard.checks.weights import state_tensors
+from sdc_guard.fingerprints import fingerprint
+
+if TYPE_CHECKING:
+    from sdc_guard.guard import SDCGuard
+    from sdc_guard.report import Detection
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+WINDOWS = "windows.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message names the file and the reason."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """One checkpoint's manifest."""
+
+    step: int
+    generation: int
+    file: Path
+    manifest: Path
+    size: int
+    sha256: str
+    fingerprint: str
+    clean_through: int | None
+    saved_at: float
+
+
+def _module(model: torch.nn.Module) -> torch.nn.Module:
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, torch.nn.Module) else model
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """This rank's random-number-generator states, in types ``weights_only`` loading accepts."""
+    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device is not None and device.type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(device)
+    try:
+        import numpy as np
+    except ImportError:
+        return out
+    name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    out["numpy"] = [str(name), torch.from_numpy(np.asarray(keys).astype(np.int64)), int(pos),
+                    int(has_gauss), float(gauss)]
+    return out
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    if "cuda" in state and device is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+    if "numpy" in state:
+        import numpy as np
+
+        name, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+
+
+class CheckpointManager:
+    """Save, verify and restore checkpoints; refuse those inside a suspect window."""
+
+    def __init__(self, directory: str | Path, keep: int = 3, *,
+                 group: dist.ProcessGroup | None = None) -> None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"CheckpointManager(keep=...) must be an int >= 1, got {keep!r}.")
+        self.directory = Path(directory)
+        self.keep = keep
+        self.group = group
+        self.guard: SDCGuard | None = None
+        self._cached: dict[str, Any] | None = None
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    # -- the guard's side ------------------------------------------------------------------
+    def bind(self, guard: SDCGuard) -> None:
+        """Called by ``SDCGuard(..., checkpoints=self)``."""
+        self.guard = guard
+
+    def record_detection(self, d: Detection, window_start: int) -> None:
+        """A detection at ``d.step`` that was not repaired: its suspect window starts at
+        ``window_start``. Rank 0 writes it to ``windows.json``; every rank calls it."""
+        state = self._state()
+        entry = {"start": window_start, "generation": state["generation"], "check": d.check,
+                 "step": d.step, "suspect_ranks": list(d.suspect_ranks),
+                 "suspect_nodes": list(d.suspect_nodes), "time": time.time(), "open": True}
+        log.warning("sdc-guard: suspect window from step %d (%s detection at step %d): "
+                    "checkpoints from step %d of generation %d on will not be restored",
+                    window_start, d.check, d.step, window_start, state["generation"])
+        state["windows"].append(entry)
+        if self._rank() == 0:
+            self._write_state(state)
+        self._cached = state
+
+    # -- saving ----------------------------------------------------------------------------
+    def save(self, step: int, model: torch.nn.Module,
+             optimizer: torch.optim.Optimizer) -> CheckpointInfo | None:
+        """Checkpoint the state after ``step``. Collective (the ranks' RNG states are gathered);
+        rank 0 writes. Returns the manifest on rank 0, None elsewhere and when refused (an
+        open suspect window: the state is suspect until a restore)."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"CheckpointManager.save(step): an int >= 0, got {step!r}.")
+        device = next(model.parameters()).device
+        rngs: list[Any] = [None] * self._world()
+        dist.all_gather_object(rngs, rng_state(device), group=self.group)
+        state = self._state()
+        opened = [w for w in state["windows"] if w["open"]]
+        if opened:
+            log.warning("sdc-guard: not saving step %d: a suspect window is open since step %d "
+                        "(restore a checkpoint first)", step, opened[0]["start"])
+            return None
+        if self._rank() != 0:
+            return None
+        guard = self.guard
+        payload = {
+            "format": FORMAT, "step": step, "generation": state["generation"],
+            "model": _module(model).state_dict(), "optimizer": optimizer.state_dict(),
+            "rng": rngs, "world_size": self._world(),
+            "guard": None if guard is None else {
+                "clean_through": guard.clean_through,
+                "checks": {c.name: c.clean_through for c in guard.checks}},
+        }
+        fp = f"{fingerprint(state_tensors(_module(model), optimizer)):016x}"
+        import io
+
+        buf = io.BytesIO()
+        torch.save(payload, buf)
+        data = buf.getvalue()
+        name = f"step-{step:09d}-g{state['generation']}"
+        file = self.directory / f"{name}.pt"
+        manifest = self.directory / f"{name}.json"
+        _write_atomic(file, data)
+        info = CheckpointInfo(step=step, generation=state["generation"], file=file,
+                              manifest=manifest, size=len(data),
+                              sha256=hashlib.sha256(data).hexdigest(), fingerprint=fp,
+                              clean_through=None if guard is None else guard.clean_through,
+                              saved_at=time.time())
+        _write_atomic(manifest, json.dumps({
+            "format": FORMAT, "step": step, "generation": info.generation, "file": file.name,
+            "size": info.size, "sha256": info.sha256, "fingerprint": fp,
+            "clean_through": info.clean_through, "saved_at": info.saved_at}, indent=1).encode())
+        self._prune()
+        return info
+
+    # -- restoring -------------------------------------------------------------------------
+    def checkpoints(self) -> list[CheckpointInfo]:
+        """Every committed checkpoint (those with a manifest), newest first."""
+        out = []
+        for m in self.directory.glob("step-*.json"):
+            try:
+                rec = json.loads(m.read_text())
+                out.append(CheckpointInfo(
+                    step=int(rec["step"]), generation=int(rec["generation"]),
+                    file=m.with_name(str(rec["file"])), manifest=m, size=int(rec["size"]),
+                    sha256=str(rec["sha256"]), fingerprint=str(rec["fingerprint"]),
+                    clean_through=rec.get("clean_through"), saved_at=float(rec["saved_at"])))
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                log.error("sdc-guard: checkpoint manifest %s is unreadable (%s); skipped", m, e)
+        return sorted(out, key=lambda c: (c.generation, c.step), reverse=True)
+
+    def refused(self, info: CheckpointInfo) -> dict[str, Any] | None:
+        """The suspect window that forbids ``info``, or None."""
+        for w in self._state()["windows"]:
+            if info.generation <= w["generation"] and info.step >= w["start"]:
+                return dict(w)
+        return None
+
+    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+        """Load the newest usable checkpoint before every suspect window; the step to train
+        next (0: none usable, start from scratch). Collective; every rank reads the files."""
+        device = next(model.parameters()).device
+        chosen = None
+        for info in self.checkpoints():
+            w = self.refused(info)
+            if w is not None:
+                log.warning("sdc-guard: not restoring %s: saved at step %d, inside the suspect "
+                            "window from step %d (%s detection at step %d)", info.file,
+                            info.step, w["start"], w["check"], w["step"])
+                continue
+            try:
+                payload = self._load(info)
+                _module(model).load_state_dict(payload["model"])
+                optimizer.load_state_dict(payload["optimizer"])
+                got = f"{fingerprint(state_tensors(_module(model), optimizer)):016x}"
+                if got != info.fingerprint:
+                    raise CheckpointError(f"checkpoint {info.file}: the loaded state's "
+                                          f"fingerprint {got} is not the recorded "
+                                          f"{info.fingerprint}")
+            except CheckpointError as e:
+                log.error("sdc-guard: %s; trying the next older checkpoint", e)
+                continue
+            chosen = (info, payload)
+            break
+        if self._world() > 1:  # every rank must resume from the same checkpoint
+            picks: list[Any] = [None] * self._world()
+            dist.all_gather_object(picks, None if chosen is None else chosen[0].manifest.name,
+                                   group=self.group)
+            if len(set(picks)) != 1:
+                raise CheckpointError(f"ranks chose different checkpoints to restore: {picks}; "
+                                      "is the directory shared storage every rank reads?")
+        state = self._state()
+        state["generation"] += 1
+        for w in state["windows"]:
+            w["open"] = False
+        if self._rank() == 0:
+            self._write_state(state)
+        self._cached = state
+        if chosen is None:
+            log.error("sdc-guard: no usable checkpoint in %s: training starts from scratch "
+                      "(step 0)", self.directory)
+            return 0
+        info, payload = chosen
+        rngs = payload["rng"]
+        rank = self._rank()
+        if len(rngs) == self._world():
+            set_rng_state(rngs[rank], device)
+        else:
+            log.warning("sdc-guard: %s was saved by %d ranks, this job has %d; RNG states not "
+                        "restored", info.file, len(rngs), self._world())
+        if self.guard is not None:
+            self.guard.rewind(info.step)
+        log.warning("sdc-guard: restored %s (step %d); training resumes at step %d",
+                    info.file, info.step, info.step + 1)
+        return info.step + 1
+
+    def _load(self, info: CheckpointInfo) -> dict[str, Any]:
+        try:
+            data = info.file.read_bytes()
+        except OSError as e:
+            raise CheckpointError(f"checkpoint {info.file} cannot be read: {e}") from e
+        if len(data) != info.size:
+            raise CheckpointError(f"checkpoint {info.file} is {len(data)} bytes, its manifest "
+                                  f"says {info.size}: truncated or replaced")
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != info.sha256:
+            raise CheckpointError(f"checkpoint {info.file}: SHA-256 {digest[:16]}... is not "
+                                  f"the recorded {info.sha256[:16]}...: the file is corrupt")
+        import io
+
+        try:
+            payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:  # an unpickling refusal or a damaged archive
+            raise CheckpointError(f"checkpoint {info.file} does not load with "
+                                  f"weights_only=True: {e}") from e
+        if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+            raise CheckpointError(f"checkpoint {info.file} is not an sdc-guard checkpoint of "
+                                  f"format {FORMAT}")
+        return payload
+
+    # -- bookkeeping -----------------------------------------------------------------------
+    def _prune(self) -> None:
+        """Keep the newest ``keep``, and the newest checkpoint verified clean by every check."""
+        infos = self.checkpoints()
+        clean_through = self.guard.clean_through if self.guard is not None else None
+        generation = self._state()["generation"]
+        protected = next((c for c in infos if c.generation == generation
+                          and clean_through is not None and c.step <= clean_through
+                          and self.refused(c) is None), None)
+        for c in infos[self.keep:]:
+            if c is protected:
+                continue
+            for p in (c.manifest, c.file):  # the manifest first: never a manifest without data
+                p.unlink(missing_ok=True)
+
+    def _state(self) -> dict[str, Any]:
+        if self._cached is not None:
+            return self._cached
+        path = self.directory / WINDOWS
+        state: dict[str, Any] = {"generation": 0, "windows": []}
+        if path.exists():
+            try:
+                state = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"{path} is unreadable ({e}); it records the suspect "
+                                      "windows: repair or remove it") from e
+        self._cached = state
+        return state
+
+    def _write_state(self, state: dict[str, Any]) -> None:
+        _write_atomic(self.directory / WINDOWS, json.dumps(state, indent=1).encode())
+
+    def _rank(self) -> int:
+        return dist.get_rank(self.group) if dist.is_initialized() else 0
+
+    def _world(self) -> int:
+        return dist.get_world_size(self.group) if dist.is_initialized() else 1

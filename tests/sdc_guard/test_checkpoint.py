@@ -1,0 +1,161 @@
+"""CheckpointManager on one real gloo rank and real files: round trip with RNG states,
+atomic files, corrupt / truncated / missing / unsafe checkpoints, keep, suspect windows."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import sdc_guard
+from sdc_guard import CheckpointManager, Detection
+from tests import workers
+
+
+def _train(model: DDP, opt: torch.optim.Optimizer, steps: range) -> None:
+    for s in steps:
+        opt.zero_grad()
+        workers.loss_fn(model, workers.batch_for(0, s)).backward()
+        opt.step()
+
+
+def _state(model: DDP, opt: torch.optim.Optimizer) -> int:
+    return sdc_guard.fingerprint(sdc_guard.state_tensors(model.module, opt))
+
+
+@pytest.fixture
+def setup(one_rank: None, tmp_path: Path) -> tuple[DDP, torch.optim.Optimizer, CheckpointManager]:
+    model = DDP(workers.make_mlp())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt, CheckpointManager(tmp_path / "ckpt", keep=2)
+
+
+def test_round_trip_restores_weights_optimizer_and_rng(setup: Any) -> None:
+    model, opt, ckpt = setup
+    _train(model, opt, range(3))
+    random.seed(5)
+    torch.manual_seed(7)
+    info = ckpt.save(2, model, opt)
+    assert info is not None and info.file.exists() and info.manifest.exists()
+    saved = _state(model, opt)
+    expect = (torch.rand(3).tolist(), random.random())
+    _train(model, opt, range(3, 6))
+    assert _state(model, opt) != saved
+    assert ckpt.restore(model, opt) == 3
+    assert _state(model, opt) == saved
+    assert (torch.rand(3).tolist(), random.random()) == expect
+    assert not list(ckpt.directory.glob(".*tmp*"))  # no temporary files left
+
+
+def test_keep_bounds_the_others(setup: Any) -> None:
+    model, opt, ckpt = setup
+    for s in range(5):
+        _train(model, opt, range(s, s + 1))
+        ckpt.save(s, model, opt)
+    assert [c.step for c in ckpt.checkpoints()] == [4, 3]
+    assert len(list(ckpt.directory.glob("*.pt"))) == 2
+
+
+@pytest.mark.parametrize(("damage", "reason"), [
+    (lambda p: p.write_bytes(p.read_bytes()[:-100]), "truncated"),
+    (lambda p: p.write_bytes(bytes([p.read_bytes()[0] ^ 1]) + p.read_bytes()[1:]), "corrupt"),
+    (lambda p: p.unlink(), "cannot be read"),
+])
+def test_a_damaged_checkpoint_is_refused_by_name_and_the_older_one_used(
+        setup: Any, caplog: Any, damage: Any, reason: str) -> None:
+    model, opt, ckpt = setup
+    ckpt.save(0, model, opt)
+    old = _state(model, opt)
+    _train(model, opt, range(1, 2))
+    newest = ckpt.save(1, model, opt)
+    damage(newest.file)
+    with caplog.at_level(logging.ERROR, logger="sdc_guard.checkpoint"):
+        assert ckpt.restore(model, opt) == 1
+    assert _state(model, opt) == old
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any(str(newest.file) in m and reason in m for m in errors), errors
+
+
+def test_a_state_that_does_not_match_its_fingerprint_is_refused(setup: Any, caplog: Any) -> None:
+    model, opt, ckpt = setup
+    info = ckpt.save(0, model, opt)
+    rec = json.loads(info.manifest.read_text())
+    rec["fingerprint"] = "0" * 16
+    info.manifest.write_text(json.dumps(rec))
+    with caplog.at_level(logging.ERROR):
+        assert ckpt.restore(model, opt) == 0
+    assert any("fingerprint" in r.getMessage() for r in caplog.records)
+    assert any("from scratch" in r.getMessage() for r in caplog.records)
+
+
+class _Payload:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (print, ("arbitrary code ran",))
+
+
+def test_loading_never_unpickles_arbitrary_objects(setup: Any, caplog: Any) -> None:
+    model, opt, ckpt = setup
+    info = ckpt.save(0, model, opt)
+    import hashlib
+    import io
+
+    buf = io.BytesIO()
+    torch.save({"format": 1, "model": _Payload()}, buf)
+    data = buf.getvalue()
+    info.file.write_bytes(data)
+    rec = json.loads(info.manifest.read_text())
+    rec.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    info.manifest.write_text(json.dumps(rec))
+    with caplog.at_level(logging.ERROR):
+        assert ckpt.restore(model, opt) == 0
+    assert any("weights_only" in r.getMessage() for r in caplog.records)
+
+
+def test_the_suspect_window_refuses_checkpoints_inside_it_and_survives_a_restart(
+        setup: Any) -> None:
+    model, opt, ckpt = setup
+    ckpt.keep = 10
+    for s in range(4):
+        _train(model, opt, range(s, s + 1))
+        ckpt.save(s, model, opt)
+        if s == 1:
+            at_1 = _state(model, opt)
+    d = Detection("replay", 3, (1,), "", {})
+    ckpt.record_detection(d, window_start=2)
+    assert ckpt.save(4, model, opt) is None  # the state is suspect: no new checkpoint
+    again = CheckpointManager(ckpt.directory, keep=10)  # a restarted job reads windows.json
+    refused = [c.step for c in again.checkpoints() if again.refused(c)]
+    assert refused == [3, 2]
+    assert again.restore(model, opt) == 2
+    assert _state(model, opt) == at_1
+    # a new timeline: checkpoints after the restore are not covered by the old window
+    _train(model, opt, range(2, 3))
+    info = again.save(2, model, opt)
+    assert info is not None and again.refused(info) is None
+    assert again.restore(model, opt) == 3
+
+
+def test_keep_never_deletes_the_newest_checkpoint_verified_clean(one_rank: None,
+                                                                 tmp_path: Path) -> None:
+    """With the replay audit every 4 steps, only audited steps are verified clean (and the
+    non-finite check's steps only once their flags are collected, a step later here); keep=1
+    would otherwise delete the last checkpoint at or before the last audit."""
+    model = DDP(workers.make_mlp())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = CheckpointManager(tmp_path / "c", keep=1)
+    guard = sdc_guard.SDCGuard(model, opt, loss_fn=workers.loss_fn, batch_for=workers.batch_for,
+                               config=sdc_guard.GuardConfig(replay_interval=4,
+                                                            deterministic=True,
+                                                            nonfinite_exchange_interval=1),
+                               checkpoints=ckpt)
+    for s in range(7):
+        guard.step(s)
+        ckpt.save(s, model, opt)
+    assert guard.clean_through == 4
+    assert [c.step for c in ckpt.checkpoints()] == [6, 4]

@@ -1,0 +1,55 @@
+"""Rollback and repair on 3 real gloo ranks: the recovered run ends bit-identical to the
+fault-free one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests import workers
+from tests.launch import run_ranks
+
+pytestmark = pytest.mark.timeout(240)
+
+CFG = {"nonfinite_exchange_interval": 1}
+
+
+def _golden(tmp_path: Path) -> int:
+    res = run_ranks(workers.recovery_run, 3, 12, str(tmp_path / "golden"), every=2, fault=None,
+                    cfg=CFG)
+    assert all(r["detections"] == [] and r["restored"] == [] for r in res)
+    return int(res[0]["final"])
+
+
+def test_a_permanent_fault_is_rolled_back_and_the_run_ends_bit_identical(tmp_path: Path) -> None:
+    golden = _golden(tmp_path)
+    fault = {"rank": 1, "step": 5, "permanent": True, "bit": 0}
+    res = run_ranks(workers.recovery_run, 3, 12, str(tmp_path / "c"), every=2, fault=fault,
+                    cfg={**CFG, "repair_by_majority": False})
+    for r in res:
+        assert r["detections"][0] == ("weights", 5, (1,), False)
+        assert r["restored"] == [(5, 5)]  # the checkpoint of step 4: resume at 5
+        assert r["final"] == golden
+
+
+def test_a_second_repair_of_the_same_rank_is_a_permanent_fault(tmp_path: Path) -> None:
+    golden = _golden(tmp_path)
+    fault = {"rank": 1, "step": 5, "permanent": True, "bit": 0, "after_step": True}
+    res = run_ranks(workers.recovery_run, 3, 12, str(tmp_path / "c"), every=2, fault=fault,
+                    cfg=CFG)
+    for r in res:
+        assert r["detections"][:2] == [("weights", 5, (1,), True), ("weights", 6, (1,), False)]
+        assert r["restored"] == [(6, 5)]
+        assert r["final"] == golden
+
+
+def test_a_transient_flip_in_one_replica_is_repaired_without_rollback(tmp_path: Path) -> None:
+    golden = _golden(tmp_path)
+    fault = {"rank": 2, "step": 7, "bit": 20, "after_step": True}
+    res = run_ranks(workers.recovery_run, 3, 12, str(tmp_path / "c"), every=2, fault=fault,
+                    cfg=CFG)
+    for r in res:
+        assert r["detections"] == [("weights", 7, (2,), True)]
+        assert r["restored"] == []
+        assert r["final"] == golden
