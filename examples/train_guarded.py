@@ -16,7 +16,9 @@ permanent: a human should look. Without ``--act`` (the default, a dry run) train
 
     python examples/train_guarded.py --steps 200 [--act] [--kubeconfig PATH] [--plant-fault STEP]
 
-``--plant-fault STEP`` flips a bit of one weight on rank 1 at STEP, to see the whole path.
+``--plant-fault STEP`` sticks a bit of one weight of rank 1 at 1 from STEP on, to see the whole
+path: the weights check repairs it from the majority once, and convicts rank 1 the second
+time.
 """
 
 from __future__ import annotations
@@ -57,12 +59,13 @@ def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     return F.cross_entropy(model(x), y)
 
 
-def _bit_flip(param: torch.Tensor, at: int):  # type: ignore[no-untyped-def]
-    """A ``before_step`` hook: flip bit 22 of the first element of ``param`` at step ``at``."""
-    def flip(step: int) -> None:
-        if step == at:
-            param.detach().view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 22)
-    return flip
+def _stuck_bit(param: torch.Tensor, at: int):  # type: ignore[no-untyped-def]
+    """A ``before_step`` hook: bit 22 of the first element of ``param`` stuck at 1 from step
+    ``at`` on (a permanent fault: repaired once by the majority, convicted the second time)."""
+    def stick(step: int) -> None:
+        if step >= at:
+            param.detach().view(-1)[:1].view(torch.int32).bitwise_or_(1 << 22)
+    return stick
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="kubeconfig path (default: the pod's service account)")
     ap.add_argument("--no-quarantine", action="store_true", help="detect only")
     ap.add_argument("--plant-fault", type=int, default=None, metavar="STEP",
-                    help="flip a bit of a weight on rank 1 at STEP (a demonstration)")
+                    help="a stuck bit in a weight of rank 1 from STEP on (a demonstration)")
     ap.add_argument("--event-log", default=None, help="JSON-lines file for detections")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -95,12 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     guard = sdc_guard.SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for(device),
                                config=config, remediation=quarantine)
     if args.plant_fault is not None and rank == 1:
-        guard.before_step.append(_bit_flip(next(model.module.parameters()), args.plant_fault))
+        guard.before_step.append(_stuck_bit(next(model.module.parameters()), args.plant_fault))
 
     code = 0
     for step in range(args.steps):
         report = guard.step(step)
-        convicted = [d for d in report.detections if d.suspect_ranks]
+        convicted = [d for d in report.detections if d.suspect_ranks and not d.repaired]
         if convicted and quarantine is not None and not quarantine.dry_run:
             guard.flush()  # collective: every rank is here, at the same step
             held = rank != quarantine.acting_rank or quarantine.holds(

@@ -47,7 +47,8 @@ its backward replaces by 0).
 Quarantine (scenarios with ``[quarantine]``): ``cordoned_nodes`` are the nodes the trial's
 ``KubeQuarantine`` cordoned on the API stand-in (or, in a dry run, would have); each rank
 ``r`` stands for node ``node-<r>``. ``cordon_correct``: they are exactly the nodes of the
-ranks where an injection fired. ``breaker_tripped``: the circuit breaker refused a detection.
+ranks where an injection fired, or none when the first detection was ``repaired`` in place
+by the majority (a first repair does not quarantine). ``breaker_tripped``: the circuit breaker refused a detection.
 ``fault_to_cordon_s``: wall seconds from the start of the first step an injection fired in
 (on the injected rank) to the first cordon. ``quarantine_errors``: API calls that failed for
 good, over all ranks. Empty without ``[quarantine]``.
@@ -150,7 +151,10 @@ def classify(trial: TrialSpec, golden: GoldenRun, results: list[dict[str, Any]],
     diverged = [s for s in range(n) if any(r["state_fps"][s] != expected(s) for r in results)]
     first_div = diverged[0] if diverged else None
     nonfinite_loss = [r["rank"] for r in results if any(not math.isfinite(x) for x in r["losses"])]
-    row.update(_quarantine(results, records, first_inj, injected_ranks))
+    repaired_at = {(c, s) for c, s in results[0].get("repaired", [])}
+    first = min((step for _, step, _ in dets), default=None)
+    repaired = first is not None and all((c, s) in repaired_at for c, s, _ in dets if s == first)
+    row.update(_quarantine(results, records, first_inj, [] if repaired else injected_ranks))
     row.update({
         "injections": len(records), "first_injection": first_inj,
         "injected_ranks": injected_ranks, "nonfinite_injected": _nonfinite_records(records),
@@ -166,6 +170,7 @@ def classify(trial: TrialSpec, golden: GoldenRun, results: list[dict[str, Any]],
         contained = d in skipped and (first_div is None or first_div > d)
         row.update({
             "outcome": "detected", "check": at[0][0], "checks": "+".join(c for c, _, _ in at),
+            "repaired": repaired,
             "detect_step": d, "suspects": suspects,
             "blame_correct": (suspects == injected_ranks) if injected_ranks else None,
             "contained": contained,

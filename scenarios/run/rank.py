@@ -136,6 +136,7 @@ class RankRunner:
         losses: list[float] = []
         detections: list[tuple[str, int, tuple[int, ...]]] = []
         skipped: list[int] = []
+        repaired: list[tuple[str, int]] = []
         started: list[float] = []
         for step in range(steps):
             started.append(time.time())
@@ -147,6 +148,7 @@ class RankRunner:
             if rep.skipped:
                 skipped.append(step)
             detections += [(d.check, d.step, tuple(d.suspect_ranks)) for d in rep.detections]
+            repaired += [(d.check, d.step) for d in rep.detections if d.repaired]
             if rep.detections and stop_on_detection:
                 break
         # The non-finite flags still out (sent every few steps, collected a step later).
@@ -157,6 +159,7 @@ class RankRunner:
             "losses": losses,
             "detections": detections,
             "skipped": skipped,
+            "repaired": repaired,
             "step_started": started,
         }
         if params_too:
@@ -191,6 +194,9 @@ class RankRunner:
         s = self.session(sc, sc.guard_config(spec.replay_interval))
         assert s.guard is not None
         s.reset()
+        # Fresh checks: a trial must not inherit the last one's memory (the weights check's
+        # repairs, the checks' verified steps). The last trial ended with flush().
+        s.guard.reconfigure(s.guard.config)
         t0 = time.perf_counter()
         handles = [arm(f, guard=s.guard) for f in spec.faults]
         chaos = _chaos_hook(spec.chaos, self.rank) if spec.chaos is not None else None

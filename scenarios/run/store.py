@@ -29,7 +29,7 @@ COLUMNS = (
     "suspects", "blame_correct", "contained", "same_step", "skipped", "injections",
     "first_injection", "injected_ranks", "nonfinite_injected", "first_divergence", "latency_from_injection",
     "latency_from_divergence", "rel_weight_dev", "loss_diff", "steps_run", "seconds", "error",
-    "fault", "cordoned_nodes", "cordon_correct", "breaker_tripped", "fault_to_cordon_s",
+    "fault", "repaired", "cordoned_nodes", "cordon_correct", "breaker_tripped", "fault_to_cordon_s",
     "quarantine_errors",
 )
 """The columns of ``trials.csv``, in order (see reports/README.md for each one's meaning)."""

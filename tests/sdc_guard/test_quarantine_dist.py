@@ -46,12 +46,13 @@ def _our_taints(node: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 WEIGHT_FLIP = {"site": "weight_bitflip", "rank": 1, "step": 3, "bit": 0}
+NO_REPAIR = {"repair_by_majority": False}  # a repaired first detection does not quarantine
 
 
 def test_a_fault_on_rank_1_cordons_exactly_its_node(server: Any, tmp_path: Path) -> None:
     log = tmp_path / "events.jsonl"
-    res = run_ranks(workers.guarded_run, 3, 6, WEIGHT_FLIP, {"event_log": str(log)}, "adamw",
-                    False, _quarantine(server, dry_run=False))
+    res = run_ranks(workers.guarded_run, 3, 6, WEIGHT_FLIP, {"event_log": str(log), **NO_REPAIR},
+                    "adamw", False, _quarantine(server, dry_run=False))
     assert all(r["detections"][0] == ("weights", 3, (1,)) for r in res)
     assert all(r["suspect_nodes"][0] == ("gpu-b",) for r in res)
     cordoned = [n for n in [*NODES, "gpu-spare"] if server.node(n)["spec"].get("unschedulable")]
@@ -86,7 +87,7 @@ def test_a_fault_on_rank_1_cordons_exactly_its_node(server: Any, tmp_path: Path)
 
 
 def test_dry_run_is_the_default_and_stores_nothing(server: Any) -> None:
-    res = run_ranks(workers.guarded_run, 3, 6, WEIGHT_FLIP, None, "adamw", False,
+    res = run_ranks(workers.guarded_run, 3, 6, WEIGHT_FLIP, NO_REPAIR, "adamw", False,
                     _quarantine(server))
     assert [a["action"] for a in res[0]["actions"]] == ["cordon"]
     assert res[0]["actions"][0]["dry_run"] is True
@@ -124,7 +125,7 @@ def test_an_api_server_killed_mid_run_leaves_training_going(server: Any) -> None
 
     killer = threading.Thread(target=kill_at_first_request, daemon=True)
     killer.start()
-    res = run_ranks(workers.guarded_run, 3, 8, WEIGHT_FLIP, None, "adamw", False,
+    res = run_ranks(workers.guarded_run, 3, 8, WEIGHT_FLIP, NO_REPAIR, "adamw", False,
                     _quarantine(server, dry_run=False, retries=2, deadline_s=1.0,
                                 request_timeout_s=3.0))
     killer.join(5)
@@ -137,7 +138,7 @@ def test_an_api_server_killed_mid_run_leaves_training_going(server: Any) -> None
 
 def test_a_hanging_api_server_does_not_slow_the_steps(server: Any) -> None:
     server.delay("GET", "/api/v1/nodes", 30.0, times=100)
-    res = run_ranks(workers.guarded_run, 3, 10, WEIGHT_FLIP, None, "adamw", False,
+    res = run_ranks(workers.guarded_run, 3, 10, WEIGHT_FLIP, NO_REPAIR, "adamw", False,
                     _quarantine(server, dry_run=False, request_timeout_s=1.0, retries=1,
                                 deadline_s=0.5))
     assert all(r["steps_run"] == 10 for r in res)
