@@ -50,8 +50,8 @@ Quarantine (scenarios with ``[quarantine]``): ``cordoned_nodes`` are the nodes t
 ranks where an injection fired, or none when the first detection was ``repaired`` in place
 by the majority (a first repair does not quarantine). ``breaker_tripped``: the circuit
 breaker refused a detection. ``fault_to_cordon_s``: wall seconds from the start of the first
-step an injection fired in (on the injected rank) to the first cordon. ``quarantine_errors``: API calls that failed for
-good, over all ranks. Empty without ``[quarantine]``.
+step an injection fired in (on the injected rank) to the first cordon.
+``quarantine_errors``: API calls that failed for good, over all ranks. Empty without ``[quarantine]``.
 
 Latency: ``latency_from_injection = detect_step - first_injection`` (the first
 step at which an injection fired) and ``latency_from_divergence = detect_step -
