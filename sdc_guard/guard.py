@@ -107,11 +107,16 @@ class SDCGuard:
         self.events: EventLog | None = None
         self.reconfigure(config)
         self.set_remediation(remediation)
+        self.checkpoints: CheckpointManager | None = None
+        """Told of every unrepaired detection and its suspect window (``sdc_guard.checkpoint``)."""
+        self.set_checkpoints(checkpoints)
+
+    def set_checkpoints(self, checkpoints: CheckpointManager | None) -> None:
+        """Record suspect windows in ``checkpoints`` from now on (None: nowhere)."""
         if checkpoints is not None and not isinstance(checkpoints, CheckpointManager):
             raise TypeError(f"SDCGuard(checkpoints=...) must be a sdc_guard.CheckpointManager, "
                             f"got {type(checkpoints).__name__}.")
         self.checkpoints = checkpoints
-        """Told of every unrepaired detection and its suspect window (``sdc_guard.checkpoint``)."""
         if checkpoints is not None:
             checkpoints.bind(self)
 

@@ -53,6 +53,15 @@ breaker refused a detection. ``fault_to_cordon_s``: wall seconds from the start 
 step an injection fired in (on the injected rank) to the first cordon.
 ``quarantine_errors``: API calls that failed for good, over all ranks. Empty without ``[quarantine]``.
 
+Recovery (scenarios with ``[recovery]``): trials train to the last step; at the first
+unrepaired detection the faults are disarmed (the node replaced) and the run restored from the
+newest checkpoint before the suspect window. ``rollback_step``: the step training resumed at;
+``wasted_steps``: steps trained and thrown away (the reporting step + 1 - ``rollback_step``;
+0 without a rollback); ``fault_to_resume_s``: wall seconds from the start of the first
+faulty step to the resumed training; ``final_matches_golden``: every rank's final parameters
+and optimizer state are bit-identical to the golden run's. The outcome and the other
+columns describe the run as it first went, up to the rollback.
+
 Latency: ``latency_from_injection = detect_step - first_injection`` (the first
 step at which an injection fired) and ``latency_from_divergence = detect_step -
 first_divergence`` (empty when contained: nothing diverged).
@@ -127,6 +136,25 @@ def _quarantine(results: list[dict[str, Any]], records: list[dict[str, Any]],
     return out
 
 
+def _recovery(results: list[dict[str, Any]], golden: GoldenRun, records: list[dict[str, Any]],
+              first_inj: int | None) -> dict[str, Any]:
+    """The recovery columns (see the module doc); {} when the trial ran without ``[recovery]``."""
+    rec = [r.get("recovery") for r in results]
+    if any(x is None for x in rec):
+        return {}
+    out: dict[str, Any] = {
+        "final_matches_golden": all(x["final_fp"] == golden.state_fps[-1] for x in rec),
+        "rollback_step": rec[0].get("rollback_step"),
+        "wasted_steps": rec[0].get("wasted_steps", 0),
+    }
+    if "resumed_at" in rec[0] and first_inj is not None:
+        by_rank = {r["rank"]: r for r in results}
+        rank = next(int(x["rank"]) for x in records if int(x["step"]) == first_inj)
+        out["fault_to_resume_s"] = round(
+            rec[0]["resumed_at"] - by_rank[rank]["step_started"][first_inj], 4)
+    return out
+
+
 def classify(trial: TrialSpec, golden: GoldenRun, results: list[dict[str, Any]],
              seconds: float) -> dict[str, Any]:
     """The outcome row of a trial whose ranks all answered."""
@@ -155,6 +183,7 @@ def classify(trial: TrialSpec, golden: GoldenRun, results: list[dict[str, Any]],
     first = min((step for _, step, _ in dets), default=None)
     repaired = first is not None and all((c, s) in repaired_at for c, s, _ in dets if s == first)
     row.update(_quarantine(results, records, first_inj, [] if repaired else injected_ranks))
+    row.update(_recovery(results, golden, records, first_inj))
     row.update({
         "injections": len(records), "first_injection": first_inj,
         "injected_ranks": injected_ranks, "nonfinite_injected": _nonfinite_records(records),

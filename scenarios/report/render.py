@@ -80,6 +80,28 @@ def _tables(s: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
                      "breaker tripped", "API errors", "fault to cordon p50 (s)", "max (s)"],
                     [qrow(k, g) for k, g in q["sites"].items()] + [qrow("all", q["all"]),
                                                                     qrow("clean", q["clean"])]))
+    rec = s.get("recovery")
+    if rec and "sites" not in rec:
+        out.append(("Recovery (rollback to the last clean checkpoint, or repair by majority)",
+                    ["site", "detected", "check", "cordoned", "repaired (no rollback)",
+                     "resumed at step", "steps lost", "fault to resumed training (s)",
+                     "final state bit-identical to golden"],
+                    [[str(rec["site"]), _num(rec["detected_step"]), str(rec["check"]),
+                      ", ".join(rec["cordoned_nodes"]) or "-", str(rec["repaired"]),
+                      _num(rec["rollback_step"]), _num(rec["wasted_steps"]),
+                      _num(rec["fault_to_resume_s"]), str(rec["final_matches_golden"])]]))
+    elif rec:
+        def rrow(name: str, g: dict[str, Any]) -> list[str]:
+            return [name, str(g["trials"]), str(g["detected"]), str(g["repaired"]),
+                    str(g["rolled_back"]), _num(g["wasted_steps_p50"]),
+                    _num(g["wasted_steps_max"]), _num(g["fault_to_resume_s_p50"]),
+                    f"{g['final_matches_golden']} of {g['trials']}"]
+
+        out.append(("Recovery (rollback to the last clean checkpoint, or repair by majority)",
+                    ["site", "trials", "detected", "repaired (no rollback)", "rolled back",
+                     "steps lost p50", "max", "fault to resumed training p50 (s)",
+                     "final state bit-identical to golden"],
+                    [rrow(k, g) for k, g in rec["sites"].items()] + [rrow("all", rec["all"])]))
     t = s["targets"]
     st = t["state_sites_detected_within_1_step_blame_correct"]
     nf = t["nonfinite_detected_in_own_step"]

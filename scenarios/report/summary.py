@@ -220,6 +220,50 @@ def _quarantine(faults: list[dict[str, str]], clean: list[dict[str, str]]) -> di
             "all": group(qf), "clean": group(qc)}
 
 
+def _recovery(faults: list[dict[str, str]]) -> dict[str, Any] | None:
+    """What was detected, cordoned, rolled back or repaired, and whether the run ended
+    bit-identical to golden: the record of the one fault trial, or counts per site."""
+    ran = [r for r in faults if r.get("final_matches_golden", "") != ""]
+    if not ran:
+        return None
+
+    def one(r: dict[str, str]) -> dict[str, Any]:
+        suspects = json.loads(r["suspects"] or "[]")
+        return {
+            "site": r["site"], "fault_rank": _int(r["fault_rank"]),
+            "detected_step": _int(r["detect_step"]), "check": r["check"] or None,
+            "suspect_nodes": [f"node-{x}" for x in suspects],
+            "cordoned_nodes": json.loads(r.get("cordoned_nodes") or "[]"),
+            "first_detection_repaired": _bool(r.get("repaired", "")) or False,
+            "repaired": bool(_bool(r.get("repaired", ""))) and _int(r["rollback_step"]) is None,
+            "rolled_back": _int(r["rollback_step"]) is not None,
+            "rollback_step": _int(r["rollback_step"]),
+            "wasted_steps": _int(r["wasted_steps"]),
+            "fault_to_resume_s": _float(r["fault_to_resume_s"]),
+            "final_matches_golden": _bool(r["final_matches_golden"]),
+        }
+
+    if len(ran) == 1:
+        return one(ran[0])
+
+    def group(rows: list[dict[str, str]]) -> dict[str, Any]:
+        xs = [one(r) for r in rows]
+        wasted = [x["wasted_steps"] for x in xs if x["rolled_back"]]
+        secs = [x["fault_to_resume_s"] for x in xs if x["fault_to_resume_s"] is not None]
+        return {"trials": len(xs),
+                "detected": sum(1 for x in xs if x["detected_step"] is not None),
+                "final_matches_golden": sum(1 for x in xs if x["final_matches_golden"]),
+                "repaired": sum(1 for x in xs if x["repaired"]),
+                "rolled_back": sum(1 for x in xs if x["rolled_back"]),
+                "wasted_steps_p50": statistics.median(wasted) if wasted else None,
+                "wasted_steps_max": max(wasted) if wasted else None,
+                "fault_to_resume_s_p50": statistics.median(secs) if secs else None}
+
+    return {"sites": {site: group([r for r in ran if r["site"] == site])
+                      for site in SITES if any(r["site"] == site for r in ran)},
+            "all": group(ran)}
+
+
 def summarize(out: Path) -> dict[str, Any]:
     rows = TrialTable(out / "trials.csv").rows()
     meta = _load(out / "campaign.json") or {}
@@ -283,6 +327,7 @@ def summarize(out: Path) -> dict[str, Any]:
             "(overhead.replay.<k>, vs plain DDP) is within overhead_budget"),
         "targets": _targets(faults, fp),
         "quarantine": _quarantine(faults, clean),
+        "recovery": _recovery(faults),
         "site_order": list(SITES), "field_order": fields,
         "campaign_seconds": sum(r.get("seconds", 0.0) for r in runs) or meta.get("seconds"),
         "trials_per_minute": meta.get("trials_per_minute"),

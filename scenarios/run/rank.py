@@ -14,6 +14,7 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ from scenarios.run.session import Session
 from scenarios.spec.overhead import campaign_configs
 from scenarios.spec.scenario import Scenario
 from scenarios.spec.trials import Chaos, TrialSpec
-from sdc_guard import GuardConfig
+from sdc_guard import CheckpointManager, GuardConfig
 from sdc_guard.remediation import KubeQuarantine
 
 
@@ -50,6 +51,8 @@ class Trial:
     """Where the golden final parameters are, if this process has not computed them itself."""
     kubeconfig: str | None = None
     """With the scenario's ``[quarantine]``: the kubeconfig of this trial's API stand-in."""
+    checkpoint_dir: str | None = None
+    """With the scenario's ``[recovery]``: this trial's (empty) checkpoint directory."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,15 @@ class Overhead:
 
 
 Command = Ping | Golden | Prepare | Trial | Overhead
+
+
+@dataclass(frozen=True, slots=True)
+class Recovery:
+    """A recovery trial's checkpoints, their interval, and how to replace the faulty node."""
+
+    checkpoints: CheckpointManager
+    every: int
+    disarm: Callable[[], None]
 
 
 def _chaos_hook(chaos: Chaos, rank: int) -> Any:
@@ -129,7 +141,11 @@ class RankRunner:
         raise TypeError(f"unknown command {type(cmd).__name__}")
 
     def _train(self, s: Session, steps: int, *, stop_on_detection: bool,
-               params_too: bool = False) -> dict[str, Any]:
+               params_too: bool = False, recovery: Recovery | None = None) -> dict[str, Any]:
+        """Train ``steps`` steps; per-step records (fingerprints, losses, start times) of the
+        run as it first went. With ``recovery``: checkpoints, and at the first unrepaired
+        detection the faults are disarmed (the node replaced) and the run restored from the
+        last clean checkpoint and trained to the end (``out["recovery"]``)."""
         assert s.guard is not None
         fps: list[int] = []
         wfps: list[int] = []
@@ -138,19 +154,39 @@ class RankRunner:
         skipped: list[int] = []
         repaired: list[tuple[str, int]] = []
         started: list[float] = []
-        for step in range(steps):
-            started.append(time.time())
+        rolled: dict[str, Any] | None = None
+        step = 0
+        while step < steps:
+            if rolled is None:
+                started.append(time.time())
             rep = s.guard.step(step)
-            fps.append(s.state_fingerprint())
-            if params_too:
-                wfps.append(s.weights_fingerprint())
-            losses.append(rep.loss)
-            if rep.skipped:
-                skipped.append(step)
-            detections += [(d.check, d.step, tuple(d.suspect_ranks)) for d in rep.detections]
-            repaired += [(d.check, d.step) for d in rep.detections if d.repaired]
-            if rep.detections and stop_on_detection:
-                break
+            if rolled is None:  # the run as it first went
+                fps.append(s.state_fingerprint())
+                if params_too:
+                    wfps.append(s.weights_fingerprint())
+                losses.append(rep.loss)
+                if rep.skipped:
+                    skipped.append(step)
+                detections += [(d.check, d.step, tuple(d.suspect_ranks))
+                               for d in rep.detections]
+                repaired += [(d.check, d.step) for d in rep.detections if d.repaired]
+            if recovery is None:
+                if rep.detections and stop_on_detection:
+                    break
+                step += 1
+                continue
+            if rolled is None and any(not d.repaired for d in rep.detections):
+                detections += [(d.check, d.step, tuple(d.suspect_ranks))
+                               for d in s.guard.flush()]  # also waits for the quarantine
+                recovery.disarm()
+                resume = recovery.checkpoints.restore(s.ddp, s.optimizer)
+                rolled = {"reported_step": step, "rollback_step": resume,
+                          "wasted_steps": step + 1 - resume, "resumed_at": time.time()}
+                step = resume
+                continue
+            if (step + 1) % recovery.every == 0:
+                recovery.checkpoints.save(step, s.ddp, s.optimizer)
+            step += 1
         # The non-finite flags still out (sent every few steps, collected a step later).
         detections += [(d.check, d.step, tuple(d.suspect_ranks)) for d in s.guard.flush()]
         out = {
@@ -164,6 +200,8 @@ class RankRunner:
         }
         if params_too:
             out["weight_fps"] = wfps
+        if recovery is not None:
+            out["recovery"] = {**(rolled or {}), "final_fp": s.state_fingerprint()}
         return out
 
     def golden(self, cmd: Golden) -> dict[str, Any]:
@@ -208,9 +246,20 @@ class RankRunner:
                                         backoff_s=0.05, request_timeout_s=5.0, deadline_s=10.0,
                                         **sc.quarantine.kwargs())
             s.guard.set_remediation(quarantine)
+        recovery = None
+        if sc.recovery is not None and cmd.checkpoint_dir is not None:
+            ckpt = CheckpointManager(cmd.checkpoint_dir, keep=sc.recovery.keep)
+            s.guard.set_checkpoints(ckpt)
+
+            def disarm() -> None:
+                for h in handles:
+                    h.remove()
+            recovery = Recovery(ckpt, sc.recovery.checkpoint_every, disarm)
         try:
-            out = self._train(s, sc.steps, stop_on_detection=sc.stop_on_detection)
+            out = self._train(s, sc.steps, stop_on_detection=sc.stop_on_detection,
+                              recovery=recovery)
         finally:
+            s.guard.set_checkpoints(None)
             for h in handles:
                 h.remove()
             if chaos is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import sys
 import time
 from collections import Counter
@@ -196,13 +197,28 @@ class CampaignRunner:
                 self._prepared.add(key)
                 t0 = time.monotonic()
             with self._api_server(sc) as kubeconfig:
-                res = self.executor.run(sc, Trial(sc, t, str(pt), kubeconfig),
+                res = self.executor.run(sc, Trial(sc, t, str(pt), kubeconfig,
+                                                  self._checkpoint_dir(sc, t)),
                                         timeout=sc.trial_timeout_s)
         except PoolError as e:
             return failed_row(t, e.kind, e.reason, time.monotonic() - t0)
         if res is None:
             return None
         return classify(t, golden, res, time.monotonic() - t0)
+
+    def _checkpoint_dir(self, sc: Scenario, t: TrialSpec) -> str | None:
+        """With ``[recovery]``: an empty checkpoint directory for the trial (a resumed
+        campaign reruns the trial from scratch, so what a killed run left is removed)."""
+        if sc.recovery is None:
+            return None
+        if not self.executor.shared_files:
+            raise ScenarioError("recovery", "[recovery]", "a campaign on one machine",
+                                reason="every rank reads the checkpoints rank 0 writes")
+        path = self.out / "checkpoints" / t.id
+        if self.executor.coordinator:
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir(parents=True)
+        return str(path)
 
     @contextlib.contextmanager
     def _api_server(self, sc: Scenario) -> Iterator[str | None]:

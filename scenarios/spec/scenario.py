@@ -30,6 +30,10 @@ faults to inject into it::
     max_fraction = 0.34          # against a loopback Kubernetes API stand-in started per trial
     dry_run = false              # (scenarios.run.kubeapi); the report shows the cordons
 
+    [recovery]                   # optional: trials roll back (or repair) and train to the end;
+    checkpoint_every = 4         # the last state is compared with golden's bit for bit
+    keep = 3
+
     [[faults]]                   # an explicit list (one trial per entry: injectors.Fault fields)
     site = "weight_storage"
     rank = 1
@@ -146,6 +150,23 @@ class QuarantineSpec:
                 "window_s": self.window_s, "dry_run": self.dry_run}
 
 
+@dataclass(kw_only=True, frozen=True, slots=True)
+class RecoverySpec:
+    """``[recovery]``: trials do not stop at a detection; they save checkpoints, and on the
+    first unrepaired detection the faulty rank's node is replaced (its fault disarmed), the
+    run restored from the last clean checkpoint (``sdc_guard.CheckpointManager``) and trained
+    to its last step; the final state is compared with the golden run's, bit for bit."""
+
+    checkpoint_every: int = 4
+    """Save a checkpoint after every N-th step (steps N-1, 2N-1, ...: the state after them)."""
+    keep: int = 3
+    """``CheckpointManager(keep=...)``."""
+
+    def __post_init__(self) -> None:
+        need_int("recovery.checkpoint_every", self.checkpoint_every, 1, 100_000)
+        need_int("recovery.keep", self.keep, 1, 1000)
+
+
 def guard_from_table(table: Mapping[str, Any]) -> GuardConfig:
     """The ``GuardConfig`` of a ``[guard]`` table (``seed`` and ``micro_batches`` are the
     scenario's: ``Scenario`` fills them in). Deterministic mode is on when the table turns
@@ -199,6 +220,8 @@ class Scenario:
     """End a trial at its first detection (the outcome is known; saves time)."""
     quarantine: QuarantineSpec | None = None
     """``[quarantine]``: trials quarantine suspect nodes on a loopback API stand-in."""
+    recovery: RecoverySpec | None = None
+    """``[recovery]``: trials roll back to a checkpoint (or repair) and train to the end."""
     faults: tuple[Fault, ...] = ()
     """Explicit faults, one trial each (``[[faults]]``)."""
     space: FaultSpace | None = None
@@ -308,7 +331,7 @@ class Scenario:
 
         d = asdict(self)
         for k in ("name", "guard", "faults", "space", "trial_timeout_s", "stop_on_detection",
-                  "quarantine"):
+                  "quarantine", "recovery"):
             d.pop(k)
         d["versions"] = [torch.__version__, sdc_guard.__version__, _code_hash()]
         blob = json.dumps(d, sort_keys=True, default=str).encode()
@@ -335,7 +358,7 @@ def scenario_from_dict(data: Mapping[str, Any], *, name: str) -> Scenario:
                + ["faults", "matrix", "sample"], "")
     kw: dict[str, Any] = {k: v for k, v in data.items()
                           if k not in ("model", "optimizer", "guard", "faults", "matrix",
-                                       "sample", "quarantine")}
+                                       "sample", "quarantine", "recovery")}
     kw.setdefault("name", name)
     for key, cls in (("model", ModelSpec), ("optimizer", OptimizerSpec)):
         table = table_of(data, key)
@@ -346,6 +369,10 @@ def scenario_from_dict(data: Mapping[str, Any], *, name: str) -> Scenario:
         table = table_of(data, "quarantine")
         known_keys(table, [f.name for f in fields(QuarantineSpec)], "quarantine.")
         kw["quarantine"] = QuarantineSpec(**table)
+    if "recovery" in data:
+        table = table_of(data, "recovery")
+        known_keys(table, [f.name for f in fields(RecoverySpec)], "recovery.")
+        kw["recovery"] = RecoverySpec(**table)
     space = space_of(data)
     if space is not None:
         kw["space"] = space

@@ -244,3 +244,30 @@ def test_quarantine_cordons_the_faulty_ranks_node_and_nothing_on_clean_trials(
             assert 0 < row["fault_to_cordon_s"] < sc.trial_timeout_s
     finally:
         executor.close()
+
+
+@pytest.mark.parametrize(("config", "expect"), [
+    ("recovery.toml", {"rolled_back": True, "repaired": False, "cordoned_nodes": ["node-1"],
+                       "suspect_nodes": ["node-1"]}),
+    ("recovery_repair.toml", {"rolled_back": False, "repaired": True, "cordoned_nodes": [],
+                              "wasted_steps": 0}),
+])
+def test_recovery_scenarios_end_bit_identical_to_the_fault_free_run(
+        tmp_path: Path, config: str, expect: dict[str, Any]) -> None:
+    """``python -m scenarios run`` of the shipped recovery scenarios: a permanent fault is
+    quarantined and rolled back; a transient one in one replica's state is repaired in place.
+    Both runs end bit-identical to the golden run."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "scenarios", "run",
+                           str(ROOT / "scenarios" / "configs" / config), "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    rec = json.loads((out / "summary.json").read_text())["recovery"]
+    assert rec["final_matches_golden"] is True
+    assert {k: rec[k] for k in expect} == expect
+    if rec["rolled_back"]:
+        assert rec["rollback_step"] <= rec["detected_step"] and rec["wasted_steps"] > 0
+        assert rec["fault_to_resume_s"] > 0
+    assert "## Recovery" in (out / "report.md").read_text()
