@@ -36,7 +36,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sdc_guard
-from sdc_guard.remediation import EXIT_QUARANTINED, KubeQuarantine
+from sdc_guard.remediation import KubeQuarantine
 
 
 def make_model() -> nn.Module:
@@ -103,14 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     for step in range(args.steps):
         report = guard.step(step)
-        convicted = [d for d in report.detections if d.suspect_ranks and not d.repaired]
-        if convicted and quarantine is not None and not quarantine.dry_run:
-            guard.flush()  # collective: every rank is here, at the same step
-            held = rank != quarantine.acting_rank or quarantine.holds(
-                n for d in convicted for n in d.suspect_nodes)
-            code = EXIT_QUARANTINED if held else 1
-            print(f"rank {rank}: {convicted[0].check} detection at step {convicted[0].step}, "
-                  f"suspects {list(convicted[0].suspect_nodes)}; exiting {code}", flush=True)
+        if quarantine is not None and quarantine.restart_code(report.detections) is not None:
+            guard.flush()  # collective: every rank is here, at the same step; waits for the cordon
+            code = quarantine.restart_code(report.detections) or 0
+            d = next(d for d in report.detections if d.suspect_ranks and not d.repaired)
+            print(f"rank {rank}: {d.check} detection at step {d.step}, suspects "
+                  f"{list(d.suspect_nodes)}; exiting {code}", flush=True)
             break
     else:
         guard.flush()

@@ -173,6 +173,26 @@ class KubeQuarantine:
         quarantines count only in a dry run)."""
         return all(n in self._mine for n in nodes)
 
+    def restart_code(self, detections: Iterable[Detection]) -> int | None:
+        """The exit code for this rank after ``detections`` (call after ``guard.flush()``, which
+        waits for the quarantine), or None to keep training.
+
+        None without an unrepaired detection with suspects, and always in a dry run (a restart
+        would land on the same node). Otherwise ``EXIT_QUARANTINED`` (200: retried by
+        ``restartPolicy: ExitCode``), except on the acting rank when the suspects' nodes are
+        not quarantined (the breaker tripped, the API refused): 1, a permanent failure that a
+        human should look at. Every rank gets the same detections, so all of them leave.
+        """
+        from sdc_guard.remediation import EXIT_QUARANTINED
+
+        convicted = [d for d in detections if d.suspect_ranks and not d.repaired]
+        if not convicted or self.dry_run:
+            return None
+        if self.rank != self.acting_rank:
+            return EXIT_QUARANTINED
+        return EXIT_QUARANTINED if self.holds(n for d in convicted for n in d.suspect_nodes) \
+            else 1
+
     def close(self, timeout: float | None = None) -> None:
         """Write the evidence held back by the rate limit and stop the worker (bounded)."""
         if self._worker is None:
