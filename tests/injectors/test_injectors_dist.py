@@ -43,17 +43,18 @@ def test_weight_state_and_reduced_gradient_sites_are_caught_by_the_weights_check
     tmp_path: Path,
 ) -> None:
     log = tmp_path / "events.jsonl"
+    report = {"repair_by_majority": False}  # report only: the corruption stays, every step
     trials = [
-        {"steps": STEPS, "cfg": {"event_log": str(log)},
+        {"steps": STEPS, "cfg": {"event_log": str(log), **report},
          "faults": [Fault(site="weight_storage", rank=1, step=2, target="2.weight", index=5,
                           bits=(0,))]},
-        {"steps": STEPS,
+        {"steps": STEPS, "cfg": report,
          "faults": [Fault(site="gradient_after_allreduce", rank=2, step=2, target="4.bias",
                           index=1, bits=(22,))]},
-        {"steps": STEPS, "cfg": {"include_optimizer_state": True},
+        {"steps": STEPS, "cfg": {"include_optimizer_state": True, **report},
          "faults": [Fault(site="optimizer_state", rank=0, step=2, target="0.weight",
                           state_key="exp_avg_sq", index=7, bits=(20,))]},
-        {"steps": STEPS, "opt": "sgd", "cfg": {"include_optimizer_state": True},
+        {"steps": STEPS, "opt": "sgd", "cfg": {"include_optimizer_state": True, **report},
          "faults": [Fault(site="optimizer_state", rank=1, step=2, target="0.bias",
                           state_key="momentum_buffer", bits=(20,))]},
     ]
