@@ -243,7 +243,9 @@ class CheckpointManager:
 
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
         """Load the newest usable checkpoint before every suspect window; the step to train
-        next (0: none usable, start from scratch). Collective; every rank reads the files."""
+        next. 0: none is usable, and the model and optimizer are left as they are: start from
+        scratch (re-initialise them, or save a checkpoint of the initial state first).
+        Collective; every rank reads the files."""
         device = next(model.parameters()).device
         chosen = None
         for info in self.checkpoints():

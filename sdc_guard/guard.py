@@ -261,6 +261,9 @@ class SDCGuard:
             if self.checkpoints is not None:
                 through = self.clean_through
                 start = d.step if through is None else min(d.step, through + 1)
+                since = (d.evidence.get("repair") or {}).get("since")
+                if since is not None:  # a permanent fault, repaired before: from its first sign
+                    start = min(start, since)
                 self.checkpoints.record_detection(d, start)
             if self.remediation is not None:
                 self.remediation.act(d)

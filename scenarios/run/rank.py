@@ -180,6 +180,9 @@ class RankRunner:
                                for d in s.guard.flush()]  # also waits for the quarantine
                 recovery.disarm()
                 resume = recovery.checkpoints.restore(s.ddp, s.optimizer)
+                if resume == 0:  # no usable checkpoint: from scratch, the initial state
+                    s.reset()
+                    s.guard.rewind(-1)
                 rolled = {"reported_step": step, "rollback_step": resume,
                           "wasted_steps": step + 1 - resume, "resumed_at": time.time()}
                 step = resume

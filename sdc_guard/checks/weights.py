@@ -117,6 +117,9 @@ class WeightsCheck(Check):
                 self.repairs.setdefault(r, []).append(step)
             evidence["repair"] = {"source": min(set(range(len(values))) - set(outliers)),
                                   "verified": ok, "repeat_ranks": repeat}
+            if repeat:  # the earlier repair was this permanent fault too: the window opens there
+                evidence["repair"]["since"] = min(
+                    s for r in repeat for s in self.repairs[r] if step - s < self.repair_window_steps)
             repaired = ok and not repeat
             detail += (f"; repaired in place from rank {evidence['repair']['source']}"
                        + (" and verified" if ok else ", but the ranks still differ"))
