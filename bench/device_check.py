@@ -248,6 +248,19 @@ def throughput(device: torch.device, mib: int) -> dict[str, Any]:
         for k, t in times.items()}}
 
 
+def check_telemetry(device: torch.device) -> dict[str, Any]:
+    """The suspect rank's NVML snapshot (``sdc_guard.telemetry``) on this device: available,
+    with the ECC, row-remapping, clock and power fields read (or the reason NVML refused)."""
+    from sdc_guard.telemetry import gpu_snapshot
+
+    snap = gpu_snapshot(device)
+    wanted = ("ecc_errors", "remapped_rows", "retired_pages", "temperature_c", "sm_clock_mhz",
+              "power_w")
+    read = [k for k in wanted if snap.get(k) is not None]
+    return {"passed": bool(snap.get("available")) and bool(read), "fields_read": read,
+            "snapshot": snap}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.device_check",
                                  description=__doc__.splitlines()[0])
@@ -275,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         "kernels": lambda: check_kernels(device),
     }
     if device.type == "cuda":
+        steps["telemetry"] = lambda: check_telemetry(device)
         steps["nccl_guard"] = lambda: check_guard("cuda", torch.cuda.device_count())
         for mib in args.mib:
             steps[f"throughput_{mib}mib"] = lambda mib=mib: throughput(device, mib)
