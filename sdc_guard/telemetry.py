@@ -29,7 +29,7 @@ def gpu_snapshot(device: torch.device | None = None) -> dict[str, Any]:
         return {**out, "available": False,
                 "reason": f"no GPU: the rank computes on {device.type if device else 'cpu'}"}
     try:
-        import pynvml  # type: ignore[import-untyped]
+        import pynvml
     except ImportError:
         return {**out, "available": False,
                 "reason": "nvidia-ml-py is not installed (pip install 'sdc-guard[nvml]')"}
