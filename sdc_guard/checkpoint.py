@@ -284,8 +284,9 @@ class CheckpointManager:
             self._write_state(state)
         self._cached = state
         if chosen is None:
-            log.error("sdc-guard: no usable checkpoint in %s: training starts from scratch "
-                      "(step 0)", self.directory)
+            if self._rank() == 0:  # every rank made the same choice (checked above)
+                log.error("sdc-guard: no usable checkpoint in %s: training starts from scratch "
+                          "(step 0)", self.directory)
             return 0
         info, payload = chosen
         rngs = payload["rng"]
@@ -297,8 +298,9 @@ class CheckpointManager:
                         "restored", info.file, len(rngs), self._world())
         if self.guard is not None:
             self.guard.rewind(info.step)
-        log.warning("sdc-guard: restored %s (step %d); training resumes at step %d",
-                    info.file, info.step, info.step + 1)
+        if self._rank() == 0:
+            log.warning("sdc-guard: restored %s (step %d); training resumes at step %d",
+                        info.file, info.step, info.step + 1)
         return info.step + 1
 
     def _load(self, info: CheckpointInfo) -> dict[str, Any]:
