@@ -196,10 +196,14 @@ class CampaignRunner:
                 self.executor.run(sc, Prepare(sc, t.replay_interval, str(pt)), timeout=600.0)
                 self._prepared.add(key)
                 t0 = time.monotonic()
-            with self._api_server(sc) as kubeconfig:
-                res = self.executor.run(sc, Trial(sc, t, str(pt), kubeconfig,
-                                                  self._checkpoint_dir(sc, t)),
-                                        timeout=sc.trial_timeout_s)
+            ckpt_dir = self._checkpoint_dir(sc, t)
+            try:
+                with self._api_server(sc) as kubeconfig:
+                    res = self.executor.run(sc, Trial(sc, t, str(pt), kubeconfig, ckpt_dir),
+                                            timeout=sc.trial_timeout_s)
+            finally:  # a trial's checkpoints serve that trial only
+                if ckpt_dir is not None and self.executor.coordinator:
+                    shutil.rmtree(ckpt_dir, ignore_errors=True)
         except PoolError as e:
             return failed_row(t, e.kind, e.reason, time.monotonic() - t0)
         if res is None:
