@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from scenarios.run.pool import PoolError
+from scenarios.run.shards import merge, parse_shard
 from scenarios.spec.campaign import CampaignSpec, campaign_for_scenario, load_campaign
 from scenarios.spec.errors import ScenarioError
 from scenarios.spec.scenario import load_scenario
@@ -28,11 +29,12 @@ from scenarios.spec.tables import read_toml
 from scenarios.spec.trials import plan_trials
 
 
-def _run_campaign(campaign: CampaignSpec, out: Path, cache: str | None, progress: bool) -> int:
+def _run_campaign(campaign: CampaignSpec, out: Path, cache: str | None, progress: bool,
+                  shard: tuple[int, int] | None = None) -> int:
     from scenarios.report.render import summary_text, write_report
     from scenarios.run.runner import run_campaign
 
-    if run_campaign(campaign, out, cache=cache, progress=progress):
+    if run_campaign(campaign, out, cache=cache, progress=progress, shard=shard):
         print(summary_text(write_report(out), out))
     return 0
 
@@ -48,9 +50,15 @@ def _parser() -> argparse.ArgumentParser:
     camp.add_argument("file")
     camp.add_argument("--quick", action="store_true", help="apply the file's [quick] overrides")
     camp.add_argument("--out", help="output directory (default: reports/<name>[-quick])")
+    camp.add_argument("--shard", metavar="I/N",
+                      help="run shard I (0-based) of N: every N-th trial from position I; "
+                           "N alone takes I from $JOB_COMPLETION_INDEX")
     for p in (run, camp):
         p.add_argument("--cache", help="golden-run cache directory (default: OUT/golden)")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    mrg = sub.add_parser("merge", help="merge the output directories of a campaign's shards")
+    mrg.add_argument("out", help="the merged campaign's directory (new)")
+    mrg.add_argument("dirs", nargs="+", help="the shards' output directories")
     rep = sub.add_parser("report", help="rebuild the report of an output directory")
     rep.add_argument("dir")
     chk = sub.add_parser("check", help="validate a scenario or campaign file")
@@ -69,9 +77,18 @@ def main(argv: list[str] | None = None) -> int:
                                  args.cache, not args.no_progress)
         if args.command == "campaign":
             camp = load_campaign(args.file, quick=args.quick)
-            out = Path(args.out or Path("reports") / (camp.name + ("-quick" if args.quick
-                                                                    else "")))
-            return _run_campaign(camp, out, args.cache, not args.no_progress)
+            shard = parse_shard(args.shard) if args.shard is not None else None
+            name = camp.name + ("-quick" if args.quick else "") + (
+                f"-shard{shard[0]}of{shard[1]}" if shard else "")
+            out = Path(args.out or Path("reports") / name)
+            return _run_campaign(camp, out, args.cache, not args.no_progress, shard)
+        if args.command == "merge":
+            from scenarios.report.render import summary_text, write_report
+
+            out = Path(args.out)
+            merge(out, [Path(d) for d in args.dirs])
+            print(summary_text(write_report(out), out))
+            return 0
         if args.command == "report":
             from scenarios.report.render import summary_text, write_report
 

@@ -29,6 +29,7 @@ from scenarios.report.summary import fit_replay_overhead
 from scenarios.run.kubeapi import StandInAPIServer
 from scenarios.run.pool import PoolError, WorkerPool
 from scenarios.run.rank import Command, Golden, Overhead, Prepare, Trial
+from scenarios.run.shards import plan_key, shard_of
 from scenarios.run.store import (
     GoldenRun,
     TrialTable,
@@ -117,8 +118,11 @@ class CampaignRunner:
     """Runs a campaign into ``out``: ``trials.csv``, ``overhead.json``, ``campaign.json``."""
 
     def __init__(self, campaign: CampaignSpec, out: str | Path, executor: Executor, *,
-                 cache: str | Path | None = None, progress: bool = True) -> None:
+                 cache: str | Path | None = None, progress: bool = True,
+                 shard: tuple[int, int] | None = None) -> None:
+        """``shard``: ``(I, N)``: run only shard I of N (``scenarios.run.shards``)."""
         self.campaign = campaign
+        self.shard = shard
         self.out = Path(out)
         self.cache = Path(cache) if cache is not None else self.out / "golden"
         self.executor = executor
@@ -273,7 +277,8 @@ class CampaignRunner:
     def run(self) -> dict[str, Any]:
         started = time.time()
         t_start = time.monotonic()
-        trials = plan_trials(self.campaign)
+        plan = plan_trials(self.campaign)
+        trials = plan if self.shard is None else shard_of(plan, *self.shard)
         coordinator = self.executor.coordinator
         table = TrialTable(self.out / "trials.csv") if coordinator else None
         if table is not None:
@@ -287,6 +292,10 @@ class CampaignRunner:
         meta = {**self.campaign.to_json(), **describe(self.campaign, trials),
                 "already_done": len(planned & done), "started": started,
                 "planned_ids": [t.id for t in trials]}
+        if self.shard is not None:
+            meta["shard"] = {"index": self.shard[0], "count": self.shard[1],
+                             "plan_key": plan_key(self.campaign.to_json(), plan),
+                             "plan_ids": [t.id for t in plan]}
         if coordinator:
             _say(f"campaign {self.campaign.name!r}: {len(trials)} trials planned, "
                  f"{len(todo)} to run, output in {self.out}")
@@ -301,7 +310,8 @@ class CampaignRunner:
                 self.goldens[sc.name] = self.golden(sc)
         ov_path = self.out / "overhead.json"
         have_ov = self.executor.agree(coordinator and ov_path.exists())
-        if self.campaign.overhead is not None and not have_ov:
+        measures = self.shard is None or self.shard[0] == 0  # shard 0 measures the overhead
+        if self.campaign.overhead is not None and not have_ov and measures:
             if coordinator:
                 _say("measuring step-time overhead ...")
             ov = self.overhead()
@@ -355,12 +365,13 @@ def executor_for(campaign: CampaignSpec) -> Executor:
 
 
 def run_campaign(campaign: CampaignSpec, out: Path, *, cache: str | Path | None = None,
-                 progress: bool = True) -> bool:
+                 progress: bool = True, shard: tuple[int, int] | None = None) -> bool:
     """Run ``campaign`` into ``out`` on this machine's ranks or as a torchrun rank; whether
     this process coordinates (and so should write the report)."""
     executor = executor_for(campaign)
     try:
-        CampaignRunner(campaign, out, executor, cache=cache, progress=progress).run()
+        CampaignRunner(campaign, out, executor, cache=cache, progress=progress,
+                       shard=shard).run()
     finally:
         executor.close()
     return executor.coordinator

@@ -77,9 +77,11 @@ def _all_docs() -> list[tuple[str, Doc]]:
 ALL_DOCS = _all_docs()
 BUILTIN_DOCS = [(i, d) for i, d in ALL_DOCS if (d.get("apiVersion"), d.get("kind")) not in CRD_KINDS]
 JOB_DOCS = [(i, d) for i, d in ALL_DOCS if (d.get("apiVersion"), d.get("kind")) in CRD_KINDS]
+GUARD_DOCS = [(i, d) for i, d in ALL_DOCS if i.startswith(("rbac.yaml", "pytorchjob.yaml"))]
+"""The guarded training's objects (the campaign's Jobs and volume have tests of their own)."""
 
 
-def _one(kind: str, docs: list[tuple[str, Doc]] = ALL_DOCS) -> Doc:
+def _one(kind: str, docs: list[tuple[str, Doc]] = GUARD_DOCS) -> Doc:
     """The single document of ``kind`` (a deep copy, free to mutate)."""
     found = [d for _, d in docs if d.get("kind") == kind]
     assert len(found) == 1, f"expected exactly one {kind} in deploy/, found {len(found)}"
@@ -438,7 +440,7 @@ def job_problems(job: Doc, service_account: Doc, pvcs: list[Doc]) -> list[str]:
 
 def _job_parts() -> tuple[Doc, Doc, list[Doc]]:
     """Deep copies of the PyTorchJob, the ServiceAccount and every PersistentVolumeClaim in deploy/."""
-    pvcs = [copy.deepcopy(d) for _, d in ALL_DOCS if d["kind"] == "PersistentVolumeClaim"]
+    pvcs = [copy.deepcopy(d) for _, d in GUARD_DOCS if d["kind"] == "PersistentVolumeClaim"]
     return _one("PyTorchJob"), _one("ServiceAccount"), pvcs
 
 
@@ -507,3 +509,35 @@ def test_broken_pytorchjob_is_caught(name: str) -> None:
     job, sa, pvcs = _job_parts()
     JOB_MUTATIONS[name](job, sa, pvcs)
     assert job_problems(job, sa, pvcs) != []
+
+
+def _campaign_docs() -> tuple[Doc, Doc, Doc]:
+    """The campaign's Indexed Job, its merge Job and their volume claim."""
+    by_file = {i.split("#")[0]: [] for i, _ in ALL_DOCS}
+    for i, d in ALL_DOCS:
+        by_file[i.split("#")[0]].append(d)
+    shards = {d["kind"]: d for d in by_file["campaign-shards.yaml"]}
+    (merge,) = by_file["campaign-merge.yaml"]
+    return shards["Job"], merge, shards["PersistentVolumeClaim"]
+
+
+def test_campaign_shards_run_as_an_indexed_job_and_merge_every_shard() -> None:
+    """N shards (completions) with per-index retries, --shard .../N, each writing its own
+    directory on a ReadWriteMany claim; the merge Job reads exactly shard-0 .. shard-(N-1)."""
+    job, merge, pvc = _campaign_docs()
+    spec = job["spec"]
+    n = spec["completions"]
+    assert spec["completionMode"] == "Indexed" and spec["backoffLimitPerIndex"] >= 1
+    pod = spec["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"  # backoffLimitPerIndex requires it
+    script = " ".join(pod["containers"][0]["args"])
+    assert f'--shard "${{JOB_COMPLETION_INDEX}}/{n}"' in script
+    assert '--out "/results/shard-${JOB_COMPLETION_INDEX}"' in script
+    command = merge["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:4] == ["python", "-m", "scenarios", "merge"]
+    assert command[5:] == [f"/results/shard-{i}" for i in range(n)]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    for j in (job, merge):
+        claims = [v["persistentVolumeClaim"]["claimName"]
+                  for v in j["spec"]["template"]["spec"]["volumes"]]
+        assert claims == [pvc["metadata"]["name"]]

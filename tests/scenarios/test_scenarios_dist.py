@@ -271,3 +271,65 @@ def test_recovery_scenarios_end_bit_identical_to_the_fault_free_run(
         assert rec["rollback_step"] <= rec["detected_step"] and rec["wasted_steps"] > 0
         assert rec["fault_to_resume_s"] > 0
     assert "## Recovery" in (out / "report.md").read_text()
+
+
+def test_three_shards_merged_equal_the_unsharded_campaign(tmp_path: Path) -> None:
+    """Shards in separate processes (at once, as an Indexed Job runs them), merged: the same
+    trials, outcomes and report as the campaign run whole. Overlaps, gaps and a shard of
+    another campaign are refused by name."""
+    import json
+
+    camp = _campaign(tmp_path)
+
+    def cmd(out: Path, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "scenarios", "campaign", str(camp), "--out", str(out),
+                "--no-progress", *extra]
+
+    whole = subprocess.run(cmd(tmp_path / "whole"), cwd=ROOT, capture_output=True, text=True,
+                           timeout=280)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    env = {**os.environ}
+    shards = []
+    for i in range(3):  # the index from JOB_COMPLETION_INDEX, as in the Indexed Job
+        shards.append(subprocess.Popen(cmd(tmp_path / f"s{i}", "--shard", "3"), cwd=ROOT,
+                                       env={**env, "JOB_COMPLETION_INDEX": str(i)},
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                       text=True))
+    for p in shards:
+        _, err = p.communicate(timeout=280)
+        assert p.returncode == 0, err[-2000:]
+    dirs = [str(tmp_path / f"s{i}") for i in range(3)]
+
+    def merge(out: str, *ds: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "scenarios", "merge", out, *ds], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+
+    missing = merge(str(tmp_path / "m1"), *dirs[:2])
+    assert missing.returncode == 2 and "missing" in missing.stderr
+    doubled = merge(str(tmp_path / "m2"), *dirs, dirs[0])
+    assert doubled.returncode == 2 and "two directories" in doubled.stderr
+    merged = merge(str(tmp_path / "merged"), *dirs)
+    assert merged.returncode == 0, merged.stderr[-2000:]
+
+    def rows(d: Path) -> dict[str, tuple[str, ...]]:
+        with (d / "trials.csv").open() as fh:
+            return {r["id"]: (r["outcome"], r["check"], r["detect_step"], r["suspects"],
+                              r["first_divergence"], r["cordoned_nodes"])
+                    for r in csv.DictReader(fh)}
+
+    assert rows(tmp_path / "merged") == rows(tmp_path / "whole")
+    assert _ids(tmp_path / "merged" / "trials.csv") == _ids(tmp_path / "whole" / "trials.csv")
+    a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("merged", "whole"))
+    for key in ("trials", "clean_trials", "false_positives", "outcomes", "sites", "fields",
+                "replay_intervals", "by_site_field"):
+        assert a[key] == b[key], key
+    assert (tmp_path / "merged" / "overhead.json").exists()  # measured by shard 0 only
+    assert not (tmp_path / "s1" / "overhead.json").exists()
+    other = tmp_path / "other.toml"
+    other.write_text(camp.read_text().replace("clean_trials = 1", "clean_trials = 2"))
+    foreign = subprocess.run([sys.executable, "-m", "scenarios", "campaign", str(other),
+                              "--out", str(tmp_path / "x"), "--shard", "2/3", "--no-progress"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert foreign.returncode == 0, foreign.stderr[-2000:]
+    refused = merge(str(tmp_path / "m3"), *dirs[:2], str(tmp_path / "x"))
+    assert refused.returncode == 2 and "same campaign" in refused.stderr
