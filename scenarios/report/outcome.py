@@ -46,9 +46,9 @@ its backward replaces by 0).
 
 Quarantine (scenarios with ``[quarantine]``): ``cordoned_nodes`` are the nodes the trial's
 ``KubeQuarantine`` cordoned on the API stand-in (or, in a dry run, would have); each rank
-``r`` stands for node ``node-<r>``. ``cordon_correct``: they are exactly the nodes of the
-ranks where an injection fired, or none when the first detection was ``repaired`` in place
-by the majority (a first repair does not quarantine). ``breaker_tripped``: the circuit
+``r`` stands for node ``node-<r>``. ``cordon_correct``: they are nodes of ranks where an
+injection fired, and there are some exactly when a detection convicted a rank (an unrepaired
+detection with suspects; a first repair in place does not quarantine). ``breaker_tripped``: the circuit
 breaker refused a detection. ``fault_to_cordon_s``: wall seconds from the start of the first
 step an injection fired in (on the injected rank) to the first cordon.
 ``quarantine_errors``: API calls that failed for good, over all ranks. Empty without ``[quarantine]``.
@@ -122,9 +122,13 @@ def _quarantine(results: list[dict[str, Any]], records: list[dict[str, Any]],
     actions = [a for r in results for a in r.get("quarantine") or []]
     cordons = [a for a in actions if a["action"] == "cordon"]
     nodes = sorted({a["node"] for a in cordons})
+    repaired = {(c, s) for c, s in results[0].get("repaired", [])}
+    convicted = any(sus and (c, s) not in repaired for c, s, sus in results[0]["detections"])
     out: dict[str, Any] = {
         "cordoned_nodes": nodes,
-        "cordon_correct": nodes == [f"node-{r}" for r in injected_ranks],
+        # Only the injected ranks' nodes, and some exactly when a detection convicted a rank.
+        "cordon_correct": set(nodes) <= {f"node-{r}" for r in injected_ranks}
+        and bool(nodes) == convicted,
         "breaker_tripped": any(a["action"] == "breaker" for a in actions),
         "quarantine_errors": sum(1 for a in actions if a["action"] == "error"),
     }
@@ -182,7 +186,7 @@ def classify(trial: TrialSpec, golden: GoldenRun, results: list[dict[str, Any]],
     repaired_at = {(c, s) for c, s in results[0].get("repaired", [])}
     first = min((step for _, step, _ in dets), default=None)
     repaired = first is not None and all((c, s) in repaired_at for c, s, _ in dets if s == first)
-    row.update(_quarantine(results, records, first_inj, [] if repaired else injected_ranks))
+    row.update(_quarantine(results, records, first_inj, injected_ranks))
     row.update(_recovery(results, golden, records, first_inj))
     row.update({
         "injections": len(records), "first_injection": first_inj,

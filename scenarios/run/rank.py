@@ -155,43 +155,57 @@ class RankRunner:
         repaired: list[tuple[str, int]] = []
         started: list[float] = []
         rolled: dict[str, Any] | None = None
+
+        def roll_back(at: int) -> int:
+            """Replace the faulty node (disarm), restore; the step to train next."""
+            nonlocal rolled
+            assert recovery is not None and s.guard is not None
+            recovery.disarm()
+            resume = recovery.checkpoints.restore(s.ddp, s.optimizer)
+            if resume == 0:  # no usable checkpoint: from scratch, the initial state
+                s.reset()
+                s.guard.rewind(-1)
+            rolled = {"reported_step": at, "rollback_step": resume,
+                      "wasted_steps": at + 1 - resume, "resumed_at": time.time()}
+            return resume
+
         step = 0
-        while step < steps:
-            if rolled is None:
-                started.append(time.time())
-            rep = s.guard.step(step)
-            if rolled is None:  # the run as it first went
-                fps.append(s.state_fingerprint())
-                if params_too:
-                    wfps.append(s.weights_fingerprint())
-                losses.append(rep.loss)
-                if rep.skipped:
-                    skipped.append(step)
-                detections += [(d.check, d.step, tuple(d.suspect_ranks))
-                               for d in rep.detections]
-                repaired += [(d.check, d.step) for d in rep.detections if d.repaired]
-            if recovery is None:
-                if rep.detections and stop_on_detection:
-                    break
+        while True:
+            while step < steps:
+                if rolled is None:
+                    started.append(time.time())
+                rep = s.guard.step(step)
+                if rolled is None:  # the run as it first went
+                    fps.append(s.state_fingerprint())
+                    if params_too:
+                        wfps.append(s.weights_fingerprint())
+                    losses.append(rep.loss)
+                    if rep.skipped:
+                        skipped.append(step)
+                    detections += [(d.check, d.step, tuple(d.suspect_ranks))
+                                   for d in rep.detections]
+                    repaired += [(d.check, d.step) for d in rep.detections if d.repaired]
+                if recovery is None:
+                    if rep.detections and stop_on_detection:
+                        break
+                    step += 1
+                    continue
+                if rolled is None and any(not d.repaired for d in rep.detections):
+                    found = s.guard.flush()  # also waits for the quarantine
+                    detections += [(d.check, d.step, tuple(d.suspect_ranks)) for d in found]
+                    step = roll_back(step)
+                    continue
+                if (step + 1) % recovery.every == 0:
+                    recovery.checkpoints.save(step, s.ddp, s.optimizer)
                 step += 1
+            # The non-finite flags still out (sent every few steps, collected a step later).
+            found = s.guard.flush()
+            if rolled is None:
+                detections += [(d.check, d.step, tuple(d.suspect_ranks)) for d in found]
+            if recovery is not None and rolled is None and any(not d.repaired for d in found):
+                step = roll_back(steps - 1)  # detected after the last step: train again
                 continue
-            if rolled is None and any(not d.repaired for d in rep.detections):
-                detections += [(d.check, d.step, tuple(d.suspect_ranks))
-                               for d in s.guard.flush()]  # also waits for the quarantine
-                recovery.disarm()
-                resume = recovery.checkpoints.restore(s.ddp, s.optimizer)
-                if resume == 0:  # no usable checkpoint: from scratch, the initial state
-                    s.reset()
-                    s.guard.rewind(-1)
-                rolled = {"reported_step": step, "rollback_step": resume,
-                          "wasted_steps": step + 1 - resume, "resumed_at": time.time()}
-                step = resume
-                continue
-            if (step + 1) % recovery.every == 0:
-                recovery.checkpoints.save(step, s.ddp, s.optimizer)
-            step += 1
-        # The non-finite flags still out (sent every few steps, collected a step later).
-        detections += [(d.check, d.step, tuple(d.suspect_ranks)) for d in s.guard.flush()]
+            break
         out = {
             "rank": self.rank,
             "state_fps": fps,
