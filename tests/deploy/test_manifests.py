@@ -541,3 +541,26 @@ def test_campaign_shards_run_as_an_indexed_job_and_merge_every_shard() -> None:
         claims = [v["persistentVolumeClaim"]["claimName"]
                   for v in j["spec"]["template"]["spec"]["volumes"]]
         assert claims == [pvc["metadata"]["name"]]
+
+
+def test_scenario_pytorchjob_matches_its_scenario_and_is_valid_core_v1() -> None:
+    """The multi-node scenario job: pods = the scenario's world_size, NODE_NAME from the
+    downward API, each replica's pod template a valid core/v1 PodTemplate."""
+    import tomllib
+
+    docs = [d for i, d in ALL_DOCS if i.startswith("scenario-pytorchjob.yaml")]
+    (job,) = docs
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    world = sum(r["replicas"] for r in replicas.values())
+    root = DEPLOY.parent
+    for r in replicas.values():
+        container = r["template"]["spec"]["containers"][0]
+        config = container["command"][container["command"].index("run") + 1]
+        scenario = tomllib.loads((root / config).read_text())
+        assert scenario["world_size"] == world
+        env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+               for e in container["env"]}
+        assert env["NODE_NAME"] == "spec.nodeName"
+        k8s_validate({"apiVersion": "v1", "kind": "PodTemplate",
+                      "metadata": {"name": "t", "namespace": "default"},
+                      "template": r["template"]})

@@ -333,3 +333,59 @@ def test_three_shards_merged_equal_the_unsharded_campaign(tmp_path: Path) -> Non
     assert foreign.returncode == 0, foreign.stderr[-2000:]
     refused = merge(str(tmp_path / "m3"), *dirs[:2], str(tmp_path / "x"))
     assert refused.returncode == 2 and "same campaign" in refused.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_torchrun_on_two_nodes_reports_what_one_launcher_reports(tmp_path: Path) -> None:
+    """Two ``torchrun`` launchers with ``--nnodes 2`` on loopback (2 ranks each, as two
+    machines would run them, NODE_NAME per node) run a guarded scenario to the end; the
+    trials' outcomes, checks, steps and suspects equal those of one launcher of 4 ranks."""
+    (tmp_path / "s.toml").write_text(SCENARIO.replace("world_size = 3", "world_size = 4") + """
+[[faults]]
+site = "weight_storage"
+rank = 3
+step = 2
+target = "net.0.weight"
+bits = [30]
+[[faults]]
+site = "gradient_before_allreduce"
+rank = 1
+step = 3
+target = "net.2.bias"
+kind = "set"
+value = nan
+""")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = [sys.executable, "-m", "torch.distributed.run"]
+    args = ["-m", "scenarios", "run", str(tmp_path / "s.toml"), "--no-progress"]
+    one = subprocess.run([*run, "--standalone", "--nproc-per-node", "4", *args, "--out",
+                          str(tmp_path / "one")], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=250)
+    assert one.returncode == 0, one.stderr[-3000:]
+    port = _free_port()
+    nodes = [subprocess.Popen([*run, "--nnodes", "2", "--node-rank", str(n),
+                               "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                               "--master-port", str(port), *args, "--out",
+                               str(tmp_path / "two")],
+                              cwd=ROOT, env={**env, "NODE_NAME": f"host-{n}"},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for n in range(2)]
+    for p in nodes:
+        _, err = p.communicate(timeout=250)
+        assert p.returncode == 0, err[-3000:]
+
+    def rows(d: Path) -> dict[str, tuple[str, ...]]:
+        with (d / "trials.csv").open() as fh:
+            return {r["id"]: (r["outcome"], r["check"], r["checks"], r["detect_step"],
+                              r["suspects"], r["skipped"]) for r in csv.DictReader(fh)}
+
+    got, want = rows(tmp_path / "two"), rows(tmp_path / "one")
+    assert got == want and len(got) == 3
+    assert {v[4] for v in got.values()} == {"", "[3]", "[1]"}
