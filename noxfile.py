@@ -38,6 +38,13 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
+def shards(session: nox.Session) -> None:
+    """What sharding a campaign costs: the quick campaign whole and as 2 shards; bench/shards.json."""
+    _install(session)
+    session.run("python", "-m", "bench.shards", *session.posargs)
+
+
+@nox.session(default=False)
 def inject(session: nox.Session) -> None:
     """The main job: the default fault-injection campaign into reports/default/ (-- --quick: short)."""
     _install(session)

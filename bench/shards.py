@@ -1,0 +1,115 @@
+"""``python -m bench.shards``: what sharding a campaign costs.
+
+The campaign (default: the default campaign with ``--quick``) runs whole, then as N shards,
+one after the other (this machine's 2 cores cannot run N shards of 3 ranks at once), each in
+a fresh process and output directory, order alternated round by round. The target: each
+shard alone takes at most ``T / N`` plus one golden run per scenario it needs and one process
+start (``T``: the unsharded wall time). Goldens, the overhead measurement (shard 0 only) and
+process starts are read from each run's ``campaign.json`` and measured here.
+Writes ``OUT/shards.json`` and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _run(args: list[str]) -> float:
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "scenarios", *args, "--no-progress"], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - t0
+
+
+def _start_s() -> float:
+    """A bare process start that imports the harness (what every shard pays once)."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import scenarios.run.runner"], check=True)
+    return time.perf_counter() - t0
+
+
+def _cpu() -> str:
+    """The CPU model and its widest vector extension (throughput depends on both)."""
+    model, flags = platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model == platform.machine():
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "baseline"
+    return f"{model} ({isa}), {platform.machine()}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.shards", description=__doc__.splitlines()[0])
+    ap.add_argument("--campaign", default="scenarios/configs/default.toml")
+    ap.add_argument("--full", action="store_true", help="the whole campaign, not --quick")
+    ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--out", default="bench")
+    args = ap.parse_args(argv)
+    n = args.shards
+    quick = [] if args.full else ["--quick"]
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(args.rounds):
+            runs = [("whole", None), *((f"shard {i}", i) for i in range(n))]
+            if rnd % 2:
+                runs.reverse()
+            rec: dict[str, Any] = {}
+            for name, i in runs:
+                out = Path(tmp) / f"r{rnd}-{name.replace(' ', '')}"
+                extra = [] if i is None else ["--shard", f"{i}/{n}"]
+                secs = _run(["campaign", args.campaign, *quick, "--out", str(out), *extra])
+                meta = json.loads((out / "campaign.json").read_text())
+                goldens = sum(g.get("seconds") or 0.0 for g in (meta.get("goldens") or {}).values())
+                overhead = json.loads((out / "overhead.json").read_text())["seconds"] if (
+                    out / "overhead.json").exists() else 0.0
+                rec[name] = {"seconds": secs, "trials": len(meta["planned_ids"]),
+                             "golden_s": goldens, "overhead_s": overhead}
+                shutil.rmtree(out)
+            rec["start_s"] = statistics.median(_start_s() for _ in range(3))
+            rows.append(rec)
+    whole = statistics.median(r["whole"]["seconds"] for r in rows)
+    start = statistics.median(r["start_s"] for r in rows)
+    result: dict[str, Any] = {
+        "machine": _cpu(), "shards": n,
+        "campaign": args.campaign + ("" if args.full else " --quick"), "rounds": args.rounds,
+        "whole_s": whole, "start_s": start, "per_shard": {},
+    }
+    print(f"whole campaign: {whole:.1f} s; a process start: {start:.2f} s")
+    for i in range(n):
+        name = f"shard {i}"
+        secs = statistics.median(r[name]["seconds"] for r in rows)
+        golden = statistics.median(r[name]["golden_s"] for r in rows)
+        overhead = statistics.median(r[name]["overhead_s"] for r in rows)
+        bound = whole / n + golden + start
+        result["per_shard"][name] = {
+            "seconds": secs, "trials": rows[0][name]["trials"], "golden_s": golden,
+            "overhead_measurement_s": overhead, "bound_s": bound, "within": secs <= bound,
+        }
+        print(f"{name}: {secs:.1f} s for {rows[0][name]['trials']} trials; bound T/{n} + "
+              f"golden {golden:.1f} s + start {start:.2f} s = {bound:.1f} s; "
+              f"{'within' if secs <= bound else 'OVER'} (its overhead measurement: "
+              f"{overhead:.1f} s)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "shards.json").write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
