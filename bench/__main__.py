@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from bench.fingerprint import fingerprint_throughput
 from bench.overhead import check_overhead, check_overhead_blocks
 from bench.replay import replay_overhead
 from bench.results import markdown
+from bench.timing import cpu_name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
+        "machine": f"{cpu_name()}, {torch.get_num_threads()} threads, "
                    f"torch {torch.__version__}",
         "quick": args.quick,
     }

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import statistics
 import subprocess
@@ -22,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.timing import cpu_name
 
 
 def _run(args: list[str]) -> float:
@@ -36,21 +37,6 @@ def _start_s() -> float:
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import scenarios.run.runner"], check=True)
     return time.perf_counter() - t0
-
-
-def _cpu() -> str:
-    """The CPU model and its widest vector extension (throughput depends on both)."""
-    model, flags = platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model == platform.machine():
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "baseline"
-    return f"{model} ({isa}), {platform.machine()}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     whole = statistics.median(r["whole"]["seconds"] for r in rows)
     start = statistics.median(r["start_s"] for r in rows)
     result: dict[str, Any] = {
-        "machine": _cpu(), "shards": n,
+        "machine": cpu_name(), "shards": n,
         "campaign": args.campaign + ("" if args.full else " --quick"), "rounds": args.rounds,
         "whole_s": whole, "start_s": start, "per_shard": {},
     }

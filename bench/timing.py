@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import platform
 import random
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 Rounds = dict[str, list[list[float]]]
@@ -56,3 +58,18 @@ def split_rounds(samples: list[Any], rounds: int) -> list[list[Any]]:
     """``samples`` of ``rounds`` equal rounds, as one list per round."""
     per = len(samples) // rounds
     return [samples[i * per:(i + 1) * per] for i in range(rounds)]
+
+
+def cpu_name() -> str:
+    """The CPU model and its widest vector extension (throughput depends on both)."""
+    model, flags = platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model == platform.machine():
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "baseline"
+    return f"{model} ({isa}), {platform.machine()}"
