@@ -132,12 +132,19 @@ def _quarantine(results: list[dict[str, Any]], records: list[dict[str, Any]],
         "breaker_tripped": any(a["action"] == "breaker" for a in actions),
         "quarantine_errors": sum(1 for a in actions if a["action"] == "error"),
     }
-    if cordons and first_inj is not None:
-        by_rank = {r["rank"]: r for r in results}
-        rank = next(int(rec["rank"]) for rec in records if int(rec["step"]) == first_inj)
-        started = by_rank[rank]["step_started"][first_inj]
+    started = _fault_started(results, records, first_inj)
+    if cordons and started is not None:
         out["fault_to_cordon_s"] = round(min(a["time"] for a in cordons) - started, 4)
     return out
+
+
+def _fault_started(results: list[dict[str, Any]], records: list[dict[str, Any]],
+                   first_inj: int | None) -> float | None:
+    """Wall time at which the first faulty step began, on the rank the injection fired on."""
+    if first_inj is None:
+        return None
+    rank = next(int(x["rank"]) for x in records if int(x["step"]) == first_inj)
+    return float(next(r for r in results if r["rank"] == rank)["step_started"][first_inj])
 
 
 def _recovery(results: list[dict[str, Any]], golden: GoldenRun, records: list[dict[str, Any]],
@@ -151,11 +158,9 @@ def _recovery(results: list[dict[str, Any]], golden: GoldenRun, records: list[di
         "rollback_step": rec[0].get("rollback_step"),
         "wasted_steps": rec[0].get("wasted_steps", 0),
     }
-    if "resumed_at" in rec[0] and first_inj is not None:
-        by_rank = {r["rank"]: r for r in results}
-        rank = next(int(x["rank"]) for x in records if int(x["step"]) == first_inj)
-        out["fault_to_resume_s"] = round(
-            rec[0]["resumed_at"] - by_rank[rank]["step_started"][first_inj], 4)
+    started = _fault_started(results, records, first_inj)
+    if "resumed_at" in rec[0] and started is not None:
+        out["fault_to_resume_s"] = round(rec[0]["resumed_at"] - started, 4)
     return out
 
 

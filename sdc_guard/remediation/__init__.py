@@ -16,15 +16,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from sdc_guard.remediation.api import KubeError
 from sdc_guard.remediation.breaker import BreakerLimits
-from sdc_guard.remediation.kube import KubeQuarantine, QuarantineAction
+from sdc_guard.remediation.kube import EXIT_QUARANTINED, KubeQuarantine, QuarantineAction
 from sdc_guard.report import Detection
 from sdc_guard.topology import Topology
-
-EXIT_QUARANTINED = 200
-"""The exit code for a process that leaves after a real quarantine so that its job restarts
-elsewhere: Kubeflow's ``restartPolicy: ExitCode`` retries 128-255 and treats 1-127 as
-permanent; 200 is no signal's code (128 + N for signal N <= 64). See
-``examples/train_guarded.py``."""
 
 
 @runtime_checkable

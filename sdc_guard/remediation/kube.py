@@ -59,6 +59,12 @@ from sdc_guard.topology import Topology
 
 log = logging.getLogger(__name__)
 
+EXIT_QUARANTINED = 200
+"""The exit code for a process that leaves after a real quarantine so that its job restarts
+elsewhere: Kubeflow's ``restartPolicy: ExitCode`` retries 128-255 and treats 1-127 as
+permanent; 200 is no signal's code (128 + N for signal N <= 64). See
+``examples/train_guarded.py``."""
+
 
 @dataclass(frozen=True, slots=True)
 class QuarantineAction:
@@ -183,8 +189,6 @@ class KubeQuarantine:
         not quarantined (the breaker tripped, the API refused): 1, a permanent failure that a
         human should look at. Every rank gets the same detections, so all of them leave.
         """
-        from sdc_guard.remediation import EXIT_QUARANTINED
-
         convicted = [d for d in detections if d.suspect_ranks and not d.repaired]
         if not convicted or self.dry_run:
             return None
