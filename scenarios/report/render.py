@@ -29,6 +29,11 @@ def _num(v: Any) -> str:
     return "-" if v is None else (f"{v:g}" if isinstance(v, (int, float)) else str(v))
 
 
+def _by_interval(d: dict[str, Any]) -> list[tuple[str, Any]]:
+    """A mapping keyed by replay interval (``"0"``, ``"1"``, ``"16"``...) in numeric order."""
+    return sorted(d.items(), key=lambda kv: int(kv[0]))
+
+
 def _tables(s: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     head = ["trials", "detected", "masked", "escaped", "crashed", "hung", "coverage", "95% CI",
             "latency p50", "latency max", "blame correct", "contained"]
@@ -50,20 +55,20 @@ def _tables(s: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
                                                 "escape rate", "coverage"],
             [[("off" if k == "0" else k), str(g["trials"]), str(g["masked"]), str(g["escaped"]),
               _pct(g["escape_rate"]), _pct(g["coverage"])]
-             for k, g in s["replay_intervals"].items()])]
+             for k, g in _by_interval(s["replay_intervals"])])]
     ov = s.get("overhead")
     if ov:
         rows = [["plain DDP step (ms)", f"{ov['baseline_step_ms']:.2f}"],
                 *([oc.name, _pct(ov[oc.key])] for oc in HEADLINE)]
         fit = (ov.get("replay_fit") or {}).get("predicted", {})
         rows += [[f"replay every {k}", _pct(v) + (f" (fit: {_pct(fit[k])})" if k in fit else "")]
-                 for k, v in ov["replay"].items()]
+                 for k, v in _by_interval(ov["replay"])]
         if ov.get("replay_fit"):
             f = ov["replay_fit"]
             rows.append(["replay fit: fixed + per audit / k",
                          f"{_pct(f['fixed'])} + {_pct(f['per_audit'])} / k"])
         rows += [[f"all checks, replay {'off' if k == '0' else 'every ' + k}", _pct(v)]
-                 for k, v in ov["total"].items()]
+                 for k, v in _by_interval(ov["total"])]
         out.append((f"Step-time overhead vs plain DDP ({ov['scenario']}, {ov['world_size']} "
                     f"ranks, medians of {ov['rounds']} alternated blocks of {ov['block']} "
                     "steps)", ["configuration", "overhead"], rows))

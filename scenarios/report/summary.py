@@ -2,14 +2,17 @@
 
 Everything is computed from the output directory alone (``trials.csv``,
 ``overhead.json``, ``campaign.json``), so ``python -m scenarios report DIR``
-can rebuild it at any time, also from a partial (killed) campaign.
+can rebuild it at any time, also from a partial (killed) campaign. The trials are
+one pandas DataFrame (``scenarios.report.table``); every table is a group-by of it.
 
 Coverage of a group of fault trials = detected / (trials - masked): a masked
 fault left the run bit-identical to golden, so there was nothing to detect.
-Its 95% interval is Wilson's score interval. Escape rate = escaped / (trials -
-masked).
+Its 95% interval is Wilson's score interval (``scenarios.report.stats.wilson``). Escape
+rate = escaped / (trials - masked), with its Wilson interval too.
 
-Recommended replay interval: the *smallest* measured interval k >= 1 whose
+Recommended replay interval (``recommended_replay_interval``, the budget rule; the cost
+model's recommendation is ``cost.recommendation``, ``scenarios.report.cost``): the
+*smallest* measured interval k >= 1 whose
 replay-audit overhead (the guard with only the replay audit, every k steps,
 against plain DDP) fits ``overhead_budget``. The overhead used is the fit
 ``fixed + per_audit / k`` (``overhead.replay_fit``: least squares over every
@@ -18,8 +21,9 @@ mode plus one audit's cost spread over k steps), not each interval's own median:
 the fit pools every measurement, so an interval near the budget does not flip
 the recommendation from run to run on one noisy median, and the recommendation
 is monotone in the budget. ``recommendation_agreement`` is the share of 1000
-bootstrap resamples of the rounds that recommend the same interval (1.0: the
-data settle it; near 0.5: the budget sits on an interval's cost). Without
+bootstrap resamples of the rounds (``scipy.stats.bootstrap``) that recommend the same
+interval (1.0: the data settle it; near 0.5: the budget sits on an interval's cost);
+``overhead_fit_ci90`` holds the bootstrap's 90% intervals of the fit. Without
 per-round samples (an ``overhead.json`` from an older version) the medians
 ``overhead.replay.<k>`` are used. The interval
 only changes the audit's cost; the always-on checks (non-finite, weights) cost
@@ -33,94 +37,66 @@ shown next to it. None when no interval fits.
 from __future__ import annotations
 
 import json
-import math
-import random
-import statistics
-from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 from injectors import SITES
-from scenarios.run.store import TrialTable
-from scenarios.spec.faults import FIELDS
-from scenarios.spec.overhead import PLAIN_DDP, replay_only
+from scenarios.report.latency import latency_distribution
+from scenarios.report.stats import bootstrap_rounds, fit_interval, fit_replay_overhead, wilson
+from scenarios.report.table import json_list, py, read_trials
+
+__all__ = ["OUTCOMES", "STATE_SITES", "fit_replay_overhead", "recommend",
+           "recommendation_agreement", "summarize", "wilson"]
 
 OUTCOMES = ("detected", "masked", "escaped", "crashed", "hung")
 STATE_SITES = ("weight_storage", "optimizer_state", "gradient_after_allreduce")
+EXTRA_FIELDS = ("custom", "set", "random", "zero")
+"""Fault kinds that are not a bit field, in the report's order after ``FIELDS``."""
 
 
-def wilson(k: int, n: int, z: float = 1.96) -> list[float] | None:
-    """Wilson score interval of a proportion k/n."""
-    if n <= 0:
-        return None
-    p = k / n
-    den = 1 + z * z / n
-    mid = (p + z * z / (2 * n)) / den
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return [max(0.0, mid - half), min(1.0, mid + half)]
+def _median(col: pd.Series) -> Any:
+    col = col.dropna()
+    return py(col.median()) if len(col) else None
 
 
-def _int(v: str) -> int | None:
-    return int(v) if v not in ("", None) else None
+def _max(col: pd.Series) -> Any:
+    col = col.dropna()
+    return py(col.max()) if len(col) else None
 
 
-def _float(v: str) -> float | None:
-    return float(v) if v not in ("", None) else None
+def _ratio(k: int, n: int) -> float | None:
+    return k / n if n else None
 
 
-def _bool(v: str) -> bool | None:
-    return {"true": True, "false": False}.get(v)
-
-
-def _group(rows: list[dict[str, str]]) -> dict[str, Any]:
-    c = Counter(r["outcome"] for r in rows)
-    n = len(rows)
-    relevant = n - c["masked"]
-    det = [r for r in rows if r["outcome"] == "detected"]
-    lat = [x for x in (_int(r["latency_from_injection"]) for r in det) if x is not None]
-    lat_div = [x for x in (_int(r["latency_from_divergence"]) for r in det) if x is not None]
-    blame = [r for r in det if _bool(r["blame_correct"])]
+def _group(g: pd.DataFrame) -> dict[str, Any]:
+    counts = g["outcome"].value_counts()
+    c = {o: int(counts.get(o, 0)) for o in OUTCOMES}
+    relevant = len(g) - c["masked"]
+    det = g[g["outcome"] == "detected"]
+    blame = int(det["blame_correct"].fillna(False).sum())
     return {
-        "trials": n, **{o: c[o] for o in OUTCOMES},
-        "coverage": len(det) / relevant if relevant else None,
-        "coverage_ci95": wilson(len(det), relevant),
-        "escape_rate": c["escaped"] / relevant if relevant else None,
-        "latency_steps_p50": statistics.median(lat) if lat else None,
-        "latency_steps_max": max(lat) if lat else None,
-        "latency_from_divergence_p50": statistics.median(lat_div) if lat_div else None,
-        "latency_from_divergence_max": max(lat_div) if lat_div else None,
-        "blame_correct": len(blame) / len(det) if det else None,
-        "blame_correct_count": len(blame),
-        "contained": sum(1 for r in det if _bool(r["contained"])),
-        "not_fired": sum(1 for r in rows if r["kind"] == "fault" and r["injections"] == "0"),
+        "trials": len(g), **c,
+        "coverage": _ratio(c["detected"], relevant),
+        "coverage_ci95": wilson(c["detected"], relevant),
+        "escape_rate": _ratio(c["escaped"], relevant),
+        "escape_rate_ci95": wilson(c["escaped"], relevant),
+        "latency_steps_p50": _median(det["latency_from_injection"]),
+        "latency_steps_max": _max(det["latency_from_injection"]),
+        "latency_from_divergence_p50": _median(det["latency_from_divergence"]),
+        "latency_from_divergence_max": _max(det["latency_from_divergence"]),
+        "blame_correct": _ratio(blame, len(det)),
+        "blame_correct_count": blame,
+        "contained": int(det["contained"].fillna(False).sum()),
+        "not_fired": int(((g["kind"] == "fault") & (g["injections"] == 0)).fillna(False).sum()),
     }
 
 
-def fit_replay_overhead(samples: dict[str, list[float]],
-                        intervals: list[int]) -> dict[str, Any] | None:
-    """Least-squares fit of ``overhead(k) = fixed + per_audit / k`` (fractions of plain DDP).
-
-    ``samples``: per-round block times of plain DDP and of the replay audit alone every k
-    steps (``scenarios.spec.overhead``: "plain DDP", "replay@<k>"), in the same round order
-    (configurations alternate within a round, so round r's pair shares the machine's
-    state). None with fewer than two distinct intervals.
-    """
-    base = samples.get(PLAIN_DDP.name) or []
-    xs: list[float] = []
-    ys: list[float] = []
-    for k in intervals:
-        for b, t in zip(base, samples.get(replay_only(k).name) or [], strict=False):
-            if b > 0:
-                xs.append(1.0 / k)
-                ys.append(t / b - 1.0)
-    if len(set(xs)) < 2:
-        return None
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    per_audit = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
-    fixed = my - per_audit * mx
-    return {"fixed": fixed, "per_audit": per_audit, "points": len(xs),
-            "predicted": {str(k): fixed + per_audit / k for k in intervals}}
+def _groups(faults: pd.DataFrame, by: str, order: list[Any]) -> dict[str, dict[str, Any]]:
+    """``_group`` of every value of ``by`` in ``order`` (the values present, as strings)."""
+    groups = dict(iter(faults.groupby(by, sort=False, dropna=False)))
+    return {str(k): _group(groups[k]) for k in order if k in groups}
 
 
 def _smallest_within(values: dict[str, float], budget: float) -> int | None:
@@ -143,44 +119,41 @@ def recommendation_agreement(overhead: dict[str, Any] | None, budget: float,
     """Share of bootstrap resamples of the rounds whose fit recommends what all rounds do."""
     if not overhead or not overhead.get("replay_fit") or not overhead.get("samples_ms"):
         return None
-    samples: dict[str, list[float]] = overhead["samples_ms"]
     intervals = [int(k) for k in overhead["replay_fit"]["predicted"]]
-    rounds = min(len(v) for v in samples.values())
     want = recommend(overhead, budget)
-    rng = random.Random(0)
-    same = 0
-    for _ in range(n):
-        pick = [rng.randrange(rounds) for _ in range(rounds)]
-        fit = fit_replay_overhead({k: [v[i] for i in pick] for k, v in samples.items()},
-                                  intervals)
-        got = _smallest_within(fit["predicted"], budget) if fit else None
-        same += got == want
-    return same / n
+
+    def same(line: tuple[float, float] | None) -> float:
+        got = None if line is None else _smallest_within(
+            {str(k): line[0] + line[1] / k for k in intervals}, budget)
+        return float(got == want)
+
+    res = bootstrap_rounds(overhead["samples_ms"], intervals, same, n=n)
+    return float(res.bootstrap_distribution.mean())
 
 
-def _prompt(r: dict[str, str]) -> bool:
+def _prompt(df: pd.DataFrame) -> pd.Series:
     """Detected within 1 step of the first step at which the fault changed the state (its
     first divergence); a contained detection (nothing changed) in a step in which it fired."""
-    div = _int(r["latency_from_divergence"])
-    if div is not None:
-        return div <= 1
-    return bool(_bool(r.get("same_step", ""))) or (_int(r["latency_from_injection"]) or 0) <= 1
+    div = df["latency_from_divergence"]
+    fallback = df["same_step"].fillna(False) | (df["latency_from_injection"].fillna(0) <= 1)
+    return pd.Series((div <= 1).where(div.notna(), fallback), dtype="boolean").fillna(False)
 
 
-def _targets(faults: list[dict[str, str]], clean_fp: int) -> dict[str, Any]:
-    state = [r for r in faults if r["site"] in STATE_SITES and r["outcome"] != "masked"]
-    detected = [r for r in state if r["outcome"] == "detected" and _bool(r["blame_correct"])]
-    ok = [r for r in detected if _prompt(r)]
-    strict = [r for r in detected if (_int(r["latency_from_injection"]) or 0) <= 1]
-    nonfinite = [r for r in faults if _bool(r["nonfinite_injected"])]
-    nf_relevant = [r for r in nonfinite if r["outcome"] != "masked"]
-    nf_ok = [r for r in nf_relevant if r["outcome"] == "detected"
-             and _bool(r.get("same_step", ""))]
+def _targets(faults: pd.DataFrame, clean_fp: int) -> dict[str, Any]:
+    state = faults[faults["site"].isin(STATE_SITES) & (faults["outcome"] != "masked")]
+    detected = state[(state["outcome"] == "detected") & state["blame_correct"].fillna(False)]
+    ok = detected[_prompt(detected)]
+    strict = detected[detected["latency_from_injection"].fillna(0) <= 1]
+    nonfinite = faults[faults["nonfinite_injected"].fillna(False)]
+    nf_relevant = nonfinite[nonfinite["outcome"] != "masked"]
+    nf_ok = nf_relevant[(nf_relevant["outcome"] == "detected")
+                        & nf_relevant["same_step"].fillna(False)]
     return {
         "zero_false_positives": {"met": clean_fp == 0, "false_positives": clean_fp},
         "state_sites_detected_within_1_step_blame_correct": {
             "met": len(ok) == len(state), "trials_that_changed_the_trajectory": len(state),
-            "met_by": len(ok), "misses": [r["id"] for r in state if r not in ok][:50],
+            "met_by": len(ok), "misses": state.loc[~state.index.isin(ok.index), "id"]
+            .tolist()[:50],
             "rule": "detected with the right rank blamed, at most 1 step after the first step "
                     "at which the fault changed the state (or, contained, in a step in which "
                     "it fired)",
@@ -189,132 +162,133 @@ def _targets(faults: list[dict[str, str]], clean_fp: int) -> dict[str, Any]:
         "nonfinite_detected_in_own_step": {
             "met": len(nf_ok) == len(nf_relevant), "nonfinite_faults": len(nonfinite),
             "masked": len(nonfinite) - len(nf_relevant), "relevant": len(nf_relevant),
-            "met_by": len(nf_ok), "misses": [r["id"] for r in nf_relevant if r not in nf_ok][:50],
+            "met_by": len(nf_ok),
+            "misses": nf_relevant.loc[~nf_relevant.index.isin(nf_ok.index), "id"].tolist()[:50],
         },
     }
 
 
-def _quarantine(faults: list[dict[str, str]], clean: list[dict[str, str]]) -> dict[str, Any] | None:
+def _quarantine(faults: pd.DataFrame, clean: pd.DataFrame) -> dict[str, Any] | None:
     """Cordons per site (scenarios with ``[quarantine]``; None when no trial had one)."""
-    ran = [r for r in (*faults, *clean) if r.get("cordon_correct", "") != ""]
-    if not ran:
+    qf = faults[faults["cordon_correct"].notna()]
+    qc = clean[clean["cordon_correct"].notna()]
+    if qf.empty and qc.empty:
         return None
 
-    def group(rows: list[dict[str, str]]) -> dict[str, Any]:
-        det = [r for r in rows if r["outcome"] == "detected"]
-        cordoned = [r for r in rows if json.loads(r["cordoned_nodes"] or "[]")]
-        secs = [float(r["fault_to_cordon_s"]) for r in rows if r["fault_to_cordon_s"] != ""]
+    def group(g: pd.DataFrame) -> dict[str, Any]:
+        cordoned = g[json_list(g["cordoned_nodes"]).map(bool).astype(bool)]
         return {
-            "trials": len(rows), "detected": len(det), "cordoned": len(cordoned),
-            "cordoned_right_nodes": sum(1 for r in cordoned if _bool(r["cordon_correct"])),
-            "breaker_tripped": sum(1 for r in rows if _bool(r["breaker_tripped"])),
-            "api_errors": sum(int(r["quarantine_errors"] or 0) for r in rows),
-            "fault_to_cordon_s_p50": statistics.median(secs) if secs else None,
-            "fault_to_cordon_s_max": max(secs) if secs else None,
+            "trials": len(g), "detected": int((g["outcome"] == "detected").sum()),
+            "cordoned": len(cordoned),
+            "cordoned_right_nodes": int(cordoned["cordon_correct"].fillna(False).sum()),
+            "breaker_tripped": int(g["breaker_tripped"].fillna(False).sum()),
+            "api_errors": int(g["quarantine_errors"].fillna(0).sum()),
+            "fault_to_cordon_s_p50": _median(g["fault_to_cordon_s"]),
+            "fault_to_cordon_s_max": _max(g["fault_to_cordon_s"]),
         }
 
-    qf = [r for r in faults if r.get("cordon_correct", "") != ""]
-    qc = [r for r in clean if r.get("cordon_correct", "") != ""]
-    return {"sites": {s: group([r for r in qf if r["site"] == s])
-                      for s in SITES if any(r["site"] == s for r in qf)},
+    by_site = dict(iter(qf.groupby("site", sort=False)))
+    return {"sites": {s: group(by_site[s]) for s in SITES if s in by_site},
             "all": group(qf), "clean": group(qc)}
 
 
-def _recovery(faults: list[dict[str, str]]) -> dict[str, Any] | None:
+def _recovery(faults: pd.DataFrame) -> dict[str, Any] | None:
     """What was detected, cordoned, rolled back or repaired, and whether the run ended
     bit-identical to golden: the record of the one fault trial, or counts per site."""
-    ran = [r for r in faults if r.get("final_matches_golden", "") != ""]
-    if not ran:
+    ran = faults[faults["final_matches_golden"].notna()]
+    if ran.empty:
         return None
-
-    def one(r: dict[str, str]) -> dict[str, Any]:
-        suspects = json.loads(r["suspects"] or "[]")
-        return {
-            "site": r["site"], "fault_rank": _int(r["fault_rank"]),
-            "detected_step": _int(r["detect_step"]), "check": r["check"] or None,
-            "suspect_nodes": [f"node-{x}" for x in suspects],
-            "cordoned_nodes": json.loads(r.get("cordoned_nodes") or "[]"),
-            "first_detection_repaired": _bool(r.get("repaired", "")) or False,
-            "repaired": bool(_bool(r.get("repaired", ""))) and _int(r["rollback_step"]) is None,
-            "rolled_back": _int(r["rollback_step"]) is not None,
-            "rollback_step": _int(r["rollback_step"]),
-            "wasted_steps": _int(r["wasted_steps"]),
-            "fault_to_resume_s": _float(r["fault_to_resume_s"]),
-            "final_matches_golden": _bool(r["final_matches_golden"]),
-        }
-
+    rolled = ran["rollback_step"].notna()
+    first_repaired = ran["repaired"].fillna(False).astype(bool)
     if len(ran) == 1:
-        return one(ran[0])
+        r = ran.iloc[0]
+        return {
+            "site": r["site"], "fault_rank": py(r["fault_rank"]),
+            "detected_step": py(r["detect_step"]), "check": r["check"] or None,
+            "suspect_nodes": [f"node-{x}" for x in json_list(ran["suspects"]).iloc[0]],
+            "cordoned_nodes": json_list(ran["cordoned_nodes"]).iloc[0],
+            "first_detection_repaired": bool(first_repaired.iloc[0]),
+            "repaired": bool(first_repaired.iloc[0]) and not bool(rolled.iloc[0]),
+            "rolled_back": bool(rolled.iloc[0]),
+            "rollback_step": py(r["rollback_step"]),
+            "wasted_steps": py(r["wasted_steps"]),
+            "fault_to_resume_s": py(r["fault_to_resume_s"]),
+            "final_matches_golden": py(r["final_matches_golden"]),
+        }
+    ran = ran.assign(rolled_back=rolled, repaired_only=first_repaired & ~rolled)
 
-    def group(rows: list[dict[str, str]]) -> dict[str, Any]:
-        xs = [one(r) for r in rows]
-        wasted = [x["wasted_steps"] for x in xs if x["rolled_back"]]
-        secs = [x["fault_to_resume_s"] for x in xs if x["fault_to_resume_s"] is not None]
-        return {"trials": len(xs),
-                "detected": sum(1 for x in xs if x["detected_step"] is not None),
-                "final_matches_golden": sum(1 for x in xs if x["final_matches_golden"]),
-                "repaired": sum(1 for x in xs if x["repaired"]),
-                "rolled_back": sum(1 for x in xs if x["rolled_back"]),
-                "wasted_steps_p50": statistics.median(wasted) if wasted else None,
-                "wasted_steps_max": max(wasted) if wasted else None,
-                "fault_to_resume_s_p50": statistics.median(secs) if secs else None}
+    def group(g: pd.DataFrame) -> dict[str, Any]:
+        return {"trials": len(g), "detected": int(g["detect_step"].notna().sum()),
+                "final_matches_golden": int(g["final_matches_golden"].fillna(False).sum()),
+                "repaired": int(g["repaired_only"].sum()),
+                "rolled_back": int(g["rolled_back"].sum()),
+                "wasted_steps_p50": _median(g.loc[g["rolled_back"], "wasted_steps"]),
+                "wasted_steps_max": _max(g.loc[g["rolled_back"], "wasted_steps"]),
+                "fault_to_resume_s_p50": _median(g["fault_to_resume_s"])}
 
-    return {"sites": {site: group([r for r in ran if r["site"] == site])
-                      for site in SITES if any(r["site"] == site for r in ran)},
-            "all": group(ran)}
+    by_site = dict(iter(ran.groupby("site", sort=False)))
+    return {"sites": {s: group(by_site[s]) for s in SITES if s in by_site}, "all": group(ran)}
+
+
+def _histogram(faults: pd.DataFrame, sites: list[str]) -> dict[str, dict[str, dict[str, int]]]:
+    det = faults[faults["outcome"] == "detected"]
+    hist: dict[str, dict[str, dict[str, int]]] = {"from_injection": {}, "from_divergence": {}}
+    for key, col in (("from_injection", "latency_from_injection"),
+                     ("from_divergence", "latency_from_divergence")):
+        for s in sites:
+            counts = det.loc[det["site"] == s, col].dropna().value_counts(sort=False)
+            if len(counts):
+                hist[key][s] = {str(int(v)): int(n) for v, n in counts.items()}
+    return hist
 
 
 def summarize(out: Path) -> dict[str, Any]:
-    rows = TrialTable(out / "trials.csv").rows()
+    from scenarios.spec.faults import FIELDS
+
+    df = read_trials(out / "trials.csv")
     meta = _load(out / "campaign.json") or {}
     planned = set(meta.get("planned_ids") or [])
-    stale = [r for r in rows if planned and r["id"] not in planned]
-    rows = [r for r in rows if not planned or r["id"] in planned]
+    in_plan = df["id"].isin(planned) if planned else pd.Series(True, index=df.index)
+    stale = int((~in_plan).sum())
+    df = df[in_plan]
     overhead = _load(out / "overhead.json")
     budget = float(meta.get("overhead_budget", 0.25))
-    faults = [r for r in rows if r["kind"] == "fault"]
-    clean = [r for r in rows if r["kind"] == "clean"]
-    fp = sum(1 for r in clean if r["outcome"] == "detected")
-    sites = [s for s in SITES if any(r["site"] == s for r in faults)]
-    fields = [f for f in (*FIELDS, "custom", "set", "random", "zero")
-              if any(r["field"] == f for r in faults)]
-    by_site_field: dict[str, dict[str, Any]] = defaultdict(dict)
-    for s in sites:
-        for f in fields:
-            grp = [r for r in faults if r["site"] == s and r["field"] == f]
-            if grp:
-                by_site_field[s][f] = _group(grp)
-    hist: dict[str, dict[str, dict[str, int]]] = {"from_injection": {}, "from_divergence": {}}
-    for s in sites:
-        det = [r for r in faults if r["site"] == s and r["outcome"] == "detected"]
-        for key, col in (("from_injection", "latency_from_injection"),
-                         ("from_divergence", "latency_from_divergence")):
-            c = Counter(str(_int(r[col])) for r in det if r[col] != "")
-            if c:
-                hist[key][s] = dict(c)
-    intervals = sorted({int(r["replay_interval"]) for r in faults})
+    faults = df[df["kind"] == "fault"]
+    clean = df[df["kind"] == "clean"]
+    fp = int((clean["outcome"] == "detected").sum())
+    present_sites = set(faults["site"])
+    sites = [s for s in SITES if s in present_sites]
+    present_fields = set(faults["field"])
+    fields = [f for f in (*FIELDS, *EXTRA_FIELDS) if f in present_fields]
+    by_site_field: dict[str, dict[str, Any]] = {}
+    for (s, f), g in faults.groupby(["site", "field"], sort=False):
+        if s in sites and f in fields:
+            by_site_field.setdefault(s, {})[f] = _group(g)
+    by_site_field = {s: {f: by_site_field[s][f] for f in fields if f in by_site_field[s]}
+                     for s in sites if s in by_site_field}
+    intervals = sorted(int(k) for k in faults["replay_interval"].dropna().unique())
+    det = faults[faults["outcome"] == "detected"]
     runs = meta.get("runs", [])
     summary: dict[str, Any] = {
         "campaign": meta.get("name"), "quick": meta.get("quick"),
         "trials": len(faults), "clean_trials": len(clean), "false_positives": fp,
         "planned": len(planned) or None,
-        "stale_rows": len(stale),
-        "clean_not_bit_identical": sum(1 for r in clean if r["outcome"] in ("escaped",
-                                                                             "crashed", "hung")),
-        "outcomes": {o: sum(1 for r in faults if r["outcome"] == o) for o in OUTCOMES},
+        "stale_rows": stale,
+        "clean_not_bit_identical": int(clean["outcome"].isin(("escaped", "crashed",
+                                                              "hung")).sum()),
+        "outcomes": {o: int((faults["outcome"] == o).sum()) for o in OUTCOMES},
         "all": _group(faults),
-        "sites": {s: _group([r for r in faults if r["site"] == s]) for s in sites},
-        "fields": {f: _group([r for r in faults if r["field"] == f]) for f in fields},
-        "fault_models": {m: _group([r for r in faults if r["fault_model"] == m])
-                         for m in sorted({r["fault_model"] for r in faults})},
-        "scenarios": {sc: _group([r for r in faults if r["scenario"] == sc])
-                      for sc in sorted({r["scenario"] for r in faults})},
-        "replay_intervals": {str(k): _group([r for r in faults if int(r["replay_interval"]) == k])
-                             for k in intervals},
-        "by_site_field": dict(by_site_field),
-        "first_check": dict(Counter(r["check"] for r in faults if r["outcome"] == "detected")),
-        "latency_histogram": hist,
+        "sites": _groups(faults, "site", sites),
+        "fields": _groups(faults, "field", fields),
+        "fault_models": _groups(faults, "fault_model", sorted(set(faults["fault_model"]))),
+        "scenarios": _groups(faults, "scenario", sorted(set(faults["scenario"]))),
+        "replay_intervals": _groups(faults, "replay_interval", intervals),
+        "by_site_field": by_site_field,
+        "first_check": {str(k): int(v) for k, v in det["check"].value_counts().items()},
+        "latency_histogram": _histogram(faults, sites),
+        "latency": latency_distribution(faults, sites),
         "overhead": overhead,
+        "overhead_fit_ci90": fit_interval(overhead) if overhead else None,
         "overhead_budget": budget,
         "recommended_replay_interval": recommend(overhead, budget),
         "recommendation_agreement": recommendation_agreement(overhead, budget),
