@@ -15,6 +15,10 @@ Sites (the names used in every table and report)::
     gradient_after_allreduce   the all-reduced gradient of `target`, on this rank only
     optimizer_state            optimizer.state[param `target`][`state_key`], start of the step
     weight_storage             parameter `target` at rest, before the forward of the step
+    linear_product             inside nn.Linear `target`: its matmul's output before the bias
+                               (`product="forward"`), or its backward's input gradient
+                               ("input_grad") or weight gradient ("weight_grad"), before
+                               any hook sees them
 
 Fault models: ``transient`` fires at ``step`` only; ``intermittent`` fires at
 each step ``s >= step`` with probability ``p``, decided by an RNG seeded with
@@ -53,8 +57,9 @@ SITES: Final = (
     "gradient_after_allreduce",
     "optimizer_state",
     "weight_storage",
+    "linear_product",
 )
-MODULE_SITES: Final = frozenset({"activation", "activation_grad"})
+MODULE_SITES: Final = frozenset({"activation", "activation_grad", "linear_product"})
 """Sites whose ``target`` is a module name (``named_modules``)."""
 PARAMETER_SITES: Final = frozenset(SITES) - MODULE_SITES
 """Sites whose ``target`` is a parameter name (``named_parameters``)."""
@@ -62,6 +67,8 @@ GRADIENT_SITES: Final = frozenset({"gradient_before_allreduce", "gradient_after_
 STEP_SITES: Final = frozenset({"optimizer_state", "weight_storage"})
 """Sites injected at the start of a step (``guard.before_step`` or ``handle.begin_step``)."""
 MODELS: Final = ("transient", "intermittent", "permanent")
+PRODUCTS: Final = ("forward", "input_grad", "weight_grad")
+"""linear_product: which of an ``nn.Linear``'s products the fault corrupts."""
 PHASES: Final = ("train", "replay", "arbitrate", "any")
 """What the model is computing when an activation fault may fire: the rank's own training
 step, the guard's replay of a neighbour's batch, its arbitration replay, or any of them."""
@@ -138,6 +145,9 @@ class Fault:
     """Activation sites: fire only while the model computes this phase (``SDCGuard.phase``):
     ``"train"`` (the rank's own step), ``"replay"``, ``"arbitrate"`` (the replay audit's
     recomputations on the same module) or ``"any"``. Plain loops are always ``"train"``."""
+    product: str | None = None
+    """linear_product only: ``"forward"`` (the default there), ``"input_grad"`` or
+    ``"weight_grad"``."""
     dtype: str | None = None
     """Optional: the dtype the target tensor must have (``"float32"``). Lets bits, fields and
     ``value_bits`` be checked on construction; a tensor of another dtype is refused."""
@@ -170,6 +180,15 @@ class Fault:
                 "state_key", f"only applies to site 'optimizer_state', not {self.site!r}; "
                 "drop it."
             )
+        if self.site == "linear_product":
+            if self.product is None:
+                object.__setattr__(self, "product", "forward")
+            elif self.product not in PRODUCTS:
+                raise FaultError("product", f"unknown product {self.product!r}; use one of "
+                                 f"{list(PRODUCTS)}.")
+        elif self.product is not None:
+            raise FaultError("product", f"only applies to site 'linear_product', not "
+                             f"{self.site!r}; drop it.")
         if self.phase not in PHASES:
             raise FaultError("phase", f"unknown phase {self.phase!r}; use one of {list(PHASES)}.")
         if self.phase != "train" and self.site not in MODULE_SITES:
@@ -310,6 +329,8 @@ class Fault:
         """Plain data (JSON/TOML-friendly); ``Fault.from_dict`` reads it back."""
         d = asdict(self)
         d["bits"] = list(self.bits)
+        if d["product"] is None:  # other sites: the dict (and every key made from it) as before
+            del d["product"]
         return d
 
     @classmethod

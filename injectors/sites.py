@@ -1,4 +1,4 @@
-"""The six fault sites: how an armed fault reaches its tensor, and the record it leaves.
+"""The seven fault sites: how an armed fault reaches its tensor, and the record it leaves.
 
 ``Injector`` turns a fault and a tensor into a corruption and a ground-truth
 record; one ``install_*`` function per site wires an injector into the model,
@@ -24,6 +24,12 @@ gradient_after_allreduce   ``comm.after`` callback: the parameter's slice of the
                            reduced tensor (same offset as in the bucket buffer).
 optimizer_state            start-of-step hook: ``optimizer.state[param][key]``.
 weight_storage             start-of-step hook: the parameter itself.
+linear_product             the ``nn.Linear``'s ``forward`` is wrapped (an instance
+                           attribute, removed on undo); on a firing call it runs
+                           ``F.linear`` as an autograd function of its own that
+                           corrupts the matmul's output before the bias (forward),
+                           or the input or weight gradient its backward computes,
+                           before any hook sees them: a fault inside the product.
 =========================  =====================================================
 
 Every firing writes one record (see ``Injector.corrupt``) to the context's
@@ -127,7 +133,9 @@ class Injector:
         }
         if f.state_key is not None:
             record["state_key"] = f.state_key
-        if f.site in ("activation", "activation_grad"):
+        if f.product is not None:
+            record["product"] = f.product
+        if f.site in ("activation", "activation_grad", "linear_product"):
             record["phase"] = phase if phase is not None else self.ctx.phase
         self.records.append(record)
         self.ctx.record(record)
@@ -290,6 +298,67 @@ def install_weight_storage(inj: Injector) -> list[Undo]:
     return [_remove_item(inj.ctx.step_hooks, on_step)]
 
 
+class _FaultyLinear(torch.autograd.Function):
+    """``F.linear`` with one product corrupted: the forward matmul before the bias, or the
+    input or weight gradient of the backward (as autocast would, operands are cast to the
+    incoming gradient's dtype)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                inj: Injector, step: int, phase: str) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.inj, ctx.step, ctx.phase, ctx.has_bias = inj, step, phase, bias is not None
+        y = torch.nn.functional.linear(x, weight)
+        if inj.fault.product == "forward":
+            inj.corrupt(y, step, phase)
+        return y if bias is None else y + bias.to(y.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[Any, ...]:
+        x, weight = ctx.saved_tensors
+        inj: Injector = ctx.inj
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = (gy @ weight.to(gy.dtype)).to(x.dtype)
+            if inj.fault.product == "input_grad":
+                inj.corrupt(gx, ctx.step, ctx.phase)
+        if ctx.needs_input_grad[1]:
+            g2 = gy.reshape(-1, gy.shape[-1])
+            gw = (g2.t() @ x.reshape(-1, x.shape[-1]).to(gy.dtype)).to(weight.dtype)
+            if inj.fault.product == "weight_grad":
+                inj.corrupt(gw, ctx.step, ctx.phase)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = gy.reshape(-1, gy.shape[-1]).sum(0)
+        return gx, gw, gb, None, None, None
+
+
+def install_linear_product(inj: Injector) -> list[Undo]:
+    module = inj.target
+    if not isinstance(module, torch.nn.Linear):
+        raise FaultError("target", f"site 'linear_product' needs an nn.Linear module; "
+                         f"{inj.fault.target!r} is a {type(module).__name__}.")
+    had = "forward" in module.__dict__
+    original = module.forward
+
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        step = inj.fires_in_forward(module)
+        if step is None or args or kwargs:
+            return original(x, *args, **kwargs)
+        bias = module.bias
+        return _FaultyLinear.apply(  # type: ignore[no-untyped-call]
+            x, module.weight, bias, inj, step, inj.ctx.phase)
+
+    module.forward = forward  # type: ignore[method-assign,assignment]
+
+    def undo() -> None:
+        if had:
+            module.forward = original  # type: ignore[method-assign]
+        else:
+            del module.forward
+
+    return [undo]
+
+
 INSTALLERS: dict[str, Callable[[Injector], list[Undo]]] = {
     "activation": install_activation,
     "activation_grad": install_activation_grad,
@@ -297,5 +366,6 @@ INSTALLERS: dict[str, Callable[[Injector], list[Undo]]] = {
     "gradient_after_allreduce": install_gradient_after_allreduce,
     "optimizer_state": install_optimizer_state,
     "weight_storage": install_weight_storage,
+    "linear_product": install_linear_product,
 }
 """site -> installer; every name in ``injectors.fault.SITES`` has one."""

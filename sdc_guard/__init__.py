@@ -1,6 +1,6 @@
 """sdc_guard: catch silent data corruption inside PyTorch DDP training.
 
-Public API (stable): ``fingerprint``, ``fingerprint_tensor``, ``GuardConfig``,
+Public API (stable): ``fingerprint``, ``fingerprint_tensor``, ``GuardConfig``, ``ChecksumConfig``,
 ``SDCGuard``, ``StepReport``, ``Detection``, ``EventLog``, ``read_events``,
 ``state_tensors``, ``native_kernel``, ``native_enabled``, ``CheckpointManager``; the types ``LossFn`` and
 ``BatchFor``. See README.md and docs/.
@@ -8,7 +8,7 @@ Public API (stable): ``fingerprint``, ``fingerprint_tensor``, ``GuardConfig``,
 
 from sdc_guard.checkpoint import CheckpointManager
 from sdc_guard.checks.weights import state_tensors
-from sdc_guard.config import GuardConfig
+from sdc_guard.config import ChecksumConfig, GuardConfig
 from sdc_guard.events import EventLog, read_events
 from sdc_guard.fingerprints import fingerprint, fingerprint_tensor, native_enabled, native_kernel
 from sdc_guard.guard import SDCGuard
@@ -18,6 +18,7 @@ from sdc_guard.types import BatchFor, LossFn
 __all__ = [
     "BatchFor",
     "CheckpointManager",
+    "ChecksumConfig",
     "Detection",
     "EventLog",
     "GuardConfig",

@@ -30,6 +30,7 @@ without the guard (the flag is then a separate read, and nothing is fused).
 """
 
 # No "from __future__ import annotations": DDP inspects the hook's annotations at runtime.
+import math
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -91,6 +92,15 @@ class BucketListener:
     def reduced(self, bucket: GradBucket, out: torch.Tensor) -> None:
         """The bucket's reduced result, on the communication thread (read only)."""
 
+    wants_veto: bool = False
+    """Set to be asked, once per step, whether this rank withholds the step (``veto``)."""
+
+    def veto(self) -> Flag | None:
+        """Before the last bucket's all-reduce, after ``before_last_allreduce``: True (or a
+        0-d device bool) to withhold the step on every rank through the veto sentinel
+        (``GuardCommHook.vetoed``); None or False otherwise."""
+        return None
+
 
 class GuardCommHook:
     """State and hook function for ``DistributedDataParallel.register_comm_hook``."""
@@ -115,6 +125,8 @@ class GuardCommHook:
         """How many listener digests the scaling pass has computed."""
         self.step = -1
         """The step being computed (set by ``begin_step``; fault injectors read it)."""
+        self.sentinel: torch.Tensor | None = None
+        """The first element of this step's reduced last bucket, when a listener wants vetoes."""
 
     def subscribe(self, listener: BucketListener) -> None:
         """Dispatch per-bucket events to ``listener`` from now on (checks, when built)."""
@@ -123,6 +135,43 @@ class GuardCommHook:
     def begin_step(self, step: int) -> None:
         """Call before the forward pass of ``step``."""
         self.step = step
+        self.sentinel = None
+
+    def _veto(self, bucket: GradBucket) -> None:
+        """The veto sentinel: a listener that withholds the step writes the dtype's largest
+        finite value into the first element of the last bucket, after the scaling pass (so
+        the local non-finite scan never sees it) and before the all-reduce, which carries it
+        to every rank (``vetoed``). Only with our own all-reduce: a user's hook may compress
+        or keep state, and its listeners veto by a word of their own instead."""
+        if self.inner_hook is not None:
+            for lst in self.listeners:
+                if lst.wants_veto:
+                    lst.veto()
+            return
+        flags = [f for lst in self.listeners if lst.wants_veto
+                 if (f := lst.veto()) is not None and f is not False]
+        if not flags:
+            return
+        first = bucket.buffer().view(-1)[:1]
+        big = torch.finfo(first.dtype).max
+        if all(isinstance(f, bool) for f in flags):
+            first.fill_(big)
+            return
+        flag = torch.stack([torch.as_tensor(f, device=first.device) for f in flags]).any()
+        first.copy_(torch.where(flag, torch.full_like(first, big), first))  # no host sync
+
+    def vetoed(self, *, expect_overflow: bool = False) -> bool:
+        """Did some rank veto this step (``veto``)? Read from this rank's copy of the reduced
+        sentinel: at least half the dtype's largest finite value (no gradient is that large;
+        a corrupt one that is deserves the same). Non-finite (two vetoes overflow, or a
+        non-finite gradient): True, unless a ``GradScaler`` is there to skip the step itself.
+        One host read (a sync on a device)."""
+        if self.sentinel is None:
+            return False
+        value = float(self.sentinel.item())
+        if math.isfinite(value):
+            return abs(value) >= torch.finfo(self.sentinel.dtype).max / 2
+        return not expect_overflow
 
     def _local(self, bucket: GradBucket) -> None:
         """Listeners' local reads, then the scaling pass with what they asked fused in."""
@@ -165,9 +214,11 @@ class GuardCommHook:
         for cb in state.before:
             cb(bucket)
         state._local(bucket)
-        if bucket.is_last():
+        last = bucket.is_last()
+        if last:
             for lst in state.listeners:
                 lst.before_last_allreduce()
+            state._veto(bucket)
         if state.inner_hook is None:
             fut = state._allreduce(bucket)
         else:
@@ -180,6 +231,9 @@ class GuardCommHook:
             out: torch.Tensor = value[0] if isinstance(value, list) else value
             for cb in state.after:
                 cb(bucket, out)
+            if last and state.inner_hook is None and any(
+                    lst.wants_veto for lst in state.listeners):
+                state.sentinel = out.view(-1)[:1]
             for lst in state.listeners:
                 lst.reduced(bucket, out)
             return out

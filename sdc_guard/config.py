@@ -2,8 +2,60 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
+
+PRODUCTS = ("forward", "input_grad", "weight_grad")
+"""The three products of a linear layer's training step (``sdc_guard.checks.checksum``)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChecksumConfig:
+    """Which linear layers and products the checksum check verifies, and how often.
+
+    ``GuardConfig(checksum=True)`` means ``ChecksumConfig()``: every ``nn.Linear`` with the
+    stock ``forward``, all three products, every step.
+    """
+
+    layers: tuple[str, ...] | None = None
+    """Module names (``fnmatch`` patterns, relative to the model inside DDP) of the layers to
+    check; None = every ``nn.Linear`` whose ``forward`` is ``nn.Linear.forward``. A name here
+    may also pick a subclass with a forward of its own: naming it asserts that its output is
+    ``F.linear(input, weight, bias)``."""
+    products: tuple[str, ...] = PRODUCTS
+    """Which of "forward", "input_grad", "weight_grad" to verify."""
+    interval: int = 1
+    """Check every N-th step (steps with ``step % N == 0``)."""
+    tolerance_scale: float = 1.0
+    """Multiplies the rounding-error bound (module doc). Below 1 risks false positives."""
+    exchange_interval: int = 8
+    """Steps whose flags travel in one word (the detection arrives 1 to N steps late)."""
+
+    def __post_init__(self) -> None:
+        if self.layers is not None:
+            if isinstance(self.layers, str) or not all(
+                    isinstance(x, str) and x for x in self.layers):
+                raise ValueError("ChecksumConfig.layers must be a tuple of module names or "
+                                 f"patterns (or None for every nn.Linear), got {self.layers!r}.")
+            object.__setattr__(self, "layers", tuple(self.layers))
+        products = tuple(self.products) if not isinstance(self.products, str) else ()
+        if not products or any(p not in PRODUCTS for p in products):
+            raise ValueError(f"ChecksumConfig.products must be a non-empty tuple drawn from "
+                             f"{PRODUCTS}, got {self.products!r}.")
+        object.__setattr__(self, "products", products)
+        for name in ("interval", "exchange_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ChecksumConfig.{name} must be an int >= 1, got {value!r}.")
+        scale = self.tolerance_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
+                math.isfinite(scale) and scale > 0):
+            raise ValueError(f"ChecksumConfig.tolerance_scale must be a finite number > 0, "
+                             f"got {scale!r}.")
+
+
+
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -28,6 +80,11 @@ class GuardConfig:
 
     replay_interval: int = 0
     """Ring replay audit every N steps (0 = off). Needs ``batch_for`` and deterministic mode."""
+
+    checksum: bool | ChecksumConfig = False
+    """Checksums of every ``nn.Linear`` product (forward, input and weight gradients), every
+    step, contained in the step (``sdc_guard.checks.checksum``). True = ``ChecksumConfig()``;
+    a ``ChecksumConfig`` chooses layers, products, interval and tolerance scale."""
 
     include_optimizer_state: bool = True
     """Fold the optimizer state tensors (Adam moments, momentum buffers) into the weight check."""
@@ -66,7 +123,17 @@ class GuardConfig:
     pod_name_env: str = "POD_NAME"
     """The environment variable that holds this rank's pod name (``metadata.name``)."""
 
+    @property
+    def checksum_config(self) -> ChecksumConfig | None:
+        """The checksum check's settings, or None when it is off."""
+        if self.checksum is True:
+            return ChecksumConfig()
+        return self.checksum or None
+
     def __post_init__(self) -> None:
+        if not isinstance(self.checksum, (bool, ChecksumConfig)):
+            raise ValueError(f"GuardConfig.checksum must be True, False or a "
+                             f"sdc_guard.ChecksumConfig, got {self.checksum!r}.")
         value = self.nonfinite_exchange_interval
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(

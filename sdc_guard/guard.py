@@ -153,6 +153,8 @@ class SDCGuard:
             )
         if config.deterministic:
             enable_determinism(config.seed)
+        for check in self.checks:
+            check.close()
         old = {id(c) for c in self.checks}  # other listeners (a benchmark's) stay subscribed
         self.comm.listeners[:] = [x for x in self.comm.listeners if id(x) not in old]
         self.config = config

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-CHECKS = ("nonfinite", "replay", "weights")
+CHECKS = ("nonfinite", "replay", "weights", "checksum")
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,7 +13,7 @@ class Detection:
     """One check firing at one step."""
 
     check: str
-    """Which check fired: "nonfinite", "replay" or "weights"."""
+    """Which check fired: "nonfinite", "replay", "weights" or "checksum"."""
     step: int
     """The training step at which it fired."""
     suspect_ranks: tuple[int, ...]

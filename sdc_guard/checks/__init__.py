@@ -13,15 +13,18 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.checks.base import Check, Verdict
+from sdc_guard.checks.checksum import ChecksumCheck
 from sdc_guard.checks.nonfinite import NonFiniteCheck
 from sdc_guard.checks.replay import ReplayAudit
 from sdc_guard.checks.weights import WeightsCheck, state_tensors
 from sdc_guard.comm_hook import GuardCommHook
-from sdc_guard.config import GuardConfig
+from sdc_guard.config import ChecksumConfig, GuardConfig
 from sdc_guard.types import BatchFor, LossFn
 
 __all__ = [
     "Check",
+    "ChecksumCheck",
+    "ChecksumConfig",
     "NonFiniteCheck",
     "ReplayAudit",
     "Verdict",
@@ -42,7 +45,8 @@ def build_checks(
     grad_scaler: Any,
     group: dist.ProcessGroup | None,
 ) -> list[Check]:
-    """The enabled checks, in the order their verdicts run: non-finite, replay, weights.
+    """The enabled checks, in the order their verdicts run: non-finite, replay, weights,
+    checksum (its hooks switch on in its ``begin_step``, after the replay's recomputation).
 
     Checks that need the gradients subscribe to ``comm`` as they are built.
     """
@@ -64,4 +68,10 @@ def build_checks(
             model, optimizer, interval=config.weights_interval,
             include_optimizer_state=config.include_optimizer_state, device=device, group=group,
             repair=config.repair_by_majority, repair_window_steps=config.repair_window_steps))
+    checksum = config.checksum_config
+    if checksum is not None:
+        checks.append(ChecksumCheck(
+            model, checksum, comm=comm, device=device, group=group,
+            expect_overflow=grad_scaler is not None, contain=config.skip_step_on_detection,
+            micro_batches=config.micro_batches))
     return checks

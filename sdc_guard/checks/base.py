@@ -9,6 +9,7 @@
     ... optimizer.step() unless a verdict withholds it ...
     c.post_step(step)                    # after it: detections
     c.flush()                            # after the last step: detections still due
+    c.close()                            # replaced by a reconfigure: unhook
 
 A check that needs the gradients subscribes to the comm hook when it is built
 (``sdc_guard.comm_hook.BucketListener``); it never calls back into the hook or
@@ -87,3 +88,6 @@ class Check:
     def flush(self) -> list[Detection]:
         """After the last step, on every rank: detections still due (may be collective)."""
         return []
+
+    def close(self) -> None:
+        """The check is replaced (``SDCGuard.reconfigure``): remove what it hooked into."""

@@ -283,7 +283,8 @@ def test_a_fault_is_a_frozen_record_that_round_trips_as_plain_data() -> None:
     with pytest.raises(FaultError, match="unknown field"):
         Fault.from_dict({**BASE, "bit": 3})
     assert set(SITES) == {"activation", "activation_grad", "gradient_before_allreduce",
-                          "gradient_after_allreduce", "optimizer_state", "weight_storage"}
+                          "gradient_after_allreduce", "optimizer_state", "weight_storage",
+                          "linear_product"}
     assert MODELS == ("transient", "intermittent", "permanent")
     assert KINDS == ("bitflip", "set", "random", "zero")
 

@@ -1,0 +1,564 @@
+"""Check "checksum": every ``nn.Linear`` product verified by a checksum identity, every step.
+
+For a layer ``Y = X W^T + b`` (``X``: ``N x in``, ``W``: ``out x in``) the three
+products of a training step satisfy checksum identities (Huang and Abraham's
+algorithm-based fault tolerance), each verified here from what crosses the
+layer's boundary, never by replacing its ``forward``::
+
+    product       computed                 identity checked (e: a vector of ones)
+    -----------   ----------------------   --------------------------------------------
+    forward       Y  = X W^T + b           Y e        = X (W^T e) + (b . e)     per row i
+    input_grad    GX = GY W                e^T GX     = (e^T GY) W              per column k
+    weight_grad   GW = GY^T X              GW e       = GY^T (X e)              per row j
+
+A forward hook sees ``X`` and ``Y`` (after the layer's own computation, so a
+fault inside it is visible); a tensor hook on ``Y`` sees ``GY``; a tensor hook
+on a view of ``X`` that only this layer consumes sees this layer's ``GX`` (not
+the sum over ``X``'s other consumers); a tensor hook on ``W`` sees this
+backward's ``GW`` before it is accumulated into ``W.grad``. The two sides of
+each identity cost a few vector passes over ``X``, ``Y``, ``GY``, ``GX``,
+``GW`` and ``W``: O(N in + N out + in out) against the product's O(N in out).
+
+**Tolerance, from the rounding-error bound.** Both sides are computed in
+float32 (upcast). With ``u(t)`` the unit roundoff of dtype ``t`` (float32 2^-24,
+bfloat16 2^-8, float16 2^-11) and ``g(n, u) = n u / (1 - n u)``, a checksum
+entry whose product has inner length ``K`` passes when::
+
+    |lhs - rhs| <= s * ( g(K, u_acc) + u_out + 2 u_in + g(L + R + 2, u32) ) * M * (1 + 1e-3)
+
+``u_acc``: the accumulation (float32 for float32, bfloat16 and float16 products;
+on CUDA, with reduced-precision reductions allowed, the product's own dtype over
+``ceil(log2 K)`` levels of split sums); ``u_out``: the rounding of the product to
+its dtype; ``u_in``: the rounding of each operand to the product's dtype when it
+arrives in another one (autocast; TF32 counts as 2^-11); ``L`` and ``R``: the
+lengths of the two checksum sides' float32 sums; ``M``: the sum of the absolute
+values of every term (``sum |X_ik| |W_jk|`` over the entry, plus ``|b|``),
+computed exactly for the forward and weight-gradient products and bounded from
+above for the input gradient (``max_j sum_i |GY_ij|`` times ``sum_j |W_jk|``);
+``s``: ``ChecksumConfig.tolerance_scale`` (1 by default: the bound itself, no
+per-model constant). This is the worst-case bound (Higham, *Accuracy and
+Stability of Numerical Algorithms*, ch. 3), so a clean product never fails it;
+the price is that a corruption smaller than it is invisible. For a float32
+entry of the reference MLP the bound is about ``1e-4 M``: a flip of an exponent
+bit or of the top mantissa bits of a term of typical size is seen, a flip of the
+lower mantissa bits is not. In bfloat16 (7 mantissa bits) the bound is a few
+ulps of ``M``: only exponent and sign flips of large terms stand out
+(``docs/checks.md`` has the measured coverage per bit).
+
+**Contained in the step, with no new collective.** A rank whose products fail
+writes the largest finite value of the dtype into the first element of the
+step's last gradient bucket, after the non-finite scan and before the
+all-reduce (``GuardCommHook``: the *veto sentinel*). The all-reduce then
+carries it to every rank, where that element is at least half the largest
+finite value (no real gradient is): every rank withholds its optimizer step,
+the same step, without a word exchanged. The sentinel is finite, so the
+non-finite check does not report it, and a ``GradScaler`` does not see an
+overflow (the guard skips its ``step`` and ``update``: the scale is kept). Two
+ranks vetoing at once overflow the sentinel to Inf: the step is withheld all the
+same (by this check without a scaler; with one, the scaler skips it and lowers
+its scale). With a comm hook of the user's own (which may compress or keep
+state), the sentinel is not written: the veto travels in a one-word all-reduce
+started just before the last gradient all-reduce and waited for before the
+optimizer step instead. ``GuardConfig.skip_step_on_detection=False`` turns
+containment off (nothing is written into the gradients).
+
+**Naming the rank needs one word**, exchanged like the non-finite check's:
+every rank puts the products that failed (three bits) and the index of the
+first failing layer as bits of int64 words; the words of ``exchange_interval``
+steps travel in one small all-reduce that nobody waits for and are judged a
+step later, so the detection, with its own step, names the rank, the layer and
+the products on every rank, one to ``exchange_interval`` steps after the step.
+On the suspect rank the detection's evidence also holds every failing entry
+(layer, product, micro-batch, residual, bound).
+
+What it cannot see: corruptions below the bound (above); layers that are not
+``nn.Linear`` (convolutions, attention's batched products, embeddings, norms:
+the next step for this check); a layer whose forward is not the stock
+``nn.Linear.forward`` (a LoRA or quantised subclass computes something else
+than ``X W^T + b``) unless named in ``ChecksumConfig.layers``, which asserts
+the identity holds at its boundary; a module used by a functional call that
+bypasses its ``forward`` (``nn.MultiheadAttention``'s ``out_proj``); and faults
+outside the products (optimizer, all-reduce, storage): the other checks' work.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._C._distributed_c10d import GradBucket
+from torch.nn.parallel import DistributedDataParallel
+
+from sdc_guard.checks.base import Check, Verdict
+from sdc_guard.collectives import PendingSum, flag_rows, flag_words
+from sdc_guard.comm_hook import BucketListener, GuardCommHook
+from sdc_guard.config import PRODUCTS, ChecksumConfig
+from sdc_guard.report import Detection
+from sdc_guard.scaling import Flag
+
+_U32 = 2.0 ** -24
+_UNIT = {torch.float32: _U32, torch.float64: 2.0 ** -53, torch.bfloat16: 2.0 ** -8,
+         torch.float16: 2.0 ** -11}
+_TF32 = 2.0 ** -11
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """The unit roundoff of a floating dtype (half its machine epsilon)."""
+    u = _UNIT.get(dtype)
+    if u is None:
+        raise ValueError(f"the checksum check handles float32, float64, bfloat16 and float16 "
+                         f"products, not {dtype}.")
+    return u
+
+
+def _gamma(n: int, u: float) -> float:
+    nu = n * u
+    return nu / (1.0 - nu) if nu < 0.5 else math.inf
+
+
+def accumulation(dtype: torch.dtype, device: torch.device, k: int) -> float:
+    """``g(K, u_acc)``: the accumulation error of a product of inner length ``k`` in ``dtype``."""
+    if dtype == torch.float64:
+        return _gamma(k, _UNIT[torch.float64])
+    acc = _gamma(k, _U32)
+    if device.type == "cuda":
+        matmul = torch.backends.cuda.matmul
+        reduced = (dtype == torch.float16 and matmul.allow_fp16_reduced_precision_reduction) or (
+            dtype == torch.bfloat16 and matmul.allow_bf16_reduced_precision_reduction)
+        if reduced:  # split-K partial sums rounded to the product's dtype, level by level
+            acc += math.ceil(math.log2(max(k, 2))) * unit_roundoff(dtype)
+    return acc
+
+
+def input_rounding(compute: torch.dtype, operands: tuple[torch.dtype, ...],
+                   device: torch.device) -> float:
+    """``2 u_in``: the rounding of the operands that arrive in another dtype than ``compute``
+    (autocast), or to TF32 when CUDA float32 products may use it."""
+    if compute == torch.float32 and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+        return 2 * _TF32
+    return sum(unit_roundoff(compute) for d in operands if d != compute)
+
+
+def tolerance(scale: float, *, k: int, checked: int, compute: torch.dtype,
+              operands: tuple[torch.dtype, ...], device: torch.device) -> float:
+    """The factor that multiplies ``M`` (module doc): ``k`` the product's inner length,
+    ``checked`` the lengths of the two checksum sides' float32 sums together (``L + R``)."""
+    factor = (accumulation(compute, device, k) + unit_roundoff(compute)
+              + input_rounding(compute, operands, device) + _gamma(checked + 2, _U32))
+    return scale * factor * (1.0 + 1e-3)
+
+
+def linear_layers(model: nn.Module, patterns: tuple[str, ...] | None) -> list[tuple[str, nn.Linear]]:
+    """The layers a ``ChecksumConfig.layers`` selects, in ``named_modules`` order."""
+    chosen = []
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear) or not m.weight.is_floating_point():
+            continue
+        if patterns is None:
+            if type(m).forward is nn.Linear.forward:
+                chosen.append((name, m))
+        elif any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            chosen.append((name, m))
+    if patterns is not None:
+        for p in patterns:
+            if not any(fnmatch.fnmatchcase(name, p) for name, _ in chosen):
+                linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+                raise ValueError(f"ChecksumConfig.layers: {p!r} matches no floating-point "
+                                 f"nn.Linear of the model; its linear layers: {linears}.")
+    return chosen
+
+
+@dataclass
+class _Call:
+    """One forward call of a layer in this micro-batch: what its backward checks need."""
+
+    x: torch.Tensor
+    """The input, ``N x in`` (a reference: autograd keeps it for ``GW`` anyway)."""
+    micro_batch: int = 0
+    tapped: bool = False
+    """The input needs a gradient: the input-gradient product is checked."""
+    x_row: torch.Tensor | None = None
+    """float32 ``N x 2``: ``sum_k X_ik`` and ``sum_k |X_ik|``."""
+    gx_rhs: torch.Tensor | None = None
+    gx_bound: torch.Tensor | None = None
+    gy_dtype: torch.dtype | None = None
+
+
+@dataclass
+class _Layer:
+    name: str
+    index: int
+    module: nn.Linear
+    calls: list[_Call] = field(default_factory=list)
+    w_key: tuple[int, int] | None = None
+    w_sums: torch.Tensor | None = None
+    """float32 ``2 x in``: ``sum_j W_jk`` and ``sum_j |W_jk|``, for the weight version ``w_key``."""
+    gw_rhs: torch.Tensor | None = None
+    gw_bound: torch.Tensor | None = None
+    gw_rows: int = 0
+    gw_dtype: torch.dtype | None = None
+    """The dtype the weight gradient was computed in (its output's gradient's)."""
+    handles: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class _Failure:
+    """One checksum entry set that failed on this rank (read on the host only when it did)."""
+
+    layer: _Layer
+    product: str
+    micro_batch: int
+    bad: torch.Tensor
+    """0-d bool."""
+    excess: torch.Tensor
+    """0-d float32: the largest ``|lhs - rhs| / tolerance`` (inf/nan for non-finite)."""
+
+
+class ChecksumCheck(Check, BucketListener):
+    """Checksums of every checked linear layer's three products; see the module doc."""
+
+    name = "checksum"
+    wants_veto = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ChecksumConfig,
+        *,
+        comm: GuardCommHook,
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
+        expect_overflow: bool = False,
+        contain: bool = True,
+        micro_batches: int = 1,
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.group = group
+        self.expect_overflow = expect_overflow
+        self.contain = contain
+        self.comm = comm
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.micro_batches = micro_batches
+        inner = model.module if isinstance(model, DistributedDataParallel) else model
+        self.layers = [_Layer(n, i, m) for i, (n, m) in
+                       enumerate(linear_layers(inner, config.layers))]
+        """The checked layers, in ``named_modules`` order (a detection names their index)."""
+        self.skipped = [n for n, m in inner.named_modules() if isinstance(m, nn.Linear)
+                        and n not in {layer.name for layer in self.layers}]
+        """``nn.Linear`` modules left out: a forward of their own, a non-float weight, or
+        not named in ``ChecksumConfig.layers``."""
+        self._want = {p: p in config.products for p in PRODUCTS}
+        self._layer_bits = max(1, (len(self.layers) + 1).bit_length())
+        self._active = False
+        self._micro = 0
+        self._failures: list[_Failure] = []
+        self._local: dict[int, list[dict[str, Any]]] = {}
+        """This rank's failing entries per step, kept until the step is judged."""
+        self._window: list[tuple[int, list[bool]]] = []
+        self._sent: tuple[list[int], PendingSum] | None = None
+        self._veto_word: PendingSum | None = None
+        self._vetoed = False
+        for layer in self.layers:
+            self._hook(layer)
+        comm.subscribe(self)
+
+    # -- hooks --------------------------------------------------------------------------------
+    def _hook(self, layer: _Layer) -> None:
+        m = layer.module
+        backward = self._want["input_grad"] or self._want["weight_grad"]
+
+        def pre(mod: nn.Module, args: tuple[Any, ...]) -> Any:
+            if not self._active or not args or not isinstance(args[0], torch.Tensor):
+                return None
+            self._fresh(layer)
+            x = args[0]
+            if not (self._want["input_grad"] and x.requires_grad and torch.is_grad_enabled()):
+                return None
+            tap = x.view_as(x)  # consumed by this layer only: its hook sees this layer's GX
+            call_index = len(layer.calls)
+            tap.register_hook(  # type: ignore[no-untyped-call]
+                lambda gx: self._on_gx(layer, call_index, gx))
+            return (tap, *args[1:])
+
+        def post(mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+            if not self._active or not args or not isinstance(out, torch.Tensor):
+                return
+            self._fresh(layer)
+            x = args[0].detach()
+            y = out.detach()
+            call = _Call(x.reshape(-1, x.shape[-1]), micro_batch=self._micro,
+                         tapped=args[0].requires_grad and self._want["input_grad"])
+            layer.calls.append(call)
+            self._forward(layer, call, y.reshape(-1, y.shape[-1]))
+            if backward and out.requires_grad:
+                out.register_hook(  # type: ignore[no-untyped-call]
+                    lambda gy: self._on_gy(layer, call, gy))
+
+        layer.handles.append(m.register_forward_pre_hook(pre))
+        layer.handles.append(m.register_forward_hook(post))
+        if self._want["weight_grad"] and m.weight.requires_grad:
+            layer.handles.append(m.weight.register_hook(  # type: ignore[no-untyped-call]
+                lambda gw: self._on_gw(layer, gw)))
+
+    def _fresh(self, layer: _Layer) -> None:
+        """A forward of a new micro-batch: the previous one's calls are done with."""
+        if layer.calls and layer.calls[-1].micro_batch != self._micro:
+            layer.calls.clear()
+
+    def close(self) -> None:
+        """Remove every hook this check added (``SDCGuard.reconfigure`` calls it)."""
+        for layer in self.layers:
+            for h in layer.handles:
+                h.remove()
+            layer.handles.clear()
+        self._active = False
+
+    # -- the identities -----------------------------------------------------------------------
+    def _weight_sums(self, layer: _Layer) -> torch.Tensor:
+        w = layer.module.weight
+        key = (w.data_ptr(), w._version)
+        if layer.w_key != key or layer.w_sums is None:
+            wd = w.detach()
+            layer.w_sums = torch.stack([wd.sum(0, dtype=torch.float32),
+                                        torch.linalg.vector_norm(wd, 1, dim=0,
+                                                                 dtype=torch.float32)])
+            layer.w_key = key
+        return layer.w_sums
+
+    def _record(self, layer: _Layer, product: str, micro_batch: int, lhs: torch.Tensor,
+                rhs: torch.Tensor, bound: torch.Tensor) -> None:
+        diff = (lhs - rhs).abs()
+        # NaN and Inf fail, except with a GradScaler: an overflow is the scaler's business
+        bad = ((diff > bound) & torch.isfinite(diff)) if self.expect_overflow else ~(diff <= bound)
+        excess = diff / bound.clamp_min(torch.finfo(torch.float32).tiny)
+        self._failures.append(_Failure(layer, product, micro_batch, bad.any(),
+                                       excess.nan_to_num(nan=math.inf).max()))
+
+    def _forward(self, layer: _Layer, call: _Call, y: torch.Tensor) -> None:
+        m = layer.module
+        x = call.x
+        need_x = self._want["forward"] or self._want["weight_grad"]
+        if not need_x:
+            return
+        sums = self._weight_sums(layer)
+        xf = x.float()
+        xa = xf.abs()
+        ones = torch.ones_like(sums[0])
+        # row sums of X and |X| (the weight gradient's identity), X w and |X| |w| (forward)
+        signed = xf @ torch.stack([sums[0], ones]).t()
+        absolute = xa @ torch.stack([sums[1], ones]).t()
+        call.x_row = torch.stack([signed[:, 1], absolute[:, 1]], dim=1)
+        if not self._want["forward"]:
+            return
+        rhs = signed[:, 0]
+        bound = absolute[:, 0]
+        if m.bias is not None:
+            b = m.bias.detach()
+            rhs = rhs + b.sum(dtype=torch.float32)
+            bound = bound + torch.linalg.vector_norm(b, 1, dtype=torch.float32)
+        lhs = y.sum(1, dtype=torch.float32)
+        tol = tolerance(self.config.tolerance_scale, k=x.shape[1] + 1, checked=2 * y.shape[1]
+                        + x.shape[1], compute=y.dtype, operands=(x.dtype, m.weight.dtype),
+                        device=y.device)
+        self._record(layer, "forward", call.micro_batch, lhs, rhs, bound * tol)
+
+    def _on_gy(self, layer: _Layer, call: _Call, gy: torch.Tensor) -> None:
+        if not self._active:
+            return
+        g = gy.detach().reshape(-1, gy.shape[-1])
+        gf = g.float()
+        w = layer.module.weight.detach()
+        call.gy_dtype = g.dtype
+        if call.tapped:
+            call.gx_rhs = gf.sum(0) @ (w if w.dtype == torch.float32 else w.float())
+            gyabs = torch.linalg.vector_norm(gf, 1, dim=0)
+            call.gx_bound = gyabs.max() * self._weight_sums(layer)[1]
+        if self._want["weight_grad"] and call.x_row is not None:
+            both = torch.stack([gf.t() @ call.x_row[:, 0], gf.abs().t() @ call.x_row[:, 1]])
+            layer.gw_rhs = both[0] if layer.gw_rhs is None else layer.gw_rhs + both[0]
+            layer.gw_bound = both[1] if layer.gw_bound is None else layer.gw_bound + both[1]
+            layer.gw_rows += g.shape[0]
+            layer.gw_dtype = g.dtype
+
+    def _on_gx(self, layer: _Layer, call_index: int, gx: torch.Tensor) -> None:
+        if not self._active or call_index >= len(layer.calls):
+            return
+        call = layer.calls[call_index]
+        if call.gx_rhs is None or call.gx_bound is None:
+            return
+        g = gx.detach().reshape(-1, gx.shape[-1])
+        lhs = g.sum(0, dtype=torch.float32)
+        out = layer.module.out_features
+        compute = call.gy_dtype or gx.dtype
+        tol = tolerance(self.config.tolerance_scale, k=out, checked=2 * g.shape[0] + out,
+                        compute=compute, operands=(layer.module.weight.dtype,), device=gx.device)
+        self._record(layer, "input_grad", call.micro_batch, lhs, call.gx_rhs,
+                     call.gx_bound * tol)
+
+    def _on_gw(self, layer: _Layer, gw: torch.Tensor) -> None:
+        if not self._active:
+            return
+        if layer.gw_rhs is not None and layer.gw_bound is not None:
+            n = layer.gw_rows
+            lhs = gw.detach().sum(1, dtype=torch.float32)
+            x_dtype = layer.calls[0].x.dtype if layer.calls else gw.dtype
+            tol = tolerance(self.config.tolerance_scale, k=n, checked=2 * gw.shape[1] + n,
+                            compute=layer.gw_dtype or gw.dtype, operands=(x_dtype,),
+                            device=gw.device)
+            micro = layer.calls[0].micro_batch if layer.calls else self._micro
+            self._record(layer, "weight_grad", micro, lhs, layer.gw_rhs, layer.gw_bound * tol)
+        layer.gw_rhs = layer.gw_bound = None
+        layer.gw_rows = 0
+
+    # -- per step -----------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return step % self.config.interval == 0
+
+    def on_loss(self, loss: torch.Tensor) -> None:
+        """A micro-batch's forward is done: forwards from now on belong to the next one."""
+        self._micro += 1
+
+    def begin_step(self, step: int) -> None:
+        self._active = True
+        self._micro = 0
+        self._failures = []
+        self._vetoed = False
+        self._veto_word = None
+        for layer in self.layers:
+            layer.calls.clear()
+            layer.gw_rhs = layer.gw_bound = None
+
+    def _flags(self) -> tuple[Flag, list[_Failure]]:
+        """Whether any entry failed (a host bool on the CPU, else a 0-d device bool)."""
+        if not self._failures:
+            return False, []
+        stacked = torch.stack([f.bad for f in self._failures])
+        if stacked.device.type == "cpu":
+            return bool(stacked.any()), self._failures
+        return stacked.any(), self._failures
+
+    def veto(self) -> Flag | None:
+        """Called by the comm hook before the step's last gradient all-reduce: does this rank
+        withhold the step? The products of the step are all computed by then; later ones (the
+        replay audit's arbitration) are not checked."""
+        self._active = False
+        if not self.contain:
+            return None
+        flag, _ = self._flags()
+        if self.comm.inner_hook is not None:  # the sentinel could not survive a user's hook
+            word = torch.as_tensor(flag, device=self.device).to(torch.int64).reshape(1)
+            self._veto_word = PendingSum(word, self.group)
+            return None
+        return flag
+
+    def pre_step(self, step: int) -> Verdict:
+        self._active = False
+        found = self._collect()
+        if self._veto_word is not None:
+            withhold = self._veto_word.wait() > 0
+        elif self.contain:
+            withhold = self.comm.vetoed(expect_overflow=self.expect_overflow)
+        else:
+            withhold = False
+        flags = self._local_flags(step)
+        self._window.append((step, flags))
+        if len(self._window) >= self.config.exchange_interval:
+            self._send()
+        return Verdict(found, withhold=withhold)
+
+    def _local_flags(self, step: int) -> list[bool]:
+        """This rank's bits for ``step``: one per product, then the first failing layer's index
+        (plus one; 0 when none failed). Reads the failures on the host only when one did."""
+        products = [False] * len(PRODUCTS)
+        first = 0
+        flag, failures = self._flags()
+        if bool(flag):  # a device flag: one host sync per checked step
+            entries = []
+            for f in failures:
+                if bool(f.bad):
+                    products[PRODUCTS.index(f.product)] = True
+                    first = first or f.layer.index + 1
+                    entries.append({"layer": f.layer.name, "product": f.product,
+                                    "micro_batch": f.micro_batch,
+                                    "excess": float(f.excess)})
+            self._local[step] = entries
+        self._failures = []
+        bits = [(first >> i) & 1 == 1 for i in range(self._layer_bits)]
+        return products + bits
+
+    def flush(self) -> list[Detection]:
+        found = self._collect()
+        if self._window:
+            self._send()
+            found += self._collect()
+        return found
+
+    def rewind(self, step: int) -> None:
+        sent, self._sent = self._sent, None
+        if sent is not None:
+            sent[1].wait_all()
+        self._window = []
+        self._local.clear()
+        super().rewind(step)
+
+    def _send(self) -> None:
+        flags = [b for _, bits in self._window for b in bits]
+        words = flag_words(flags, self.rank, self.world_size)
+        word = PendingSum(torch.tensor(words, dtype=torch.int64, device=self.device), self.group,
+                          in_place=True)
+        self._sent = ([s for s, _ in self._window], word)
+        self._window = []
+
+    def _collect(self) -> list[Detection]:
+        sent, self._sent = self._sent, None
+        if sent is None:
+            return []
+        steps, word = sent
+        k = len(PRODUCTS) + self._layer_bits
+        rows = flag_rows(word.wait_all(), k * len(steps), self.world_size)
+        found = []
+        for i, step in enumerate(steps):
+            judged = self.judge(step, [row[k * i:k * (i + 1)] for row in rows])
+            if judged:
+                self.tainted()
+            else:
+                self.verified(step)
+            found += judged
+        return found
+
+    def judge(self, step: int, rows: list[list[int]]) -> list[Detection]:
+        """The detection, if any, from every rank's bits for ``step`` (row r: rank r)."""
+        n = len(PRODUCTS)
+        failed: dict[int, dict[str, Any]] = {}
+        for r, row in enumerate(rows):
+            products = [p for p, bit in zip(PRODUCTS, row[:n], strict=True) if bit]
+            if not products:
+                continue
+            index = sum(bit << i for i, bit in enumerate(row[n:])) - 1
+            layer = self.layers[index].name if 0 <= index < len(self.layers) else None
+            failed[r] = {"products": products, "layer": layer}
+        local = self._local.pop(step, None)
+        if not failed:
+            return []
+        suspects = tuple(sorted(failed))
+        what = "; ".join(f"rank {r}: layer {v['layer']!r}, {'/'.join(v['products'])}"
+                         for r, v in failed.items())
+        evidence: dict[str, Any] = {"ranks": {str(r): v for r, v in failed.items()}}
+        if local:
+            evidence["entries"] = local
+        return [Detection(
+            "checksum", step, suspects,
+            detail=f"linear-layer checksum mismatch ({what}): the product differs from its "
+            "checksum by more than the rounding-error bound",
+            evidence=evidence)]
+
+    # -- unused listener parts ----------------------------------------------------------------
+    def local(self, bucket: GradBucket) -> None:
+        return None
