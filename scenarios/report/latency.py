@@ -4,7 +4,9 @@
 detect_step - first_divergence`` (``scenarios.report.outcome``), over the detected fault
 trials. For each group: the count, mean, the percentiles ``PERCENTILES`` (linear
 interpolation between order statistics, ``pandas.Series.quantile``) and the maximum.
-The check is the first that fired at the first detection (``check``).
+The check is the first that fired at the first detection (``check``); ``check_histogram``
+holds each check's counts per latency (the per-site counts are ``latency_histogram``), from
+which the report draws the CDFs (``latency_cdf.svg``).
 
 ``detect_step`` is the step a detection belongs to. The non-finite check *reports* it
 later: its flags travel every ``GuardConfig.nonfinite_exchange_interval`` (N) steps, so the
@@ -62,7 +64,11 @@ def latency_distribution(faults: pd.DataFrame, sites: list[str]) -> dict[str, An
             d = _describe(g[measure])
             if d is not None:
                 cells.setdefault(str(c), {})[str(s)] = d
+        hist = {str(c): {str(int(v)): int(n) for v, n in
+                         g[measure].dropna().value_counts().sort_index().items()}
+                for c, g in det.groupby("check", sort=True)}
         out[key] = {"all": _describe(det[measure]), "checks": by_check, "sites": by_site,
-                    "check_site": cells}
+                    "check_site": cells,
+                    "check_histogram": {c: h for c, h in hist.items() if h}}
     out["nonfinite_report_delay"] = report_delay(GuardConfig().nonfinite_exchange_interval)
     return out

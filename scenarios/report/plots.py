@@ -1,4 +1,8 @@
-"""PNG plots of a campaign summary (matplotlib, Agg backend: no display needed)."""
+"""Plots of a campaign summary (matplotlib, Agg backend: no display needed).
+
+The three PNGs of earlier reports, and SVGs (``SVG_PLOTS``) that ``report.html`` inlines:
+the detection-latency CDFs and the cost model's stacked daily loss.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,12 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+SVG = {"metadata": {"Date": None}}
+"""SVGs without a creation date, and (``svg.hashsalt``) with the same ids on every run."""
+matplotlib.rcParams["svg.hashsalt"] = "sdc-guard"
+
 PLOTS = ("coverage_heatmap.png", "latency.png", "replay_interval.png")
+SVG_PLOTS = ("latency_cdf.svg", "cost.svg")
 LATENCY_CAP = 5
 """Latencies of this many steps or more share the last bin."""
 
@@ -125,9 +134,82 @@ def replay_interval(summary: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _cdf(ax: Any, counts: dict[str, int], label: str, color: Any) -> None:
+    """Empirical CDF of latencies given as {steps: trials}, as a step line."""
+    xs = sorted(int(k) for k in counts)
+    total = sum(counts.values())
+    ys = []
+    acc = 0
+    for x in xs:
+        acc += counts[str(x)]
+        ys.append(acc / total)
+    ax.step([xs[0] - 0.5, *xs, max(xs[-1], LATENCY_CAP) + 0.5], [0.0, *ys, 1.0], where="post",
+            color=color, label=f"{label} (n={total})")
+
+
+def latency_cdf(summary: dict[str, Any], path: Path) -> None:
+    """Share of detections within x steps of the injection: per check and per site."""
+    lat = summary.get("latency") or {}
+    by_check = (lat.get("from_injection") or {}).get("check_histogram") or {}
+    by_site = summary["latency_histogram"]["from_injection"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.0), sharey=True)
+    cmap = plt.get_cmap("tab10")
+    for i, (check, counts) in enumerate(sorted(by_check.items())):
+        _cdf(axes[0], counts, check, cmap(i))
+    for i, site in enumerate(summary["site_order"]):
+        if site in by_site:
+            _cdf(axes[1], by_site[site], site, cmap(i))
+    for ax, title in ((axes[0], "per check (the first to fire)"), (axes[1], "per fault site")):
+        ax.set_xlabel("detection latency from the injection (steps)")
+        ax.set_title(title)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="lower right")
+    axes[0].set_ylabel("share of detected trials detected within x steps")
+    fig.suptitle("Detection latency, cumulative distribution")
+    fig.tight_layout()
+    fig.savefig(path, **SVG)
+    plt.close(fig)
+
+
+def cost(summary: dict[str, Any], path: Path) -> None:
+    """Expected GPU-hours lost per day by configuration, stacked by part, with the band."""
+    model = summary.get("cost") or {}
+    rows = sorted(model.get("configurations") or [],
+                  key=lambda r: (r["replay_interval"], -len(r["checks"])))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows) + 3), 4.6))
+    if rows:
+        names = [r["name"] for r in rows]
+        bottom = [0.0] * len(rows)
+        for part, color in zip(model["parts"], ("tab:blue", "tab:orange", "tab:green",
+                                                "tab:red", "tab:purple"), strict=False):
+            vals = [r["parts"][part] for r in rows]
+            ax.bar(names, vals, bottom=bottom, color=color, label=part.replace("_", " "))
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        lo = [r["total"] - r["total_low"] for r in rows]
+        hi = [r["total_high"] - r["total"] for r in rows]
+        ax.errorbar(names, [r["total"] for r in rows], yerr=[lo, hi], fmt="none", ecolor="k",
+                    capsize=3, lw=1, label="uncertainty band (campaign intervals)")
+        best = (model.get("recommendation") or {}).get("name")
+        if best in names:
+            ax.get_xticklabels()[names.index(best)].set_fontweight("bold")
+        ax.tick_params(axis="x", labelrotation=30)
+        ax.legend(fontsize=7)
+    ax.set_xlabel("configuration (replay audit interval in steps; optional checks)")
+    ax.set_ylabel("expected loss (GPU-hours per day)")
+    ax.set_title("Cost model: expected daily loss by part")
+    fig.tight_layout()
+    fig.savefig(path, **SVG)
+    plt.close(fig)
+
+
 def draw_all(summary: dict[str, Any], out: Path) -> list[Path]:
-    paths = [out / name for name in PLOTS]
+    """Every plot into ``out``: the PNGs (``PLOTS``), then the SVGs (``SVG_PLOTS``)."""
+    paths = [out / name for name in (*PLOTS, *SVG_PLOTS)]
     coverage_heatmap(summary, paths[0])
     latency(summary, paths[1])
     replay_interval(summary, paths[2])
+    latency_cdf(summary, paths[3])
+    cost(summary, paths[4])
     return paths

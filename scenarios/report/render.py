@@ -9,9 +9,17 @@ from __future__ import annotations
 
 import base64
 import html
+import re
 from pathlib import Path
 from typing import Any
 
+from scenarios.report.answer import (
+    answer_lines,
+    cluster_table,
+    cost_table,
+    coverage_table,
+    latency_table,
+)
 from scenarios.report.summary import OUTCOMES, summarize
 from scenarios.run.store import write_json
 from scenarios.spec.overhead import HEADLINE
@@ -59,7 +67,7 @@ def _tables(s: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     ov = s.get("overhead")
     if ov:
         rows = [["plain DDP step (ms)", f"{ov['baseline_step_ms']:.2f}"],
-                *([oc.name, _pct(ov[oc.key])] for oc in HEADLINE)]
+                *([oc.name, _pct(ov.get(oc.key))] for oc in HEADLINE)]
         fit = (ov.get("replay_fit") or {}).get("predicted", {})
         rows += [[f"replay every {k}", _pct(v) + (f" (fit: {_pct(fit[k])})" if k in fit else "")]
                  for k, v in _by_interval(ov["replay"])]
@@ -107,6 +115,7 @@ def _tables(s: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
                      "steps lost p50", "max", "fault to resumed training p50 (s)",
                      "final state bit-identical to golden"],
                     [rrow(k, g) for k, g in rec["sites"].items()] + [rrow("all", rec["all"])]))
+    out += [t for t in (cost_table(s), cluster_table(s), latency_table(s)) if t]
     t = s["targets"]
     st = t["state_sites_detected_within_1_step_blame_correct"]
     nf = t["nonfinite_detected_in_own_step"]
@@ -142,7 +151,11 @@ def _headline(s: dict[str, Any]) -> list[str]:
 
 def render_markdown(s: dict[str, Any], plots: list[Path]) -> str:
     lines = [f"# Fault-injection campaign `{s['campaign']}`" + (" (quick)" if s["quick"] else ""),
-             "", *[x for x in _headline(s) if x], ""]
+             "", "## The answer", "", *(f"- {x}" for x in answer_lines(s)), ""]
+    answer = coverage_table(s)
+    lines += ["| " + " | ".join(answer[1]) + " |", "|" + "---|" * len(answer[1])]
+    lines += ["| " + " | ".join(r) + " |" for r in answer[2]]
+    lines += ["", "## The evidence", "", *[x for x in _headline(s) if x], ""]
     for title, head, rows in _tables(s):
         lines += [f"## {title}", "", "| " + " | ".join(head) + " |",
                   "|" + "---|" * len(head)]
@@ -151,6 +164,17 @@ def render_markdown(s: dict[str, Any], plots: list[Path]) -> str:
     lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     lines += ["Definitions: see reports/README.md and scenarios/report/outcome.py.", ""]
     return "\n".join(lines)
+
+
+def _strong(x: str) -> str:
+    """``**text**`` (already escaped) as ``<strong>text</strong>``."""
+    return re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", x)
+
+
+def _inline_svg(path: Path) -> str:
+    """An SVG file's ``<svg>`` element, for inlining (no XML prolog, DOCTYPE or metadata)."""
+    text = path.read_text()
+    return re.sub(r"<metadata>.*?</metadata>", "", text[text.index("<svg"):], flags=re.S)
 
 
 def render_html(s: dict[str, Any], plots: list[Path]) -> str:
@@ -162,28 +186,41 @@ def render_html(s: dict[str, Any], plots: list[Path]) -> str:
              "body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}",
              "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;",
              "padding:3px 8px;text-align:right}th{background:#eee}td:first-child{text-align:left}",
-             "img{max-width:100%}</style></head><body>",
-             f"<h1>Fault-injection campaign <code>{esc(str(s['campaign']))}</code></h1>"]
+             "img,svg{max-width:100%;height:auto}.answer{background:#f3f8f3;",
+             "border:1px solid #9c9;padding:0.5em 1.2em;margin:1em 0}</style></head><body>",
+             f"<h1>Fault-injection campaign <code>{esc(str(s['campaign']))}</code></h1>",
+             "<section class='answer'><h2>The answer</h2>"]
+
+    def table(title: str, head: list[str], rows: list[list[str]], level: int = 2) -> None:
+        parts.append(f"<h{level}>{esc(title)}</h{level}><table><tr>"
+                     + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr>")
+        parts.extend("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows)
+        parts.append("</table>")
+
+    parts += [f"<p>{_strong(html.escape(x))}</p>" for x in answer_lines(s)]
+    table(*coverage_table(s), level=3)
+    parts.append("</section><h2>The evidence</h2>")
     parts += [f"<p>{esc(x)}</p>" for x in _headline(s) if x]
     for title, head, rows in _tables(s):
-        parts.append(f"<h2>{esc(title)}</h2><table><tr>"
-                     + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr>")
-        parts += ["<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows]
-        parts.append("</table>")
+        table(title, head, rows)
     parts.append("<h2>Plots</h2>")
     for p in plots:
+        if p.suffix == ".svg":
+            parts.append(f"<figure aria-label='{esc(p.stem)}'>{_inline_svg(p)}</figure>")
+            continue
         data = base64.b64encode(p.read_bytes()).decode()
         parts.append(f"<p><img alt='{esc(p.stem)}' src='data:image/png;base64,{data}'></p>")
     parts.append("</body></html>")
     return "\n".join(parts)
 
 
-def write_report(out: str | Path) -> dict[str, Any]:
-    """Write summary.json, report.md, report.html and the PNG plots into ``out``."""
+def write_report(out: str | Path, cluster: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write summary.json, report.md, report.html and the plots into ``out`` (``cluster``:
+    overrides of the cost model's ``[cluster]`` fields, e.g. from the command line)."""
     from scenarios.report.plots import draw_all
 
     out = Path(out)
-    summary = summarize(out)
+    summary = summarize(out, cluster)
     write_json(out / "summary.json", summary)
     plots = draw_all(summary, out)
     (out / "report.md").write_text(render_markdown(summary, plots))
@@ -200,6 +237,10 @@ def summary_text(s: dict[str, Any], out: Path) -> str:
         lines.append(f"  {site:<26} coverage {'-' if cov is None else f'{cov:.1%}'} "
                      f"(detected {g['detected']}, masked {g['masked']}, escaped {g['escaped']}, "
                      f"crashed {g['crashed']}, hung {g['hung']})")
+    rec = (s.get("cost") or {}).get("recommendation")
+    if rec:
+        lines.append(f"least expected loss: {rec['name']}, {rec['gpu_hours_per_day']:,.0f} "
+                     "GPU-hours/day (cost model)")
     lines.append(f"recommended replay interval: {s.get('recommended_replay_interval')}")
     lines.append(f"report: {out / 'report.html'}")
     return "\n".join(lines)

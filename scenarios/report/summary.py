@@ -43,9 +43,13 @@ from typing import Any
 import pandas as pd
 
 from injectors import SITES
+from scenarios.report.cost import cost_model, field_coverage
 from scenarios.report.latency import latency_distribution
 from scenarios.report.stats import bootstrap_rounds, fit_interval, fit_replay_overhead, wilson
 from scenarios.report.table import json_list, py, read_trials
+from scenarios.spec.cluster import ClusterSpec, cluster_from_table
+from scenarios.spec.faults import FIELDS
+from sdc_guard import GuardConfig
 
 __all__ = ["OUTCOMES", "STATE_SITES", "fit_replay_overhead", "recommend",
            "recommendation_agreement", "summarize", "wilson"]
@@ -242,8 +246,21 @@ def _histogram(faults: pd.DataFrame, sites: list[str]) -> dict[str, dict[str, di
     return hist
 
 
-def summarize(out: Path) -> dict[str, Any]:
-    from scenarios.spec.faults import FIELDS
+def cluster_of(meta: dict[str, Any], overrides: dict[str, Any] | None = None) -> ClusterSpec:
+    """The cost model's cluster: the defaults, the campaign's ``[cluster]`` table (in
+    ``campaign.json``), then ``overrides`` (the command line; None values ignored)."""
+    table = meta.get("cluster")
+    cluster = cluster_from_table(table, "campaign.json cluster.") if table else ClusterSpec()
+    changes = dict(overrides or {})
+    if "overhead" in changes:  # one check's overhead on the command line keeps the others
+        changes["overhead"] = tuple({**dict(cluster.overhead), **dict(changes["overhead"])}
+                                    .items())
+    return cluster.with_overrides(**changes)
+
+
+def summarize(out: Path, cluster: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every number of the report; ``cluster``: overrides of the cost model's ``[cluster]``
+    fields (``scenarios.spec.cluster.ClusterSpec``), e.g. from the command line."""
 
     df = read_trials(out / "trials.csv")
     meta = _load(out / "campaign.json") or {}
@@ -269,6 +286,8 @@ def summarize(out: Path) -> dict[str, Any]:
     intervals = sorted(int(k) for k in faults["replay_interval"].dropna().unique())
     det = faults[faults["outcome"] == "detected"]
     runs = meta.get("runs", [])
+    fit_ci = fit_interval(overhead) if overhead else None
+    spec = cluster_of(meta, cluster)
     summary: dict[str, Any] = {
         "campaign": meta.get("name"), "quick": meta.get("quick"),
         "trials": len(faults), "clean_trials": len(clean), "false_positives": fp,
@@ -288,7 +307,10 @@ def summarize(out: Path) -> dict[str, Any]:
         "latency_histogram": _histogram(faults, sites),
         "latency": latency_distribution(faults, sites),
         "overhead": overhead,
-        "overhead_fit_ci90": fit_interval(overhead) if overhead else None,
+        "overhead_fit_ci90": fit_ci,
+        "cost": cost_model(faults, overhead, fit_ci, spec,
+                           GuardConfig().nonfinite_exchange_interval),
+        "field_coverage": field_coverage(faults, spec, sites),
         "overhead_budget": budget,
         "recommended_replay_interval": recommend(overhead, budget),
         "recommendation_agreement": recommendation_agreement(overhead, budget),

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from scenarios.spec.cluster import ClusterSpec, cluster_from_table
 from scenarios.spec.errors import ScenarioError, need_int, need_number
 from scenarios.spec.faults import FaultSpace, space_of
 from scenarios.spec.scenario import Scenario, load_scenario
@@ -82,6 +83,9 @@ class CampaignSpec:
     overhead_file_scenario: Scenario | None = None
     """The scenario loaded from ``[overhead] scenario = "FILE.toml"``, if given as a file."""
     quick: bool = False
+    cluster: ClusterSpec | None = None
+    """The ``[cluster]`` table the report's cost model prices on (``scenarios.spec.cluster``);
+    None: its documented defaults."""
 
     def __post_init__(self) -> None:
         if not self.scenarios:
@@ -128,6 +132,7 @@ class CampaignSpec:
             "scenarios": [s.name for s in self.scenarios],
             "replay_intervals": list(self.replay_intervals()),
             "overhead_intervals": list(self.overhead_intervals()),
+            **({"cluster": self.cluster.to_json()} if self.cluster is not None else {}),
         }
 
 
@@ -137,7 +142,7 @@ def campaign_from_dict(data: Mapping[str, Any], *, name: str, base_dir: Path,
     """Build a ``CampaignSpec`` from a parsed campaign file (scenario files relative to
     ``base_dir``; ``quick``: with its ``[quick]`` overrides applied)."""
     known_keys(data, ("name", "scenarios", "clean_trials", "overhead_budget", "overhead",
-                      "matrix", "sample", "quick"), "")
+                      "matrix", "sample", "quick", "cluster"), "")
     if quick:
         data = merge(data, table_of(data, "quick"))
     files = data.get("scenarios")
@@ -156,6 +161,7 @@ def campaign_from_dict(data: Mapping[str, Any], *, name: str, base_dir: Path,
         clean_trials=data.get("clean_trials", 3), overhead=overhead,
         overhead_budget=data.get("overhead_budget", 0.25), overhead_file_scenario=ov_file,
         quick=quick,
+        cluster=cluster_from_table(table_of(data, "cluster")) if "cluster" in data else None,
     )
 
 
