@@ -60,7 +60,8 @@ class ClusterSpec:
     16,384 H100s (Llama Team, "The Llama 3 Herd of Models", 2024, section 3.3.4)."""
     sdc_per_gpu_hour: float = LLAMA3_SDC / (LLAMA3_DAYS * 24 * LLAMA3_GPUS)
     """Silent data corruptions that change the training state, per GPU-hour. Default:
-    Llama 3 attributed 6 of its 466 interruptions in 54 days on 16,384 H100s to SDC:
+    Llama 3 attributed 6 of its 419 unexpected interruptions in a 54-day snapshot on
+    16,384 H100s to silent data corruption:
     6 / (54 x 24 x 16,384) = 2.8e-7 (a floor: only the SDCs someone noticed). Meta reports
     about 1 in 1,000 devices affected (Dixit et al., "Silent Data Corruptions at Scale",
     2021); the report's sensitivity line shows the choice at 10x lower and higher rates."""
