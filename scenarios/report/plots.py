@@ -15,7 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-SVG = {"metadata": {"Date": None}}
+SVG_METADATA: dict[str, Any] = {"Date": None}
 """SVGs without a creation date, and (``svg.hashsalt``) with the same ids on every run."""
 matplotlib.rcParams["svg.hashsalt"] = "sdc-guard"
 
@@ -32,6 +32,12 @@ def coverage_heatmap(summary: dict[str, Any], path: Path) -> None:
     fields = summary["field_order"]
     data = [[grid[s].get(f, {}).get("coverage") for f in fields] for s in sites]
     fig, ax = plt.subplots(figsize=(1.4 * len(fields) + 3, 0.6 * len(sites) + 1.6))
+    if not sites or not fields:  # no fault trials (yet): an empty figure that says so
+        ax.text(0.5, 0.5, "no fault trials", ha="center", va="center")
+        ax.set_axis_off()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return
     values = [[math.nan if v is None else v for v in row] for row in data]
     im = ax.imshow(values, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
     for i, s in enumerate(sites):
@@ -169,7 +175,7 @@ def latency_cdf(summary: dict[str, Any], path: Path) -> None:
     axes[0].set_ylabel("share of detected trials detected within x steps")
     fig.suptitle("Detection latency, cumulative distribution")
     fig.tight_layout()
-    fig.savefig(path, **SVG)
+    fig.savefig(path, metadata=SVG_METADATA)
     plt.close(fig)
 
 
@@ -200,7 +206,7 @@ def cost(summary: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("expected loss (GPU-hours per day)")
     ax.set_title("Cost model: expected daily loss by part")
     fig.tight_layout()
-    fig.savefig(path, **SVG)
+    fig.savefig(path, metadata=SVG_METADATA)
     plt.close(fig)
 
 

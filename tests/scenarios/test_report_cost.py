@@ -175,3 +175,11 @@ def test_report_opens_with_the_answer_and_is_self_contained(tmp_path: Path) -> N
     for name in ("latency_cdf.svg", "cost.svg"):
         svg = (out / name).read_text()
         assert "GPU-hours per day" in svg or "steps" in svg
+
+
+def test_report_of_a_campaign_without_fault_trials(tmp_path: Path) -> None:
+    TrialTable(tmp_path / "trials.csv").append({"id": "c", "kind": "clean", "scenario": "m",
+                                                "replay_interval": 0, "outcome": "masked"})
+    s = write_report(tmp_path)
+    assert (s["trials"], s["clean_trials"], s["cost"]["recommendation"]) == (0, 1, None)
+    assert "No configuration could be priced" in (tmp_path / "report.md").read_text()
