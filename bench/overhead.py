@@ -21,7 +21,9 @@ from scenarios.run.launch import run_ranks
 from scenarios.spec.overhead import (
     ALWAYS_ON,
     CHECKS_OFF,
+    CHECKSUM,
     NONFINITE,
+    NONFINITE_CHECKSUM,
     NONFINITE_EVERY_STEP,
     PLAIN_DDP,
     WEIGHTS,
@@ -39,7 +41,7 @@ CONFIGS: tuple[OverheadConfig, ...] = (PLAIN_DDP, CHECKS_OFF, NONFINITE, NONFINI
                                        WEIGHTS, ALWAYS_ON)
 """What the per-step table alternates, in this order."""
 BLOCK_CONFIGS: tuple[OverheadConfig, ...] = (PLAIN_DDP, CHECKS_OFF, NONFINITE,
-                                             NONFINITE_EVERY_STEP)
+                                             NONFINITE_EVERY_STEP, CHECKSUM, NONFINITE_CHECKSUM)
 """What the block-timed table alternates."""
 GUARD_OFF = CHECKS_OFF.name
 

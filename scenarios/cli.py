@@ -23,6 +23,7 @@ from pathlib import Path
 from scenarios.run.pool import PoolError
 from scenarios.run.shards import merge, parse_shard
 from scenarios.spec.campaign import CampaignSpec, campaign_for_scenario, load_campaign
+from scenarios.spec.cluster import add_cluster_arguments, cluster_overrides
 from scenarios.spec.errors import ScenarioError
 from scenarios.spec.scenario import load_scenario
 from scenarios.spec.tables import read_toml
@@ -61,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     mrg.add_argument("dirs", nargs="+", help="the shards' output directories")
     rep = sub.add_parser("report", help="rebuild the report of an output directory")
     rep.add_argument("dir")
+    add_cluster_arguments(rep)
     chk = sub.add_parser("check", help="validate a scenario or campaign file")
     chk.add_argument("file")
     return ap
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             if not (out / "trials.csv").exists():
                 raise ScenarioError("dir", str(out), "a campaign output directory with "
                                     "trials.csv")
-            print(summary_text(write_report(out), out))
+            print(summary_text(write_report(out, cluster_overrides(args)), out))
             return 0
         if args.command == "check":
             data = read_toml(args.file)

@@ -10,7 +10,7 @@ Definitions (each trial gets exactly one outcome, checked in this order):
     At least one check fired. ``detect_step`` is the first step with a detection (the
     step it happened at: the non-finite check reports a few steps later);
     ``check`` is the first check that fired there, in the order the checks run within
-    a step (nonfinite, replay, weights), and ``checks`` all of them.
+    a step (nonfinite, checksum, replay, weights), and ``checks`` all of them.
     ``blame_correct``: the union of the suspect ranks of the detections at
     ``detect_step`` is exactly the set of ranks where an injection fired.
 ``crashed`` (non-finite)
@@ -77,7 +77,9 @@ from injectors.bits import dtype_from_name, value_of
 from scenarios.run.store import GoldenRun
 from scenarios.spec.trials import TrialSpec
 
-_CHECK_ORDER = {"nonfinite": 0, "replay": 1, "weights": 2}
+_CHECK_ORDER = {"nonfinite": 0, "checksum": 1, "replay": 2, "weights": 3}
+"""The order in which the checks reach their verdicts within a step (the checksum's entries are
+verified during the backward pass, before the replay audit's pre-step vote)."""
 
 
 def _nonfinite_records(records: list[dict[str, Any]]) -> bool:
@@ -104,6 +106,8 @@ def base_row(trial: TrialSpec) -> dict[str, Any]:
         "fault_step": f.step if f else (trial.chaos.step if trial.chaos else None),
         "target": f.target if f else None, "state_key": f.state_key if f else None,
         "replay_interval": trial.replay_interval,
+        "checksum": trial.checksum,
+        "product": f.product if f else None,
         "fault": [x.to_dict() for x in trial.faults] if trial.faults else (
             {"chaos": trial.chaos.action} if trial.chaos else None),
     }

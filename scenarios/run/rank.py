@@ -63,6 +63,7 @@ class Prepare:
     scenario: Scenario
     replay_interval: int
     golden_path: str | None = None
+    checksum: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +132,8 @@ class RankRunner:
         if isinstance(cmd, Golden):
             return self.golden(cmd)
         if isinstance(cmd, Prepare):
-            self.session(cmd.scenario, cmd.scenario.guard_config(cmd.replay_interval))
+            self.session(cmd.scenario, cmd.scenario.guard_config(cmd.replay_interval,
+                                                                 cmd.checksum))
             self._golden_weights(cmd.scenario, cmd.golden_path)
             return None
         if isinstance(cmd, Trial):
@@ -246,7 +248,7 @@ class RankRunner:
 
     def trial(self, cmd: Trial) -> dict[str, Any]:
         sc, spec = cmd.scenario, cmd.trial
-        s = self.session(sc, sc.guard_config(spec.replay_interval))
+        s = self.session(sc, sc.guard_config(spec.replay_interval, spec.checksum))
         assert s.guard is not None
         s.reset()
         # Fresh checks: a trial must not inherit the last one's memory (the weights check's

@@ -195,9 +195,10 @@ class CampaignRunner:
         _, pt = golden_paths(self.cache, golden.key)
         t0 = time.monotonic()
         try:
-            key = (self.executor.generation(sc), sc.name, t.replay_interval)
+            key = (self.executor.generation(sc), sc.name, t.replay_interval, t.checksum)
             if key not in self._prepared:  # a new session: not part of the trial's timeout
-                self.executor.run(sc, Prepare(sc, t.replay_interval, str(pt)), timeout=600.0)
+                self.executor.run(sc, Prepare(sc, t.replay_interval, str(pt), t.checksum),
+                                  timeout=600.0)
                 self._prepared.add(key)
                 t0 = time.monotonic()
             ckpt_dir = self._checkpoint_dir(sc, t)

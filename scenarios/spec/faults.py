@@ -53,6 +53,9 @@ class FaultSpace:
     """Faulty ranks; empty = every rank."""
     replay_intervals: tuple[int, ...] = (0,)
     """Replay audit intervals to run the trials under (0 = audit off)."""
+    checksum: tuple[bool, ...] = ()
+    """The checksum check off and/or on (``[false, true]``: each trial draws one, clean trials
+    run under each); empty: as each scenario's ``[guard]`` says."""
     p: float = 0.5
     """Intermittent faults: probability of firing at each step."""
     repeat: int = 1
@@ -74,6 +77,11 @@ class FaultSpace:
         need_ints("steps", self.steps, 0, empty=True)
         need_ints("ranks", self.ranks, 0, empty=True)
         need_ints("replay_intervals", self.replay_intervals, 0)
+        if not isinstance(self.checksum, tuple) or any(
+                not isinstance(c, bool) for c in self.checksum) or len(set(self.checksum)) != len(
+                self.checksum):
+            raise ScenarioError("checksum", self.checksum, "a list of distinct booleans, e.g. "
+                                "[false, true] (or leave it out)")
         need_number("p", self.p, 0.0, 1.0, lo_open=True)
         need_int("repeat", self.repeat, 1, 1000)
         need_int("trials_per_site", self.trials_per_site, 0)

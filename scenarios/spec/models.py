@@ -179,6 +179,11 @@ def activation_targets(model: nn.Module) -> list[str]:
             if n and not list(m.children()) and not isinstance(m, skip)]
 
 
+def linear_targets(model: nn.Module) -> list[str]:
+    """Names of the ``nn.Linear`` modules (targets of the ``linear_product`` site)."""
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
 def parameter_targets(model: nn.Module) -> list[str]:
     """Names of the trainable parameters (targets of the gradient, state and weight sites)."""
     return [n for n, p in model.named_parameters() if p.requires_grad]

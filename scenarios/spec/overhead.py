@@ -50,11 +50,17 @@ NONFINITE_EVERY_STEP = OverheadConfig(
     config=GuardConfig(nonfinite=True, weights_interval=0, nonfinite_exchange_interval=1))
 WEIGHTS = OverheadConfig(name="weights", key="weights",
                          config=GuardConfig(nonfinite=False, weights_interval=1))
+CHECKSUM = OverheadConfig(name="checksum", key="checksum",
+                          config=GuardConfig(nonfinite=False, weights_interval=0, checksum=True))
+"""Every ``nn.Linear`` product checked every step (``sdc_guard.checks.checksum``)."""
+NONFINITE_CHECKSUM = OverheadConfig(
+    name="nonfinite + checksum",
+    config=GuardConfig(nonfinite=True, weights_interval=0, checksum=True))
 ALWAYS_ON = OverheadConfig(name="nonfinite + weights",
                            config=GuardConfig(nonfinite=True, weights_interval=1))
 """The default checks without the replay audit."""
 
-HEADLINE = (CHECKS_OFF, NONFINITE, WEIGHTS)
+HEADLINE = (CHECKS_OFF, NONFINITE, WEIGHTS, CHECKSUM)
 """The campaign's per-check overheads, in the report's order."""
 
 
@@ -74,7 +80,7 @@ def all_checks(k: int) -> OverheadConfig:
 
 def campaign_configs(intervals: tuple[int, ...]) -> tuple[OverheadConfig, ...]:
     """What a campaign's overhead rounds alternate, in this order."""
-    out = [PLAIN_DDP, CHECKS_OFF, NONFINITE, WEIGHTS, ALWAYS_ON]
+    out = [PLAIN_DDP, CHECKS_OFF, NONFINITE, WEIGHTS, CHECKSUM, ALWAYS_ON]
     for k in intervals:
         out += [replay_only(k), all_checks(k)]
     return tuple(out)

@@ -69,11 +69,12 @@ from scenarios.spec.models import (
     MODEL_KINDS,
     activation_targets,
     build_model,
+    linear_targets,
     parameter_targets,
     synthetic_batch,
 )
-from scenarios.spec.tables import known_keys, read_toml, table_of
-from sdc_guard import GuardConfig
+from scenarios.spec.tables import known_keys, read_toml, table_of, tuples
+from sdc_guard import ChecksumConfig, GuardConfig
 
 BACKENDS: Final = ("auto", "gloo", "nccl")
 OPTIMIZERS: Final = tuple(STATE_KEYS)
@@ -178,6 +179,13 @@ def guard_from_table(table: Mapping[str, Any]) -> GuardConfig:
                                 "scenario, not in [guard]", reason="the scenario's data uses it too")
     known_keys(table, names, "guard.")
     kw = dict(table)
+    if isinstance(kw.get("checksum"), Mapping):  # [guard.checksum]: a ChecksumConfig
+        try:
+            kw["checksum"] = ChecksumConfig(**tuples(kw["checksum"]))
+        except (TypeError, ValueError) as e:
+            raise ScenarioError("guard.checksum", dict(kw["checksum"]),
+                                "a table of sdc_guard.ChecksumConfig fields",
+                                reason=str(e).rstrip(".")) from None
     k = kw.get("replay_interval", 0)
     if "deterministic" not in kw and isinstance(k, int) and not isinstance(k, bool) and k > 0:
         kw["deterministic"] = True
@@ -289,6 +297,8 @@ class Scenario:
                             seed=self.seed)
         if site in ("activation", "activation_grad"):
             return activation_targets(model)
+        if site == "linear_product":
+            return linear_targets(model)
         return parameter_targets(model)
 
     def target_sizes(self, site: str) -> dict[str, int]:
@@ -298,6 +308,9 @@ class Scenario:
         model = build_model(self.model.kind, width=self.model.width, depth=self.model.depth,
                             seed=self.seed)
         names = self.targets(site)
+        if site == "linear_product":  # the weight's elements: the products scale with it
+            modules = dict(model.named_modules())
+            return {n: modules[n].weight.numel() for n in names}
         if site not in ("activation", "activation_grad"):
             params = dict(model.named_parameters())
             return {n: params[n].numel() for n in names}
@@ -316,12 +329,17 @@ class Scenario:
             h.remove()
         return {n: sizes.get(n, 1) for n in names}
 
-    def guard_config(self, replay_interval: int | None = None) -> GuardConfig:
+    def guard_config(self, replay_interval: int | None = None,
+                     checksum: bool | None = None) -> GuardConfig:
         """The guard's configuration for a run at ``replay_interval`` (None: the file's),
         deterministic mode on when the audit is (it needs it; our models draw no random
-        numbers, so it does not change the trajectory: one golden run serves them all)."""
+        numbers, so it does not change the trajectory: one golden run serves them all);
+        ``checksum`` turns the checksum check on or off (None: as ``[guard]`` says)."""
         k = self.guard.replay_interval if replay_interval is None else replay_interval
-        return replace(self.guard, replay_interval=k, deterministic=self.guard.deterministic or k > 0)
+        cfg = replace(self.guard, replay_interval=k, deterministic=self.guard.deterministic or k > 0)
+        if checksum is not None and bool(cfg.checksum) != checksum:
+            cfg = replace(cfg, checksum=checksum)
+        return cfg
 
     def training_key(self) -> str:
         """A hash of everything that determines the fault-free trajectory (the golden run)."""

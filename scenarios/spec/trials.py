@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from injectors import Fault
+from injectors.fault import PRODUCTS
 from scenarios.spec.campaign import CampaignSpec
 from scenarios.spec.errors import ScenarioError, need_int
 from scenarios.spec.faults import STATE_KEYS, FaultSpace
@@ -60,6 +61,9 @@ class TrialSpec:
     """Label: the bit field (sign / exponent / mantissa / any / nan / inf), or "custom"."""
     fault_model: str = ""
     chaos: Chaos | None = None
+    checksum: bool | None = None
+    """The checksum check on or off in this trial (the campaign's ``checksum`` axis); None:
+    as the scenario's ``[guard]`` says."""
 
     @property
     def kind(self) -> str:
@@ -99,7 +103,7 @@ def make_fault(scenario: Scenario, *, site: str, field_name: str, model: str, st
     rng = random.Random(seed)
     names = sorted(sizes)
     target = rng.choices(names, weights=[sizes[n] for n in names])[0] if site not in (
-        "activation", "activation_grad") else rng.choice(names)
+        "activation", "activation_grad") else rng.choice(names)  # linear_product: by weight size
     kw: dict[str, Any] = {"site": site, "rank": rank, "step": step, "target": target,
                           "model": model, "seed": seed % (1 << 31)}
     if field_name in ("nan", "inf"):
@@ -110,21 +114,24 @@ def make_fault(scenario: Scenario, *, site: str, field_name: str, model: str, st
         kw["state_key"] = rng.choice(STATE_KEYS[scenario.optimizer.kind])
     if model == "intermittent":
         kw["p"] = p
-    if model == "permanent" and site in ("activation", "activation_grad"):
+    if site == "linear_product":
+        kw["product"] = random.Random(f"{seed}/product").choice(PRODUCTS)
+    if model == "permanent" and site in ("activation", "activation_grad", "linear_product"):
         kw["phase"] = "any"  # a broken unit also corrupts the audit's recomputations
     return Fault(**kw)
 
 
 def _fault_trial(scenario: Scenario, space: FaultSpace, combo: tuple[Any, ...], seed: int,
                  sizes: Mapping[str, int]) -> TrialSpec | None:
-    k, site, fld, model, step, rank = combo
+    k, site, fld, model, step, rank, checksum = combo
     if site == "optimizer_state" and step == 0:
         return None  # no optimizer state exists before the first step
     fault = make_fault(scenario, site=site, field_name=fld, model=model, step=step, rank=rank,
                        seed=seed, p=space.p, sizes=sizes)
-    tid = _trial_id(scenario, k, fault.to_dict())
+    extra = () if checksum is None else ({"checksum": checksum},)
+    tid = _trial_id(scenario, k, fault.to_dict(), *extra)
     return TrialSpec(id=tid, scenario=scenario.name, replay_interval=k, faults=(fault,),
-                     site=site, field=fld, fault_model=model)
+                     site=site, field=fld, fault_model=model, checksum=checksum)
 
 
 def _space_trials(scenario: Scenario, space: FaultSpace) -> list[TrialSpec]:
@@ -134,9 +141,10 @@ def _space_trials(scenario: Scenario, space: FaultSpace) -> list[TrialSpec]:
     out: list[TrialSpec] = []
     if space.mode == "matrix":
         for combo in itertools.product(space.replay_intervals, space.sites, space.fields,
-                                       space.models, steps, ranks):
+                                       space.models, steps, ranks, space.checksum or (None,)):
             for rep in range(space.repeat):
-                seed = seed_of(space.seed, scenario.name, combo, rep)
+                seed = seed_of(space.seed, scenario.name, combo[:6] if combo[6] is None
+                               else combo, rep)
                 t = _fault_trial(scenario, space, combo, seed, sizes[combo[1]])
                 if t is not None:
                     out.append(t)
@@ -151,7 +159,8 @@ def _space_trials(scenario: Scenario, space: FaultSpace) -> list[TrialSpec]:
         site_steps = [s for s in steps if site != "optimizer_state" or s > 0] or [1]
         for i in range(n):
             combo = (rng.choice(space.replay_intervals), site, rng.choice(space.fields),
-                     rng.choice(space.models), rng.choice(site_steps), rng.choice(ranks))
+                     rng.choice(space.models), rng.choice(site_steps), rng.choice(ranks),
+                     rng.choice(space.checksum) if space.checksum else None)
             seed = seed_of(space.seed, scenario.name, site, i)
             trial = _fault_trial(scenario, space, combo, seed, sizes[site])
             if trial is not None:
@@ -168,10 +177,12 @@ def _explicit_trials(scenario: Scenario) -> list[TrialSpec]:
             for i, f in enumerate(scenario.faults)]
 
 
-def clean_trials(scenario: Scenario, intervals: tuple[int, ...], count: int) -> list[TrialSpec]:
-    return [TrialSpec(id=_trial_id(scenario, k, "clean", i), scenario=scenario.name,
-                      replay_interval=k)
-            for k in intervals for i in range(count)]
+def clean_trials(scenario: Scenario, intervals: tuple[int, ...], count: int,
+                 checksum: tuple[bool, ...] = ()) -> list[TrialSpec]:
+    return [TrialSpec(id=_trial_id(scenario, k, "clean", i,
+                                   *(() if c is None else ({"checksum": c},))),
+                      scenario=scenario.name, replay_interval=k, checksum=c)
+            for k in intervals for c in (checksum or (None,)) for i in range(count)]
 
 
 def _interleave(faults: list[TrialSpec], clean: list[TrialSpec]) -> list[TrialSpec]:
@@ -202,7 +213,8 @@ def plan_trials(campaign: CampaignSpec) -> list[TrialSpec]:
         else:
             faults = _explicit_trials(scenario)
             intervals = (scenario.guard.replay_interval,)
-        clean = clean_trials(scenario, intervals, campaign.clean_trials)
+        clean = clean_trials(scenario, intervals, campaign.clean_trials,
+                             space.checksum if space is not None else ())
         trials += _interleave(faults, clean)
     ids = [t.id for t in trials]
     if len(set(ids)) != len(ids):  # two combinations drew the very same fault: run it once

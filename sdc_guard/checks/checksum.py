@@ -175,15 +175,21 @@ def linear_layers(model: nn.Module, patterns: tuple[str, ...] | None) -> list[tu
 
 @dataclass
 class _Call:
-    """One forward call of a layer in this micro-batch: what its backward checks need."""
+    """One forward call of a layer in this micro-batch: what its checks still need."""
 
     x: torch.Tensor
     """The input, ``N x in`` (a reference: autograd keeps it for ``GW`` anyway)."""
+    y_sum: torch.Tensor
+    """float32 ``N``: the output's row sums, taken in the forward hook (a later in-place
+    operation, such as an in-place ReLU, may change the output itself)."""
+    x_rows: torch.Tensor
+    """float32 ``3 x N``: per row of ``X``, its sum, the sum of its absolute values and its
+    2-norm."""
     micro_batch: int = 0
     tapped: bool = False
     """The input needs a gradient: the input-gradient product is checked."""
-    x_row: torch.Tensor | None = None
-    """float32 ``N x 2``: ``sum_k X_ik`` and ``sum_k |X_ik|``."""
+    forward_due: bool = False
+    """The forward identity is still to be checked (with the backward's pass over ``W``)."""
     gx_rhs: torch.Tensor | None = None
     gx_bound: torch.Tensor | None = None
     gy_dtype: torch.dtype | None = None
@@ -196,27 +202,33 @@ class _Layer:
     module: nn.Linear
     calls: list[_Call] = field(default_factory=list)
     w_key: tuple[int, int] | None = None
-    w_sums: torch.Tensor | None = None
-    """float32 ``2 x in``: ``sum_j W_jk`` and ``sum_j |W_jk|``, for the weight version ``w_key``."""
+    w_norm: torch.Tensor | None = None
+    """float32 0-d: the Frobenius norm of ``W`` at the weight version ``w_key``."""
     gw_rhs: torch.Tensor | None = None
     gw_bound: torch.Tensor | None = None
     gw_rows: int = 0
     gw_dtype: torch.dtype | None = None
     """The dtype the weight gradient was computed in (its output's gradient's)."""
+    ones: torch.Tensor | None = None
     handles: list[Any] = field(default_factory=list)
 
 
 @dataclass
 class _Failure:
-    """One checksum entry set that failed on this rank (read on the host only when it did)."""
+    """One set of checksum entries (read on the host only when one of them failed)."""
 
     layer: _Layer
     product: str
     micro_batch: int
     bad: torch.Tensor
     """0-d bool."""
-    excess: torch.Tensor
-    """0-d float32: the largest ``|lhs - rhs| / tolerance`` (inf/nan for non-finite)."""
+    diff: torch.Tensor
+    bound: torch.Tensor
+
+    def excess(self) -> float:
+        """The largest ``|lhs - rhs| / tolerance`` (inf for a non-finite entry)."""
+        ratio = self.diff / self.bound.clamp_min(torch.finfo(torch.float32).tiny)
+        return float(ratio.nan_to_num(nan=math.inf).max())
 
 
 class ChecksumCheck(Check, BucketListener):
@@ -272,7 +284,6 @@ class ChecksumCheck(Check, BucketListener):
     # -- hooks --------------------------------------------------------------------------------
     def _hook(self, layer: _Layer) -> None:
         m = layer.module
-        backward = self._want["input_grad"] or self._want["weight_grad"]
 
         def pre(mod: nn.Module, args: tuple[Any, ...]) -> Any:
             if not self._active or not args or not isinstance(args[0], torch.Tensor):
@@ -291,13 +302,11 @@ class ChecksumCheck(Check, BucketListener):
             if not self._active or not args or not isinstance(out, torch.Tensor):
                 return
             self._fresh(layer)
-            x = args[0].detach()
-            y = out.detach()
-            call = _Call(x.reshape(-1, x.shape[-1]), micro_batch=self._micro,
-                         tapped=args[0].requires_grad and self._want["input_grad"])
-            layer.calls.append(call)
-            self._forward(layer, call, y.reshape(-1, y.shape[-1]))
-            if backward and out.requires_grad:
+            tapped = args[0].requires_grad and self._want["input_grad"]
+            backward = out.requires_grad and torch.is_grad_enabled()
+            self._on_forward(layer, args[0].detach(), out.detach(), tapped, backward)
+            call = layer.calls[-1]
+            if backward:
                 out.register_hook(  # type: ignore[no-untyped-call]
                     lambda gy: self._on_gy(layer, call, gy))
 
@@ -321,71 +330,95 @@ class ChecksumCheck(Check, BucketListener):
         self._active = False
 
     # -- the identities -----------------------------------------------------------------------
-    def _weight_sums(self, layer: _Layer) -> torch.Tensor:
+    def _weight_norm(self, layer: _Layer) -> torch.Tensor:
+        """``||W||_F`` in float32, once per weight version (every micro-batch shares it)."""
         w = layer.module.weight
         key = (w.data_ptr(), w._version)
-        if layer.w_key != key or layer.w_sums is None:
-            wd = w.detach()
-            layer.w_sums = torch.stack([wd.sum(0, dtype=torch.float32),
-                                        torch.linalg.vector_norm(wd, 1, dim=0,
-                                                                 dtype=torch.float32)])
+        if layer.w_key != key or layer.w_norm is None:
+            layer.w_norm = torch.linalg.vector_norm(w.detach(), dtype=torch.float32)
             layer.w_key = key
-        return layer.w_sums
+        return layer.w_norm
 
     def _record(self, layer: _Layer, product: str, micro_batch: int, lhs: torch.Tensor,
                 rhs: torch.Tensor, bound: torch.Tensor) -> None:
         diff = (lhs - rhs).abs()
         # NaN and Inf fail, except with a GradScaler: an overflow is the scaler's business
         bad = ((diff > bound) & torch.isfinite(diff)) if self.expect_overflow else ~(diff <= bound)
-        excess = diff / bound.clamp_min(torch.finfo(torch.float32).tiny)
-        self._failures.append(_Failure(layer, product, micro_batch, bad.any(),
-                                       excess.nan_to_num(nan=math.inf).max()))
+        self._failures.append(_Failure(layer, product, micro_batch, bad.any(), diff, bound))
 
-    def _forward(self, layer: _Layer, call: _Call, y: torch.Tensor) -> None:
+    def _forward(self, layer: _Layer, call: _Call, w_col: torch.Tensor) -> None:
+        """The forward identity of ``call``, given ``w_col = e^T W`` (float32, ``in``)."""
+        call.forward_due = False
         m = layer.module
         x = call.x
-        need_x = self._want["forward"] or self._want["weight_grad"]
-        if not need_x:
-            return
-        sums = self._weight_sums(layer)
-        xf = x.float()
-        xa = xf.abs()
-        ones = torch.ones_like(sums[0])
-        # row sums of X and |X| (the weight gradient's identity), X w and |X| |w| (forward)
-        signed = xf @ torch.stack([sums[0], ones]).t()
-        absolute = xa @ torch.stack([sums[1], ones]).t()
-        call.x_row = torch.stack([signed[:, 1], absolute[:, 1]], dim=1)
-        if not self._want["forward"]:
-            return
-        rhs = signed[:, 0]
-        bound = absolute[:, 0]
+        rhs = (x if x.dtype == torch.float32 else x.float()) @ w_col
+        # sum_jk |X_ik||W_jk| <= ||X_i||_2 sum_j ||W_j||_2 <= ||X_i||_2 sqrt(out) ||W||_F
+        out = m.out_features
+        bound = call.x_rows[2] * (math.sqrt(out) * self._weight_norm(layer))
         if m.bias is not None:
             b = m.bias.detach()
             rhs = rhs + b.sum(dtype=torch.float32)
-            bound = bound + torch.linalg.vector_norm(b, 1, dtype=torch.float32)
-        lhs = y.sum(1, dtype=torch.float32)
-        tol = tolerance(self.config.tolerance_scale, k=x.shape[1] + 1, checked=2 * y.shape[1]
-                        + x.shape[1], compute=y.dtype, operands=(x.dtype, m.weight.dtype),
-                        device=y.device)
-        self._record(layer, "forward", call.micro_batch, lhs, rhs, bound * tol)
+            bound = bound + b.abs().sum(dtype=torch.float32)
+        tol = tolerance(self.config.tolerance_scale, k=x.shape[1] + 1, checked=2 * out
+                        + x.shape[1], compute=call.gy_dtype or self._y_dtype(layer, x),
+                        operands=(x.dtype, m.weight.dtype), device=x.device)
+        self._record(layer, "forward", call.micro_batch, call.y_sum, rhs, bound * tol)
+
+    @staticmethod
+    def _y_dtype(layer: _Layer, x: torch.Tensor) -> torch.dtype:
+        return torch.promote_types(x.dtype, layer.module.weight.dtype)
+
+    def _on_forward(self, layer: _Layer, x: torch.Tensor, y: torch.Tensor, tapped: bool,
+                    backward: bool) -> None:
+        x2 = x.reshape(-1, x.shape[-1])
+        y2 = y.reshape(-1, y.shape[-1])
+        xf = x2 if x2.dtype == torch.float32 else x2.float()
+        x_rows = torch.stack([xf.sum(1), xf.abs().sum(1),
+                              torch.linalg.vector_norm(xf, dim=1)])
+        call = _Call(x2, y2.sum(1, dtype=torch.float32), x_rows, micro_batch=self._micro,
+                     tapped=tapped, forward_due=self._want["forward"], gy_dtype=y.dtype)
+        layer.calls.append(call)
+        if not backward and call.forward_due:
+            self._forward(layer, call, self._w_col(layer))  # no backward will come
+
+    @classmethod
+    def _w_col(cls, layer: _Layer) -> torch.Tensor:
+        w = layer.module.weight.detach()
+        return cls._ones(layer).to(w.dtype)[None].mm(w)[0].float()
 
     def _on_gy(self, layer: _Layer, call: _Call, gy: torch.Tensor) -> None:
         if not self._active:
             return
         g = gy.detach().reshape(-1, gy.shape[-1])
-        gf = g.float()
+        gf = g if g.dtype == torch.float32 else g.float()
         w = layer.module.weight.detach()
+        wf = w if w.dtype == torch.float32 else w.float()
         call.gy_dtype = g.dtype
+        rows = [self._ones(layer)] if call.forward_due else []
         if call.tapped:
-            call.gx_rhs = gf.sum(0) @ (w if w.dtype == torch.float32 else w.float())
-            gyabs = torch.linalg.vector_norm(gf, 1, dim=0)
-            call.gx_bound = gyabs.max() * self._weight_sums(layer)[1]
-        if self._want["weight_grad"] and call.x_row is not None:
-            both = torch.stack([gf.t() @ call.x_row[:, 0], gf.abs().t() @ call.x_row[:, 1]])
+            rows.append(gf.sum(0))
+        ga = gf.abs() if call.tapped or self._want["weight_grad"] else None
+        if rows:  # e^T W and (e^T GY) W in one pass over W
+            prods = torch.stack(rows).mm(wf)
+            if call.forward_due:
+                self._forward(layer, call, prods[0])
+            if call.tapped and ga is not None:
+                call.gx_rhs = prods[-1]
+                # sum_ij |GY_ij||W_jk| <= ||e^T |GY| ||_2 ||W_:k||_2 <= ... ||W||_F
+                call.gx_bound = torch.linalg.vector_norm(ga.sum(0)) * self._weight_norm(layer)
+        if self._want["weight_grad"] and ga is not None:
+            both = torch.stack([gf.t() @ call.x_rows[0], ga.t() @ call.x_rows[1]])
             layer.gw_rhs = both[0] if layer.gw_rhs is None else layer.gw_rhs + both[0]
             layer.gw_bound = both[1] if layer.gw_bound is None else layer.gw_bound + both[1]
             layer.gw_rows += g.shape[0]
             layer.gw_dtype = g.dtype
+
+    @staticmethod
+    def _ones(layer: _Layer) -> torch.Tensor:
+        w = layer.module.weight
+        if layer.ones is None or layer.ones.device != w.device:
+            layer.ones = torch.ones(w.shape[0], dtype=torch.float32, device=w.device)
+        return layer.ones
 
     def _on_gx(self, layer: _Layer, call_index: int, gx: torch.Tensor) -> None:
         if not self._active or call_index >= len(layer.calls):
@@ -416,6 +449,15 @@ class ChecksumCheck(Check, BucketListener):
             self._record(layer, "weight_grad", micro, lhs, layer.gw_rhs, layer.gw_bound * tol)
         layer.gw_rhs = layer.gw_bound = None
         layer.gw_rows = 0
+
+    def _pending_forwards(self) -> None:
+        """Forward identities no backward has checked (an output the loss did not use)."""
+        for layer in self.layers:
+            due = [c for c in layer.calls if c.forward_due]
+            if due:
+                w_col = self._w_col(layer)
+                for call in due:
+                    self._forward(layer, call, w_col)
 
     # -- per step -----------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -448,6 +490,7 @@ class ChecksumCheck(Check, BucketListener):
         """Called by the comm hook before the step's last gradient all-reduce: does this rank
         withhold the step? The products of the step are all computed by then; later ones (the
         replay audit's arbitration) are not checked."""
+        self._pending_forwards()
         self._active = False
         if not self.contain:
             return None
@@ -459,6 +502,8 @@ class ChecksumCheck(Check, BucketListener):
         return flag
 
     def pre_step(self, step: int) -> Verdict:
+        if self._active:  # no veto was asked for (no gradient all-reduce ran)
+            self._pending_forwards()
         self._active = False
         found = self._collect()
         if self._veto_word is not None:
@@ -487,7 +532,7 @@ class ChecksumCheck(Check, BucketListener):
                     first = first or f.layer.index + 1
                     entries.append({"layer": f.layer.name, "product": f.product,
                                     "micro_batch": f.micro_batch,
-                                    "excess": float(f.excess)})
+                                    "excess": f.excess()})
             self._local[step] = entries
         self._failures = []
         bits = [(first >> i) & 1 == 1 for i in range(self._layer_bits)]
