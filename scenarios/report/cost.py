@@ -128,6 +128,7 @@ def _check_cost(overhead: dict[str, Any] | None, cluster: ClusterSpec, name: str
 def _parts(cluster: ClusterSpec, rate: float, f: float, p_det: float, p_esc: float,
            p_crash: float, latency: float, delay: float) -> dict[str, float]:
     g = cluster.gpus
+    f = max(f, 0.0)  # a check costs nothing or more: a negative measurement is noise around 0
     per_day = rate * g * 24.0
     t_h = cluster.step_time_s * (1 + f) / 3600.0
     return {

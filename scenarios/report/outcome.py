@@ -197,6 +197,13 @@ def classify(trial: TrialSpec, golden: GoldenRun, results: list[dict[str, Any]],
     repaired = first is not None and all((c, s) in repaired_at for c, s, _ in dets if s == first)
     row.update(_quarantine(results, records, first_inj, injected_ranks))
     row.update(_recovery(results, golden, records, first_inj))
+    if records:  # the first firing's flipped bits and the value it hit (the per-bit tables)
+        rec0 = min(records, key=lambda rec: (int(rec["step"]), int(rec["rank"])))
+        row["bits"] = list(rec0.get("bits") or [])
+        row["injected_dtype"] = rec0.get("dtype")
+        if rec0.get("before"):
+            row["injected_value"] = value_of(int(rec0["before"][0]),
+                                             dtype_from_name(rec0["dtype"]))
     row.update({
         "injections": len(records), "first_injection": first_inj,
         "injected_ranks": injected_ranks, "nonfinite_injected": _nonfinite_records(records),

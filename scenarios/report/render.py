@@ -115,6 +115,7 @@ def _tables(s: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
                      "steps lost p50", "max", "fault to resumed training p50 (s)",
                      "final state bit-identical to golden"],
                     [rrow(k, g) for k, g in rec["sites"].items()] + [rrow("all", rec["all"])]))
+    out += checksum_tables(s)
     out += [t for t in (cost_table(s), cluster_table(s), latency_table(s)) if t]
     t = s["targets"]
     st = t["state_sites_detected_within_1_step_blame_correct"]
@@ -129,6 +130,46 @@ def _tables(s: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
          f"{nf['met_by']} of {nf['relevant']} ({nf['masked']} masked)"],
     ]))
     return out
+
+
+def checksum_tables(s: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The checksum check's tables (``scenarios.report.checksum``), when trials ran it."""
+    c = s.get("checksum")
+    if not c:
+        return []
+
+    def rate(g: dict[str, Any], key: str) -> str:
+        r = g[key]
+        return "-" if not r["of"] else f"{_pct(r['rate'])} {_ci(r['ci95'])} of {r['of']}"
+
+    sites = [[site, rate(g["off"], "detected"), rate(g["on"], "detected"),
+              rate(g["off"], "escaped"), rate(g["on"], "escaped"), str(g["on"]["by_checksum"])]
+             for site, g in c["sites"].items()]
+    by_k = [[("off" if k == "0" else k), rate(g["off"], "escaped"), rate(g["on"], "escaped"),
+             rate(g["linear_product_off"], "escaped"), rate(g["linear_product_on"], "escaped"),
+             rate(g["linear_product_above_bound_on"], "escaped")]
+            for k, g in _by_interval(c["replay_intervals"])]
+    ab = c["above_bound"]
+    top = ab["top_exponent_bits"]["same_step_contained_right_rank"]
+    fp = c["false_positives"]
+    return [
+        ("Checksum check: coverage by site, off and on (95% CI; of trials not masked)",
+         ["site", "detected, off", "detected, on", "escaped, off", "escaped, on",
+          "detected by the checksum"], sites),
+        ("Escape rate by replay interval: replay alone and checksum + replay (finite bit "
+         "flips at activation, activation_grad and linear_product)",
+         ["interval", "replay alone", "checksum + replay", "linear products, replay alone",
+          "linear products, checksum + replay", "linear products above the bound, "
+          "checksum + replay"], by_k),
+        ("Checksum targets", ["target", "numbers"], [
+            ["0 false positives with the checksum on",
+             f"{fp['detected']} detections in {fp['clean_trials']} clean trials"],
+            ["exponent bits 28-30 of a linear product: detected in their step, contained, "
+             "right rank (>= 99%)", f"{_pct(top['rate'])} {_ci(top['ci95'])} of {top['of']}"],
+            [f"faults above the rounding bound ({ab['definition']}) escaping (<= 1%)",
+             rate(ab, "escaped")],
+        ]),
+    ]
 
 
 def _headline(s: dict[str, Any]) -> list[str]:

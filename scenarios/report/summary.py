@@ -43,6 +43,7 @@ from typing import Any
 import pandas as pd
 
 from injectors import SITES
+from scenarios.report.checksum import checksum_summary
 from scenarios.report.cost import cost_model, field_coverage
 from scenarios.report.latency import latency_distribution
 from scenarios.report.stats import bootstrap_rounds, fit_interval, fit_replay_overhead, wilson
@@ -323,6 +324,7 @@ def summarize(out: Path, cluster: dict[str, Any] | None = None) -> dict[str, Any
             "(overhead.replay.<k>, vs plain DDP) is within overhead_budget"),
         "targets": _targets(faults, fp),
         "quarantine": _quarantine(faults, clean),
+        "checksum": checksum_summary(df),
         "recovery": _recovery(faults),
         "site_order": list(SITES), "field_order": fields,
         "campaign_seconds": sum(r.get("seconds", 0.0) for r in runs) or meta.get("seconds"),

@@ -22,10 +22,12 @@ INTS = ("fault_rank", "fault_step", "replay_interval", "detect_step", "injection
         "first_injection", "first_divergence", "latency_from_injection",
         "latency_from_divergence", "steps_run", "quarantine_errors", "rollback_step",
         "wasted_steps")
-FLOATS = ("rel_weight_dev", "loss_diff", "seconds", "fault_to_cordon_s", "fault_to_resume_s")
+FLOATS = ("rel_weight_dev", "loss_diff", "seconds", "fault_to_cordon_s", "fault_to_resume_s",
+          "injected_value")
 BOOLS = ("blame_correct", "contained", "same_step", "nonfinite_injected", "repaired",
-         "cordon_correct", "breaker_tripped", "final_matches_golden")
-KEYS = ("id", "scenario", "kind", "site", "field", "fault_model", "outcome", "check", "checks")
+         "cordon_correct", "breaker_tripped", "final_matches_golden", "checksum")
+KEYS = ("id", "scenario", "kind", "site", "field", "fault_model", "outcome", "check", "checks",
+        "product", "injected_dtype")
 """Text columns a table groups or filters by; an empty cell reads as ``""``."""
 
 

@@ -31,7 +31,8 @@ COLUMNS = (
     "latency_from_divergence", "rel_weight_dev", "loss_diff", "steps_run", "seconds", "error",
     "fault", "repaired", "cordoned_nodes", "cordon_correct", "breaker_tripped", "fault_to_cordon_s",
     "quarantine_errors", "rollback_step", "wasted_steps", "fault_to_resume_s",
-    "final_matches_golden", "checksum", "product",
+    "final_matches_golden", "checksum", "product", "bits", "injected_value",
+    "injected_dtype",
 )
 """The columns of ``trials.csv``, in order (see reports/README.md for each one's meaning)."""
 

@@ -135,7 +135,8 @@ def test_overhead_configurations_are_declared_once() -> None:
     configs = campaign_configs((1, 4))
     names = [oc.name for oc in configs]
     assert len(set(names)) == len(names) and names[0] == PLAIN_DDP.name
-    assert [oc.key for oc in HEADLINE] == ["guard_checks_off", "nonfinite", "weights"]
+    assert [oc.key for oc in HEADLINE] == ["guard_checks_off", "nonfinite", "weights",
+                                             "checksum"]
     sc = scenario_from_dict({"seed": 7, "micro_batches": 2,
                              "guard": {"include_optimizer_state": False}}, name="o")
     cfg = CHECKS_OFF.for_scenario(sc)

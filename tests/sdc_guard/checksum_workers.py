@@ -1,0 +1,160 @@
+"""Rank functions of the checksum check's multi-rank tests (module level: spawned ranks import
+them). The models and data are the campaign's (``scenarios.spec.models``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import sdc_guard
+from injectors import Fault, arm
+from scenarios.spec.models import build_model, scenario_loss, synthetic_batch
+from sdc_guard import ChecksumConfig, GuardConfig, SDCGuard
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _guard(kind: str, dtype: str, cfg: GuardConfig, *, batch: int = 8, width: int = 16,
+           scaler: Any = None, comm_hook: Any = None, micro: int = 1) -> SDCGuard:
+    model = DDP(build_model(kind, width=width, depth=2, seed=0).to(_DTYPES[dtype]))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def batch_for(rank: int, step: int) -> Any:
+        mbs = [synthetic_batch(kind, 0, rank, step, i, batch=batch, dtype=_DTYPES[dtype])
+               for i in range(micro)]
+        return mbs[0] if micro == 1 else mbs
+
+    return SDCGuard(model, opt, loss_fn=scenario_loss, batch_for=batch_for, config=cfg,
+                    grad_scaler=scaler, comm_hook=comm_hook)
+
+
+def _dets(found: list[sdc_guard.Detection]) -> list[tuple[str, int, tuple[int, ...]]]:
+    return [(d.check, d.step, d.suspect_ranks) for d in found]
+
+
+def clean_run(rank: int, world: int, runs: list[tuple[str, str]], steps: int) -> dict[str, Any]:
+    """Every (model kind, dtype) of ``runs`` trained ``steps`` clean steps with the checksum on.
+
+    Returns the detections and the largest residual seen as a fraction of its tolerance."""
+    out: dict[str, Any] = {}
+    for kind, dtype in runs:
+        guard = _guard(kind, dtype, GuardConfig(checksum=True, weights_interval=0))
+        check = guard.checks[-1]
+        worst = [0.0]
+        record = check._record  # the tolerance's margin, measured on the way
+
+        def spy(layer: Any, product: str, micro: int, lhs: torch.Tensor, rhs: torch.Tensor,
+                bound: torch.Tensor, record: Any = record, worst: list[float] = worst) -> None:
+            ratio = ((lhs - rhs).abs() / bound.clamp_min(1e-30)).max()
+            worst[0] = max(worst[0], float(ratio))
+            record(layer, product, micro, lhs, rhs, bound)
+
+        check._record = spy  # type: ignore[method-assign]
+        found = []
+        skipped = []
+        for s in range(steps):
+            r = guard.step(s)
+            found += r.detections
+            skipped += [s] if r.skipped else []
+        found += guard.flush()
+        out[f"{kind}/{dtype}"] = {"detections": _dets(found), "skipped": skipped,
+                                  "worst_fraction_of_tolerance": worst[0],
+                                  "layers": [x.name for x in check.layers]}
+        dist.barrier()
+    return out
+
+
+def fault_runs(rank: int, world: int, faults: list[dict[str, Any]], cfg: dict[str, Any],
+               kind: str = "mlp", scaler: bool = False, user_hook: bool = False,
+               micro: int = 1) -> list[dict[str, Any]]:
+    """One guard; per fault: fresh checks, the fault armed, 4 steps, flush, disarm."""
+    hook = None
+    if user_hook:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        hook = allreduce_hook
+    gs = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler else None
+    guard = _guard(kind, "float32", GuardConfig(**cfg, micro_batches=micro), scaler=gs,
+                   comm_hook=hook, micro=micro,
+                   batch=8)
+    model = guard.model.module
+    results = []
+    step = 0
+    for f in faults:
+        guard.reconfigure(guard.config)
+        h = arm(Fault(**{**f, "step": step + 1}), guard=guard)
+        before = [p.detach().clone() for p in model.parameters()]
+        reports = []
+        states = []
+        for _ in range(4):
+            reports.append(guard.step(step))
+            states.append(sdc_guard.fingerprint(list(model.parameters())))
+            step += 1
+        found = [d for r in reports for d in r.detections] + guard.flush()
+        h.remove()
+        results.append({
+            "fired": [(rec["step"], rec["bits"]) for rec in h.records],
+            "detections": _dets(found),
+            "layers": [d.evidence.get("ranks", {}) for d in found],
+            "entries": [d.evidence.get("entries") for d in found],
+            "skipped": [r.step for r in reports if r.skipped],
+            "states": states,
+            "scale": gs.get_scale() if gs is not None else None,
+            "moved": any(not torch.equal(a, b) for a, b in zip(before, model.parameters(),
+                                                               strict=True)),
+        })
+    return results
+
+
+class LoraLinear(nn.Linear):
+    """A LoRA-style subclass: its output is not ``F.linear(x, weight, bias)``."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__(d_in, d_out)
+        self.a = nn.Parameter(torch.randn(4, d_in) * 0.1)
+        self.b = nn.Parameter(torch.randn(d_out, 4) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) + (x @ self.a.t()) @ self.b.t()
+
+
+def hooks_and_subclasses(rank: int, world: int) -> dict[str, Any]:
+    """Which layers are chosen, and that a reconfigure leaves no hook behind."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), LoraLinear(8, 8),
+                        nn.ReLU(inplace=True), nn.Linear(8, 2))
+    model = DDP(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def batch_for(r: int, s: int) -> Any:
+        g = torch.Generator().manual_seed(100 * s + r)
+        return torch.randn(16, 8, generator=g), torch.randint(0, 2, (16,), generator=g)
+
+    def loss_fn(m: nn.Module, b: Any) -> torch.Tensor:
+        return F.cross_entropy(m(b[0]), b[1])
+
+    guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=batch_for,
+                     config=GuardConfig(checksum=True))
+    default = ([x.name for x in guard.checks[-1].layers], guard.checks[-1].skipped)
+    dets = [d for s in range(5) for d in guard.step(s).detections]
+    guard.flush()
+    named_cfg = GuardConfig(checksum=ChecksumConfig(layers=("0", "4")))
+    guard.reconfigure(named_cfg)
+    named = [x.name for x in guard.checks[-1].layers]
+    for s in range(5, 8):
+        dets += guard.step(s).detections
+    guard.flush()
+    guard.reconfigure(GuardConfig(checksum=False))
+    left = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in net.modules())
+    weight_hooks = sum(len(p._backward_hooks or {}) for p in net.parameters())
+    error = ""
+    try:
+        guard.reconfigure(GuardConfig(checksum=ChecksumConfig(layers=("nope",))))
+    except ValueError as e:
+        error = str(e)
+    return {"default": default, "named": named, "detections": _dets(dets), "hooks_left": left,
+            "weight_hooks_left": weight_hooks, "error": error}

@@ -1,0 +1,91 @@
+"""The checksum check on 3 gloo ranks: no false positive on any shipped model in float32 or
+bfloat16; a fault inside any product of a linear layer is detected in its step, on the right
+rank and layer, and contained on every rank, with or without the non-finite check, a
+GradScaler or a comm hook of the user's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.launch import run_ranks
+from tests.sdc_guard import checksum_workers as W
+
+PRODUCTS = ("forward", "input_grad", "weight_grad")
+TOP_BITS = (30, 29, 28)
+
+
+def _faults(target: str = "net.2", bits: tuple[int, ...] = TOP_BITS) -> list[dict[str, Any]]:
+    return [{"site": "linear_product", "product": p, "rank": 1, "target": target, "bits": (b,),
+             "step": 0} for p in PRODUCTS for b in bits]
+
+
+def _assert_caught(results: list[list[dict[str, Any]]], faults: list[dict[str, Any]],
+                   layer: str) -> None:
+    for i, f in enumerate(faults):
+        on = [r[i] for r in results]
+        steps = {s for s, _ in on[1]["fired"]}  # one step (each micro-batch's forward fires)
+        assert len(steps) == 1, (f, on[1]["fired"])
+        step = steps.pop()
+        for r in on:  # every rank reports it, once, as the checksum's, naming rank 1
+            assert r["detections"] == [("checksum", step, (1,))], (f, r["detections"])
+            assert r["skipped"] == [step], (f, r["skipped"])  # withheld on every rank
+            assert r["layers"][0]["1"] == {"products": [f["product"]], "layer": layer}
+        assert on[1]["entries"][0][0]["product"] == f["product"]  # the suspect's own evidence
+        assert on[0]["entries"] == [None]
+        assert len({tuple(r["states"]) for r in on}) == 1  # replicas identical throughout
+
+
+@pytest.mark.parametrize("nonfinite", [True, False])
+def test_top_exponent_flips_in_every_product_are_caught_and_contained(nonfinite: bool) -> None:
+    faults = _faults()
+    res = run_ranks(W.fault_runs, 3, faults, {"checksum": True, "nonfinite": nonfinite,
+                                              "weights_interval": 1}, timeout=300)
+    _assert_caught(res, faults, "net.2")
+
+
+def test_transformer_attention_projection_and_micro_batches() -> None:
+    faults = _faults("blocks.0.attn.qkv", (30,))
+    res = run_ranks(W.fault_runs, 3, faults, {"checksum": True}, kind="transformer", micro=2,
+                    timeout=300)
+    _assert_caught(res, faults, "blocks.0.attn.qkv")
+
+
+def test_grad_scaler_keeps_its_scale_and_user_comm_hook_still_contains() -> None:
+    faults = _faults(bits=(30,))
+    res = run_ranks(W.fault_runs, 3, faults, {"checksum": True, "nonfinite": False},
+                    scaler=True, timeout=300)
+    _assert_caught(res, faults, "net.2")
+    assert {r["scale"] for rank in res for r in rank} == {256.0}  # no overflow seen
+    res = run_ranks(W.fault_runs, 3, faults, {"checksum": True, "nonfinite": False},
+                    user_hook=True, timeout=300)
+    _assert_caught(res, faults, "net.2")
+
+
+def test_report_only_leaves_the_gradients_alone() -> None:
+    faults = _faults(bits=(29,))[:1]
+    res = run_ranks(W.fault_runs, 3, faults, {"checksum": True, "nonfinite": False,
+                                              "skip_step_on_detection": False}, timeout=300)
+    for r in res:
+        assert r[0]["detections"] and r[0]["skipped"] == []
+        assert r[0]["moved"]
+
+
+def test_no_false_positive_on_any_model_in_float32_or_bfloat16() -> None:
+    runs = [(k, d) for k in ("mlp", "cnn", "cnn_bn", "transformer")
+            for d in ("float32", "bfloat16")]
+    res = run_ranks(W.clean_run, 3, runs, 200, timeout=900)
+    for key, r in res[0].items():
+        assert r["detections"] == [] and r["skipped"] == [], (key, r)
+        assert r["layers"], key
+        assert 0 < r["worst_fraction_of_tolerance"] < 1, (key, r)
+
+
+def test_layer_choice_subclasses_and_reconfigure() -> None:
+    res = run_ranks(W.hooks_and_subclasses, 3, timeout=120)[0]
+    assert res["default"] == (["0", "4"], ["2"])  # the LoRA subclass: a forward of its own
+    assert res["named"] == ["0", "4"]
+    assert res["detections"] == []  # in-place ReLUs after the checked layers: no false alarm
+    assert res["hooks_left"] == 0 and res["weight_hooks_left"] == 0
+    assert "'nope' matches no floating-point nn.Linear" in res["error"]
