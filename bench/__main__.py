@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from bench.checksum import checksum_overhead
 from bench.fingerprint import fingerprint_throughput
 from bench.overhead import check_overhead, check_overhead_blocks
 from bench.replay import replay_overhead
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                                             batch=128)),
         ("overhead_blocks", lambda: check_overhead_blocks(3, rounds=4 if q else 48,
                                                           block=8 if q else 24, batch=128)),
+        ("checksum", lambda: checksum_overhead(3, rounds=2 if q else 12, block=4 if q else 16)),
         ("replay", lambda: replay_overhead(3, rounds=3 if q else 12, batch=128)),
         ("replay_alone", lambda: replay_overhead(3, rounds=3 if q else 12, batch=128,
                                                  nonfinite=False)),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.checksum import checksum_md
 from bench.reference import INSTANCES
 from scenarios.spec.overhead import CHECKS_OFF, NONFINITE, NONFINITE_EVERY_STEP
 
@@ -170,6 +171,8 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [f"| {k} | {v:.2f} |" for k, v in small["us_per_tensor"].items()]
     lines += overhead_md({**results["overhead"], "blocks": results.get("overhead_blocks")},
                           reference=True)
+    if results.get("checksum"):
+        lines += checksum_md(results["checksum"])
     if results.get("replay"):
         lines += replay_md(results["replay"])
     if results.get("replay_alone"):
