@@ -158,10 +158,12 @@ def _space_trials(scenario: Scenario, space: FaultSpace) -> list[TrialSpec]:
         rng = random.Random(seed_of(space.seed, scenario.name, site))
         site_steps = [s for s in steps if site != "optimizer_state" or s > 0] or [1]
         for i in range(n):
+            seed = seed_of(space.seed, scenario.name, site, i)
             combo = (rng.choice(space.replay_intervals), site, rng.choice(space.fields),
                      rng.choice(space.models), rng.choice(site_steps), rng.choice(ranks),
-                     rng.choice(space.checksum) if space.checksum else None)
-            seed = seed_of(space.seed, scenario.name, site, i)
+                     # a stream of its own: the other draws stay as they were without the axis
+                     random.Random(f"{seed}/checksum").choice(space.checksum)
+                     if space.checksum else None)
             trial = _fault_trial(scenario, space, combo, seed, sizes[site])
             if trial is not None:
                 out.append(trial)

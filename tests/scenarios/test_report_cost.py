@@ -167,7 +167,7 @@ def test_report_opens_with_the_answer_and_is_self_contained(tmp_path: Path) -> N
     for needle in (rec["name"], "GPU-hours per day", "false positives", "in the field",
                    "sampled (raw)", "weight_storage", "Budget rule"):
         assert needle in first, needle
-    assert page.count("<svg") == 2 and page.count("data:image/png;base64,") == 3
+    assert page.count("<svg") == 3 and page.count("data:image/png;base64,") == 3
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:|//)""", page)
     assert "<script" not in page and "<link" not in page and "@import" not in page
     md = (out / "report.md").read_text()

@@ -47,7 +47,13 @@ def test_every_shipped_config_loads() -> None:
             assert all(s.world_size >= 3 for s in camp.scenarios)
             assert set(camp.space.sites) == {  # type: ignore[union-attr]
                 "activation", "activation_grad", "gradient_before_allreduce",
-                "gradient_after_allreduce", "optimizer_state", "weight_storage"}
+                "gradient_after_allreduce", "optimizer_state", "weight_storage",
+                "linear_product"}
+            assert camp.space.checksum == (False, True)  # type: ignore[union-attr]
+        elif p.name == "checksum.toml":
+            camp = load_campaign(p)
+            assert {s.model.kind for s in camp.scenarios} == {"mlp", "transformer", "cnn_bn"}
+            assert camp.space.sites == ("linear_product",)  # type: ignore[union-attr]
         else:
             load_scenario(p)
 
@@ -395,3 +401,29 @@ def test_a_trial_in_flight_when_the_ranks_went_down_is_recorded(tmp_path: Path) 
     assert len(table.rows()) == 2
     assert rows[a.id]["outcome"] == "crashed" and rows[b.id]["outcome"] == "hung"
     assert rows[b.id]["site"] == "weight_storage" and "watchdog" in rows[b.id]["error"]
+
+
+def test_checksum_axis_and_linear_product_site() -> None:
+    sc = _mlp(guard={"checksum": {"products": ["forward", "weight_grad"], "interval": 2}})
+    assert sc.guard.checksum_config is not None
+    assert sc.guard.checksum_config.products == ("forward", "weight_grad")
+    assert sc.guard_config(0, False).checksum is False
+    assert sc.guard_config(0, True).checksum == sc.guard.checksum  # keeps the table's choice
+    with pytest.raises(ScenarioError, match=r"guard\.checksum"):
+        _mlp(guard={"checksum": {"interval": 0}})
+    assert sc.targets("linear_product") == ["net.0", "net.2", "net.4"]
+    plain = CampaignSpec(name="c", scenarios=(sc,), clean_trials=1, space=FaultSpace(
+        mode="sample", sites=("linear_product",), trials_per_site=30, seed=3))
+    axis = CampaignSpec(name="c", scenarios=(sc,), clean_trials=1, space=FaultSpace(
+        mode="sample", sites=("linear_product",), trials_per_site=30, seed=3,
+        checksum=(False, True)))
+    a, b = plan_trials(plain), plan_trials(axis)
+    fa = [t for t in a if t.faults]
+    fb = [t for t in b if t.faults]
+    # the axis is drawn last: every other draw (and each fault) is the same without it
+    assert [t.faults for t in fa] == [t.faults for t in fb]
+    assert {t.checksum for t in fa} == {None} and {t.checksum for t in fb} == {False, True}
+    assert {t.faults[0].product for t in fb} == {"forward", "input_grad", "weight_grad"}
+    assert len([t for t in b if not t.faults]) == 2 * len([t for t in a if not t.faults])
+    with pytest.raises(ScenarioError, match="checksum"):
+        FaultSpace(mode="sample", checksum=(True, True))

@@ -61,3 +61,51 @@ def test_event_log_appends_whole_lines_and_skips_a_torn_tail(tmp_path) -> None: 
     events = read_events(tmp_path / "sub" / "events.jsonl")
     assert [e["event"] for e in events] == ["detection", "injection"]
     assert events[0]["rank"] == 2 and events[0]["suspects"] == [1]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"products": ("forward", "gx")}, "products must be a non-empty tuple"),
+    ({"products": ()}, "products must be a non-empty tuple"),
+    ({"interval": 0}, "interval must be an int >= 1"),
+    ({"exchange_interval": True}, "exchange_interval must be an int >= 1"),
+    ({"tolerance_scale": 0.0}, "tolerance_scale must be a finite number > 0"),
+    ({"tolerance_scale": float("inf")}, "tolerance_scale must be a finite number > 0"),
+    ({"layers": "net.0"}, "layers must be a tuple of module names"),
+])
+def test_checksum_config_errors_name_the_field(kwargs: dict[str, object], match: str) -> None:
+    from sdc_guard import ChecksumConfig
+
+    with pytest.raises(ValueError, match=match):
+        ChecksumConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_checksum_true_means_the_defaults() -> None:
+    from sdc_guard import ChecksumConfig
+
+    assert GuardConfig().checksum_config is None
+    assert GuardConfig(checksum=True).checksum_config == ChecksumConfig()
+    mine = ChecksumConfig(layers=["net.*"], products=["forward"], interval=2)  # type: ignore[arg-type]
+    assert mine.layers == ("net.*",) and mine.products == ("forward",)
+    assert GuardConfig(checksum=mine).checksum_config is mine
+    with pytest.raises(ValueError, match=r"GuardConfig\.checksum must be True, False or a"):
+        GuardConfig(checksum="yes")  # type: ignore[arg-type]
+
+
+def test_checksum_tolerance_follows_the_rounding_bound() -> None:
+    from sdc_guard.checks.checksum import tolerance, unit_roundoff
+
+    cpu = torch.device("cpu")
+    f32 = tolerance(1.0, k=1024, checked=3072, compute=torch.float32,
+                    operands=(torch.float32, torch.float32), device=cpu)
+    # g(K, u) + u + g(L + R + 2, u) with u = 2^-24, times the 1e-3 margin
+    u = 2.0 ** -24
+    expect = (1024 * u / (1 - 1024 * u) + u + 3074 * u / (1 - 3074 * u)) * 1.001
+    assert f32 == pytest.approx(expect, rel=1e-12)
+    bf16 = tolerance(1.0, k=1024, checked=3072, compute=torch.bfloat16,
+                     operands=(torch.float32, torch.bfloat16), device=cpu)
+    assert bf16 > f32 + 2 * unit_roundoff(torch.bfloat16)  # output and one operand rounded
+    assert tolerance(2.0, k=8, checked=8, compute=torch.float32, operands=(), device=cpu) == \
+        pytest.approx(2 * tolerance(1.0, k=8, checked=8, compute=torch.float32, operands=(),
+                                    device=cpu))
+    with pytest.raises(ValueError, match="float32, float64, bfloat16 and float16"):
+        unit_roundoff(torch.int8)
