@@ -31,6 +31,11 @@ class ChecksumConfig:
     """Multiplies the rounding-error bound (module doc). Below 1 risks false positives."""
     exchange_interval: int = 8
     """Steps whose flags travel in one word (the detection arrives 1 to N steps late)."""
+    bound: str = "exact"
+    """How ``M`` (the terms' absolute values in the tolerance) is computed: ``"exact"`` (one
+    more pass over ``|W|`` per layer and micro-batch) or ``"norm"`` (through Frobenius norms:
+    cheaper, and several times looser for the forward and input-gradient products, so
+    smaller corruptions pass; ``docs/checks/checksum.md``)."""
 
     def __post_init__(self) -> None:
         if self.layers is not None:
@@ -48,6 +53,9 @@ class ChecksumConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ChecksumConfig.{name} must be an int >= 1, got {value!r}.")
+        if self.bound not in ("exact", "norm"):
+            raise ValueError(f"ChecksumConfig.bound must be 'exact' or 'norm', got "
+                             f"{self.bound!r}.")
         scale = self.tolerance_scale
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
                 math.isfinite(scale) and scale > 0):

@@ -16,8 +16,9 @@ fault inside it is visible); a tensor hook on ``Y`` sees ``GY``; a tensor hook
 on a view of ``X`` that only this layer consumes sees this layer's ``GX`` (not
 the sum over ``X``'s other consumers); a tensor hook on ``W`` sees this
 backward's ``GW`` before it is accumulated into ``W.grad``. The two sides of
-each identity cost a few vector passes over ``X``, ``Y``, ``GY``, ``GX``,
-``GW`` and ``W``: O(N in + N out + in out) against the product's O(N in out).
+each identity cost a few vector passes over ``X``, ``Y``, ``GY``, ``GX`` and
+``GW`` and three over ``W`` (``|W|``, and one matrix product each with ``W`` and
+``|W|``): O(N in + N out + in out) against the product's O(N in out).
 
 **Tolerance, from the rounding-error bound.** Both sides are computed in
 float32 (upcast). With ``u(t)`` the unit roundoff of dtype ``t`` (float32 2^-24,
@@ -32,9 +33,10 @@ on CUDA, with reduced-precision reductions allowed, the product's own dtype over
 its dtype; ``u_in``: the rounding of each operand to the product's dtype when it
 arrives in another one (autocast; TF32 counts as 2^-11); ``L`` and ``R``: the
 lengths of the two checksum sides' float32 sums; ``M``: the sum of the absolute
-values of every term (``sum |X_ik| |W_jk|`` over the entry, plus ``|b|``),
-computed exactly for the forward and weight-gradient products and bounded from
-above for the input gradient (``max_j sum_i |GY_ij|`` times ``sum_j |W_jk|``);
+values of every term of the entry (``sum_jk |X_ik| |W_jk| + sum_j |b_j|`` for a
+forward row, ``sum_ij |GY_ij| |W_jk|`` for an input-gradient column,
+``sum_ik |GY_ij| |X_ik|`` for a weight-gradient row), computed exactly, with the
+same matrix products as the checksums applied to absolute values;
 ``s``: ``ChecksumConfig.tolerance_scale`` (1 by default: the bound itself, no
 per-model constant). This is the worst-case bound (Higham, *Accuracy and
 Stability of Numerical Algorithms*, ch. 3), so a clean product never fails it;
@@ -183,8 +185,7 @@ class _Call:
     """float32 ``N``: the output's row sums, taken in the forward hook (a later in-place
     operation, such as an in-place ReLU, may change the output itself)."""
     x_rows: torch.Tensor
-    """float32 ``3 x N``: per row of ``X``, its sum, the sum of its absolute values and its
-    2-norm."""
+    """float32 ``2 x N``: per row of ``X``, its sum and the sum of its absolute values."""
     micro_batch: int = 0
     tapped: bool = False
     """The input needs a gradient: the input-gradient product is checked."""
@@ -203,7 +204,7 @@ class _Layer:
     calls: list[_Call] = field(default_factory=list)
     w_key: tuple[int, int] | None = None
     w_norm: torch.Tensor | None = None
-    """float32 0-d: the Frobenius norm of ``W`` at the weight version ``w_key``."""
+    """float32 0-d: ``||W||_F`` at the weight version ``w_key`` (the "norm" bound)."""
     gw_rhs: torch.Tensor | None = None
     gw_bound: torch.Tensor | None = None
     gw_rows: int = 0
@@ -258,6 +259,7 @@ class ChecksumCheck(Check, BucketListener):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.micro_batches = micro_batches
+        self.exact = config.bound == "exact"
         inner = model.module if isinstance(model, DistributedDataParallel) else model
         self.layers = [_Layer(n, i, m) for i, (n, m) in
                        enumerate(linear_layers(inner, config.layers))]
@@ -330,15 +332,6 @@ class ChecksumCheck(Check, BucketListener):
         self._active = False
 
     # -- the identities -----------------------------------------------------------------------
-    def _weight_norm(self, layer: _Layer) -> torch.Tensor:
-        """``||W||_F`` in float32, once per weight version (every micro-batch shares it)."""
-        w = layer.module.weight
-        key = (w.data_ptr(), w._version)
-        if layer.w_key != key or layer.w_norm is None:
-            layer.w_norm = torch.linalg.vector_norm(w.detach(), dtype=torch.float32)
-            layer.w_key = key
-        return layer.w_norm
-
     def _record(self, layer: _Layer, product: str, micro_batch: int, lhs: torch.Tensor,
                 rhs: torch.Tensor, bound: torch.Tensor) -> None:
         diff = (lhs - rhs).abs()
@@ -346,15 +339,21 @@ class ChecksumCheck(Check, BucketListener):
         bad = ((diff > bound) & torch.isfinite(diff)) if self.expect_overflow else ~(diff <= bound)
         self._failures.append(_Failure(layer, product, micro_batch, bad.any(), diff, bound))
 
-    def _forward(self, layer: _Layer, call: _Call, w_col: torch.Tensor) -> None:
-        """The forward identity of ``call``, given ``w_col = e^T W`` (float32, ``in``)."""
+    def _forward(self, layer: _Layer, call: _Call, w_col: torch.Tensor,
+                 w_abs_col: torch.Tensor | None) -> None:
+        """The forward identity of ``call``, given ``e^T W`` and ``e^T |W|`` (float32, ``in``;
+        None: the "norm" bound)."""
         call.forward_due = False
         m = layer.module
         x = call.x
-        rhs = (x if x.dtype == torch.float32 else x.float()) @ w_col
-        # sum_jk |X_ik||W_jk| <= ||X_i||_2 sum_j ||W_j||_2 <= ||X_i||_2 sqrt(out) ||W||_F
         out = m.out_features
-        bound = call.x_rows[2] * (math.sqrt(out) * self._weight_norm(layer))
+        xf = x if x.dtype == torch.float32 else x.float()
+        rhs = xf @ w_col
+        if w_abs_col is not None:
+            bound = xf.abs() @ w_abs_col  # sum_jk |X_ik||W_jk|, exactly
+        else:  # <= ||X_i||_2 sum_j ||W_j||_2 <= ||X_i||_2 sqrt(out) ||W||_F
+            bound = torch.linalg.vector_norm(xf, dim=1) * (
+                math.sqrt(out) * self._weight_norm(layer))
         if m.bias is not None:
             b = m.bias.detach()
             rhs = rhs + b.sum(dtype=torch.float32)
@@ -373,18 +372,28 @@ class ChecksumCheck(Check, BucketListener):
         x2 = x.reshape(-1, x.shape[-1])
         y2 = y.reshape(-1, y.shape[-1])
         xf = x2 if x2.dtype == torch.float32 else x2.float()
-        x_rows = torch.stack([xf.sum(1), xf.abs().sum(1),
-                              torch.linalg.vector_norm(xf, dim=1)])
+        x_rows = torch.stack([xf.sum(1), xf.abs().sum(1)])
         call = _Call(x2, y2.sum(1, dtype=torch.float32), x_rows, micro_batch=self._micro,
                      tapped=tapped, forward_due=self._want["forward"], gy_dtype=y.dtype)
         layer.calls.append(call)
         if not backward and call.forward_due:
-            self._forward(layer, call, self._w_col(layer))  # no backward will come
+            self._forward(layer, call, *self._w_cols(layer))  # no backward will come
 
-    @classmethod
-    def _w_col(cls, layer: _Layer) -> torch.Tensor:
+    def _w_cols(self, layer: _Layer) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``e^T W`` and ``e^T |W|`` in float32 (None with the "norm" bound)."""
         w = layer.module.weight.detach()
-        return cls._ones(layer).to(w.dtype)[None].mm(w)[0].float()
+        wf = w if w.dtype == torch.float32 else w.float()
+        ones = self._ones(layer)[None]
+        return ones.mm(wf)[0], ones.mm(wf.abs())[0] if self.exact else None
+
+    def _weight_norm(self, layer: _Layer) -> torch.Tensor:
+        """``||W||_F`` in float32, once per weight version (the "norm" bound)."""
+        w = layer.module.weight
+        key = (w.data_ptr(), w._version)
+        if layer.w_key != key or layer.w_norm is None:
+            layer.w_norm = torch.linalg.vector_norm(w.detach(), dtype=torch.float32)
+            layer.w_key = key
+        return layer.w_norm
 
     def _on_gy(self, layer: _Layer, call: _Call, gy: torch.Tensor) -> None:
         if not self._active:
@@ -394,18 +403,21 @@ class ChecksumCheck(Check, BucketListener):
         w = layer.module.weight.detach()
         wf = w if w.dtype == torch.float32 else w.float()
         call.gy_dtype = g.dtype
-        rows = [self._ones(layer)] if call.forward_due else []
-        if call.tapped:
-            rows.append(gf.sum(0))
         ga = gf.abs() if call.tapped or self._want["weight_grad"] else None
-        if rows:  # e^T W and (e^T GY) W in one pass over W
-            prods = torch.stack(rows).mm(wf)
+        signed = [self._ones(layer)] if call.forward_due else []
+        absolute = list(signed)
+        if call.tapped and ga is not None:
+            signed.append(gf.sum(0))
+            absolute.append(ga.sum(0))
+        if signed:  # e^T W, (e^T GY) W and their bounds e^T |W|, (e^T |GY|) |W|
+            prods = torch.stack(signed).mm(wf)
+            bounds = torch.stack(absolute).mm(wf.abs()) if self.exact else None
             if call.forward_due:
-                self._forward(layer, call, prods[0])
+                self._forward(layer, call, prods[0], None if bounds is None else bounds[0])
             if call.tapped and ga is not None:
                 call.gx_rhs = prods[-1]
-                # sum_ij |GY_ij||W_jk| <= ||e^T |GY| ||_2 ||W_:k||_2 <= ... ||W||_F
-                call.gx_bound = torch.linalg.vector_norm(ga.sum(0)) * self._weight_norm(layer)
+                call.gx_bound = bounds[-1] if bounds is not None else (  # exact, or <= ...
+                    torch.linalg.vector_norm(ga.sum(0)) * self._weight_norm(layer))
         if self._want["weight_grad"] and ga is not None:
             both = torch.stack([gf.t() @ call.x_rows[0], ga.t() @ call.x_rows[1]])
             layer.gw_rhs = both[0] if layer.gw_rhs is None else layer.gw_rhs + both[0]
@@ -455,9 +467,9 @@ class ChecksumCheck(Check, BucketListener):
         for layer in self.layers:
             due = [c for c in layer.calls if c.forward_due]
             if due:
-                w_col = self._w_col(layer)
+                cols = self._w_cols(layer)
                 for call in due:
-                    self._forward(layer, call, w_col)
+                    self._forward(layer, call, *cols)
 
     # -- per step -----------------------------------------------------------------------------
     def due(self, step: int) -> bool:
