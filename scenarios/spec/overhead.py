@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from sdc_guard import GuardConfig
+from sdc_guard import ChecksumConfig, GuardConfig
 
 if TYPE_CHECKING:
     from scenarios.spec.scenario import Scenario
@@ -53,6 +53,11 @@ WEIGHTS = OverheadConfig(name="weights", key="weights",
 CHECKSUM = OverheadConfig(name="checksum", key="checksum",
                           config=GuardConfig(nonfinite=False, weights_interval=0, checksum=True))
 """Every ``nn.Linear`` product checked every step (``sdc_guard.checks.checksum``)."""
+CHECKSUM_NORM = OverheadConfig(
+    name="checksum, norm bound",
+    config=GuardConfig(nonfinite=False, weights_interval=0,
+                       checksum=ChecksumConfig(bound="norm")))
+"""The same with the cheaper, looser bound (``ChecksumConfig.bound``)."""
 NONFINITE_CHECKSUM = OverheadConfig(
     name="nonfinite + checksum",
     config=GuardConfig(nonfinite=True, weights_interval=0, checksum=True))
