@@ -19,6 +19,10 @@ k, 0 = off, and each optional check on or off; the non-finite check is always on
   ``rollback = F x (P_det + P_crash) x G x (C / 2) x t / 3600`` (C: checkpoint interval);
   ``restart = F x (P_det + P_crash) x G x restart_s / 3600``;
   ``escapes = F x P_esc x escape_gpu_hours``.
+* The weights check's interval ``kw`` (``WEIGHTS_INTERVALS``): measured at 1; at ``kw`` its
+  overhead is divided by ``kw`` and its detections wait ``(kw - 1) / 2`` more steps.
+* With a ``checksum`` axis in the campaign, a configuration with the checksum check on (off)
+  uses the trials that ran with it on (off), not a counterfactual.
 * Band: every part at the ends of the campaign's intervals (escape share: Wilson on the
   weighted trials' effective size; replay overhead: bootstrap); ``total_low`` /
   ``total_high``.
@@ -50,6 +54,9 @@ OPTIONAL_CHECKS = ("weights", "checksum")
 ALWAYS_ON = ("nonfinite",)
 PARTS = ("check_overhead", "detection_latency", "rollback", "restart", "escapes")
 SENSITIVITY = (0.1, 10.0)
+WEIGHTS_INTERVALS = (1, 2, 4, 8)
+"""The weights check every kw steps: measured at 1; at kw its overhead is the measured one / kw
+and a corruption it finds waits (kw - 1) / 2 more steps on average (docs/cost-model.md)."""
 
 
 def _mix(pairs: tuple[tuple[str, float], ...], present: list[str]) -> dict[str, float]:
@@ -86,11 +93,13 @@ def _shares(g: pd.DataFrame, w: pd.Series, off: set[str]) -> dict[str, Any] | No
     wd = w[det]
     lat = g.loc[det, "latency_from_injection"].astype(float).fillna(0.0)
     nf = (g.loc[det, "check"] == "nonfinite").astype(float)
+    wt = (g.loc[det, "check"] == "weights").astype(float)
     return {"trials": int(nm.sum()), "effective_trials": n_eff,
             "detected": float(wd.sum()) / total, "escaped": p_esc,
             "escaped_ci95": ci, "crashed": float(w[crash].sum()) / total,
             "latency_steps": float((lat * wd).sum() / wd.sum()) if wd.sum() > 0 else 0.0,
             "nonfinite_share": float((nf * wd).sum() / wd.sum()) if wd.sum() > 0 else 0.0,
+            "weights_share": float((wt * wd).sum() / wd.sum()) if wd.sum() > 0 else 0.0,
             "detections_lost_to_checks_off": int(lost.sum())}
 
 
@@ -160,24 +169,36 @@ def configurations(faults: pd.DataFrame, overhead: dict[str, Any] | None,
     delay = (exchange_interval + 1) / 2
     rows: list[dict[str, Any]] = []
     intervals = sorted(int(k) for k in faults["replay_interval"].dropna().unique())
+    axis = faults["checksum"].dropna() if "checksum" in faults else pd.Series(dtype=bool)
+    checksum_axis = axis.nunique() > 1  # trials ran with it on and off: no counterfactual
     for k in intervals:
         replay = _overheads(overhead, fit_ci, cluster, k)
         if replay is None:
             continue
-        g = faults[faults["replay_interval"] == k]
-        for on in itertools.product((True, False), repeat=len(optional)):
+        gk = faults[faults["replay_interval"] == k]
+        for on, kw in itertools.product(itertools.product((True, False), repeat=len(optional)),
+                                        WEIGHTS_INTERVALS):
             checks = [c for c, o in zip(optional, on, strict=True) if o]
+            if kw != 1 and "weights" not in checks:
+                continue
             off = {c for c, o in zip(optional, on, strict=True) if not o}
             if k == 0:
                 off.add("replay")
+            g = gk
+            if checksum_axis and "checksum" in optional:
+                g = gk[gk["checksum"].fillna(False).astype(bool) == ("checksum" in checks)]
             sh = _shares(g, w.loc[g.index], off)
             if sh is None:
                 continue
-            extra = sum(_check_cost(overhead, cluster, c) or 0.0 for c in checks)
+            extra = sum((_check_cost(overhead, cluster, c) or 0.0) / (kw if c == "weights"
+                                                                       else 1)
+                        for c in checks)
             f = [nonfinite + extra + r for r in replay]
             p_crash = sh["crashed"]
             esc = [sh["escaped"], *(sh["escaped_ci95"] or [sh["escaped"]] * 2)]
-            lat = sh["latency_steps"]
+            # every kw-th step: a corruption the weights check finds waits (kw - 1) / 2 steps
+            # more on average (the campaign measured kw = 1; the corrupt state persists)
+            lat = sh["latency_steps"] + sh["weights_share"] * (kw - 1) / 2
             d = delay * sh["nonfinite_share"]
             point = _parts(cluster, rate, f[0], 1 - esc[0] - p_crash, esc[0], p_crash, lat, d)
             low = _parts(cluster, rate, f[1], max(0.0, 1 - esc[1] - p_crash), esc[1], p_crash,
@@ -187,8 +208,9 @@ def configurations(faults: pd.DataFrame, overhead: dict[str, Any] | None,
             lo_t = sum(min(low[p], high[p]) for p in PARTS)
             hi_t = sum(max(low[p], high[p]) for p in PARTS)
             name = ("replay off" if k == 0 else f"replay {k}") + "".join(
-                f" +{c}" for c in checks)
+                f" +{c}" + (f"/{kw}" if c == "weights" and kw != 1 else "") for c in checks)
             rows.append({"name": name, "replay_interval": k, "checks": [*ALWAYS_ON, *checks],
+                         "weights_interval": kw if "weights" in checks else 0,
                          "overhead": f[0], "overhead_band": [f[1], f[2]],
                          "outcomes": sh, "parts": point, "total": sum(point.values()),
                          "total_low": min(lo_t, sum(point.values())),

@@ -48,8 +48,16 @@ def test_known_answer(tmp_path: Path) -> None:
     cl = ClusterSpec(gpus=10, sdc_per_gpu_hour=1 / 240, step_time_s=3.6,
                      checkpoint_interval_steps=100, restart_s=360, escape_gpu_hours=100)
     rows = {r["name"]: r for r in configurations(faults, ov, None, cl, exchange_interval=8)}
-    assert set(rows) == {"replay off +weights", "replay off"}
+    assert set(rows) == {"replay off +weights", "replay off +weights/2", "replay off +weights/4",
+                         "replay off +weights/8", "replay off"}
     on, off = rows["replay off +weights"], rows["replay off"]
+    # Every 4th step: a quarter of the overhead; the weights check's detections wait 1.5 more
+    # steps on average (both detections here are the weights check's).
+    w4 = rows["replay off +weights/4"]
+    assert w4["overhead"] == pytest.approx(0.01 + 0.2 / 4) and w4["weights_interval"] == 4
+    assert w4["outcomes"]["weights_share"] == pytest.approx(1.0)
+    t4 = 3.6 * (1 + w4["overhead"]) / 3600
+    assert w4["parts"]["detection_latency"] == pytest.approx(1 * (2 / 3) * 10 * 2.5 * t4)
     f = 0.21
     t_h = 3.6 * (1 + f) / 3600
     assert on["overhead"] == pytest.approx(f)
@@ -68,6 +76,7 @@ def test_known_answer(tmp_path: Path) -> None:
     assert off["parts"]["escapes"] == pytest.approx(100.0)
     assert off["overhead"] == pytest.approx(0.01)
     model = cost_model(faults, ov, None, cl, 8)
+    assert model["recommendation"]["name"] in rows
     assert model["recommendation"]["name"] == min(rows.values(), key=lambda r: r["total"])["name"]
     assert set(model["sensitivity"]) == {"x0.1", "x10"}
 
@@ -183,3 +192,20 @@ def test_report_of_a_campaign_without_fault_trials(tmp_path: Path) -> None:
     s = write_report(tmp_path)
     assert (s["trials"], s["clean_trials"], s["cost"]["recommendation"]) == (0, 1, None)
     assert "No configuration could be priced" in (tmp_path / "report.md").read_text()
+
+
+def test_a_checksum_axis_prices_each_setting_on_its_own_trials(tmp_path: Path) -> None:
+    # checksum on: 2 trials, both caught by it; off: 2 trials, one escaped, one replay-free
+    faults = _faults(tmp_path, [{**_det("checksum"), "checksum": True},
+                                {**_det("checksum"), "checksum": True},
+                                {"outcome": "escaped", "replay_interval": 0, "checksum": False},
+                                {**_det("nonfinite"), "checksum": False}])
+    cl = ClusterSpec(gpus=1, sdc_per_gpu_hour=1 / 24, step_time_s=36.0,
+                     checkpoint_interval_steps=2)
+    ov = {"guard_checks_off": 0.0, "nonfinite": 0.0, "checksum": 0.05}
+    rows = {r["name"]: r for r in configurations(faults, ov, None, cl, exchange_interval=1)}
+    assert set(rows) == {"replay off +checksum", "replay off"}
+    assert rows["replay off +checksum"]["outcomes"]["escaped"] == pytest.approx(0.0)
+    assert rows["replay off +checksum"]["outcomes"]["trials"] == 2
+    off = rows["replay off"]["outcomes"]
+    assert off["escaped"] == pytest.approx(0.5) and off["detections_lost_to_checks_off"] == 0
