@@ -29,7 +29,7 @@ from scenarios.report.summary import fit_replay_overhead
 from scenarios.run.kubeapi import StandInAPIServer
 from scenarios.run.pool import PoolError, WorkerPool
 from scenarios.run.rank import Command, Golden, Overhead, Prepare, Trial
-from scenarios.run.shards import plan_key, shard_of
+from scenarios.run.shards import overhead_share, plan_key, shard_of
 from scenarios.run.store import (
     GoldenRun,
     TrialTable,
@@ -279,7 +279,8 @@ class CampaignRunner:
         started = time.time()
         t_start = time.monotonic()
         plan = plan_trials(self.campaign)
-        trials = plan if self.shard is None else shard_of(plan, *self.shard)
+        trials = plan if self.shard is None else shard_of(
+            plan, *self.shard, head_start=overhead_share(self.campaign))
         coordinator = self.executor.coordinator
         table = TrialTable(self.out / "trials.csv") if coordinator else None
         if table is not None:

@@ -1,8 +1,9 @@
 """Campaigns in shards: a deterministic 1/N of the trials per process, and the merge.
 
-``python -m scenarios campaign FILE --shard I/N --out DIR`` runs the trials at positions
-``I, I+N, I+2N, ...`` of the campaign's plan (``plan_trials``: the same list on every machine),
-with the golden runs its trials need; shard 0 also measures the overhead. ``--shard N`` takes
+``python -m scenarios campaign FILE --shard I/N --out DIR`` runs its share of the campaign's
+plan (``plan_trials``: the same list on every machine; ``shard_of``: trial by trial to the
+least loaded shard), with the golden runs its trials need; shard 0 also measures the
+overhead, and gets fewer trials for it (``overhead_share``). ``--shard N`` takes
 ``I`` from ``JOB_COMPLETION_INDEX`` (a Kubernetes Indexed Job sets it, 0-based). A shard
 resumes like any campaign.
 
@@ -16,13 +17,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 from scenarios.run.store import TrialTable, write_json
+from scenarios.spec.campaign import CampaignSpec
 from scenarios.spec.errors import ScenarioError
+from scenarios.spec.overhead import campaign_configs
 from scenarios.spec.trials import TrialSpec
 
 
@@ -51,10 +55,36 @@ def plan_key(campaign_json: dict[str, Any], trials: list[TrialSpec]) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def shard_of(trials: list[TrialSpec], index: int, count: int) -> list[TrialSpec]:
-    """Every ``count``-th trial from position ``index``: each shard gets a mix of scenarios,
-    sites and replay intervals, and the shards together are the plan, each trial once."""
-    return trials[index::count]
+def overhead_share(campaign: CampaignSpec) -> float:
+    """Shard 0's head start, in trials: the overhead measurement it runs alone, estimated as
+    its timed steps over a trial's steps (``rounds x configurations x block`` against the
+    campaign's mean scenario length; a trial step also pays the comparison with golden and
+    the checkpoints, an overhead step does not, so this leans to the cautious side)."""
+    spec = campaign.overhead
+    if spec is None or not campaign.scenarios:
+        return 0.0
+    ks = campaign.overhead_intervals()
+    lcm = math.lcm(*ks) if ks else 1
+    block = lcm * max(1, math.ceil(spec.block / lcm))  # as the overhead rounds round it
+    steps = spec.rounds * len(campaign_configs(ks)) * block
+    return steps / (sum(s.steps for s in campaign.scenarios) / len(campaign.scenarios))
+
+
+def shard_of(trials: list[TrialSpec], index: int, count: int,
+             head_start: float = 0.0) -> list[TrialSpec]:
+    """Shard ``index`` of ``count``: trial by trial in plan order, each goes to the shard with
+    the least work so far (ties: the lowest index), shard 0 starting ``head_start`` trials
+    behind (it also measures the overhead, ``overhead_share``). Each shard gets a mix of
+    scenarios, sites and replay intervals, and the shards together are the plan, each trial
+    once; without a head start it is every ``count``-th trial from position ``index``."""
+    load = [head_start] + [0.0] * (count - 1)
+    mine = []
+    for t in trials:
+        i = min(range(count), key=lambda j: (load[j], j))
+        load[i] += 1.0
+        if i == index:
+            mine.append(t)
+    return mine
 
 
 def merge(out: Path, dirs: list[Path]) -> dict[str, Any]:
