@@ -72,6 +72,5 @@ def build_checks(
     if checksum is not None:
         checks.append(ChecksumCheck(
             model, checksum, comm=comm, device=device, group=group,
-            expect_overflow=grad_scaler is not None, contain=config.skip_step_on_detection,
-            micro_batches=config.micro_batches))
+            expect_overflow=grad_scaler is not None, contain=config.skip_step_on_detection))
     return checks

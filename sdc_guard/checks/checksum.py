@@ -93,7 +93,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._C._distributed_c10d import GradBucket
 from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.checks.base import Check, Verdict
@@ -248,7 +247,6 @@ class ChecksumCheck(Check, BucketListener):
         group: dist.ProcessGroup | None = None,
         expect_overflow: bool = False,
         contain: bool = True,
-        micro_batches: int = 1,
     ) -> None:
         self.config = config
         self.device = device
@@ -258,7 +256,6 @@ class ChecksumCheck(Check, BucketListener):
         self.comm = comm
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.micro_batches = micro_batches
         self.exact = config.bound == "exact"
         inner = model.module if isinstance(model, DistributedDataParallel) else model
         self.layers = [_Layer(n, i, m) for i, (n, m) in
@@ -615,7 +612,3 @@ class ChecksumCheck(Check, BucketListener):
             detail=f"linear-layer checksum mismatch ({what}): the product differs from its "
             "checksum by more than the rounding-error bound",
             evidence=evidence)]
-
-    # -- unused listener parts ----------------------------------------------------------------
-    def local(self, bucket: GradBucket) -> None:
-        return None
