@@ -12,6 +12,7 @@ import torch
 
 from bench.timing import alternate
 from sdc_guard import fingerprint, fingerprint_tensor, native_enabled, native_kernel
+from sdc_guard.fingerprints.native import ISAS, active_kernel
 from sdc_guard.internal import tensor_value, tensor_values
 
 GIB = 1024**3
@@ -21,6 +22,18 @@ def _on_path(native: bool, fn: Callable[[], object]) -> object:
     """``fn()`` with the C kernel on or off, the previous choice restored afterwards."""
     with native_kernel(native):
         return fn()
+
+
+def _on_isa(isa: str, fn: Callable[[], object]) -> object:
+    """``fn()`` on the C kernel's ``isa`` loops, the previous choice restored afterwards."""
+    kernel = active_kernel()
+    assert kernel is not None
+    before = kernel.isa
+    kernel.use_isa(isa)
+    try:
+        return fn()
+    finally:
+        kernel.use_isa(before)
 
 
 def fingerprint_throughput(mib: int, rounds: int) -> dict[str, Any]:
@@ -41,12 +54,20 @@ def fingerprint_throughput(mib: int, rounds: int) -> dict[str, Any]:
         methods["xxh3_64 over the bytes"] = lambda: xxhash.xxh3_64_intdigest(mv)
     except ImportError:  # pragma: no cover - xxhash is in the dev extra
         pass
-    if native_enabled():
-        methods["sdc_guard.fingerprint (C kernel, the default)"] = (
+    kernel = active_kernel() if native_enabled() else None
+    if kernel is not None:
+        methods[f"sdc_guard.fingerprint (C kernel, the default: {kernel.isa})"] = (
             lambda: _on_path(True, lambda: fingerprint(x)))
+        # The narrower machines' code on this one: the same values, its speed.
+        for isa in ISAS[: ISAS.index(kernel.cpu_isa)]:
+            methods[f"sdc_guard.fingerprint (C kernel, {isa} forced)"] = (
+                lambda isa=isa: _on_isa(isa, lambda: fingerprint(x)))
     times = alternate(methods, rounds)
     base = statistics.median(times["torch.sum (one read pass)"])
-    out: dict[str, Any] = {"tensor_mib": mib, "threads": torch.get_num_threads(), "methods": {}}
+    out: dict[str, Any] = {"tensor_mib": mib, "threads": torch.get_num_threads(),
+                           "kernel_isa": kernel.isa if kernel else None,
+                           "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                           "methods": {}}
     for name, ts in times.items():
         med = statistics.median(ts)
         out["methods"][name] = {

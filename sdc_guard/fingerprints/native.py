@@ -2,13 +2,22 @@
 
 torch has no fused position-weighted integer reduction, so the pure-torch path
 reads each chunk three times (widen, row sums, column sums) and reaches about a
-third of ``torch.sum``'s speed. This kernel reads the data once: per block it
-keeps running sums ``P += v; Q += P`` in 32 independent streams (additions
-only, which any compiler vectorises at plain ``-O3``), from which ``sum v`` and
-``sum i * v`` follow exactly modulo 2**64; blocks run on up to
+third of ``torch.sum``'s speed. This kernel reads the data once, as 64-bit words: per
+vector lane it keeps running sums ``P += v; Q += P`` (two additions per vector,
+no multiply), from which ``sum v`` and ``sum i * v`` follow exactly modulo
+2**64. Float32 and other 4-byte lanes are not widened: a word ``X`` is
+``lo + 2**32 hi``, so the lanes' sums follow from those of ``X`` and of
+``hi = X >> 32`` (one shift and two more additions per vector). Blocks run on up to
 ``torch.get_num_threads()`` threads. It computes the same values as the torch
 path, bit for bit (``tests/sdc_guard/test_native.py``), so a fingerprint never depends on
 which path ran.
+
+The word loops are written once with GCC/Clang vector extensions and compiled for
+each x86 instruction set (AVX-512F, AVX2, the SSE2 baseline); the widest the CPU
+has runs, or a narrower one on request (``NativeKernel.use_isa``,
+``SDC_GUARD_ISA``), so that one machine can measure another's code. They ask for
+each cache line 4 KiB before they read it (software prefetch): without it a core
+alternates between waiting for memory and adding, well short of the bandwidth.
 
 Two more entry points serve the non-finite check on float32 CPU buffers:
 ``sdc_scale_check`` (DDP's 1/world scaling, the bits of ``mul_``, with a NaN/Inf
@@ -48,6 +57,9 @@ _log = logging.getLogger("sdc_guard")
 _SOURCE = Path(__file__).with_name("kernel.c")
 """The kernel's C source, shipped as package data."""
 
+ISAS = ("baseline", "avx2", "avx512f")
+"""The word loops' instruction sets, narrowest first (baseline: SSE2 on x86-64)."""
+
 # Below this many elements per thread, one more thread costs more than it saves.
 _PER_THREAD = 1 << 18
 
@@ -76,6 +88,31 @@ class NativeKernel:
         nonfinite.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
         nonfinite.restype = ctypes.c_int
         self._nonfinite = nonfinite
+        isa = self._lib.sdc_isa
+        isa.argtypes = [ctypes.c_int]
+        isa.restype = ctypes.c_int
+        self._isa = isa
+        self.cpu_isa = ISAS[isa(-2)]
+        """The widest instruction set this CPU gives the word loops."""
+        wanted = os.environ.get("SDC_GUARD_ISA")
+        if wanted:
+            self.use_isa(wanted)
+
+    @property
+    def isa(self) -> str:
+        """The instruction set the fingerprint and digest loops run on: one of ``ISAS``."""
+        return ISAS[self._isa(-1)]
+
+    def use_isa(self, name: str) -> str:
+        """Run the word loops on ``name`` (``ISAS``), or on this CPU's widest if narrower.
+
+        Values are the same on every one; only the speed differs. For measuring a
+        narrower machine's code on this one (``SDC_GUARD_ISA=avx2`` does it at load).
+        Returns the instruction set now in use.
+        """
+        if name not in ISAS:
+            raise ValueError(f"instruction set {name!r}: use one of {', '.join(ISAS)}")
+        return ISAS[self._isa(ISAS.index(name))]
 
     def weighted_sum(self, src: torch.Tensor, mode: int) -> list[int]:
         """int64 bits of ``[sum_k (2k+1) v_k, sum_k v_k]`` (mod 2**64).

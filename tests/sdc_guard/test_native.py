@@ -365,3 +365,24 @@ def test_scale_check_and_nonfinite_are_exact_on_every_thread(native: None, threa
             assert torch.equal(x.view(torch.int32), want.view(torch.int32))
     finally:
         torch.set_num_threads(old)
+
+
+def test_every_instruction_set_gives_the_same_values(native: None) -> None:
+    kernel = nat.active_kernel()
+    assert kernel is not None
+    usable = nat.ISAS[: nat.ISAS.index(kernel.cpu_isa) + 1]
+    cases = [_random_tensor(d, n, seed=n) for d in (torch.float32, torch.float64, torch.uint8)
+             for n in (1, 31, 4099, (1 << 19) + 13)]
+    before = kernel.isa
+    seen = {}
+    try:
+        for name in usable:
+            assert kernel.use_isa(name) == name
+            seen[name] = [(int(P.tensor_value(t)), D.digest_parts(t).tolist()) for t in cases]
+    finally:
+        kernel.use_isa(before)
+    nat.disable_native()
+    want = [(int(P.tensor_value(t)), D.digest_parts(t).tolist()) for t in cases]
+    assert all(v == want for v in seen.values()), [k for k, v in seen.items() if v != want]
+    with pytest.raises(ValueError, match="avx2"):
+        kernel.use_isa("avx1024")
