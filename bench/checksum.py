@@ -14,9 +14,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from bench.reference import INSTANCES, classification_batch, cross_entropy_loss, reference_mlp, switch
+from bench.reference import (
+    INSTANCES,
+    classification_batch,
+    cross_entropy_loss,
+    guarded_ddp,
+    reference_mlp,
+    switch,
+)
 from bench.timing import bootstrap_interval
 from scenarios.run.launch import run_ranks
 from scenarios.spec.models import build_model, scenario_loss, synthetic_batch
@@ -36,14 +42,14 @@ def _guards(kind: str, batch: int) -> list[SDCGuard]:
     guards = []
     for _ in range(INSTANCES):
         if kind == "mlp":
-            model = DDP(reference_mlp())
+            model = guarded_ddp(reference_mlp())
 
             def batch_for(rank: int, step: int) -> Any:
                 return classification_batch(rank, step, batch=batch)
 
             loss = cross_entropy_loss
         else:
-            model = DDP(build_model("transformer", width=128, depth=2, seed=0))
+            model = guarded_ddp(build_model("transformer", width=128, depth=2, seed=0))
 
             def batch_for(rank: int, step: int) -> Any:
                 return synthetic_batch("transformer", 0, rank, step, 0, batch=batch)

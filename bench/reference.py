@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from scenarios.spec.overhead import OverheadConfig
+from scenarios.spec.overhead import CHECKS_OFF, OverheadConfig
 from scenarios.spec.seeds import data_generator
 from sdc_guard import GuardConfig, SDCGuard
 
@@ -23,6 +23,21 @@ INSTANCES = 3
 speed by 1-2% (where their memory landed), as much as the cheapest check costs: with
 every configuration of a kind on one instance and the instances rotated, that difference
 neither biases a comparison nor hides from the bootstrap intervals."""
+
+
+PLAIN_DDP_VIEWS = OverheadConfig(name="plain DDP, gradient_as_bucket_view", config=None)
+"""Plain DDP built with bucket views (no copy; DDP divides the bucket by ``world`` instead)."""
+CHECKS_OFF_COPIED = OverheadConfig(
+    name="guard, checks off, DDP's default construction (gradients copied)",
+    config=CHECKS_OFF.config)
+"""The guard on DDP's default construction: each gradient copied into its bucket unscaled,
+then scaled by the hook: one more pass than DDP alone. Every other guarded configuration
+runs on bucket views (``guarded_ddp``), the construction the guard recommends."""
+
+
+def guarded_ddp(module: nn.Module) -> DDP:
+    """``module`` wrapped as the guard recommends: ``gradient_as_bucket_view=True``."""
+    return DDP(module, gradient_as_bucket_view=True)
 
 
 def reference_mlp(seed: int = 0, d_in: int = D_IN, width: int = 1024,
@@ -67,29 +82,34 @@ Runner = Callable[[OverheadConfig, int], Callable[[int], object]]
 
 
 def reference_runs(rank: int, batch: int) -> tuple[list[SDCGuard], Runner]:
-    """``INSTANCES`` plain DDP loops and guarded models of the reference workload: the
-    guards, and the ``Runner`` (a plain loop for a configuration without a guard)."""
+    """``INSTANCES`` of each model of the reference workload: plain DDP loops (DDP's default
+    construction, and ``PLAIN_DDP_VIEWS``), a guarded model on bucket views that every
+    guarded configuration shares, and one on the default construction
+    (``CHECKS_OFF_COPIED``). Returns the guards and the ``Runner``."""
     batch_for = functools.partial(classification_batch, batch=batch)
-    plains: list[Callable[[int], None]] = []
-    guards: list[SDCGuard] = []
+    plains: dict[bool, list[Callable[[int], None]]] = {False: [], True: []}
+    guards: dict[bool, list[SDCGuard]] = {False: [], True: []}
     for _ in range(INSTANCES):
-        model = DDP(reference_mlp())
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for views in (False, True):
+            model = DDP(reference_mlp(), gradient_as_bucket_view=views)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-        def plain(step: int, model: DDP = model, opt: torch.optim.Optimizer = opt) -> None:
-            opt.zero_grad(set_to_none=True)
-            cross_entropy_loss(model, batch_for(rank, step)).backward()
-            opt.step()
+            def plain(step: int, model: DDP = model, opt: torch.optim.Optimizer = opt) -> None:
+                opt.zero_grad(set_to_none=True)
+                cross_entropy_loss(model, batch_for(rank, step)).backward()
+                opt.step()
 
-        plains.append(plain)
-        gmodel = DDP(reference_mlp())
-        gopt = torch.optim.AdamW(gmodel.parameters(), lr=1e-3)
-        guards.append(SDCGuard(gmodel, gopt, loss_fn=cross_entropy_loss, batch_for=batch_for))
+            plains[views].append(plain)
+            gmodel = DDP(reference_mlp(), gradient_as_bucket_view=views)
+            gopt = torch.optim.AdamW(gmodel.parameters(), lr=1e-3)
+            guards[views].append(SDCGuard(gmodel, gopt, loss_fn=cross_entropy_loss,
+                                          batch_for=batch_for))
 
     def runner(oc: OverheadConfig, i: int) -> Callable[[int], object]:
         if oc.config is None:
-            return plains[i]
-        switch(guards[i], oc.config)
-        return guards[i].step
+            return plains[oc.name == PLAIN_DDP_VIEWS.name][i]
+        guard = guards[oc.name != CHECKS_OFF_COPIED.name][i]
+        switch(guard, oc.config)
+        return guard.step
 
-    return guards, runner
+    return guards[True] + guards[False], runner

@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bench.reference import (
     INSTANCES,
     classification_batch,
     cross_entropy_loss,
+    guarded_ddp,
     reference_mlp,
     switch,
 )
@@ -90,7 +90,7 @@ def _measure(rank: int, world: int, rounds: int, batch: int, *, nonfinite: bool,
         for p in agreeing:
             p.wait()
     for _ in range(INSTANCES):
-        model = DDP(reference_mlp())
+        model = guarded_ddp(reference_mlp())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         g = SDCGuard(model, opt, loss_fn=cross_entropy_loss, batch_for=batch_for,
                      config=audit(1), before_optimizer_step=wait_agreeing)

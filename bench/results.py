@@ -76,6 +76,18 @@ def overhead_md(ov: dict[str, Any], *, reference: bool) -> list[str]:
                          f"{lo*100:+.1f}% .. {hi*100:+.1f}% | "
                          f"{bl['cpu_vs_guard_off'][name]*100:+.1f}% |")
         lines.append("")
+        if bl.get("guard_off_vs_plain"):
+            lines += ["The guard with its checks off against plain DDP, the same way (the median "
+                      "over rounds of each round's ratio; 90% bootstrap interval). The guard's "
+                      "model is built with `gradient_as_bucket_view=True` as the guard recommends "
+                      "(docs/architecture.md); DDP's default construction copies each gradient "
+                      "into its bucket, and with a comm hook the scaling is then a pass of its "
+                      "own" + (" (target: within 0.5% of plain DDP)" if reference else "") + ":",
+                      "", "| guard, checks off / plain DDP | ratio - 1 | 90% interval |",
+                      "|---|---|---|"]
+            for pair, (r, (lo, hi)) in bl["guard_off_vs_plain"].items():
+                lines.append(f"| {pair} | **{r*100:+.1f}%** | {lo*100:+.1f}% .. {hi*100:+.1f}% |")
+            lines.append("")
     target = " (target <= 1.5x)" if reference else ""
     lines += ["weights verdict / (fingerprint then all_gather, timed as one) = "
               f"**{ov['weights_cost_ratio_to_timed_ideal']:.2f}x**{target}; / (sum of the two "

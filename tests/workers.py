@@ -61,15 +61,17 @@ def _flushed(found: list[sdc_guard.Detection]) -> list[tuple[str, int, tuple[int
 def guarded_run(rank: int, world: int, steps: int, fault: dict[str, Any] | None = None,
                 cfg: dict[str, Any] | None = None, opt: str = "adamw",
                 stop_on_detection: bool = False,
-                quarantine: dict[str, Any] | None = None) -> dict[str, Any]:
+                quarantine: dict[str, Any] | None = None,
+                bucket_view: bool = False) -> dict[str, Any]:
     """Train ``steps`` guarded steps; optionally corrupt something on one rank at one step.
 
     ``stop_on_detection``: leave the loop at the first report with a detection, as a
     user's loop would, then meet the other ranks (a rank that stopped alone would hang).
     ``quarantine``: ``{"nodes": [node of each rank], "kwargs": KubeQuarantine's}``: each
     rank runs as a pod on its node (NODE_NAME, POD_NAME) with a ``KubeQuarantine``.
+    ``bucket_view``: DDP's ``gradient_as_bucket_view`` (the construction the guard recommends).
     """
-    model = DDP(make_mlp())
+    model = DDP(make_mlp(), gradient_as_bucket_view=bucket_view)
     optimizer = make_optimizer(model, opt)
     remediation = None
     if quarantine is not None:

@@ -123,6 +123,25 @@ def test_guarded_training_equals_plain_ddp_bit_for_bit(opt: str) -> None:
         assert g["final"] == p["final"]
 
 
+def test_gradients_as_bucket_views_change_no_bit_and_no_verdict() -> None:
+    # The construction the guard recommends (no copy into the buckets) trains the same
+    # weights as plain DDP's default, with every check on, and contains the same fault.
+    cfg = {"nonfinite_exchange_interval": 1, "replay_interval": 2, "deterministic": True}
+    views = run_ranks(workers.guarded_run, 3, 12, None, cfg, "adamw", bucket_view=True)
+    copies = run_ranks(workers.guarded_run, 3, 12, None, cfg, "adamw")
+    for v, c in zip(views, copies, strict=True):
+        assert v["detections"] == [] and v["skipped"] == []
+        assert (v["losses"], v["final"]) == (c["losses"], c["final"])
+    plain = run_ranks(workers.plain_run, 3, 12)
+    guarded = run_ranks(workers.guarded_run, 3, 12, bucket_view=True)
+    assert [(g["losses"], g["final"]) for g in guarded] == [(p["losses"], p["final"])
+                                                          for p in plain]
+    fault = {"site": "grad_nan", "rank": 2, "step": 4}
+    for r in run_ranks(workers.guarded_run, 3, 6, fault, cfg, "adamw", bucket_view=True):
+        assert r["skipped"] == [4]
+        assert ("nonfinite", 4, (2,)) in r["detections"]
+
+
 def test_guard_composes_with_a_user_comm_hook() -> None:
     res = run_ranks(workers.hooks_run, 3, "user_hook")
     for r in res:
