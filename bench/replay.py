@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -25,21 +24,8 @@ from bench.timing import bootstrap_interval, split_rounds
 from scenarios.run.launch import run_ranks
 from scenarios.spec.overhead import replay_only
 from sdc_guard import GuardConfig, SDCGuard, native_kernel
-from sdc_guard.internal import BucketListener, PendingSum
 
 REPLAY_INTERVALS = (1, 2, 5, 10, 50)
-
-
-class _BeforeLastAllreduce(BucketListener):
-    """A comm-hook listener that only calls ``fn`` once per step, just before the last
-    gradient all-reduce: where the audit starts its word, and so where the ideal's
-    agreement starts its own."""
-
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self.fn = fn
-
-    def before_last_allreduce(self) -> None:
-        self.fn()
 
 
 def _replay_rank(rank: int, world: int, rounds: int, batch: int,
@@ -55,8 +41,7 @@ def _measure(rank: int, world: int, rounds: int, batch: int, *, nonfinite: bool,
     """Step time with the replay audit at several intervals, beside replay off and the ideal.
 
     ``nonfinite``: the non-finite check runs in every configuration (replay off and the
-    ideal too), as with the guard's default configuration; on audit steps the replay's
-    words then share its gather. ``False``: the replay alone, with a gather of its own.
+    ideal too), as with the guard's default configuration. ``False``: the replay alone.
 
     The ideal of interval k is a real run, alternated with the others: replay off, plus
     one plain forward+backward of the neighbour's batch at the start of every k-th step
@@ -72,59 +57,35 @@ def _measure(rank: int, world: int, rounds: int, batch: int, *, nonfinite: bool,
         assert config is not None
         return replace(config, replay_interval=k, nonfinite=nonfinite)
 
-    configs = {"off": (audit(0), 0, False),
-               **{f"audit {k}": (audit(k), 0, False) for k in REPLAY_INTERVALS},
-               **{f"ideal {k}": (audit(0), k, False) for k in REPLAY_INTERVALS}}
-    if world > 1:
-        configs.update({f"agree {k}": (audit(0), k, True) for k in REPLAY_INTERVALS})
-    """name -> (the guard's configuration, interval of the ideal's extra forward+backward,
-    whether the ideal also agrees on an 8-byte word before the optimizer step, as an audit
-    must)"""
+    configs = {"off": (audit(0), 0),
+               **{f"audit {k}": (audit(k), 0) for k in REPLAY_INTERVALS},
+               **{f"ideal {k}": (audit(0), k) for k in REPLAY_INTERVALS}}
+    """name -> (the guard's configuration, interval of the ideal's extra forward+backward)"""
     guards: list[SDCGuard] = []
-    listeners: list[_BeforeLastAllreduce] = []
     extra_every = [0]
-    agree_on = [False]
-    agreeing: list[PendingSum] = []
-
-    def wait_agreeing(_: SDCGuard) -> None:
-        for p in agreeing:
-            p.wait()
     for _ in range(INSTANCES):
         model = guarded_ddp(reference_mlp())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         g = SDCGuard(model, opt, loss_fn=cross_entropy_loss, batch_for=batch_for,
-                     config=audit(1), before_optimizer_step=wait_agreeing)
+                     config=audit(1))
         module = model.module
         params = [p for p in module.parameters() if p.requires_grad]
-        pending_agree = [False]
 
         def extra(step: int, module: torch.nn.Module = module,
-                  params: list[torch.Tensor] = params, pending: list[bool] = pending_agree) -> None:
-            agreeing.clear()
+                  params: list[torch.Tensor] = params) -> None:
             every = extra_every[0]
             if every and step % every == 0:
                 loss = cross_entropy_loss(module, batch_for((rank + 1) % world, step))
                 torch.autograd.grad(loss, params)
-                pending[0] = agree_on[0]
-
-        def send(pending: list[bool] = pending_agree) -> None:
-            # Where the audit starts its word: in the last gradient all-reduce's shadow.
-            if pending[0]:
-                pending[0] = False
-                agreeing.append(PendingSum(torch.zeros(1, dtype=torch.int64)))
 
         g.before_step.append(extra)
         guards.append(g)
-        listeners.append(_BeforeLastAllreduce(send))
 
     def runner(name: str, i: int) -> SDCGuard:
-        config, ideal, agree = configs[name]
+        config, ideal = configs[name]
         g = guards[i]
-        switch(g, config)  # a new configuration has new checks; ours stays subscribed
-        if listeners[i] not in g.comm.listeners:
-            g.comm.subscribe(listeners[i])
+        switch(g, config)
         extra_every[0] = ideal
-        agree_on[0] = agree
         return g
 
     module = reference_mlp()
@@ -217,15 +178,6 @@ def _measure(rank: int, world: int, rounds: int, batch: int, *, nonfinite: bool,
         a, i = f"audit {k}", f"ideal {k}"
         audit, ideal = extra_per_step(tagged, a), extra_per_step(tagged, i)
         sub = {n: per_round[n] for n in ("off", a, i)}
-        g = f"agree {k}"
-        if g in configs:
-            sub_g = {n: per_round[n] for n in ("off", a, g)}
-            out.setdefault("agree", {})[str(k)] = {
-                "per_audit_step_ratio": per_hit(tagged, a) / per_hit(tagged, g),
-                "per_audit_step_ratio_interval_90": bootstrap_interval(
-                    sub_g, lambda m, a=a, g=g: per_hit(m, a) / per_hit(m, g)),
-                "agree_step_extra_s": per_hit(tagged, g),
-            }
         out["intervals"][str(k)] = {
             "per_audit_step_ratio": per_hit(tagged, a) / per_hit(tagged, i),
             "per_audit_step_ratio_interval_90": bootstrap_interval(

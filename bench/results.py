@@ -132,20 +132,6 @@ def replay_md(rp: dict[str, Any]) -> list[str]:
                      f"{r['ideal_step_extra_s']*1e3:.2f} | **{r['per_audit_step_ratio']:.2f}** | "
                      f"{lo:.2f} .. {hi:.2f} | "
                      f"{r.get('per_audit_step_thread_cpu_ratio', float('nan')):.2f} | {rest} |")
-    if rp.get("agree"):
-        lines += ["", "The audit must also agree before the optimizer step: one small all-reduce "
-                  "per audit step, the only collective the guard's default checks make before "
-                  "it (the non-finite check contains without one). On this machine, where 3 "
-                  "ranks share 2 cores, any collective costs a few ms of wall time. The same "
-                  "ratio against the ideal plus that agreement (the ideal's extra step also "
-                  "starts an 8-byte all-reduce before its last gradient all-reduce and waits "
-                  "for it before the optimizer step):", "",
-                  "| interval | ideal + agreement, step extra (ms) | measured / (ideal + "
-                  "agreement), per audit step | 90% interval |", "|---|---|---|---|"]
-        for k, r in rp["agree"].items():
-            lo, hi = r["per_audit_step_ratio_interval_90"]
-            lines.append(f"| {k} | {r['agree_step_extra_s']*1e3:.2f} | "
-                         f"{r['per_audit_step_ratio']:.2f} | {lo:.2f} .. {hi:.2f} |")
     lines += ["", "Per step, over the whole run (robust means: the median of the audit (or "
               "extra) steps and of the other steps, weighted 1/k and (k-1)/k, so that this "
               "machine's occasional 100 ms stalls do not swamp effects of 1%; at long "
@@ -189,9 +175,9 @@ def markdown(results: dict[str, Any]) -> str:
         lines += replay_md(results["replay"])
     if results.get("replay_alone"):
         lines += ["## The replay audit alone", "",
-                  "The same, with the non-finite check off everywhere: the audit's words then "
-                  "need a gather of their own (started in the comm hook before the last gradient "
-                  "all-reduce), one more synchronisation point on audit steps.", ""]
+                  "The same, with the non-finite check off everywhere (the audit's replayed words "
+                  "go to their owner point to point and a mismatch vetoes the step through the "
+                  "gradient all-reduce, with or without the non-finite check).", ""]
         lines += replay_md(results["replay_alone"])
     if results.get("overhead_world2"):
         lines += ["## The same with 2 ranks on the 2 cores (no oversubscription)", "",

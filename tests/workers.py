@@ -183,21 +183,43 @@ def replay_run(rank: int, world: int, steps: int, *, native: bool = True,
 def _replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
                 fault: dict[str, Any] | None = None, batchnorm: bool = False,
                 micro: int = 1, skip_steps: tuple[int, ...] = (),
-                nonfinite: bool = True) -> dict[str, Any]:
+                nonfinite: bool = True, user_hook: bool = False,
+                contain: bool = True) -> dict[str, Any]:
     """Guarded training with the replay audit; optionally a bit flip in an activation of one rank.
 
     fault = {"rank", "step", "phase": "train"|"replay"|"any", "bit", "permanent": bool}, or
     {"site": "grad_nan", "rank", "step"}: a NaN in that rank's local gradient bucket.
     ``skip_steps``: steps this run leaves out entirely (the "never saw the fault" oracle).
-    ``nonfinite``: the non-finite check too (then both share one word on audit steps).
+    ``nonfinite``: the non-finite check too. ``user_hook``: a comm hook of the user's (DDP's
+    own all-reduce hook); ``contain``: ``skip_step_on_detection``. The result counts the
+    audit's own collectives (``"collectives"``: its one-word agreements and its gathers).
     """
+    from sdc_guard.checks import replay as replay_module
+
+    counts = {"agreements": 0, "gathers": 0}
+    real_sum, real_gather = replay_module.PendingSum, replay_module.all_gather_rows
+
+    def counted_sum(*a: Any, **k: Any) -> Any:
+        counts["agreements"] += 1
+        return real_sum(*a, **k)
+
+    def counted_gather(*a: Any, **k: Any) -> Any:
+        counts["gathers"] += 1
+        return real_gather(*a, **k)
+
+    replay_module.PendingSum = counted_sum  # type: ignore[assignment,misc]
+    replay_module.all_gather_rows = counted_gather
     torch.manual_seed(0)
     model = DDP(DropMLP(batchnorm))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     cfg = GuardConfig(replay_interval=interval, deterministic=True, micro_batches=micro,
-                      weights_interval=1, nonfinite=nonfinite)
+                      weights_interval=1, nonfinite=nonfinite, skip_step_on_detection=contain)
+    hook = None
+    if user_hook:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        hook = default_hooks.allreduce_hook
     guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=_micro_batches(micro),
-                     config=cfg)
+                     config=cfg, comm_hook=hook)
     fault = fault or {}
     current = {"step": -1}
     if fault.get("site") == "grad_nan":
@@ -228,6 +250,7 @@ def _replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
         "detections": _summary(reports) + _flushed(flushed),
         "skipped": [r.step for r in reports if r.skipped],
         "final": sdc_guard.fingerprint(list(model.module.parameters())),
+        "collectives": counts,
     }
     return out
 

@@ -62,7 +62,8 @@ def build_checks(
         checks.append(ReplayAudit(
             model, interval=config.replay_interval, loss_fn=loss_fn, batch_for=batch_for,
             comm=comm, seed=config.seed, micro_batch_count=config.micro_batches, group=group,
-            scale=grad_scaler.scale if grad_scaler is not None else None))
+            scale=grad_scaler.scale if grad_scaler is not None else None,
+            contain=config.skip_step_on_detection))
     if config.weights_interval:
         checks.append(WeightsCheck(
             model, optimizer, interval=config.weights_interval,

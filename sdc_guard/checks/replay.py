@@ -17,14 +17,23 @@ than DDP does.
 
 Each rank has four 64-bit words: its own loss and gradient words and those of
 its replay. Edge r -> n is *bad* when r's replay of n's batch disagrees with
-what n reported for itself. A one-word all-reduce settles the common case: its
-sum is 0 exactly when every edge agrees (``replay_term_host``). The all-reduce
-starts in the comm hook just before the step's last gradient all-reduce, where
-the ranks meet anyway, and is waited for before the optimizer step: the only
-agreement the guard's default checks need before it (the non-finite check
-contains without one). Only when the
-sum is not 0 does an all_gather of every rank's four words follow, and every
-rank compares each edge bit for bit.
+what n reported for itself.
+
+The common case (every edge agrees) costs no collective of its own. Right
+after its replay, r sends its two replayed words to n point to point, and
+receives the replay of its own batch from r - 1; both travel while the ranks
+compute their own steps. In the comm hook, just before the step's last
+gradient all-reduce, each rank compares its own words with the replay it
+received; a difference *vetoes* the step: the rank writes the veto sentinel
+into its last bucket (``GuardCommHook._veto``), the all-reduce that runs anyway
+carries it to every rank, and every rank withholds the step. Only then (or
+when a non-finite gradient reached the sentinel, which could hide a veto) do
+the ranks gather every rank's four words (``all_gather_rows``) and compare
+each edge bit for bit. With a user's comm hook (the sentinel could not survive
+it), with ``skip_step_on_detection=False`` or with one rank, the ranks agree
+instead through a one-word all-reduce started before the last gradient
+all-reduce and waited for before the optimizer step: its sum is 0 exactly
+when every edge agrees (``replay_term_host``).
 
 Localisation (every rank derives the same answer from the same gathered words):
 
@@ -222,6 +231,7 @@ class ReplayAudit(Check, BucketListener):
         micro_batch_count: int,
         group: dist.ProcessGroup | None = None,
         scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        contain: bool = True,
     ) -> None:
         self.model = model
         self.interval = interval
@@ -249,6 +259,14 @@ class ReplayAudit(Check, BucketListener):
         self._replayed: tuple[torch.Tensor, torch.Tensor] | None = None
         self._row_cache: torch.Tensor | None = None
         self._pending: PendingSum | None = None
+        self.comm = comm
+        # The fast path (module doc): the replayed words go to their owner point to point,
+        # the owner compares and vetoes; it needs our own all-reduce to carry the veto.
+        self.wants_veto = contain and comm.inner_hook is None and self.world > 1
+        self._exchange: list[Any] = []
+        self._peer = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self._sent: torch.Tensor | None = None
+        self._veto_asked = False
         comm.subscribe(self)
 
     def due(self, step: int) -> bool:
@@ -309,15 +327,52 @@ class ReplayAudit(Check, BucketListener):
         self._replayed = None
         self._row_cache = None
         self._pending = None
+        self._veto_asked = False
         self.phase = "train"
         self._observing = True
         self._replayed = self._replay((self.rank + 1) % self.world, step, "replay")
+        if self.wants_veto:
+            self._send_replayed()
+
+    def _send_replayed(self) -> None:
+        """Send the replayed words to their owner (the next rank) and receive this rank's
+        from the previous one, point to point: both in flight while this rank computes its
+        own step, compared by the owner in the comm hook (``veto``)."""
+        rep_loss, rep_grad = self._replayed or (None, None)
+        assert rep_loss is not None and rep_grad is not None
+        words = torch.stack([rep_loss.to(self.device), rep_grad.to(self.device)])
+        nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        if self.group is not None:
+            nxt = dist.get_global_rank(self.group, nxt)
+            prv = dist.get_global_rank(self.group, prv)
+        self._exchange = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, words, nxt, self.group),
+            dist.P2POp(dist.irecv, self._peer, prv, self.group)])
+        self._sent = words  # alive until the send completes
+
+    def _finish_exchange(self) -> None:
+        for work in self._exchange:
+            work.wait()
+        self._exchange = []
+
+    def veto(self) -> Flag | None:
+        """In the comm hook, before the step's last gradient all-reduce: does this rank's own
+        loss and gradient word differ from the previous rank's replay of its batch? A
+        difference vetoes the step on every rank (``GuardCommHook._veto``); every rank
+        then gathers the words and judges in ``pre_step``."""
+        if not self._observing or not self._exchange:
+            return None
+        self._finish_exchange()
+        self._veto_asked = True
+        differs = (self.row()[:2] != self._peer).any()
+        return bool(differs) if differs.device.type == "cpu" else differs
 
     def on_loss(self, loss: torch.Tensor) -> None:
         self._own_losses.append(loss)
 
     def before_last_allreduce(self) -> None:
-        self._send_words()
+        if not self.wants_veto:
+            self._send_words()
 
     def _send_words(self) -> None:
         """Start the all-reduce of this rank's term of the step word (see ``term``).
@@ -377,15 +432,23 @@ class ReplayAudit(Check, BucketListener):
         if self._replayed is None:
             raise RuntimeError("ReplayAudit.pre_step: begin_step did not run this step")
         try:
-            if self._pending is None:  # the hook never saw a last bucket (alike on every rank)
-                self._send_words()
-            pending, self._pending = self._pending, None
-            if pending is None or pending.wait() == 0:  # every edge agrees
-                self.verified(step)
-                return Verdict()
+            if self._veto_asked:  # the owners compared: a veto (or a non-finite gradient
+                # anywhere, which may hide one) sends every rank to the gather
+                if not self.comm.vetoed():
+                    self.verified(step)
+                    return Verdict()
+            else:
+                self._finish_exchange()  # sent, but the hook never saw a last bucket
+                if self._pending is None:  # (alike on every rank)
+                    self._send_words()
+                pending, self._pending = self._pending, None
+                if pending is None or pending.wait() == 0:  # every edge agrees
+                    self.verified(step)
+                    return Verdict()
             found = self.judge(step, all_gather_rows(self.row(), self.group).tolist())
         finally:
             self._observing = False
+            self._veto_asked = False
         if found:
             self.tainted()
         else:

@@ -17,6 +17,26 @@ def test_clean_run_every_step_audited_has_no_false_positive(world: int) -> None:
     assert len({r["final"] for r in res}) == 1
 
 
+def test_clean_audit_steps_make_no_collective_of_their_own() -> None:
+    # The replayed words travel point to point and the owner compares: no agreement, no
+    # gather, on 6 clean audit steps; a fault costs one gather (and the arbitration's).
+    clean = run_ranks(workers.replay_run, 3, 6)
+    assert all(r["detections"] == [] for r in clean)
+    assert all(r["collectives"] == {"agreements": 0, "gathers": 0} for r in clean)
+    fault = {"rank": 1, "step": 2, "phase": "train", "bit": 2}
+    for r in run_ranks(workers.replay_run, 3, 4, fault=fault):
+        assert ("replay", 2, (1,)) in r["detections"] and r["skipped"] == [2]
+        assert r["collectives"]["agreements"] == 0 and r["collectives"]["gathers"] >= 1
+    # Where the veto sentinel cannot travel (a user's comm hook) or must not be written
+    # (report only), one one-word agreement per audit step, and the same verdicts.
+    for kwargs in ({"user_hook": True}, {"contain": False}):
+        res = run_ranks(workers.replay_run, 3, 4, fault=fault, **kwargs)
+        for r in res:
+            assert ("replay", 2, (1,)) in r["detections"], (kwargs, r["detections"])
+            assert r["collectives"]["agreements"] == 4
+            assert r["skipped"] == ([2] if kwargs.get("user_hook") else [])
+
+
 def test_replay_on_and_off_end_bit_identical() -> None:
     on = run_ranks(workers.replay_run, 3, 12)
     off = run_ranks(workers.replay_run, 3, 12, interval=0)
