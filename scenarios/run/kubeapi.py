@@ -61,6 +61,9 @@ api and kubernetes, 2026 heads, i.e. Kubernetes 1.37, the release the ``kubernet
   is present: the real server has none either. ``events.k8s.io/v1`` creations get that API's strict
   validation (``eventTime``, ``reportingController``, ``action``, ...). ``eventTime`` is a MicroTime:
   exactly six fraction digits, or a 400 (a Python ``datetime`` with no microseconds is refused).
+* HTTPS when given a certificate and key (``tls=``), as a pod's in-cluster client reaches the
+  real server (``https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT``, verified against the
+  service account's ``ca.crt``); plain HTTP otherwise.
 * Authentication by bearer token (401 ``Unauthorized``); RBAC denials with the real message
   (``nodes "n1" is forbidden: User "..." cannot patch resource "nodes" in API group "" at the cluster
   scope``); Status bodies byte-compatible with ``metav1.Status`` (``details`` only where the server
@@ -86,6 +89,7 @@ import json
 import random
 import re
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -1557,6 +1561,20 @@ class _HTTPServer(http.server.ThreadingHTTPServer):
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
         super().__init__(address, _Handler)
+        if owner.tls is not None:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(*owner.tls)
+            # the handshake in the connection's own thread (``finish_request``), not in accept
+            self.socket = ctx.wrap_socket(self.socket, server_side=True,
+                                          do_handshake_on_connect=False)
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        if isinstance(request, ssl.SSLSocket):
+            try:
+                request.do_handshake()
+            except (OSError, ssl.SSLError):
+                return  # a client that refused our certificate: nothing to answer
+        super().finish_request(request, client_address)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         with self._conns_lock:
@@ -1624,7 +1642,8 @@ class StandInAPIServer:
     """A kube-apiserver stand-in on 127.0.0.1 (see the module docstring for what it reproduces).
 
     ``token``: the bearer token a request must carry (``None``: no authentication, every request is
-    ``user``). ``user``: whom the token authenticates as, in RBAC denials. ``anonymous``: a request
+    ``user``). ``tls``: ``(certificate file, key file)`` to serve HTTPS (``None``: HTTP). ``user``:
+    whom the token authenticates as, in RBAC denials. ``anonymous``: a request
     without any token is ``system:anonymous`` (so a 403, as with ``--anonymous-auth=true``) instead of
     a 401. The socket is bound at construction, so ``url`` and :meth:`write_kubeconfig` work before
     :meth:`start`; after :meth:`stop`, :meth:`start` binds the same port again (a restarted server,
@@ -1632,7 +1651,8 @@ class StandInAPIServer:
     """
 
     def __init__(self, token: str | None = "test-token", *, user: str = DEFAULT_USER,
-                 anonymous: bool = False) -> None:
+                 anonymous: bool = False, tls: tuple[str | Path, str | Path] | None = None) -> None:
+        self.tls = None if tls is None else (str(tls[0]), str(tls[1]))
         self.token = token
         self.user = user
         self.anonymous = anonymous
@@ -1653,8 +1673,8 @@ class StandInAPIServer:
     # -- lifecycle ----------------------------------------------------------------------------------
     @property
     def url(self) -> str:
-        """``http://127.0.0.1:PORT``."""
-        return f"http://127.0.0.1:{self.port}"
+        """``http://127.0.0.1:PORT`` (``https://`` with ``tls``)."""
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def start(self) -> StandInAPIServer:
         """Serve on a daemon thread (rebinding the same port if the server was stopped)."""
@@ -1700,6 +1720,7 @@ class StandInAPIServer:
         p.write_text(
             "apiVersion: v1\nkind: Config\n"
             f"clusters:\n- name: stand-in\n  cluster:\n    server: {json.dumps(self.url)}\n"
+            + (f"    certificate-authority: {json.dumps(self.tls[0])}\n" if self.tls else "") +
             "users:\n- name: sdc-guard\n  user:\n" + user +
             "contexts:\n- name: stand-in\n  context:\n    cluster: stand-in\n    user: sdc-guard\n"
             f"    namespace: {json.dumps(namespace)}\n"
