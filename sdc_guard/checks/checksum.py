@@ -64,14 +64,14 @@ started just before the last gradient all-reduce and waited for before the
 optimizer step instead. ``GuardConfig.skip_step_on_detection=False`` turns
 containment off (nothing is written into the gradients).
 
-**Naming the rank needs one word**, exchanged like the non-finite check's:
-every rank puts the products that failed (three bits) and the index of the
-first failing layer as bits of int64 words; the words of ``exchange_interval``
-steps travel in one small all-reduce that nobody waits for and are judged a
-step later, so the detection, with its own step, names the rank, the layer and
-the products on every rank, one to ``exchange_interval`` steps after the step.
-On the suspect rank the detection's evidence also holds every failing entry
-(layer, product, micro-batch, residual, bound).
+**Naming the rank needs one word**, exchanged like the non-finite check's
+(``flagword.DeferredFlags``): every rank puts the products that failed (three
+bits) and the index of the first failing layer as bits of int64 words; the words
+of ``exchange_interval`` steps travel in one small all-reduce that nobody waits
+for and are judged a step later, so the detection, with its own step, names the
+rank, the layer and the products on every rank, one to ``exchange_interval``
+steps after the step. On the suspect rank the detection's evidence also holds
+every failing entry (layer, product, micro-batch, residual, bound).
 
 What it cannot see: corruptions below the bound (above); layers that are not
 ``nn.Linear`` (convolutions, attention's batched products, embeddings, norms:
@@ -96,7 +96,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.checks.base import Check, Verdict
-from sdc_guard.collectives import PendingSum, flag_rows, flag_words
+from sdc_guard.checks.flagword import DeferredFlags
+from sdc_guard.collectives import PendingSum
 from sdc_guard.comm_hook import BucketListener, GuardCommHook
 from sdc_guard.config import PRODUCTS, ChecksumConfig
 from sdc_guard.report import Detection
@@ -254,8 +255,6 @@ class ChecksumCheck(Check, BucketListener):
         self.expect_overflow = expect_overflow
         self.contain = contain
         self.comm = comm
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
         self.exact = config.bound == "exact"
         inner = model.module if isinstance(model, DistributedDataParallel) else model
         self.layers = [_Layer(n, i, m) for i, (n, m) in
@@ -272,8 +271,9 @@ class ChecksumCheck(Check, BucketListener):
         self._failures: list[_Failure] = []
         self._local: dict[int, list[dict[str, Any]]] = {}
         """This rank's failing entries per step, kept until the step is judged."""
-        self._window: list[tuple[int, list[bool]]] = []
-        self._sent: tuple[list[int], PendingSum] | None = None
+        self._deferred = DeferredFlags(len(PRODUCTS) + self._layer_bits, config.exchange_interval,
+                                       device=device, group=group)
+        """Every rank's bits per step (``_local_flags``), judged a step after they travel."""
         self._veto_word: PendingSum | None = None
         self._vetoed = False
         for layer in self.layers:
@@ -514,17 +514,14 @@ class ChecksumCheck(Check, BucketListener):
         if self._active:  # no veto was asked for (no gradient all-reduce ran)
             self._pending_forwards()
         self._active = False
-        found = self._collect()
+        found = self._deferred.collect(self)
         if self._veto_word is not None:
             withhold = self._veto_word.wait() > 0
         elif self.contain:
             withhold = self.comm.vetoed(expect_overflow=self.expect_overflow)
         else:
             withhold = False
-        flags = self._local_flags(step)
-        self._window.append((step, flags))
-        if len(self._window) >= self.config.exchange_interval:
-            self._send()
+        self._deferred.add(step, self._local_flags(step))
         return Verdict(found, withhold=withhold)
 
     def _local_flags(self, step: int) -> list[bool]:
@@ -548,44 +545,12 @@ class ChecksumCheck(Check, BucketListener):
         return products + bits
 
     def flush(self) -> list[Detection]:
-        found = self._collect()
-        if self._window:
-            self._send()
-            found += self._collect()
-        return found
+        return self._deferred.flush(self)
 
     def rewind(self, step: int) -> None:
-        sent, self._sent = self._sent, None
-        if sent is not None:
-            sent[1].wait_all()
-        self._window = []
+        self._deferred.rewind()
         self._local.clear()
         super().rewind(step)
-
-    def _send(self) -> None:
-        flags = [b for _, bits in self._window for b in bits]
-        words = flag_words(flags, self.rank, self.world_size)
-        word = PendingSum(torch.tensor(words, dtype=torch.int64, device=self.device), self.group,
-                          in_place=True)
-        self._sent = ([s for s, _ in self._window], word)
-        self._window = []
-
-    def _collect(self) -> list[Detection]:
-        sent, self._sent = self._sent, None
-        if sent is None:
-            return []
-        steps, word = sent
-        k = len(PRODUCTS) + self._layer_bits
-        rows = flag_rows(word.wait_all(), k * len(steps), self.world_size)
-        found = []
-        for i, step in enumerate(steps):
-            judged = self.judge(step, [row[k * i:k * (i + 1)] for row in rows])
-            if judged:
-                self.tainted()
-            else:
-                self.verified(step)
-            found += judged
-        return found
 
     def judge(self, step: int, rows: list[list[int]]) -> list[Detection]:
         """The detection, if any, from every rank's bits for ``step`` (row r: rank r)."""

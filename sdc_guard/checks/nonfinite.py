@@ -26,7 +26,8 @@ window and collected at the next step, when it has long arrived: the check has n
 meeting point and never waits. The detections are reported then, with the step
 they happened at, in the same call on every rank (so a loop that stops at the
 first detection stops everywhere together). ``SDCGuard.flush()`` sends and collects
-the last, partial window after the last step.
+the last, partial window after the last step (``flagword.DeferredFlags``, shared with
+the checksum check).
 
 Suspects:
 
@@ -45,24 +46,16 @@ a non-finite *reduced* result while every local gradient was finite still is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket
 
 from sdc_guard.checks.base import Check, Verdict
-from sdc_guard.collectives import PendingSum, flag_rows, flag_words
+from sdc_guard.checks.flagword import DeferredFlags
 from sdc_guard.comm_hook import BucketListener, GuardCommHook
 from sdc_guard.fingerprints.native import active_kernel
 from sdc_guard.report import Detection
 from sdc_guard.scaling import Flag, check_nonfinite, host_words
-
-
-@dataclass
-class _Sent:
-    steps: list[int]
-    word: PendingSum
 
 
 class NonFiniteCheck(Check, BucketListener):
@@ -84,10 +77,8 @@ class NonFiniteCheck(Check, BucketListener):
         self.group = group
         self.expect_overflow = expect_overflow
         self.exchange_interval = exchange_interval
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self._window: list[tuple[int, bool, bool]] = []
-        self._sent: _Sent | None = None
+        self._deferred = DeferredFlags(2, exchange_interval, device=device, group=group)
+        """Every rank's ``(local, reduced)`` flags per step, judged a step after they travel."""
         self._local: Flag | None = None
         self._reduced_host: list[bool] = []
         """Host flags of this step's reduced buckets, appended by the all-reduce callbacks
@@ -148,54 +139,20 @@ class NonFiniteCheck(Check, BucketListener):
         each with its own). Withholds this rank's step when its reduced gradients are
         non-finite (not with a ``GradScaler``, which must see the overflow and skips itself)."""
         local, reduced = self.host_flags()
-        found = self._collect()  # the word sent at the end of the previous window
-        self._window.append((step, local, reduced))
-        if len(self._window) >= self.exchange_interval:
-            self._send()
+        found = self._deferred.collect(self)  # the word sent at the end of the previous window
+        self._deferred.add(step, (local, reduced))
         return Verdict(found, withhold=reduced and not self.expect_overflow)
 
     def flush(self) -> list[Detection]:
         """Send the partial window and judge everything outstanding. Collective when a
         window is open: every rank has the same window, so all of them send."""
-        found = self._collect()
-        if self._window:
-            self._send()
-            found += self._collect()
-        return found
+        return self._deferred.flush(self)
 
     def rewind(self, step: int) -> None:
         """A restore: the flags in flight and unsent belong to the abandoned timeline. The word
         in flight is waited for (every rank started it) and dropped, unjudged."""
-        sent, self._sent = self._sent, None
-        if sent is not None:
-            sent.word.wait_all()
-        self._window = []
+        self._deferred.rewind()
         super().rewind(step)
-
-    def _send(self) -> None:
-        flags = [f for _, local, reduced in self._window for f in (local, reduced)]
-        words = flag_words(flags, self.rank, self.world_size)
-        word = PendingSum(torch.tensor(words, dtype=torch.int64, device=self.device), self.group,
-                          in_place=True)
-        self._sent = _Sent([s for s, _, _ in self._window], word)
-        self._window = []
-
-    def _collect(self) -> list[Detection]:
-        """Judge the word in flight, if any: it was sent a step ago, so this rarely waits.
-        Starts no collective."""
-        sent, self._sent = self._sent, None
-        if sent is None:
-            return []
-        rows = flag_rows(sent.word.wait_all(), 2 * len(sent.steps), self.world_size)
-        found: list[Detection] = []
-        for i, step in enumerate(sent.steps):
-            judged = self.judge(step, [row[2 * i:2 * i + 2] for row in rows])
-            if judged:
-                self.tainted()
-            else:
-                self.verified(step)
-            found += judged
-        return found
 
     def judge(self, step: int, rows: list[list[int]]) -> list[Detection]:
         """The detection, if any, from every rank's ``[local, reduced]`` flags (row r: rank r)."""
