@@ -7,8 +7,9 @@ golden run:
 
 * pool: ``WorkerPool`` ranks stay in their process group; each trial restores
   the step-0 snapshot into the already-built DDP model;
-* spawn per trial: a fresh ``WorkerPool`` per trial (3 spawned processes that
-  import torch, join a new process group, build the model, run one trial, exit);
+* spawn per trial: a fresh ``WorkerPool(start_method="spawn")`` per trial (3
+  spawned processes that import torch, join a new process group, build the model,
+  run one trial, exit);
 * forkserver per trial: ``scenarios.run.launch.run_ranks`` per trial (processes
   forked from a server that has torch imported already: the cheapest way to get
   fresh processes per trial).
@@ -56,7 +57,7 @@ def _spawned_trial(rank: int, world: int, scenario: Scenario, cmd: Trial) -> dic
 
 
 def _fresh_pool(scenario: Scenario, cmd: Trial) -> list[Any]:
-    with WorkerPool(scenario.world_size) as pool:
+    with WorkerPool(scenario.world_size, start_method="spawn") as pool:
         return pool.run(cmd, 300)
 
 

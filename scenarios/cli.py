@@ -1,7 +1,9 @@
 """``python -m scenarios``: run scenarios and campaigns, write and rebuild reports.
 
     python -m scenarios run FILE [--out DIR]              one scenario: golden + its faults
-    python -m scenarios campaign FILE [--quick] [--out DIR]
+    python -m scenarios campaign FILE [--quick] [--out DIR] [--no-report]
+    python -m scenarios campaign FILE --shard I/N --out DIR   a 1/N of it (docs/cluster.md)
+    python -m scenarios merge OUT DIR...                  the shards into one campaign + report
     python -m scenarios report DIR                        rebuild summary.json, report.md/html
     python -m scenarios check FILE                        validate a scenario or campaign file
 
@@ -31,12 +33,21 @@ from scenarios.spec.trials import plan_trials
 
 
 def _run_campaign(campaign: CampaignSpec, out: Path, cache: str | None, progress: bool,
-                  shard: tuple[int, int] | None = None) -> int:
+                  shard: tuple[int, int] | None = None, report: bool = True) -> int:
+    """Run it; the report unless ``report`` is False or this is a shard (``merge`` writes the
+    report of the whole campaign; a shard's own would describe a part of the sample)."""
     from scenarios.report.render import summary_text, write_report
     from scenarios.run.runner import run_campaign
 
-    if run_campaign(campaign, out, cache=cache, progress=progress, shard=shard):
+    if not run_campaign(campaign, out, cache=cache, progress=progress, shard=shard):
+        return 0
+    if shard is not None:
+        print(f"shard {shard[0]}/{shard[1]} done: {out}; merge every shard's directory into "
+              "the campaign and its report with: python -m scenarios merge OUT DIR...")
+    elif report:
         print(summary_text(write_report(out), out))
+    else:
+        print(f"campaign done: {out} (no report; python -m scenarios report {out} writes it)")
     return 0
 
 
@@ -52,8 +63,12 @@ def _parser() -> argparse.ArgumentParser:
     camp.add_argument("--quick", action="store_true", help="apply the file's [quick] overrides")
     camp.add_argument("--out", help="output directory (default: reports/<name>[-quick])")
     camp.add_argument("--shard", metavar="I/N",
-                      help="run shard I (0-based) of N: every N-th trial from position I; "
-                           "N alone takes I from $JOB_COMPLETION_INDEX")
+                      help="run shard I (0-based) of N: a deterministic 1/N of the trials "
+                           "(shard 0 fewer: it also measures the overhead), no report (merge "
+                           "writes it); N alone takes I from $JOB_COMPLETION_INDEX")
+    camp.add_argument("--no-report", action="store_true",
+                      help="trials.csv, overhead.json and campaign.json only (report DIR "
+                           "writes the report later)")
     for p in (run, camp):
         p.add_argument("--cache", help="golden-run cache directory (default: OUT/golden)")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -83,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             name = camp.name + ("-quick" if args.quick else "") + (
                 f"-shard{shard[0]}of{shard[1]}" if shard else "")
             out = Path(args.out or Path("reports") / name)
-            return _run_campaign(camp, out, args.cache, not args.no_progress, shard)
+            return _run_campaign(camp, out, args.cache, not args.no_progress, shard,
+                                 not args.no_report)
         if args.command == "merge":
             from scenarios.report.render import summary_text, write_report
 

@@ -4,5 +4,6 @@
 * ``rank``: the commands (golden run, trial, overhead rounds) and ``RankRunner``;
 * ``pool``: the persistent worker pool (crash and hang handling); ``distributed``: ranks
   started by torchrun; ``launch``: ``run_ranks`` for one-off multi-rank functions;
+  ``forkserver``: the server both fork their ranks from, torch already imported;
 * ``runner``: the campaign loop; ``store``: ``trials.csv`` and the golden cache.
 """

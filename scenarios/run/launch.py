@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import torch.multiprocessing  # torch's reductions for the result queue
 
-PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo"]
+from scenarios.run import forkserver
 
 
 def mp_context() -> Any:
@@ -32,14 +32,10 @@ def mp_context() -> Any:
 
     A fresh ``spawn`` costs every rank several seconds of imports; forking from a
     server that already imported them costs about a second. Falls back to spawn
-    where forkserver does not exist.
+    where forkserver does not exist. The same server as the worker pool's
+    (``scenarios.run.forkserver``).
     """
-    try:
-        ctx = mp.get_context("forkserver")
-    except ValueError:  # pragma: no cover - platforms without forkserver
-        return mp.get_context("spawn")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
+    return forkserver.context()
 
 
 class RankFailure(RuntimeError):

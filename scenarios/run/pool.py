@@ -15,9 +15,12 @@ never waits forever:
 * a rank dies (exit, signal): ``PoolError("crashed")`` naming it and its code;
 * no answer within the timeout: the pool is killed, ``PoolError("hung")``.
 
-The next ``run`` starts a fresh pool (``restarts`` counts them). Ranks die with
-their parent (``PR_SET_PDEATHSIG`` on Linux, else a parent-pid check each
-second), so killing a campaign with SIGKILL leaves no orphans behind.
+The next ``run`` starts a fresh pool (``restarts`` counts them). Ranks are forked
+from a server that has torch and DDP's lazy imports loaded
+(``scenarios.run.forkserver``: about 2 s of CPU a rank saved on every start and
+restart). Each rank watches the coordinator (a pidfd on Linux, else its pid every
+second) and ends when it does, so killing a campaign with SIGKILL leaves no
+orphans behind.
 """
 
 from __future__ import annotations
@@ -26,11 +29,14 @@ import contextlib
 import ctypes
 import gc
 import logging
+import multiprocessing
 import os
 import queue
+import select
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -38,8 +44,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import torch.multiprocessing  # torch's reductions for the queues
 
+from scenarios.run import forkserver
 from scenarios.run.rank import Command, Ping, RankRunner
 
 
@@ -72,18 +79,51 @@ def rank_device(device_type: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - exists, another user's (pid reused)
+        return False
+    return True
+
+
+def _die_with_coordinator(pid: int) -> None:
+    """End this rank (``os._exit``) as soon as the coordinator process ``pid`` ends, SIGKILL
+    included: a thread waits on a pidfd (Linux), else checks the pid every second. The rank's
+    parent is the fork server, which outlives a killed coordinator while ranks hold it open,
+    so its death signal alone (``PR_SET_PDEATHSIG``, also set) would not do."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the parent (fork server)
+    fd: int | None = None
+    with contextlib.suppress(OSError, AttributeError):
+        fd = os.pidfd_open(pid)
+    if not _alive(pid):  # it ended before the watch began
         os._exit(0)
+
+    def watch() -> None:
+        if fd is not None:
+            select.select([fd], [], [])
+        else:  # pragma: no cover - no pidfd (not Linux, or an old kernel)
+            while _alive(pid):
+                time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="sdc-watch-coordinator", daemon=True).start()
 
 
 def _worker(rank: int, world: int, store: str, backend: str, device_type: str,
-            commands: Any, results: Any, parent_pid: int, pg_timeout: float) -> None:
-    _die_with_parent(parent_pid)
+            commands: Any, results: Any, coordinator: int, pg_timeout: float,
+            environ: dict[str, str]) -> None:
+    _die_with_coordinator(coordinator)
+    # What came from the fork server (torch's modules: hundreds of thousands of objects) is
+    # never garbage: keep every collection, the teardown's included, from walking it again.
+    gc.freeze()
+    os.environ.clear()  # the coordinator's now, not the fork server's from when it started
+    os.environ.update(environ)
     logging.getLogger("sdc_guard").setLevel(logging.ERROR)  # detections go to the results
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -102,8 +142,6 @@ def _worker(rank: int, world: int, store: str, backend: str, device_type: str,
         try:
             seq, cmd = commands.get(timeout=1.0)
         except queue.Empty:
-            if os.getppid() != parent_pid:
-                os._exit(0)
             continue
         if cmd is None:
             break
@@ -127,9 +165,15 @@ class WorkerPool:
     """``world_size`` rank processes that run ``scenarios.run.rank`` commands until closed."""
 
     def __init__(self, world_size: int, *, backend: str = "auto", start_timeout: float = 300.0,
-                 pg_timeout: float = 600.0, grace: float = 3.0) -> None:
+                 pg_timeout: float = 600.0, grace: float = 3.0,
+                 start_method: str = "forkserver") -> None:
+        """``start_method``: "forkserver" (``scenarios.run.forkserver``), or "spawn" (each rank
+        imports torch itself; ``bench.throughput`` measures that as a baseline)."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}.")
+        if start_method not in ("forkserver", "spawn"):
+            raise ValueError(f"start_method must be 'forkserver' or 'spawn', got "
+                             f"{start_method!r}.")
         self.world_size = world_size
         self.backend, self.device_type = pick_backend(backend, world_size)
         self.start_timeout = start_timeout
@@ -137,7 +181,8 @@ class WorkerPool:
         self.grace = grace
         self.restarts = -1
         """How many times the pool was started after the first (crashes, hangs)."""
-        self._ctx = mp.get_context("spawn")
+        self._ctx = (forkserver.context() if start_method == "forkserver"
+                     else multiprocessing.get_context("spawn"))
         self._procs: list[Any] = []
         self._commands: list[Any] = []
         self._results: Any = None
@@ -165,7 +210,8 @@ class WorkerPool:
             self._ctx.Process(
                 target=_worker,
                 args=(r, self.world_size, store, self.backend, self.device_type,
-                      self._commands[r], self._results, os.getpid(), self.pg_timeout),
+                      self._commands[r], self._results, os.getpid(), self.pg_timeout,
+                      dict(os.environ)),
                 daemon=True, name=f"sdc-rank-{r}")
             for r in range(self.world_size)
         ]

@@ -4,7 +4,10 @@
 worker pool (``scenarios.run.pool``) and by ranks started with ``torchrun``
 (``scenarios.run.distributed``). Commands are small picklable records, the same
 on every rank; the sessions they run on (``scenarios.run.session``) stay built
-between commands.
+between commands. A scenario's golden run and all its trials share one session,
+whatever their replay interval and checksum setting: its guard is reconfigured
+for each run (fresh checks, as every trial has always had), and the model,
+optimizer and DDP buckets are the same objects, restored to step 0.
 """
 
 from __future__ import annotations
@@ -57,13 +60,11 @@ class Trial:
 
 @dataclass(frozen=True, slots=True)
 class Prepare:
-    """Build the session a trial will use (DDP, optimizer, guard, warm-up) and load the golden
-    weights, so that the trial's timeout measures the trial alone."""
+    """Build the scenario's session (DDP, optimizer, guard, warm-up) and load the golden
+    weights, so that a trial's timeout measures the trial alone."""
 
     scenario: Scenario
-    replay_interval: int
     golden_path: str | None = None
-    checksum: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,17 +115,34 @@ class RankRunner:
         self.rank = rank
         self.world = world
         self.device = device
-        self.sessions: dict[tuple[str, str], Session] = {}
+        self.sessions: dict[tuple[str, ...], Session] = {}
         self.golden_final: dict[str, list[torch.Tensor]] = {}
         # Each rank stands for a node of its own (the guard's topology reads NODE_NAME when
         # it is built), unless a real one is set (torchrun in a pod, from the downward API).
         os.environ.setdefault("NODE_NAME", f"node-{rank}")
 
     def session(self, scenario: Scenario, config: GuardConfig | None) -> Session:
+        """A session of its own for ``config`` (the overhead rounds alternate them)."""
         key = (scenario.training_key(), repr(config))
         if key not in self.sessions:
             self.sessions[key] = Session(scenario, config, self.rank, self.world, self.device)
         return self.sessions[key]
+
+    def run_session(self, scenario: Scenario, config: GuardConfig) -> Session:
+        """The scenario's session for golden runs and trials, reset to step 0 and its guard
+        reconfigured to ``config`` (fresh checks). One per trajectory: a scenario's run
+        configurations differ only in the checks (``Scenario.guard_config``); the fields the
+        guard reads only when it is built (the variables naming node and pod) are in the key."""
+        base = scenario.guard_config()
+        key = (scenario.training_key(), "run", base.node_name_env, base.pod_name_env)
+        if key not in self.sessions:
+            self.sessions[key] = Session(scenario, base, self.rank, self.world, self.device)
+        s = self.sessions[key]
+        assert s.guard is not None
+        s.reset()
+        # The last run ended with flush(): no non-finite words of the old checks in flight.
+        s.guard.reconfigure(config)
+        return s
 
     def execute(self, cmd: Command) -> Any:
         if isinstance(cmd, Ping):
@@ -132,8 +150,7 @@ class RankRunner:
         if isinstance(cmd, Golden):
             return self.golden(cmd)
         if isinstance(cmd, Prepare):
-            self.session(cmd.scenario, cmd.scenario.guard_config(cmd.replay_interval,
-                                                                 cmd.checksum))
+            self.run_session(cmd.scenario, cmd.scenario.guard_config())
             self._golden_weights(cmd.scenario, cmd.golden_path)
             return None
         if isinstance(cmd, Trial):
@@ -225,8 +242,7 @@ class RankRunner:
 
     def golden(self, cmd: Golden) -> dict[str, Any]:
         sc = cmd.scenario
-        s = self.session(sc, sc.guard_config())
-        s.reset()
+        s = self.run_session(sc, sc.guard_config())
         initial = s.state_fingerprint()
         t0 = time.perf_counter()
         out = self._train(s, sc.steps, stop_on_detection=False, params_too=True)
@@ -248,12 +264,10 @@ class RankRunner:
 
     def trial(self, cmd: Trial) -> dict[str, Any]:
         sc, spec = cmd.scenario, cmd.trial
-        s = self.session(sc, sc.guard_config(spec.replay_interval, spec.checksum))
-        assert s.guard is not None
-        s.reset()
         # Fresh checks: a trial must not inherit the last one's memory (the weights check's
-        # repairs, the checks' verified steps). The last trial ended with flush().
-        s.guard.reconfigure(s.guard.config)
+        # repairs, the checks' verified steps).
+        s = self.run_session(sc, sc.guard_config(spec.replay_interval, spec.checksum))
+        assert s.guard is not None
         t0 = time.perf_counter()
         handles = [arm(f, guard=s.guard) for f in spec.faults]
         chaos = _chaos_hook(spec.chaos, self.rank) if spec.chaos is not None else None

@@ -128,7 +128,7 @@ class CampaignRunner:
         self.executor = executor
         self.progress = progress and executor.coordinator
         self.goldens: dict[str, GoldenRun] = {}
-        self._prepared: set[tuple[int, str, int]] = set()
+        self._prepared: set[tuple[int, str]] = set()
 
     # -- golden ---------------------------------------------------------------------------------
     def golden(self, scenario: Scenario) -> GoldenRun:
@@ -195,10 +195,9 @@ class CampaignRunner:
         _, pt = golden_paths(self.cache, golden.key)
         t0 = time.monotonic()
         try:
-            key = (self.executor.generation(sc), sc.name, t.replay_interval, t.checksum)
+            key = (self.executor.generation(sc), sc.name)
             if key not in self._prepared:  # a new session: not part of the trial's timeout
-                self.executor.run(sc, Prepare(sc, t.replay_interval, str(pt), t.checksum),
-                                  timeout=600.0)
+                self.executor.run(sc, Prepare(sc, str(pt)), timeout=600.0)
                 self._prepared.add(key)
                 t0 = time.monotonic()
             ckpt_dir = self._checkpoint_dir(sc, t)

@@ -1,11 +1,13 @@
 """One scenario's DDP model, optimizer and guard on one rank, reused by every trial.
 
-A ``Session`` is one DDP model, optimizer and ``SDCGuard`` for one (scenario,
-guard configuration). DDP accepts one comm hook and the guard registers it in
-its constructor, so a session is built once and reused: each trial restores the
-step-0 snapshot (``state_dict`` copies taken right after construction) into the
-same parameters (``load_state_dict`` copies in place) and a fresh optimizer
-state, arms its faults, trains, and disarms them.
+A ``Session`` is one DDP model, optimizer and ``SDCGuard``. DDP accepts one comm
+hook and the guard registers it in its constructor, so a session is built once
+and reused: each trial restores the step-0 snapshot (``state_dict`` copies taken
+right after construction) into the same parameters (``load_state_dict`` copies
+in place) and a fresh optimizer state, gets its guard configuration
+(``SDCGuard.reconfigure``: the checks built anew), arms its faults, trains, and
+disarms them. So a scenario's golden run and all its trials share one session
+(``RankRunner.run_session``); the overhead rounds keep one per configuration.
 
 Two warm-up iterations (forward and backward, no optimizer step) run before the
 snapshot is restored the first time: DDP rebuilds its gradient buckets at the

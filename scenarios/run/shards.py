@@ -1,9 +1,10 @@
 """Campaigns in shards: a deterministic 1/N of the trials per process, and the merge.
 
 ``python -m scenarios campaign FILE --shard I/N --out DIR`` runs its share of the campaign's
-plan (``plan_trials``: the same list on every machine; ``shard_of``: trial by trial to the
-least loaded shard), with the golden runs its trials need; shard 0 also measures the
-overhead, and gets fewer trials for it (``overhead_share``). ``--shard N`` takes
+plan (``plan_trials``: the same list on every machine; ``shard_of``: equal work per shard,
+each shard's trials spread evenly over the plan), with the golden runs its trials need;
+shard 0 also measures the overhead, and gets fewer trials for it (``overhead_share``). A
+shard writes no report: ``merge`` writes the campaign's. ``--shard N`` takes
 ``I`` from ``JOB_COMPLETION_INDEX`` (a Kubernetes Indexed Job sets it, 0-based). A shard
 resumes like any campaign.
 
@@ -72,16 +73,23 @@ def overhead_share(campaign: CampaignSpec) -> float:
 
 def shard_of(trials: list[TrialSpec], index: int, count: int,
              head_start: float = 0.0) -> list[TrialSpec]:
-    """Shard ``index`` of ``count``: trial by trial in plan order, each goes to the shard with
-    the least work so far (ties: the lowest index), shard 0 starting ``head_start`` trials
-    behind (it also measures the overhead, ``overhead_share``). Each shard gets a mix of
-    scenarios, sites and replay intervals, and the shards together are the plan, each trial
-    once; without a head start it is every ``count``-th trial from position ``index``."""
-    load = [head_start] + [0.0] * (count - 1)
+    """Shard ``index`` of ``count``. Each shard's share of the plan is equal work: shard 0,
+    which also measures the overhead (``head_start`` trials' worth, ``overhead_share``), gets
+    ``(M + head_start) / count - head_start`` of the ``M`` trials, the others
+    ``(M + head_start) / count`` each. Trial by trial in plan order, each goes to the shard
+    least far through its share (``(dealt + 1) / share``; ties: the lowest index), so every
+    shard's trials are spread evenly over the plan and each gets the plan's mix of scenarios,
+    sites and replay intervals (a cheap and a costly part of the plan never fall to different
+    shards). The shards together are the plan, each trial once; without a head start shard
+    ``index`` gets every ``count``-th trial from position ``index``."""
+    total = len(trials) + max(0.0, head_start)
+    share = [total / count - max(0.0, head_start)] + [total / count] * (count - 1)
+    dealt = [0] * count
     mine = []
     for t in trials:
-        i = min(range(count), key=lambda j: (load[j], j))
-        load[i] += 1.0
+        i = min((j for j in range(count) if share[j] > 0),
+                key=lambda j: ((dealt[j] + 1) / share[j], j))
+        dealt[i] += 1
         if i == index:
             mine.append(t)
     return mine

@@ -117,15 +117,22 @@ def test_other_models_dtypes_and_accumulation(tmp_path: Path, variant: dict[str,
         executor.close()
 
 
-def _children(pid: int) -> list[int]:
-    out = []
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``: the ranks are the fork server's children, not the
+    campaign's."""
+    parent: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
+        parent[int(stat.parent.name)] = int(fields[1])
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
     return out
 
 
@@ -168,14 +175,15 @@ def test_killed_campaign_resumes_without_loss_or_duplicates(tmp_path: Path) -> N
             break
         time.sleep(0.1)
     assert proc.poll() is None, "the campaign finished before it could be killed"
-    ranks = _children(proc.pid)
+    ranks = _descendants(proc.pid)
+    assert len(ranks) >= 3  # the ranks (and the fork server)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     killed_with = _ids(csv_path)
     assert 3 <= len(killed_with) < len(planned)
     with csv_path.open("a") as fh:  # as if the kill had torn the last write
         fh.write(planned[-1][:5])
-    time.sleep(2.0)  # the ranks die with their parent (PR_SET_PDEATHSIG)
+    time.sleep(2.0)  # the ranks end with the coordinator (they watch its pid), then the server
     assert [p for p in ranks if Path(f"/proc/{p}").exists() and not _zombie(p)] == []
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=250)
     assert done.returncode == 0, done.stderr[-2000:]
