@@ -26,17 +26,17 @@ neither biases a comparison nor hides from the bootstrap intervals."""
 
 
 PLAIN_DDP_VIEWS = OverheadConfig(name="plain DDP, gradient_as_bucket_view", config=None)
-"""Plain DDP built with bucket views (no copy; DDP divides the bucket by ``world`` instead)."""
+"""Plain DDP built with bucket views (``gradient_as_bucket_view=True``)."""
 CHECKS_OFF_COPIED = OverheadConfig(
     name="guard, checks off, DDP's default construction (gradients copied)",
     config=CHECKS_OFF.config)
-"""The guard on DDP's default construction: each gradient copied into its bucket unscaled,
-then scaled by the hook: one more pass than DDP alone. Every other guarded configuration
-runs on bucket views (``guarded_ddp``), the construction the guard recommends."""
+"""The guard on DDP's default construction. Every other guarded configuration runs on bucket
+views (``guarded_ddp``); with the gradients set to None every step, as the guard does, DDP
+copies them into the buckets either way (docs/architecture.md)."""
 
 
 def guarded_ddp(module: nn.Module) -> DDP:
-    """``module`` wrapped as the guard recommends: ``gradient_as_bucket_view=True``."""
+    """``module`` wrapped with ``gradient_as_bucket_view=True``."""
     return DDP(module, gradient_as_bucket_view=True)
 
 

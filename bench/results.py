@@ -78,11 +78,12 @@ def overhead_md(ov: dict[str, Any], *, reference: bool) -> list[str]:
         lines.append("")
         if bl.get("guard_off_vs_plain"):
             lines += ["The guard with its checks off against plain DDP, the same way (the median "
-                      "over rounds of each round's ratio; 90% bootstrap interval). The guard's "
-                      "model is built with `gradient_as_bucket_view=True` as the guard recommends "
-                      "(docs/architecture.md); DDP's default construction copies each gradient "
-                      "into its bucket, and with a comm hook the scaling is then a pass of its "
-                      "own" + (" (target: within 0.5% of plain DDP)" if reference else "") + ":",
+                      "over rounds of each round's ratio; 90% bootstrap interval), both models "
+                      "built either way. With a comm hook DDP copies each gradient into its "
+                      "bucket unscaled and the hook scales it, a pass of its own; bucket views do "
+                      "not save the copy while the gradients are set to None every step, as the "
+                      "guard does (docs/architecture.md)"
+                      + (" (target: within 0.5% of plain DDP)" if reference else "") + ":",
                       "", "| guard, checks off / plain DDP | ratio - 1 | 90% interval |",
                       "|---|---|---|"]
             for pair, (r, (lo, hi)) in bl["guard_off_vs_plain"].items():

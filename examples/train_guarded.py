@@ -89,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    model = DDP(make_model().to(device), device_ids=[device.index] if cuda else None,
-                gradient_as_bucket_view=True)
+    model = DDP(make_model().to(device), device_ids=[device.index] if cuda else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     quarantine = None if args.no_quarantine else KubeQuarantine(
         dry_run=not args.act, max_nodes=1, max_fraction=0.1, kubeconfig=args.kubeconfig)

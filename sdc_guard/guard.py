@@ -103,12 +103,6 @@ class SDCGuard:
         self.comm = GuardCommHook(process_group, inner_hook=comm_hook,
                                   inner_state=comm_hook_state)
         model.register_comm_hook(self.comm, GuardCommHook.hook)
-        if self.rank == 0 and not getattr(model, "gradient_as_bucket_view", True):
-            log.info("DDP(gradient_as_bucket_view=False): with a comm hook (the guard's) DDP "
-                     "copies each gradient into its bucket unscaled and the hook scales it, one "
-                     "more pass over the gradients per step than DDP alone; "
-                     "gradient_as_bucket_view=True saves it and trains the same weights "
-                     "(docs/architecture.md, 'The fused scaling pass').")
         self.checks: list[Check] = []
         self.events: EventLog | None = None
         self.reconfigure(config)
