@@ -95,8 +95,12 @@ class NativeKernel:
         self.cpu_isa = ISAS[isa(-2)]
         """The widest instruction set this CPU gives the word loops."""
         wanted = os.environ.get("SDC_GUARD_ISA")
-        if wanted:
+        if wanted in ISAS:
             self.use_isa(wanted)
+        elif wanted:  # a typo must not cost the kernel: say so, and run the widest
+            warnings.warn(f"SDC_GUARD_ISA={wanted!r} is not an instruction set; set it to one of "
+                          f"{', '.join(ISAS)} (or unset it). Using {self.isa}.", RuntimeWarning,
+                          stacklevel=2)
 
     @property
     def isa(self) -> str:

@@ -386,3 +386,19 @@ def test_every_instruction_set_gives_the_same_values(native: None) -> None:
     assert all(v == want for v in seen.values()), [k for k, v in seen.items() if v != want]
     with pytest.raises(ValueError, match="avx2"):
         kernel.use_isa("avx1024")
+
+
+def test_sdc_guard_isa_narrows_the_loops_and_a_typo_is_named(
+        native: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = nat.active_kernel()
+    assert kernel is not None
+    before = kernel.isa
+    try:
+        monkeypatch.setenv("SDC_GUARD_ISA", "baseline")
+        assert nat.NativeKernel(kernel.path).isa == "baseline"
+        monkeypatch.setenv("SDC_GUARD_ISA", "avx-2")
+        with pytest.warns(RuntimeWarning, match="SDC_GUARD_ISA='avx-2'.*baseline, avx2, avx512f"):
+            other = nat.NativeKernel(kernel.path)
+        assert other.isa == "baseline"  # the same library: the setting before stays
+    finally:
+        kernel.use_isa(before)
