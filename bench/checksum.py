@@ -4,6 +4,9 @@ Each workload runs ``INSTANCES`` guarded models; the configurations (the guard w
 checks off, and with the checksum check alone) are switched block by block, the order
 rotating round by round, and timed in blocks of steps with no barrier between the steps
 (as a training loop runs). The ratio is the median over rounds of each round's ratio.
+The checks-off configuration runs on the same models, whose comm hook the checksum check has
+registered (it reads the gradient buckets; DDP cannot remove a hook): the ratio is the check's
+own work. What a comm hook costs a guard that never registered one is in ``bench.overhead``.
 """
 
 from __future__ import annotations

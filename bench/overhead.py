@@ -155,6 +155,7 @@ def _blocks_rank(rank: int, world: int, rounds: int, block: int, batch: int) -> 
     names = [oc.name for oc in BLOCK_CONFIGS]
     times: dict[str, list[float]] = {k: [] for k in names}
     cpu: dict[str, list[float]] = {k: [] for k in names}
+    main: dict[str, list[float]] = {k: [] for k in names}  # this rank's main thread
     step = 0
     configs = BLOCK_CONFIGS
     for r in range(rounds + 1):  # round 0 warms up
@@ -162,19 +163,21 @@ def _blocks_rank(rank: int, world: int, rounds: int, block: int, batch: int) -> 
             name = oc.name
             run = runner(oc, r % INSTANCES)
             dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, h0 = time.perf_counter(), time.process_time(), time.thread_time()
             for _ in range(block):
                 run(step)
                 step += 1
-            c1 = time.process_time()
+            c1, h1 = time.process_time(), time.thread_time()
             dist.barrier()
             if r:
                 times[name].append((time.perf_counter() - t0) / block)
                 cpu[name].append((c1 - c0) / block)
+                main[name].append((h1 - h0) / block)
     for g in guards:
         if g.config.nonfinite:
             g.flush()
     per_round = {k: [[v] for v in vs] for k, vs in times.items()}
+    main_rounds = {k: [[v] for v in vs] for k, vs in main.items()}
 
     def ratio(m: dict[str, list[float]], k: str) -> float:
         return statistics.median(a / b for a, b in zip(m[k], m[GUARD_OFF], strict=True)) - 1.0
@@ -187,8 +190,22 @@ def _blocks_rank(rank: int, world: int, rounds: int, block: int, batch: int) -> 
                           bootstrap_interval(per_round, lambda m, k=k, b=base: to_plain(m, k, b)))
         for k in (GUARD_OFF, CHECKS_OFF_COPIED.name)
         for base in (PLAIN_DDP.name, PLAIN_DDP_VIEWS.name)}
+
+    def extra_main(m: dict[str, list[float]], k: str, base: str) -> float:
+        """Median over rounds of the main thread's extra CPU time per step, in seconds."""
+        return statistics.median(a - b for a, b in zip(m[k], m[base], strict=True))
+
+    guard_off_main_cpu = {
+        f"{k} / {base}": (extra_main(main, k, base),
+                          bootstrap_interval(main_rounds,
+                                             lambda m, k=k, b=base: extra_main(m, k, b)),
+                          statistics.median(main[base]))
+        for k, base in ((GUARD_OFF, PLAIN_DDP_VIEWS.name),
+                        (CHECKS_OFF_COPIED.name, PLAIN_DDP.name))}
     return {
         "guard_off_vs_plain": guard_off_vs_plain,
+        "guard_off_main_thread_cpu_extra_s": guard_off_main_cpu,
+        "step_main_thread_cpu_s": {k: statistics.median(v) for k, v in main.items()},
         "step_s": {k: statistics.median(v) for k, v in times.items()},
         "step_cpu_s": {k: statistics.median(v) for k, v in cpu.items()},
         "vs_guard_off": {k: ratio(times, k) for k in names if k != GUARD_OFF},

@@ -32,7 +32,11 @@ CHECKS_OFF_COPIED = OverheadConfig(
     config=CHECKS_OFF.config)
 """The guard on DDP's default construction. Every other guarded configuration runs on bucket
 views (``guarded_ddp``); with the gradients set to None every step, as the guard does, DDP
-copies them into the buckets either way (docs/architecture.md)."""
+copies them into the buckets either way (docs/architecture.md).
+
+Both checks-off configurations run on models of their own that never had a check: the guard
+registers its comm hook with DDP the first time a check reads the gradient buckets, and DDP
+cannot remove it (``SDCGuard.comm_hook_registered``)."""
 
 
 def guarded_ddp(module: nn.Module) -> DDP:
@@ -84,11 +88,13 @@ Runner = Callable[[OverheadConfig, int], Callable[[int], object]]
 def reference_runs(rank: int, batch: int) -> tuple[list[SDCGuard], Runner]:
     """``INSTANCES`` of each model of the reference workload: plain DDP loops (DDP's default
     construction, and ``PLAIN_DDP_VIEWS``), a guarded model on bucket views that every
-    guarded configuration shares, and one on the default construction
-    (``CHECKS_OFF_COPIED``). Returns the guards and the ``Runner``."""
+    guarded configuration with a check shares, and the two checks-off configurations' own
+    (``CHECKS_OFF`` on bucket views, ``CHECKS_OFF_COPIED``). Returns the guards and the
+    ``Runner``; the guards with checks come first."""
     batch_for = functools.partial(classification_batch, batch=batch)
     plains: dict[bool, list[Callable[[int], None]]] = {False: [], True: []}
-    guards: dict[bool, list[SDCGuard]] = {False: [], True: []}
+    guards: dict[str, list[SDCGuard]] = {"checks": [], CHECKS_OFF.name: [],
+                                         CHECKS_OFF_COPIED.name: []}
     for _ in range(INSTANCES):
         for views in (False, True):
             model = DDP(reference_mlp(), gradient_as_bucket_view=views)
@@ -100,16 +106,18 @@ def reference_runs(rank: int, batch: int) -> tuple[list[SDCGuard], Runner]:
                 opt.step()
 
             plains[views].append(plain)
-            gmodel = DDP(reference_mlp(), gradient_as_bucket_view=views)
+        for kind in guards:
+            gmodel = DDP(reference_mlp(), gradient_as_bucket_view=kind != CHECKS_OFF_COPIED.name)
             gopt = torch.optim.AdamW(gmodel.parameters(), lr=1e-3)
-            guards[views].append(SDCGuard(gmodel, gopt, loss_fn=cross_entropy_loss,
-                                          batch_for=batch_for))
+            config = CHECKS_OFF.config if kind != "checks" else None
+            guards[kind].append(SDCGuard(gmodel, gopt, loss_fn=cross_entropy_loss,
+                                         batch_for=batch_for, config=config))
 
     def runner(oc: OverheadConfig, i: int) -> Callable[[int], object]:
         if oc.config is None:
             return plains[oc.name == PLAIN_DDP_VIEWS.name][i]
-        guard = guards[oc.name != CHECKS_OFF_COPIED.name][i]
+        guard = guards[oc.name if oc.name in guards else "checks"][i]
         switch(guard, oc.config)
         return guard.step
 
-    return guards[True] + guards[False], runner
+    return [g for kind in guards.values() for g in kind], runner

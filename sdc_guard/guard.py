@@ -100,9 +100,14 @@ class SDCGuard:
         self.remediation: Remediation | None = None
         self.before_step: list[StepHook] = []
         """Callables run with the step number at the start of ``step`` (fault injectors use it)."""
+        if getattr(model, "_comm_hooks", None):
+            raise ValueError(
+                "SDCGuard(model=...) already has a DDP comm hook registered, and DDP takes one "
+                "per model: build the DDP model without it and pass it to the guard instead, "
+                "SDCGuard(..., comm_hook=my_hook, comm_hook_state=my_state).")
         self.comm = GuardCommHook(process_group, inner_hook=comm_hook,
                                   inner_state=comm_hook_state)
-        model.register_comm_hook(self.comm, GuardCommHook.hook)
+        self._hooked = False
         self.checks: list[Check] = []
         self.events: EventLog | None = None
         self.reconfigure(config)
@@ -164,6 +169,24 @@ class SDCGuard:
             group=self.group)
         self.events = (EventLog(config.event_log, rank=self.rank)
                        if config.event_log is not None else None)
+        self._hook_if_needed()
+
+    @property
+    def comm_hook_registered(self) -> bool:
+        """Is the guard's comm hook registered with DDP (``_hook_if_needed``)?"""
+        return self._hooked
+
+    def _hook_if_needed(self) -> None:
+        """Register the comm hook with DDP the first time something needs the gradient
+        buckets: a check that subscribed, a fault injector's gradient callback, or the
+        user's own hook. Until then DDP runs its built-in all-reduce, which scales each
+        gradient while it copies it into its bucket: any comm hook costs one more pass
+        (docs/architecture.md), and checks that never read a bucket do not pay it. DDP
+        cannot remove a hook: once registered it stays, bit-identical either way."""
+        c = self.comm
+        if not self._hooked and (c.listeners or c.before or c.after or c.inner_hook is not None):
+            self.model.register_comm_hook(c, GuardCommHook.hook)
+            self._hooked = True
 
     # -- the step ---------------------------------------------------------------------------
     def step(self, step: int) -> StepReport:
@@ -177,6 +200,8 @@ class SDCGuard:
             )
         for hook in self.before_step:
             hook(step)
+        if not self._hooked:  # a fault injector may have joined the comm hook's lists
+            self._hook_if_needed()
         cfg = self.config
         batches = micro_batches(self.batch_for(self.rank, step), cfg.micro_batches)
         due = [c for c in self.checks if c.due(step)]

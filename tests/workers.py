@@ -124,6 +124,7 @@ def guarded_run(rank: int, world: int, steps: int, fault: dict[str, Any] | None 
         "suspect_nodes": [d.suspect_nodes for r in reports for d in r.detections]
         + [d.suspect_nodes for d in flushed],
         "telemetry": [d.evidence.get("telemetry") for r in reports for d in r.detections],
+        "hooked": guard.comm_hook_registered,
     }
     if remediation is not None:
         out["actions"] = [a.to_json() for a in remediation.actions]

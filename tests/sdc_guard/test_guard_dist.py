@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -121,6 +122,27 @@ def test_guarded_training_equals_plain_ddp_bit_for_bit(opt: str) -> None:
     for g, p in zip(guarded, plain, strict=True):
         assert g["losses"] == p["losses"]
         assert g["final"] == p["final"]
+
+
+def test_checks_that_read_no_bucket_leave_ddp_without_a_comm_hook() -> None:
+    # With no check reading the gradient buckets, DDP keeps its built-in all-reduce (a comm
+    # hook would cost a pass): the guard then trains exactly what plain DDP trains.
+    plain = run_ranks(workers.plain_run, 3, 8)
+    for cfg in ({"nonfinite": False, "weights_interval": 0},
+                {"nonfinite": False, "weights_interval": 1}):
+        res = run_ranks(workers.guarded_run, 3, 8, None, cfg)
+        assert [(r["losses"], r["final"], r["hooked"], r["detections"]) for r in res] == [
+            (p["losses"], p["final"], False, []) for p in plain]
+    assert all(r["hooked"] for r in run_ranks(workers.guarded_run, 3, 2))  # nonfinite reads them
+    # A fault injector's gradient callback registers the hook, on its rank only: that rank's
+    # all-reduce still meets the others' built-in one, bit for bit, until the NaN it plants
+    # (no check is on) reaches every rank's weights.
+    fault = {"site": "grad_nan", "rank": 2, "step": 4}
+    res = run_ranks(workers.guarded_run, 3, 6, fault, {"nonfinite": False, "weights_interval": 0})
+    assert [r["hooked"] for r in res] == [False, False, True]
+    for r, p in zip(res, plain, strict=True):
+        assert r["losses"][:5] == p["losses"][:5]
+        assert math.isnan(r["losses"][5])
 
 
 def test_gradients_as_bucket_views_change_no_bit_and_no_verdict() -> None:
