@@ -7,7 +7,8 @@ written next to the ratio it is judged by. Results go to ``bench/results.json`` 
     python -m bench [--quick] [--out bench]
 
 The parts: ``fingerprint`` (throughput), ``overhead`` (per check, per step and in
-blocks), ``replay`` (the replay audit against its ideal), ``results`` (RESULTS.md);
+blocks; the guard with its checks off beside plain DDP), ``replay`` (the replay audit
+against its ideal), ``results`` (RESULTS.md);
 ``reference`` (the workload) and ``timing`` (repetitions, bootstrap intervals).
 ``python -m bench.throughput`` measures the campaign harness, ``python -m
 bench.device_check`` checks a machine with an accelerator.
@@ -25,7 +26,7 @@ import torch
 
 from bench.checksum import checksum_overhead
 from bench.fingerprint import fingerprint_throughput
-from bench.overhead import check_overhead, check_overhead_blocks
+from bench.overhead import check_guard_off, check_overhead, check_overhead_blocks
 from bench.replay import replay_overhead
 from bench.results import markdown
 from bench.timing import cpu_name
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
                                             batch=128)),
         ("overhead_blocks", lambda: check_overhead_blocks(3, rounds=4 if q else 48,
                                                           block=8 if q else 24, batch=128)),
+        ("guard_off", lambda: check_guard_off(3, rounds=4 if q else 120, block=8 if q else 16,
+                                              batch=128)),
         ("checksum", lambda: checksum_overhead(3, rounds=2 if q else 12, block=4 if q else 16)),
         ("replay", lambda: replay_overhead(3, rounds=3 if q else 12, batch=128)),
         ("replay_alone", lambda: replay_overhead(3, rounds=3 if q else 12, batch=128,

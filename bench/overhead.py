@@ -44,11 +44,15 @@ NF_WORD = "nonfinite: flags word sent, the previous step's collected"
 CONFIGS: tuple[OverheadConfig, ...] = (PLAIN_DDP, PLAIN_DDP_VIEWS, CHECKS_OFF, CHECKS_OFF_COPIED,
                                        NONFINITE, NONFINITE_EVERY_STEP, WEIGHTS, ALWAYS_ON)
 """What the per-step table alternates, in this order."""
-BLOCK_CONFIGS: tuple[OverheadConfig, ...] = (PLAIN_DDP, PLAIN_DDP_VIEWS, CHECKS_OFF,
-                                             CHECKS_OFF_COPIED, NONFINITE, NONFINITE_EVERY_STEP)
-"""What the block-timed table alternates. The checksum's configurations run in a process of
-their own (``bench.checksum``): their large temporaries move the allocator's thresholds for
-the whole process, which slowed every configuration after them, plain DDP included."""
+BLOCK_CONFIGS: tuple[OverheadConfig, ...] = (PLAIN_DDP, CHECKS_OFF, NONFINITE,
+                                             NONFINITE_EVERY_STEP)
+GUARD_OFF_CONFIGS: tuple[OverheadConfig, ...] = (PLAIN_DDP, PLAIN_DDP_VIEWS, CHECKS_OFF,
+                                                 CHECKS_OFF_COPIED)
+"""What the block-timed tables alternate: the checks, and (with more rounds, its target being
+small) the guard with its checks off beside plain DDP, each DDP construction on both sides.
+The checksum's configurations run in a process of their own (``bench.checksum``): their
+large temporaries move the allocator's thresholds for the whole process, which slowed every
+configuration after them, plain DDP included."""
 GUARD_OFF = CHECKS_OFF.name
 
 
@@ -146,18 +150,18 @@ def _overhead_rank(rank: int, world: int, rounds: int, block: int, batch: int) -
     return result
 
 
-def _blocks_rank(rank: int, world: int, rounds: int, block: int, batch: int) -> dict[str, Any]:
+def _blocks_rank(rank: int, world: int, rounds: int, block: int, batch: int,
+                 configs: tuple[OverheadConfig, ...] = BLOCK_CONFIGS) -> dict[str, Any]:
     """Step time as a training loop sees it: blocks of ``block`` steps timed as a whole,
     with no barrier between the steps (a barrier per step adds two meeting points of its
     own, and lines the ranks' phases up); the configurations rotate round by round."""
     guards, runner = reference_runs(rank, batch)
 
-    names = [oc.name for oc in BLOCK_CONFIGS]
+    names = [oc.name for oc in configs]
     times: dict[str, list[float]] = {k: [] for k in names}
     cpu: dict[str, list[float]] = {k: [] for k in names}
     main: dict[str, list[float]] = {k: [] for k in names}  # this rank's main thread
     step = 0
-    configs = BLOCK_CONFIGS
     for r in range(rounds + 1):  # round 0 warms up
         for oc in configs[r % len(configs):] + configs[:r % len(configs)]:
             name = oc.name
@@ -185,11 +189,14 @@ def _blocks_rank(rank: int, world: int, rounds: int, block: int, batch: int) -> 
     def to_plain(m: dict[str, list[float]], k: str, base: str) -> float:
         return statistics.median(a / b for a, b in zip(m[k], m[base], strict=True)) - 1.0
 
+    pairs = [(k, base) for k, base in ((GUARD_OFF, PLAIN_DDP_VIEWS.name),
+                                       (CHECKS_OFF_COPIED.name, PLAIN_DDP.name))
+             if k in names and base in names]
+    """The guard with its checks off beside plain DDP built the same way."""
     guard_off_vs_plain = {
         f"{k} / {base}": (to_plain(times, k, base),
                           bootstrap_interval(per_round, lambda m, k=k, b=base: to_plain(m, k, b)))
-        for k in (GUARD_OFF, CHECKS_OFF_COPIED.name)
-        for base in (PLAIN_DDP.name, PLAIN_DDP_VIEWS.name)}
+        for k, base in pairs}
 
     def extra_main(m: dict[str, list[float]], k: str, base: str) -> float:
         """Median over rounds of the main thread's extra CPU time per step, in seconds."""
@@ -200,8 +207,7 @@ def _blocks_rank(rank: int, world: int, rounds: int, block: int, batch: int) -> 
                           bootstrap_interval(main_rounds,
                                              lambda m, k=k, b=base: extra_main(m, k, b)),
                           statistics.median(main[base]))
-        for k, base in ((GUARD_OFF, PLAIN_DDP_VIEWS.name),
-                        (CHECKS_OFF_COPIED.name, PLAIN_DDP.name))}
+        for k, base in pairs}
     return {
         "guard_off_vs_plain": guard_off_vs_plain,
         "guard_off_main_thread_cpu_extra_s": guard_off_main_cpu,
@@ -218,6 +224,13 @@ def _blocks_rank(rank: int, world: int, rounds: int, block: int, batch: int) -> 
 def check_overhead_blocks(world: int, rounds: int, block: int, batch: int) -> dict[str, Any]:
     """``BLOCK_CONFIGS`` timed in blocks of ``block`` steps on ``world`` ranks."""
     res = run_ranks(_blocks_rank, world, rounds, block, batch, timeout=1800)[0]
+    res.update({"world": world, "batch": batch, "rounds": rounds, "block": block})
+    return res
+
+
+def check_guard_off(world: int, rounds: int, block: int, batch: int) -> dict[str, Any]:
+    """``GUARD_OFF_CONFIGS`` timed in blocks, as ``check_overhead_blocks``."""
+    res = run_ranks(_blocks_rank, world, rounds, block, batch, GUARD_OFF_CONFIGS, timeout=3600)[0]
     res.update({"world": world, "batch": batch, "rounds": rounds, "block": block})
     return res
 

@@ -86,26 +86,18 @@ Runner = Callable[[OverheadConfig, int], Callable[[int], object]]
 
 
 def reference_runs(rank: int, batch: int) -> tuple[list[SDCGuard], Runner]:
-    """``INSTANCES`` of each model of the reference workload: plain DDP loops (DDP's default
-    construction, and ``PLAIN_DDP_VIEWS``), a guarded model on bucket views that every
-    guarded configuration with a check shares, and the two checks-off configurations' own
-    (``CHECKS_OFF`` on bucket views, ``CHECKS_OFF_COPIED``). Returns the guards and the
+    """``INSTANCES`` of each model of the reference workload: a guarded model on bucket views
+    that every guarded configuration with a check shares, and the two checks-off
+    configurations' own (``CHECKS_OFF`` on bucket views, ``CHECKS_OFF_COPIED`` on DDP's
+    default construction). Plain DDP loops (``PLAIN_DDP``, ``PLAIN_DDP_VIEWS``) train the
+    checks-off guards' models and optimizers themselves: a guard without checks registers no
+    comm hook, so its model is plain DDP, and the comparison carries no difference between
+    two instances of the model (where their memory landed). Returns the guards and the
     ``Runner``; the guards with checks come first."""
     batch_for = functools.partial(classification_batch, batch=batch)
-    plains: dict[bool, list[Callable[[int], None]]] = {False: [], True: []}
     guards: dict[str, list[SDCGuard]] = {"checks": [], CHECKS_OFF.name: [],
                                          CHECKS_OFF_COPIED.name: []}
     for _ in range(INSTANCES):
-        for views in (False, True):
-            model = DDP(reference_mlp(), gradient_as_bucket_view=views)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-            def plain(step: int, model: DDP = model, opt: torch.optim.Optimizer = opt) -> None:
-                opt.zero_grad(set_to_none=True)
-                cross_entropy_loss(model, batch_for(rank, step)).backward()
-                opt.step()
-
-            plains[views].append(plain)
         for kind in guards:
             gmodel = DDP(reference_mlp(), gradient_as_bucket_view=kind != CHECKS_OFF_COPIED.name)
             gopt = torch.optim.AdamW(gmodel.parameters(), lr=1e-3)
@@ -113,9 +105,20 @@ def reference_runs(rank: int, batch: int) -> tuple[list[SDCGuard], Runner]:
             guards[kind].append(SDCGuard(gmodel, gopt, loss_fn=cross_entropy_loss,
                                          batch_for=batch_for, config=config))
 
+    def plain_loop(guard: SDCGuard) -> Callable[[int], None]:
+        assert not guard.comm_hook_registered  # else it would not be plain DDP
+        model, opt = guard.model, guard.optimizer
+
+        def plain(step: int) -> None:
+            opt.zero_grad(set_to_none=True)
+            cross_entropy_loss(model, batch_for(rank, step)).backward()
+            opt.step()
+        return plain
+
     def runner(oc: OverheadConfig, i: int) -> Callable[[int], object]:
         if oc.config is None:
-            return plains[oc.name == PLAIN_DDP_VIEWS.name][i]
+            kind = CHECKS_OFF.name if oc.name == PLAIN_DDP_VIEWS.name else CHECKS_OFF_COPIED.name
+            return plain_loop(guards[kind][i])
         guard = guards[oc.name if oc.name in guards else "checks"][i]
         switch(guard, oc.config)
         return guard.step

@@ -76,35 +76,38 @@ def overhead_md(ov: dict[str, Any], *, reference: bool) -> list[str]:
                          f"{lo*100:+.1f}% .. {hi*100:+.1f}% | "
                          f"{bl['cpu_vs_guard_off'][name]*100:+.1f}% |")
         lines.append("")
-        if bl.get("guard_off_vs_plain"):
-            lines += ["The guard with its checks off against plain DDP, the same way (the median "
-                      "over rounds of each round's ratio; 90% bootstrap interval), both models "
-                      "built either way. No check reads the gradient buckets, so the guard "
-                      "registers no comm hook and DDP keeps its built-in all-reduce (any hook "
-                      "costs DDP a pass of its own: docs/architecture.md)"
-                      + (" (target: within 0.5% of plain DDP)" if reference else "") + ":",
-                      "", "| guard, checks off / plain DDP | ratio - 1 | 90% interval |",
-                      "|---|---|---|"]
-            for pair, (r, (lo, hi)) in bl["guard_off_vs_plain"].items():
-                lines.append(f"| {pair} | **{r*100:+.1f}%** | {lo*100:+.1f}% .. {hi*100:+.1f}% |")
-            lines.append("")
-        if bl.get("guard_off_main_thread_cpu_extra_s"):
-            lines += ["The main thread's extra CPU time per step, guard with its checks off "
-                      "minus plain DDP built the same way (median over rounds of each round's "
-                      "difference; 90% bootstrap interval; as a fraction of plain DDP's main "
-                      "thread CPU per step):", "",
-                      "| guard, checks off / plain DDP | extra CPU per step (us) | 90% interval "
-                      "(us) | fraction |", "|---|---|---|---|"]
-            for pair, (d, (lo, hi), base) in bl["guard_off_main_thread_cpu_extra_s"].items():
-                lines.append(f"| {pair} | **{d*1e6:+.0f}** | {lo*1e6:+.0f} .. {hi*1e6:+.0f} | "
-                             f"**{d/base*100:+.2f}%** ({lo/base*100:+.2f}% .. "
-                             f"{hi/base*100:+.2f}%) |")
-            lines.append("")
     target = " (target <= 1.5x)" if reference else ""
     lines += ["weights verdict / (fingerprint then all_gather, timed as one) = "
               f"**{ov['weights_cost_ratio_to_timed_ideal']:.2f}x**{target}; / (sum of the two "
               f"medians) = {ov['weights_cost_ratio']:.2f}x; (local fingerprint + all_gather) / "
               f"(flat fingerprint + all_gather) = {ov['weights_local_cost_ratio']:.2f}x.", ""]
+    return lines
+
+
+def guard_off_md(go: dict[str, Any], *, reference: bool) -> list[str]:
+    """The guard with its checks off beside plain DDP (``bench.overhead.check_guard_off``)."""
+    target = " (target: within 0.5% of plain DDP)" if reference else ""
+    lines = ["", f"## The guard with its checks off beside plain DDP: {go['world']} ranks, "
+             f"batch {go['batch']}", "",
+             f"Blocks of {go['block']} steps with no barrier between the steps, {go['rounds']} "
+             "rounds, the order of the four configurations rotating; each DDP construction on "
+             "both sides. No check reads the gradient buckets, so the guard registers no comm "
+             "hook and DDP keeps its built-in all-reduce (any hook costs DDP a pass of its own: "
+             "docs/architecture.md).", "",
+             "Step time: the median over rounds of each round's ratio (90% bootstrap interval)"
+             + target + ":", "",
+             "| guard, checks off / plain DDP | ratio - 1 | 90% interval |", "|---|---|---|"]
+    for pair, (r, (lo, hi)) in go["guard_off_vs_plain"].items():
+        lines.append(f"| {pair} | **{r*100:+.2f}%** | {lo*100:+.2f}% .. {hi*100:+.2f}% |")
+    lines += ["", "The main thread's extra CPU time per step (the median over rounds of each "
+              "round's difference; 90% bootstrap interval; as a fraction of plain DDP's main "
+              "thread CPU per step):", "",
+              "| guard, checks off / plain DDP | extra CPU per step (us) | 90% interval (us) | "
+              "fraction (90% interval) |", "|---|---|---|---|"]
+    for pair, (d, (lo, hi), base) in go["guard_off_main_thread_cpu_extra_s"].items():
+        lines.append(f"| {pair} | **{d*1e6:+.0f}** | {lo*1e6:+.0f} .. {hi*1e6:+.0f} | "
+                     f"**{d/base*100:+.2f}%** ({lo/base*100:+.2f}% .. {hi/base*100:+.2f}%) |")
+    lines.append("")
     return lines
 
 
@@ -181,6 +184,8 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [f"| {k} | {v:.2f} |" for k, v in small["us_per_tensor"].items()]
     lines += overhead_md({**results["overhead"], "blocks": results.get("overhead_blocks")},
                           reference=True)
+    if results.get("guard_off"):
+        lines += guard_off_md(results["guard_off"], reference=True)
     if results.get("checksum"):
         lines += checksum_md(results["checksum"])
     if results.get("replay"):

@@ -221,6 +221,7 @@ class SDCGuard:
                     check.on_loss(losses[-1])
                 scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
                 scaled.backward()
+                del loss, scaled  # the graph goes now, as in a plain loop, not after the step
 
         verdicts = [check.pre_step(step) for check in due]
         detections = [d for v in verdicts for d in v.detections]
