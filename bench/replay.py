@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import resource
 import statistics
 import time
 from dataclasses import replace
@@ -95,6 +96,9 @@ def _measure(rank: int, world: int, rounds: int, batch: int, *, nonfinite: bool,
     cpu: dict[str, list[float]] = {k: [] for k in configs}
     thread: dict[str, list[float]] = {k: [] for k in configs}
     step_ids: dict[str, list[int]] = {k: [] for k in configs}
+    faults: dict[str, list[int]] = {k: [] for k in configs}
+    """Minor page faults per step: memory the C library handed back to the system and
+    the step touched again (glibc trims its heap when enough is free at its top)."""
     fwd_bwd: list[float] = []
     for i in range(INSTANCES):  # warm-up
         for name in configs:
@@ -102,21 +106,29 @@ def _measure(rank: int, world: int, rounds: int, batch: int, *, nonfinite: bool,
     every = {name: int(name.split()[1]) if " " in name else 1 for name in configs}
     # At least 4 audit (or extra) steps per block, so every interval gets the same count.
     per_block = {name: max(10, 4 * every[name]) for name in configs}
+    names = list(configs)
     for r in range(rounds):
-        for name in configs:
+        # The order rotates round by round: no configuration always follows another (a
+        # configuration that always ran after the audits ran on the heap they left).
+        for name in names[r % len(names):] + names[:r % len(names)]:
             g = runner(name, r % INSTANCES)
+            g.step(steps[name])  # the block's first step after a switch is not timed
+            steps[name] += 1
             for _ in range(per_block[name]):
                 dist.barrier()
                 t0 = time.perf_counter()
                 c0 = time.process_time()
                 h0 = time.thread_time()
+                f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 g.step(steps[name])
+                f1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 h1 = time.thread_time()
                 c1 = time.process_time()
                 dist.barrier()
                 times[name].append(time.perf_counter() - t0)
                 cpu[name].append(c1 - c0)
                 thread[name].append(h1 - h0)
+                faults[name].append(f1 - f0)
                 step_ids[name].append(steps[name])
                 steps[name] += 1
         for _ in range(3):
@@ -169,7 +181,9 @@ def _measure(rank: int, world: int, rounds: int, batch: int, *, nonfinite: bool,
     off = statistics.median(times["off"])
     coff = statistics.median(cpu["off"])
     fb = statistics.median(fwd_bwd)
-    out: dict[str, Any] = {"step_s_replay_off": off, "forward_backward_s": fb,
+    out: dict[str, Any] = {"step_s_replay_off": off,
+                           "page_faults_per_step_replay_off": statistics.mean(faults["off"]),
+                           "forward_backward_s": fb,
                            "step_cpu_s_replay_off": coff, "native_kernel": native_in_use,
                            "steps_per_config": len(times["off"]), "rounds": rounds,
                            "intervals": {}}
@@ -198,6 +212,11 @@ def _measure(rank: int, world: int, rounds: int, batch: int, *, nonfinite: bool,
             "formula_overhead": fb / k / off,
             "ratio_to_formula": audit / (fb / k),
             "cpu_ratio_to_ideal": extra_per_step(ctagged, a) / extra_per_step(ctagged, i),
+            "page_faults_per_step": {
+                n: {kind: statistics.mean(f for st, f in zip(step_ids[n], faults[n], strict=True)
+                                          if (st % k == 0) == (kind == "audit"))
+                    for kind in (("audit", "other") if k > 1 else ("audit",))}
+                for n in (a, i)},
         }
     return out
 
@@ -208,3 +227,23 @@ def replay_overhead(world: int, rounds: int, batch: int, native: bool = True,
     res = run_ranks(_replay_rank, world, rounds, batch, native, nonfinite, timeout=3600)[0]
     res.update({"world": world, "batch": batch, "nonfinite": nonfinite})
     return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.replay``: the replay table alone (e.g. under other allocator settings)."""
+    import argparse
+
+    from bench.results import replay_md
+
+    ap = argparse.ArgumentParser(prog="python -m bench.replay", description=main.__doc__)
+    ap.add_argument("--world", type=int, default=3, help="ranks (default 3)")
+    ap.add_argument("--rounds", type=int, default=12, help="rounds (default 12)")
+    ap.add_argument("--alone", action="store_true", help="the non-finite check off everywhere")
+    args = ap.parse_args(argv)
+    res = replay_overhead(args.world, rounds=args.rounds, batch=128, nonfinite=not args.alone)
+    print("\n".join(replay_md(res)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

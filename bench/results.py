@@ -111,6 +111,14 @@ def guard_off_md(go: dict[str, Any], *, reference: bool) -> list[str]:
     return lines
 
 
+def _faults(r: dict[str, Any]) -> str:
+    pf = r.get("page_faults_per_step")
+    if not pf:
+        return "-"
+    audit, ideal = (v["audit"] for v in pf.values())
+    return f"{audit:.0f} / {ideal:.0f}"
+
+
 def replay_md(rp: dict[str, Any]) -> list[str]:
     kernel = "" if rp.get("native_kernel") else ", digests on the torch path (no C kernel)"
     checks = ("the non-finite check on in every configuration" if rp.get("nonfinite", False)
@@ -124,7 +132,9 @@ def replay_md(rp: dict[str, Any]) -> list[str]:
              f"({INSTANCES} instances used in turn, round by round). For reference, one "
              "forward+backward timed alone: "
              f"{rp['forward_backward_s']*1e3:.2f} ms. Interval k runs blocks of max(10, 4k) "
-             "steps, so every interval has the same number of audit (or extra) steps.", "",
+             "steps, so every interval has the same number of audit (or extra) steps; the "
+             "order of the configurations rotates round by round, and the first step of a "
+             "block (the first after a switch) is run untimed.", "",
              "**Per audit step** (the target: what an audit adds beyond its recomputation): the "
              "extra time of an audit step over the other steps of the same configuration "
              "(over \"off\" for k = 1), against the same for the ideal's extra "
@@ -136,8 +146,9 @@ def replay_md(rp: dict[str, Any]) -> list[str]:
              "steps cost what \"off\" costs.", "",
              "| interval | audit step extra (ms) | ideal step extra (ms) | **measured / ideal, per "
              "audit step** | 90% interval (bootstrap over rounds) | main-thread CPU, measured / "
-             "ideal | audit's other steps vs off (ms, 90% interval) |",
-             "|---|---|---|---|---|---|---|"]
+             "ideal | audit's other steps vs off (ms, 90% interval) | page faults per audit "
+             "step: audit / ideal |",
+             "|---|---|---|---|---|---|---|---|"]
     for k, r in rp["intervals"].items():
         lo, hi = r["per_audit_step_ratio_interval_90"]
         rlo, rhi = r["audit_rest_vs_off_interval_90"]
@@ -146,8 +157,15 @@ def replay_md(rp: dict[str, Any]) -> list[str]:
         lines.append(f"| {k} | {r['audit_step_extra_s']*1e3:.2f} | "
                      f"{r['ideal_step_extra_s']*1e3:.2f} | **{r['per_audit_step_ratio']:.2f}** | "
                      f"{lo:.2f} .. {hi:.2f} | "
-                     f"{r.get('per_audit_step_thread_cpu_ratio', float('nan')):.2f} | {rest} |")
-    lines += ["", "Per step, over the whole run (robust means: the median of the audit (or "
+                     f"{r.get('per_audit_step_thread_cpu_ratio', float('nan')):.2f} | {rest} | "
+                     f"{_faults(r)} |")
+    lines += ["", "Page faults: minor faults of the rank's process per audit (or extra) step, "
+              "mean; memory the C library gave back to the system and the step touched again "
+              "(glibc trims its heap when enough is free at its top, and the audit step's "
+              "allocations differ from the ideal's). Each fault costs about a microsecond plus "
+              f"the page's zeroing; replay off: {rp.get('page_faults_per_step_replay_off', 0):.0f} "
+              "per step (docs/usage.md: the allocator settings that avoid them).",
+              "", "Per step, over the whole run (robust means: the median of the audit (or "
               "extra) steps and of the other steps, weighted 1/k and (k-1)/k, so that this "
               "machine's occasional 100 ms stalls do not swamp effects of 1%; at long "
               "intervals the difference between two configurations' other steps, pure noise "
