@@ -17,12 +17,16 @@ def overhead_md(ov: dict[str, Any], *, reference: bool) -> list[str]:
              f"{ov['params']/1e6:.2f}M parameters, batch {ov['batch']}, AdamW", "",
              "Wall time is the target metric; CPU time (the rank's process, all threads) is the "
              "work the check adds, without the waits.", "",
-             f"Plain DDP and the guard run on separate models; the guard's configurations "
-             f"share one, switched block by block; {INSTANCES} instances of each are used in "
+             "The guard's configurations with a check share one model, switched block by "
+             "block. The guard with its checks off runs on models of its own (it registers no "
+             "comm hook; one with checks would keep it), and plain DDP trains those same models "
+             f"and optimizers with a plain loop; {INSTANCES} instances of each are used in "
              "turn, round by round, so that the speed difference between two instances of the "
              "same model (1-2% here) is sampled by the intervals rather than hidden in them. "
              "The order of the configurations rotates round by round. "
-             "The last column compares each check with the guard's own model, checks off.", "",
+             "The last column compares each check with the guard with its checks off (no comm "
+             "hook: a check that reads the gradient buckets pays DDP's extra pass for any hook "
+             "too).", "",
              "| configuration | median step (ms) | overhead vs plain DDP | 90% interval (bootstrap "
              "over rounds) | median CPU per step (ms) | CPU overhead | vs guard, checks off "
              "(90% interval) |",
@@ -50,7 +54,7 @@ def overhead_md(ov: dict[str, Any], *, reference: bool) -> list[str]:
               f"{target}; in step time **{ov['overhead_vs_plain_ddp'][NONFINITE.name]*100:+.1f}%**"
               " vs plain DDP and "
               f"**{ov['overhead_vs_guard_off'][NONFINITE.name]*100:+.1f}%** vs the guard with its "
-              "checks off (same model), in CPU time "
+              "checks off (which has no comm hook), in CPU time "
               f"**{ov['cpu_overhead_vs_plain_ddp'][NONFINITE.name]*100:+.1f}%**."]
     if NF_EVERY in ov["overhead_vs_guard_off"]:
         lines += ["With its flags sent every step (`nonfinite_exchange_interval=1`: a word nobody "

@@ -43,6 +43,17 @@ def test_guard_refuses_a_model_that_is_not_ddp() -> None:
         SDCGuard(model, opt, loss_fn=lambda m, b: m(b).sum())  # type: ignore[arg-type]
 
 
+def test_guard_refuses_a_ddp_model_with_a_comm_hook_of_its_own(one_rank: None) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(torch.nn.Linear(2, 2))
+    ddp.register_comm_hook(None, allreduce_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"SDCGuard\(\.\.\., comm_hook=my_hook"):
+        SDCGuard(ddp, opt, loss_fn=lambda m, b: m(b).sum())
+
+
 def test_majority_vote() -> None:
     assert majority_outliers([5, 5, 5]) == ()
     assert majority_outliers([5, 7, 5]) == (1,)
