@@ -14,8 +14,10 @@ which path ran.
 
 The word loops are written once with GCC/Clang vector extensions and compiled for
 each x86 instruction set (AVX-512F, AVX2, the SSE2 baseline); the widest the CPU
-has runs, or a narrower one on request (``NativeKernel.use_isa``,
-``SDC_GUARD_ISA``), so that one machine can measure another's code. They ask for
+has up to AVX2 runs by default (``DEFAULT_ISA``: the loops wait on memory, and wider
+vectors only lower the clock on many Xeons), another on request
+(``NativeKernel.use_isa``, ``SDC_GUARD_ISA=avx512f``), so that one machine can also
+measure another's code. They ask for
 each cache line 4 KiB before they read it (software prefetch): without it a core
 alternates between waiting for memory and adding, well short of the bandwidth.
 
@@ -59,6 +61,11 @@ _SOURCE = Path(__file__).with_name("kernel.c")
 
 ISAS = ("baseline", "avx2", "avx512f")
 """The word loops' instruction sets, narrowest first (baseline: SSE2 on x86-64)."""
+DEFAULT_ISA = "avx2"
+"""What runs unless ``SDC_GUARD_ISA`` asks otherwise (or the CPU's widest, if narrower).
+The loops are bound by memory, not by adding: 512-bit vectors read no faster, and on
+many Xeons they lower the core clock (on the bench's AVX-512 Xeon, 2 threads: AVX2 code
+0.86x ``torch.sum``, AVX-512 code 0.82x; ``bench/RESULTS.md``)."""
 
 # Below this many elements per thread, one more thread costs more than it saves.
 _PER_THREAD = 1 << 18
@@ -95,9 +102,8 @@ class NativeKernel:
         self.cpu_isa = ISAS[isa(-2)]
         """The widest instruction set this CPU gives the word loops."""
         wanted = os.environ.get("SDC_GUARD_ISA")
-        if wanted in ISAS:
-            self.use_isa(wanted)
-        elif wanted:  # a typo must not cost the kernel: say so, and run the widest
+        self.use_isa(wanted if wanted in ISAS else DEFAULT_ISA)
+        if wanted and wanted not in ISAS:  # a typo must not cost the kernel: say so
             warnings.warn(f"SDC_GUARD_ISA={wanted!r} is not an instruction set; set it to one of "
                           f"{', '.join(ISAS)} (or unset it). Using {self.isa}.", RuntimeWarning,
                           stacklevel=2)

@@ -399,6 +399,11 @@ def test_sdc_guard_isa_narrows_the_loops_and_a_typo_is_named(
         monkeypatch.setenv("SDC_GUARD_ISA", "avx-2")
         with pytest.warns(RuntimeWarning, match="SDC_GUARD_ISA='avx-2'.*baseline, avx2, avx512f"):
             other = nat.NativeKernel(kernel.path)
-        assert other.isa == "baseline"  # the same library: the setting before stays
+        default = nat.ISAS[min(nat.ISAS.index(nat.DEFAULT_ISA), nat.ISAS.index(kernel.cpu_isa))]
+        assert other.isa == default  # the default, AVX2 or the CPU's widest if narrower
+        monkeypatch.delenv("SDC_GUARD_ISA")
+        assert nat.NativeKernel(kernel.path).isa == default
+        monkeypatch.setenv("SDC_GUARD_ISA", "avx512f")  # wider on request, where the CPU has it
+        assert nat.NativeKernel(kernel.path).isa == kernel.cpu_isa
     finally:
         kernel.use_isa(before)
