@@ -64,8 +64,8 @@ ISAS = ("baseline", "avx2", "avx512f")
 DEFAULT_ISA = "avx2"
 """What runs unless ``SDC_GUARD_ISA`` asks otherwise (or the CPU's widest, if narrower).
 The loops are bound by memory, not by adding: 512-bit vectors read no faster, and on
-many Xeons they lower the core clock (on the bench's AVX-512 Xeon, 2 threads: AVX2 code
-0.86x ``torch.sum``, AVX-512 code 0.82x; ``bench/RESULTS.md``)."""
+many Xeons they lower the core clock (on the bench's AVX-512 Xeon with 2 threads the
+AVX-512 code is the slower one: ``bench/RESULTS.md``)."""
 
 # Below this many elements per thread, one more thread costs more than it saves.
 _PER_THREAD = 1 << 18
