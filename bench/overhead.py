@@ -183,11 +183,11 @@ def _blocks_rank(rank: int, world: int, rounds: int, block: int, batch: int,
     per_round = {k: [[v] for v in vs] for k, vs in times.items()}
     main_rounds = {k: [[v] for v in vs] for k, vs in main.items()}
 
-    def ratio(m: dict[str, list[float]], k: str) -> float:
-        return statistics.median(a / b for a, b in zip(m[k], m[GUARD_OFF], strict=True)) - 1.0
-
     def to_plain(m: dict[str, list[float]], k: str, base: str) -> float:
         return statistics.median(a / b for a, b in zip(m[k], m[base], strict=True)) - 1.0
+
+    def ratio(m: dict[str, list[float]], k: str) -> float:
+        return to_plain(m, k, GUARD_OFF)
 
     pairs = [(k, base) for k, base in ((GUARD_OFF, PLAIN_DDP_VIEWS.name),
                                        (CHECKS_OFF_COPIED.name, PLAIN_DDP.name))

@@ -240,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=12, help="rounds (default 12)")
     ap.add_argument("--alone", action="store_true", help="the non-finite check off everywhere")
     args = ap.parse_args(argv)
+    if args.world < 1 or args.rounds < 1:
+        ap.error(f"--world and --rounds must be at least 1 (got --world {args.world} "
+                 f"--rounds {args.rounds})")
     res = replay_overhead(args.world, rounds=args.rounds, batch=128, nonfinite=not args.alone)
     print("\n".join(replay_md(res)))
     return 0
