@@ -16,9 +16,12 @@ fault inside it is visible); a tensor hook on ``Y`` sees ``GY``; a tensor hook
 on a view of ``X`` that only this layer consumes sees this layer's ``GX`` (not
 the sum over ``X``'s other consumers); a tensor hook on ``W`` sees this
 backward's ``GW`` before it is accumulated into ``W.grad``. The two sides of
-each identity cost a few vector passes over ``X``, ``Y``, ``GY``, ``GX`` and
-``GW`` and three over ``W`` (``|W|``, and one matrix product each with ``W`` and
-``|W|``): O(N in + N out + in out) against the product's O(N in out).
+each identity cost a few vector passes over ``X``, ``Y``, ``GY``, ``GX``, ``GW``
+and ``W``: O(N in + N out + in out) against the product's O(N in out). On the
+CPU, for float32 layers with the exact bound, C passes of the native kernel
+(``NativeKernel.cs_cols``, ``cs_rows``, ``cs_compare``) read each matrix once
+(``W`` and ``|W|`` in one read) and compare in C; elsewhere torch operations do
+it (``|W|`` formed, a matrix product each with ``W`` and ``|W|``).
 
 **Tolerance, from the rounding-error bound.** Both sides are computed in
 float32 (upcast). With ``u(t)`` the unit roundoff of dtype ``t`` (float32 2^-24,
@@ -85,7 +88,9 @@ outside the products (optimizer, all-reduce, storage): the other checks' work.
 
 from __future__ import annotations
 
+import ctypes
 import fnmatch
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,6 +105,7 @@ from sdc_guard.checks.flagword import DeferredFlags
 from sdc_guard.collectives import PendingSum
 from sdc_guard.comm_hook import BucketListener, GuardCommHook
 from sdc_guard.config import PRODUCTS, ChecksumConfig
+from sdc_guard.fingerprints.native import NativeKernel, active_kernel
 from sdc_guard.report import Detection
 from sdc_guard.scaling import Flag
 
@@ -155,6 +161,63 @@ def tolerance(scale: float, *, k: int, checked: int, compute: torch.dtype,
     return scale * factor * (1.0 + 1e-3)
 
 
+@functools.lru_cache(maxsize=4096)
+def _cpu_tolerance(scale: float, k: int, checked: int) -> float:
+    """``tolerance`` of a float32 product of float32 operands on the CPU (cached: the native
+    path asks for it every step with the same sizes)."""
+    cpu = torch.device("cpu")
+    return tolerance(scale, k=k, checked=checked, compute=torch.float32,
+                     operands=(torch.float32, torch.float32), device=cpu)
+
+
+_F32 = 4
+_PER_THREAD = 1 << 20
+"""Elements per thread of a native pass (below that, starting a thread costs more)."""
+
+
+def _threads(elements: int) -> int:
+    return max(1, min(torch.get_num_threads(), elements // _PER_THREAD))
+
+
+def _rows_ok(t: torch.Tensor) -> bool:
+    """A 2-D float32 CPU matrix the C passes can read in place (unit column stride)."""
+    return (t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 2
+            and t.stride(1) == 1 and t.stride(0) >= t.shape[1])
+
+
+def _carve(buf: torch.Tensor, sizes: tuple[int, ...]) -> list[int]:
+    """The addresses of consecutive float32 vectors of ``sizes`` in ``buf``."""
+    at = [buf.data_ptr()]
+    for size in sizes[:-1]:
+        at.append(at[-1] + size * _F32)
+    return at
+
+
+def _view(buf: torch.Tensor, address: int, n: int) -> torch.Tensor:
+    """The ``n`` float32 of ``buf`` from ``address`` on (one ``_carve`` gave)."""
+    start = (address - buf.data_ptr()) // _F32
+    return buf[start:start + n]
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """One vector of a C column pass (``sdc_cs_cols``) over a matrix ``A``: ``u^T A`` into
+    ``s`` and ``a^T |A|`` into ``b`` (addresses; a None vector is a vector of ones)."""
+
+    u: int | None
+    s: int
+    a: int | None
+    b: int
+
+    @staticmethod
+    def args(passes: list[_Pass]) -> tuple[Any, ...]:
+        """``sdc_cs_cols``'s vector arguments for up to two passes (absent ones: None)."""
+        p = [*passes, None, None]
+        return (p[0] and p[0].u, p[1] and p[1].u, len(passes),
+                p[0] and p[0].a, p[1] and p[1].a, len(passes),
+                p[0] and p[0].s, p[1] and p[1].s, p[0] and p[0].b, p[1] and p[1].b)
+
+
 def linear_layers(model: nn.Module, patterns: tuple[str, ...] | None) -> list[tuple[str, nn.Linear]]:
     """The layers a ``ChecksumConfig.layers`` selects, in ``named_modules`` order."""
     chosen = []
@@ -194,6 +257,8 @@ class _Call:
     gx_rhs: torch.Tensor | None = None
     gx_bound: torch.Tensor | None = None
     gy_dtype: torch.dtype | None = None
+    native: bool = False
+    """Checked by the C passes (``_Native``): float32 on the CPU with the exact bound."""
 
 
 @dataclass
@@ -265,6 +330,11 @@ class ChecksumCheck(Check, BucketListener):
         """``nn.Linear`` modules left out: a forward of their own, a non-float weight, or
         not named in ``ChecksumConfig.layers``."""
         self._want = {p: p in config.products for p in PRODUCTS}
+        self._kernel: NativeKernel | None = (
+            active_kernel() if self.exact and device.type == "cpu" else None)
+        """The C passes, for float32 layers on the CPU with the exact bound (the same
+        identities and tolerances as the torch ops; one read of each matrix)."""
+        self._bias = (ctypes.c_float * 2)()
         self._layer_bits = max(1, (len(self.layers) + 1).bit_length())
         self._active = False
         self._micro = 0
@@ -368,10 +438,27 @@ class ChecksumCheck(Check, BucketListener):
                     backward: bool) -> None:
         x2 = x.reshape(-1, x.shape[-1])
         y2 = y.reshape(-1, y.shape[-1])
-        xf = x2 if x2.dtype == torch.float32 else x2.float()
-        x_rows = torch.stack([xf.sum(1), xf.abs().sum(1)])
-        call = _Call(x2, y2.sum(1, dtype=torch.float32), x_rows, micro_batch=self._micro,
-                     tapped=tapped, forward_due=self._want["forward"], gy_dtype=y.dtype)
+        kernel = self._kernel
+        w = layer.module.weight
+        if (kernel is not None and x2.dtype == y2.dtype == w.dtype == torch.float32
+                and _rows_ok(w) and (layer.module.bias is None or (
+                    layer.module.bias.is_contiguous() and layer.module.bias.dtype == torch.float32))):
+            x2 = x2 if _rows_ok(x2) else x2.contiguous()
+            y2 = y2 if _rows_ok(y2) else y2.contiguous()
+            n, inner = x2.shape
+            rows = torch.empty(3, n)  # sum X_i, sum |X_i|, sum Y_i
+            at = rows.data_ptr()
+            kernel.cs_rows(x2.data_ptr(), n, inner, x2.stride(0), None, None, 1, None, None, 1,
+                           at, None, at + n * _F32, None, _threads(x2.numel()))
+            kernel.cs_rows(y2.data_ptr(), n, y2.shape[1], y2.stride(0), None, None, 1, None,
+                           None, 0, at + 2 * n * _F32, None, None, None, _threads(y2.numel()))
+            call = _Call(x2, rows[2], rows[:2], micro_batch=self._micro, tapped=tapped,
+                         forward_due=self._want["forward"], gy_dtype=y.dtype, native=True)
+        else:
+            xf = x2 if x2.dtype == torch.float32 else x2.float()
+            x_rows = torch.stack([xf.sum(1), xf.abs().sum(1)])
+            call = _Call(x2, y2.sum(1, dtype=torch.float32), x_rows, micro_batch=self._micro,
+                         tapped=tapped, forward_due=self._want["forward"], gy_dtype=y.dtype)
         layer.calls.append(call)
         if not backward and call.forward_due:
             self._forward(layer, call, *self._w_cols(layer))  # no backward will come
@@ -396,6 +483,9 @@ class ChecksumCheck(Check, BucketListener):
         if not self._active:
             return
         g = gy.detach().reshape(-1, gy.shape[-1])
+        if call.native and self._kernel is not None and g.dtype == torch.float32:
+            self._gy_native(self._kernel, layer, call, g if _rows_ok(g) else g.contiguous())
+            return
         gf = g if g.dtype == torch.float32 else g.float()
         w = layer.module.weight.detach()
         wf = w if w.dtype == torch.float32 else w.float()
@@ -422,6 +512,82 @@ class ChecksumCheck(Check, BucketListener):
             layer.gw_rows += g.shape[0]
             layer.gw_dtype = g.dtype
 
+    def _gy_native(self, kernel: NativeKernel, layer: _Layer, call: _Call,
+                   g: torch.Tensor) -> None:
+        """``_on_gy`` by the C passes: one read of ``GY`` (its column sums, with and without
+        absolute values, and ``GY^T (X e)``, ``|GY|^T (|X| e)`` for the weight gradient), one
+        of ``W`` (``e^T W``, ``(e^T GY) W`` and their bounds through ``|W|``), one of ``X``
+        (the forward's right-hand side and bound); then the forward comparison."""
+        m = layer.module
+        n, out = g.shape
+        inner = m.in_features
+        w = m.weight.detach()
+        call.gy_dtype = g.dtype
+        tapped, due = call.tapped, call.forward_due
+        want_gw = self._want["weight_grad"]
+        buf = torch.empty(2 * out + 4 * inner + 2 * n)
+        c, ca, wc, wac, gxr, gxb, fr, fb = _carve(buf, (out, out, inner, inner, inner, inner,
+                                                        n, n))
+        # GY: ones -> e^T GY (c), X e -> GW e's right-hand side; |GY| likewise (|X| e)
+        passes: list[_Pass] = []
+        acc = 0
+        if tapped:
+            passes.append(_Pass(None, c, None, ca))
+        if want_gw:
+            if layer.gw_rhs is None or layer.gw_bound is None:
+                gw = torch.empty(2, out)
+                layer.gw_rhs, layer.gw_bound = gw[0], gw[1]
+            else:  # another call of the layer in this micro-batch: its share adds on
+                acc = (1 << len(passes)) | (1 << (2 + len(passes)))
+            xr = call.x_rows
+            passes.append(_Pass(xr[0].data_ptr(), layer.gw_rhs.data_ptr(), xr[1].data_ptr(),
+                                layer.gw_bound.data_ptr()))
+            layer.gw_rows += n
+            layer.gw_dtype = g.dtype
+        if passes:
+            kernel.cs_cols(g.data_ptr(), n, out, g.stride(0), *_Pass.args(passes), acc,
+                           _threads(g.numel()))
+        # W: ones -> e^T W, e^T GY -> (e^T GY) W; |W| likewise with e^T |GY|
+        passes = ([_Pass(None, wc, None, wac)] if due else []) + (
+            [_Pass(c, gxr, ca, gxb)] if tapped else [])
+        if not passes:
+            return
+        kernel.cs_cols(w.data_ptr(), out, inner, w.stride(0), *_Pass.args(passes), 0,
+                       _threads(w.numel()))
+        if tapped:
+            call.gx_rhs, call.gx_bound = _view(buf, gxr, inner), _view(buf, gxb, inner)
+        if due:
+            call.forward_due = False
+            x = call.x
+            kernel.cs_rows(x.data_ptr(), n, inner, x.stride(0), wc, None, 1, wac, None, 1, fr,
+                           None, fb, None, _threads(x.numel()))
+            b_sum = b_abs = 0.0
+            if m.bias is not None:
+                bias = self._bias
+                at_b = ctypes.addressof(bias)
+                kernel.cs_rows(m.bias.data_ptr(), 1, out, out, None, None, 1, None, None, 1,
+                               at_b, None, at_b + _F32, None, 1)
+                b_sum, b_abs = bias[0], bias[1]
+            self._compare(layer, "forward", call.micro_batch, call.y_sum,
+                          _view(buf, fr, n), _view(buf, fb, n),
+                          _cpu_tolerance(self.config.tolerance_scale, inner + 1, 2 * out + inner),
+                          b_sum, b_abs)
+
+    def _compare(self, layer: _Layer, product: str, micro_batch: int, lhs: torch.Tensor,
+                 rhs: torch.Tensor | None, bound: torch.Tensor | None, tol: float,
+                 rhs0: float = 0.0, bound0: float = 0.0) -> None:
+        """The native path's ``_record``: entries compared in C; a failure recorded only when
+        one fails (no tensor op otherwise)."""
+        if self._kernel is None or rhs is None or bound is None:
+            return
+        bad = self._kernel.cs_compare(lhs.data_ptr(), rhs.data_ptr(), bound.data_ptr(),
+                                      lhs.numel(), rhs0, bound0, tol, int(self.expect_overflow))
+        if bad:
+            diff = (lhs.double() - (rhs.double() + rhs0)).abs().float()
+            limit = ((bound.double() + bound0) * tol).float()
+            self._failures.append(_Failure(layer, product, micro_batch, torch.tensor(True),
+                                           diff, limit))
+
     @staticmethod
     def _ones(layer: _Layer) -> torch.Tensor:
         w = layer.module.weight
@@ -436,8 +602,17 @@ class ChecksumCheck(Check, BucketListener):
         if call.gx_rhs is None or call.gx_bound is None:
             return
         g = gx.detach().reshape(-1, gx.shape[-1])
-        lhs = g.sum(0, dtype=torch.float32)
         out = layer.module.out_features
+        if call.native and self._kernel is not None and g.dtype == torch.float32:
+            g = g if _rows_ok(g) else g.contiguous()
+            n, inner = g.shape
+            lhs = torch.empty(inner)
+            self._kernel.cs_cols(g.data_ptr(), n, inner, g.stride(0), None, None, 1, None, None,
+                                 0, lhs.data_ptr(), None, None, None, 0, _threads(g.numel()))
+            self._compare(layer, "input_grad", call.micro_batch, lhs, call.gx_rhs, call.gx_bound,
+                          _cpu_tolerance(self.config.tolerance_scale, out, 2 * n + out))
+            return
+        lhs = g.sum(0, dtype=torch.float32)
         compute = call.gy_dtype or gx.dtype
         tol = tolerance(self.config.tolerance_scale, k=out, checked=2 * g.shape[0] + out,
                         compute=compute, operands=(layer.module.weight.dtype,), device=gx.device)
@@ -449,7 +624,20 @@ class ChecksumCheck(Check, BucketListener):
             return
         if layer.gw_rhs is not None and layer.gw_bound is not None:
             n = layer.gw_rows
-            lhs = gw.detach().sum(1, dtype=torch.float32)
+            g = gw.detach()
+            if (self._kernel is not None and layer.calls and layer.calls[0].native
+                    and _rows_ok(g) and layer.gw_dtype == torch.float32):
+                lhs = torch.empty(g.shape[0])
+                self._kernel.cs_rows(g.data_ptr(), g.shape[0], g.shape[1], g.stride(0), None,
+                                     None, 1, None, None, 0, lhs.data_ptr(), None, None, None,
+                                     _threads(g.numel()))
+                self._compare(layer, "weight_grad", layer.calls[0].micro_batch, lhs,
+                              layer.gw_rhs, layer.gw_bound, _cpu_tolerance(
+                                  self.config.tolerance_scale, n, 2 * g.shape[1] + n))
+                layer.gw_rhs = layer.gw_bound = None
+                layer.gw_rows = 0
+                return
+            lhs = g.sum(1, dtype=torch.float32)
             x_dtype = layer.calls[0].x.dtype if layer.calls else gw.dtype
             tol = tolerance(self.config.tolerance_scale, k=n, checked=2 * gw.shape[1] + n,
                             compute=layer.gw_dtype or gw.dtype, operands=(x_dtype,),

@@ -282,3 +282,226 @@ int sdc_nonfinite(const void* x, int64_t n, int threads) {
   uint64_t out[3];
   return weighted(x, n, 5, threads, 1.0f, out) ? -1 : (int)out[2];
 }
+
+/* ---- Float32 passes of the checksum check (sdc_guard.checks.checksum) ----------------
+
+   The check's sums are float32 sums in any order: its tolerance bounds the rounding of a
+   float32 sum of any order (the gamma term of its formula), so these loops reassociate
+   freely (several rows at once, partial sums per vector lane). They exist because each
+   identity needs a few vector products with a matrix and with its absolute values;
+   torch computes |W| into a new tensor first and spends a dispatch per small product. */
+
+#define CS_MAXK 2
+
+#pragma GCC diagnostic ignored "-Wpsabi" /* vector-returning helpers, always inlined */
+
+/* Columns [c0, c1) of: s_p[c] += sum_j u_p[j] A[j][c] for p < k and b_p[c] += sum_j
+   a_p[j] |A[j][c]| for p < ka (A: rows x cols, row stride ld; a NULL u_p or a_p is a vector
+   of ones). Rows go four at a time: one load and store of each accumulator serves four
+   rows of A, while the columns (a block of them) stay in L1. */
+#define CS_UNROLL 4
+static inline __attribute__((always_inline)) void cs_cols_k(
+    const float* restrict A, int64_t rows, int64_t ld, int64_t c0, int64_t c1,
+    const float* const* u, const float* const* a, float* const* s, float* const* b,
+    const int k, const int ka) {
+  int64_t j = 0;
+  for (; j + CS_UNROLL <= rows; j += CS_UNROLL) {
+    const float* restrict w0 = A + j * ld;
+    const float* restrict w1 = w0 + ld;
+    const float* restrict w2 = w1 + ld;
+    const float* restrict w3 = w2 + ld;
+    for (int p = 0; p < k; ++p) {
+      const float* up = u[p] ? u[p] + j : 0;
+      const float x0 = up ? up[0] : 1.0f, x1 = up ? up[1] : 1.0f;
+      const float x2 = up ? up[2] : 1.0f, x3 = up ? up[3] : 1.0f;
+      float* restrict sp = s[p];
+      for (int64_t c = c0; c < c1; ++c)
+        sp[c] += x0 * w0[c] + x1 * w1[c] + x2 * w2[c] + x3 * w3[c];
+    }
+    for (int p = 0; p < ka; ++p) {
+      const float* ap = a[p] ? a[p] + j : 0;
+      const float x0 = ap ? ap[0] : 1.0f, x1 = ap ? ap[1] : 1.0f;
+      const float x2 = ap ? ap[2] : 1.0f, x3 = ap ? ap[3] : 1.0f;
+      float* restrict bp = b[p];
+      for (int64_t c = c0; c < c1; ++c)
+        bp[c] += x0 * __builtin_fabsf(w0[c]) + x1 * __builtin_fabsf(w1[c])
+               + x2 * __builtin_fabsf(w2[c]) + x3 * __builtin_fabsf(w3[c]);
+    }
+  }
+  for (; j < rows; ++j) {
+    const float* restrict w = A + j * ld;
+    for (int p = 0; p < k; ++p) {
+      const float x = u[p] ? u[p][j] : 1.0f;
+      float* restrict sp = s[p];
+      for (int64_t c = c0; c < c1; ++c) sp[c] += x * w[c];
+    }
+    for (int p = 0; p < ka; ++p) {
+      const float x = a[p] ? a[p][j] : 1.0f;
+      float* restrict bp = b[p];
+      for (int64_t c = c0; c < c1; ++c) bp[c] += x * __builtin_fabsf(w[c]);
+    }
+  }
+}
+
+#define CS_COLBLOCK 1024
+CLONES static void cs_cols_range(const float* A, int64_t rows, int64_t ld, int64_t c0,
+                                 int64_t c1, const float* const* u, int k,
+                                 const float* const* a, int ka, float* const* s,
+                                 float* const* b) {
+  for (int64_t lo = c0; lo < c1; lo += CS_COLBLOCK) {
+    const int64_t hi = c1 - lo < CS_COLBLOCK ? c1 : lo + CS_COLBLOCK;
+    if (k == 2 && ka == 2) cs_cols_k(A, rows, ld, lo, hi, u, a, s, b, 2, 2);
+    else if (k == 1 && ka == 1) cs_cols_k(A, rows, ld, lo, hi, u, a, s, b, 1, 1);
+    else if (k == 1 && ka == 0) cs_cols_k(A, rows, ld, lo, hi, u, a, s, b, 1, 0);
+    else cs_cols_k(A, rows, ld, lo, hi, u, a, s, b, k, ka);
+  }
+}
+
+/* Row i of A (n x cols, row stride ld): r_p[i] = sum_c v_p[c] A[i][c] for p < k and
+   ra_p[i] = sum_c va_p[c] |A[i][c]| for p < ka (a NULL v_p or va_p: ones). Sixteen
+   partial sums per product (two vectors of eight); the flags are constants in each
+   inlined copy. */
+typedef float cs_v8 __attribute__((vector_size(32)));
+typedef int32_t cs_i8 __attribute__((vector_size(32)));
+#define CS_LANES 16
+static inline __attribute__((always_inline)) cs_v8 cs_load(const float* p) {
+  cs_v8 v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+/* |v|: the sign bits cleared (a vector cast keeps the bits) */
+#define CS_ABS(v) ((cs_v8)((cs_i8)(v) & 0x7fffffff))
+static inline __attribute__((always_inline)) void cs_row(
+    const float* restrict x, int64_t cols, const float* const* v, const float* const* va,
+    float* out, const int k, const int ka, const int ones, const int abs_ones) {
+  cs_v8 acc[2 * CS_MAXK][2];
+  memset(acc, 0, sizeof acc);
+  const int64_t body = cols / CS_LANES * CS_LANES;
+  for (int64_t c = 0; c < body; c += CS_LANES) {
+    for (int h = 0; h < 2; ++h) {
+      const cs_v8 xv = cs_load(x + c + 8 * h);
+      const cs_v8 xa = CS_ABS(xv);
+      for (int p = 0; p < k; ++p)
+        acc[p][h] += ones ? xv : cs_load(v[p] + c + 8 * h) * xv;
+      for (int p = 0; p < ka; ++p)
+        acc[CS_MAXK + p][h] += abs_ones ? xa : cs_load(va[p] + c + 8 * h) * xa;
+    }
+  }
+  for (int p = 0; p < k; ++p) {
+    float t = 0.0f;
+    for (int64_t d = body; d < cols; ++d) t += (ones ? 1.0f : v[p][d]) * x[d];
+    for (int h = 0; h < 2; ++h)
+      for (int l = 0; l < 8; ++l) t += acc[p][h][l];
+    out[p] = t;
+  }
+  for (int p = 0; p < ka; ++p) {
+    float t = 0.0f;
+    for (int64_t d = body; d < cols; ++d)
+      t += (abs_ones ? 1.0f : va[p][d]) * __builtin_fabsf(x[d]);
+    for (int h = 0; h < 2; ++h)
+      for (int l = 0; l < 8; ++l) t += acc[CS_MAXK + p][h][l];
+    out[CS_MAXK + p] = t;
+  }
+}
+
+CLONES static void cs_rows_range(const float* A, int64_t i0, int64_t i1, int64_t ld,
+                                 int64_t cols, const float* const* v, int k,
+                                 const float* const* va, int ka, float* const* r,
+                                 float* const* ra) {
+  /* every v_p NULL (ones), or none; likewise va */
+  const int ones = k == 0 || !v[0], abs_ones = ka == 0 || !va[0];
+  for (int64_t i = i0; i < i1; ++i) {
+    const float* x = A + i * ld;
+    float out[2 * CS_MAXK];
+    if (ones && abs_ones && k == 1 && ka == 1) cs_row(x, cols, v, va, out, 1, 1, 1, 1);
+    else if (ones && k == 1 && ka == 0) cs_row(x, cols, v, va, out, 1, 0, 1, 1);
+    else if (!ones && !abs_ones && k == 1 && ka == 1) cs_row(x, cols, v, va, out, 1, 1, 0, 0);
+    else cs_row(x, cols, v, va, out, k, ka, ones, abs_ones);
+    for (int p = 0; p < k; ++p) r[p][i] = out[p];
+    for (int p = 0; p < ka; ++p) ra[p][i] = out[CS_MAXK + p];
+  }
+}
+
+typedef struct {
+  const float* A; int64_t rows, ld, cols, lo, hi;
+  const float* u[CS_MAXK]; int k; const float* a[CS_MAXK]; int ka;
+  float* s[CS_MAXK]; float* b[CS_MAXK]; int by_rows;
+} cs_job_t;
+
+static void* cs_thread(void* arg) {
+  cs_job_t* j = (cs_job_t*)arg;
+  if (j->by_rows)
+    cs_rows_range(j->A, j->lo, j->hi, j->ld, j->cols, j->u, j->k, j->a, j->ka, j->s, j->b);
+  else
+    cs_cols_range(j->A, j->rows, j->ld, j->lo, j->hi, j->u, j->k, j->a, j->ka, j->s, j->b);
+  return 0;
+}
+
+/* Splits [0, extent) into up to `threads` ranges (multiples of 16) and runs them. */
+static void cs_parallel(cs_job_t base, int64_t extent, int threads) {
+  if (threads < 1) threads = 1;
+  if (threads > MAX_THREADS) threads = MAX_THREADS;
+  cs_job_t jobs[MAX_THREADS];
+  pthread_t ids[MAX_THREADS];
+  int started[MAX_THREADS] = {0};
+  int64_t per = (extent + threads - 1) / threads;
+  per = (per + 15) / 16 * 16;
+  int used = 0;
+  for (int t = 0; t < threads && (int64_t)t * per < extent; ++t, ++used) {
+    jobs[t] = base;
+    jobs[t].lo = (int64_t)t * per;
+    jobs[t].hi = extent - jobs[t].lo < per ? extent : jobs[t].lo + per;
+  }
+  for (int t = 1; t < used; ++t)
+    started[t] = pthread_create(&ids[t], 0, cs_thread, &jobs[t]) == 0;
+  for (int t = 0; t < used; ++t)
+    if (!started[t]) cs_thread(&jobs[t]);
+  for (int t = 1; t < used; ++t)
+    if (started[t]) pthread_join(ids[t], 0);
+}
+
+/* s_p (+)= u_p^T A for p < k, b_p (+)= a_p^T |A| for p < ka (see cs_cols_k); a NULL
+   u_p or a_p is a vector of ones; bit p of acc_mask adds to s_p what it holds, bit 2 + p
+   to b_p (else overwritten). 0, or 1 on bad arguments. */
+int sdc_cs_cols(const float* A, int64_t rows, int64_t cols, int64_t ld, const float* u0,
+                const float* u1, int k, const float* a0, const float* a1, int ka, float* s0,
+                float* s1, float* b0, float* b1, int acc_mask, int threads) {
+  if (rows < 0 || cols < 0 || ld < cols || k < 0 || k > CS_MAXK || ka < 0 || ka > CS_MAXK)
+    return 1;
+  cs_job_t job = {A, rows, ld, cols, 0, 0, {u0, u1}, k, {a0, a1}, ka, {s0, s1}, {b0, b1}, 0};
+  for (int p = 0; p < k; ++p)
+    if (!(acc_mask >> p & 1)) memset(job.s[p], 0, sizeof(float) * (size_t)cols);
+  for (int p = 0; p < ka; ++p)
+    if (!(acc_mask >> (2 + p) & 1)) memset(job.b[p], 0, sizeof(float) * (size_t)cols);
+  cs_parallel(job, cols, threads);
+  return 0;
+}
+
+/* r_p[i] = v_p . A[i] for p < k, ra_p[i] = va_p . |A[i]| for p < ka over the n rows of A
+   (see cs_rows_range; every v_p is NULL, meaning ones, or none is; likewise va_p).
+   0, or 1 on bad arguments. */
+int sdc_cs_rows(const float* A, int64_t n, int64_t cols, int64_t ld, const float* v0,
+                const float* v1, int k, const float* va0, const float* va1, int ka, float* r0,
+                float* r1, float* ra0, float* ra1, int threads) {
+  if (n < 0 || cols < 0 || ld < cols || k < 0 || k > CS_MAXK || ka < 0 || ka > CS_MAXK)
+    return 1;
+  if ((k == 2 && !v0 != !v1) || (ka == 2 && !va0 != !va1)) return 1;
+  cs_job_t job = {A, n, ld, cols, 0, 0, {v0, v1}, k, {va0, va1}, ka, {r0, r1}, {ra0, ra1}, 1};
+  cs_parallel(job, n, threads);
+  return 0;
+}
+
+/* The entries i < n that fail |lhs[i] - (rhs[i] + rhs0)| <= (bound[i] + bound0) * tol,
+   in double: their count. A NaN fails; with finite_only, only a finite difference can
+   fail (a GradScaler's overflow is the scaler's business). */
+int64_t sdc_cs_compare(const float* lhs, const float* rhs, const float* bound, int64_t n,
+                       double rhs0, double bound0, double tol, int finite_only) {
+  int64_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double d = __builtin_fabs((double)lhs[i] - ((double)rhs[i] + rhs0));
+    const double t = ((double)bound[i] + bound0) * tol;
+    if (finite_only) bad += d > t && d - d == 0.0;
+    else bad += !(d <= t);
+  }
+  return bad;
+}

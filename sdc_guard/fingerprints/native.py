@@ -21,6 +21,11 @@ measure another's code. They ask for
 each cache line 4 KiB before they read it (software prefetch): without it a core
 alternates between waiting for memory and adding, well short of the bandwidth.
 
+Three entry points serve the checksum check with float32 passes (``sdc_cs_cols``,
+``sdc_cs_rows``, ``sdc_cs_compare``: its products with ``W`` and ``|W|`` in one read,
+without materialising ``|W|``; ``sdc_guard.checks.checksum``); float sums in any order,
+which its tolerance allows.
+
 Two more entry points serve the non-finite check on float32 CPU buffers:
 ``sdc_scale_check`` (DDP's 1/world scaling, the bits of ``mul_``, with a NaN/Inf
 flag, in one pass) and ``sdc_nonfinite`` (the flag alone, read only). Their
@@ -95,6 +100,23 @@ class NativeKernel:
         nonfinite.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
         nonfinite.restype = ctypes.c_int
         self._nonfinite = nonfinite
+        P, N, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        cols = self._lib.sdc_cs_cols
+        cols.argtypes = [P, N, N, N, P, P, C, P, P, C, P, P, P, P, C, C]
+        cols.restype = C
+        self.cs_cols = cols
+        """``sdc_cs_cols`` (``kernel.c``): ``s_p (+)= u_p^T A``, ``b_p (+)= a_p^T |A|`` in one pass
+        over a float32 matrix (the checksum check's products with ``W`` and ``GY``)."""
+        rows = self._lib.sdc_cs_rows
+        rows.argtypes = [P, N, N, N, P, P, C, P, P, C, P, P, P, P, C]
+        rows.restype = C
+        self.cs_rows = rows
+        """``sdc_cs_rows``: ``r_p[i] = v_p . A[i]``, ``ra_p[i] = va_p . |A[i]|`` per row."""
+        compare = self._lib.sdc_cs_compare
+        compare.argtypes = [P, P, P, N, ctypes.c_double, ctypes.c_double, ctypes.c_double, C]
+        compare.restype = N
+        self.cs_compare = compare
+        """``sdc_cs_compare``: how many entries fail ``|lhs - rhs| <= bound * tol``."""
         isa = self._lib.sdc_isa
         isa.argtypes = [ctypes.c_int]
         isa.restype = ctypes.c_int

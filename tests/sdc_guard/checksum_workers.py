@@ -15,6 +15,7 @@ import sdc_guard
 from injectors import Fault, arm
 from scenarios.spec.models import build_model, scenario_loss, synthetic_batch
 from sdc_guard import ChecksumConfig, GuardConfig, SDCGuard
+from sdc_guard.fingerprints.native import disable_native
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -54,7 +55,19 @@ def clean_run(rank: int, world: int, runs: list[tuple[str, str]], steps: int) ->
             worst[0] = max(worst[0], float(ratio))
             record(layer, product, micro, lhs, rhs, bound)
 
+        compare = check._compare  # the C path's comparison (float32 on the CPU)
+
+        def spy_native(layer: Any, product: str, micro: int, lhs: torch.Tensor,
+                       rhs: torch.Tensor, bound: torch.Tensor, tol: float, rhs0: float = 0.0,
+                       bound0: float = 0.0, compare: Any = compare,
+                       worst: list[float] = worst) -> None:
+            diff = (lhs.double() - (rhs.double() + rhs0)).abs()
+            ratio = (diff / ((bound.double() + bound0) * tol).clamp_min(1e-30)).max()
+            worst[0] = max(worst[0], float(ratio))
+            compare(layer, product, micro, lhs, rhs, bound, tol, rhs0, bound0)
+
         check._record = spy  # type: ignore[method-assign]
+        check._compare = spy_native  # type: ignore[method-assign]
         found = []
         skipped = []
         for s in range(steps):
@@ -71,8 +84,11 @@ def clean_run(rank: int, world: int, runs: list[tuple[str, str]], steps: int) ->
 
 def fault_runs(rank: int, world: int, faults: list[dict[str, Any]], cfg: dict[str, Any],
                kind: str = "mlp", scaler: bool = False, user_hook: bool = False,
-               micro: int = 1) -> list[dict[str, Any]]:
-    """One guard; per fault: fresh checks, the fault armed, 4 steps, flush, disarm."""
+               micro: int = 1, native: bool = True) -> list[dict[str, Any]]:
+    """One guard; per fault: fresh checks, the fault armed, 4 steps, flush, disarm.
+    ``native=False``: the torch ops only (no C kernel in this rank)."""
+    if not native:
+        disable_native()
     hook = None
     if user_hook:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -106,6 +122,8 @@ def fault_runs(rank: int, world: int, faults: list[dict[str, Any]], cfg: dict[st
             "scale": gs.get_scale() if gs is not None else None,
             "moved": any(not torch.equal(a, b) for a, b in zip(before, model.parameters(),
                                                                strict=True)),
+            "native": any(c.native for check in guard.checks if check.name == "checksum"
+                          for layer in check.layers for c in layer.calls),
         })
     return results
 

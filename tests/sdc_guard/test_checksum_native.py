@@ -1,0 +1,152 @@
+"""The checksum check's C passes (``sdc_cs_cols``, ``sdc_cs_rows``, ``sdc_cs_compare``) against
+float64 references, within the float32 rounding bound the check's tolerance allows for them;
+and the check's torch path still catches what the C path catches."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sdc_guard.fingerprints import native as nat
+from tests.launch import run_ranks
+from tests.sdc_guard import checksum_workers as W
+from tests.sdc_guard.test_checksum_dist import _assert_caught, _faults
+
+U32 = 2.0 ** -24
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Iterator[nat.NativeKernel]:
+    k = nat.load(warn=False)
+    if k is None:
+        pytest.skip("the C kernel could not be built here (the torch path is used)")
+    yield k
+
+
+def _gamma(n: int) -> float:
+    return n * U32 / (1 - n * U32)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _matrix(rows: int, cols: int, ld: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rows x cols float32 view with row stride ld, with large and tiny entries mixed."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(rows, ld, generator=g) * torch.exp(torch.randn(rows, ld, generator=g) * 3)
+    return base, base[:, :cols]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.integers(0, 70), cols=st.integers(0, 300), pad=st.integers(0, 5),
+       k=st.integers(0, 2), ka=st.integers(0, 2), ones=st.lists(st.booleans(), min_size=4,
+                                                                 max_size=4),
+       acc=st.integers(0, 15), threads=st.integers(1, 3), seed=st.integers(0, 1000))
+def test_cols_pass_is_within_the_float32_bound(kernel: nat.NativeKernel, rows: int, cols: int,
+                                               pad: int, k: int, ka: int, ones: list[bool],
+                                               acc: int, threads: int, seed: int) -> None:
+    base, a = _matrix(rows, cols, cols + pad, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    u = [None if ones[p] else torch.randn(rows, generator=g) for p in range(2)]
+    va = [None if ones[2 + p] else torch.rand(rows, generator=g) for p in range(2)]
+    s = [torch.randn(cols, generator=g) for _ in range(2)]
+    b = [torch.rand(cols, generator=g) for _ in range(2)]
+    before = [t.clone() for t in s + b]
+    assert kernel.cs_cols(a.data_ptr() if rows else base.data_ptr(), rows, cols, cols + pad,
+                          *map(_ptr, u), k, *map(_ptr, va), ka, *(t.data_ptr() for t in s),
+                          *(t.data_ptr() for t in b), acc, threads) == 0
+    ad = a.double()
+    for p in range(2):
+        for signed, vec, out, bit, prior in ((True, u[p], s[p], p, before[p]),
+                                             (False, va[p], b[p], 2 + p, before[2 + p])):
+            used = p < (k if signed else ka)
+            if not used:  # untouched
+                assert torch.equal(out, prior)
+                continue
+            w = torch.ones(rows, dtype=torch.float64) if vec is None else vec.double()
+            m = ad if signed else ad.abs()
+            ref = w @ m if rows else torch.zeros(cols, dtype=torch.float64)
+            mag = w.abs() @ ad.abs() if rows else torch.zeros(cols, dtype=torch.float64)
+            start = prior.double() if acc >> bit & 1 else torch.zeros(cols, dtype=torch.float64)
+            err = (out.double() - (start + ref)).abs()
+            limit = _gamma(rows + 2) * (mag + start.abs()) + 1e-30
+            assert bool((err <= limit).all()), (signed, p, float((err / limit).max()))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(0, 70), cols=st.integers(0, 300), pad=st.integers(0, 5),
+       k=st.integers(0, 2), ka=st.integers(0, 2), ones=st.booleans(), abs_ones=st.booleans(),
+       threads=st.integers(1, 3), seed=st.integers(0, 1000))
+def test_rows_pass_is_within_the_float32_bound(kernel: nat.NativeKernel, n: int, cols: int,
+                                               pad: int, k: int, ka: int, ones: bool,
+                                               abs_ones: bool, threads: int, seed: int) -> None:
+    base, a = _matrix(n, cols, cols + pad, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    v = [None if ones else torch.randn(cols, generator=g) for _ in range(2)]
+    va = [None if abs_ones else torch.rand(cols, generator=g) for _ in range(2)]
+    r = [torch.full((n,), math.nan) for _ in range(2)]
+    ra = [torch.full((n,), math.nan) for _ in range(2)]
+    assert kernel.cs_rows(a.data_ptr() if n else base.data_ptr(), n, cols, cols + pad,
+                          *map(_ptr, v), k, *map(_ptr, va), ka, *(t.data_ptr() for t in r),
+                          *(t.data_ptr() for t in ra), threads) == 0
+    ad = a.double()
+    for p in range(2):
+        for signed, vec, out in ((True, v[p], r[p]), (False, va[p], ra[p])):
+            if p >= (k if signed else ka):
+                assert bool(out.isnan().all())  # untouched
+                continue
+            w = torch.ones(cols, dtype=torch.float64) if vec is None else vec.double()
+            ref = (ad if signed else ad.abs()) @ w
+            err = (out.double() - ref).abs()
+            limit = _gamma(cols + 2) * (ad.abs() @ w.abs()) + 1e-30
+            assert bool((err <= limit).all()), (signed, p)
+
+
+def test_rows_pass_refuses_ones_mixed_with_vectors_and_bad_shapes(
+        kernel: nat.NativeKernel) -> None:
+    a = torch.randn(4, 8)
+    v = torch.randn(8)
+    r = torch.empty(2, 4)
+    ptrs = (r[0].data_ptr(), r[1].data_ptr(), None, None)
+    assert kernel.cs_rows(a.data_ptr(), 4, 8, 8, v.data_ptr(), None, 2, None, None, 0, *ptrs,
+                          1) == 1
+    assert kernel.cs_rows(a.data_ptr(), 4, 8, 7, None, None, 1, None, None, 0, *ptrs, 1) == 1
+    assert kernel.cs_cols(a.data_ptr(), 4, 8, 8, None, None, 3, None, None, 0, *ptrs, 0,
+                          1) == 1
+
+
+def test_compare_counts_failures_nan_and_the_scalers_overflow(kernel: nat.NativeKernel) -> None:
+    lhs = torch.tensor([1.0, 2.0, math.nan, math.inf, 5.0, 10.5])
+    rhs = torch.tensor([1.0, 2.5, 0.0, 0.0, 4.0, 10.0])
+    bound = torch.tensor([0.0, 0.1, 1.0, 1.0, 2.0, 0.25])
+
+    def count(rhs0: float, bound0: float, tol: float, finite_only: int) -> int:
+        return kernel.cs_compare(lhs.data_ptr(), rhs.data_ptr(), bound.data_ptr(), 6, rhs0,
+                                 bound0, tol, finite_only)
+
+    # |diff|: 0, 0.5, nan, inf, 1, 0.5 against bound * tol: 0, 0.1, 1, 1, 2, 0.25
+    assert count(0.0, 0.0, 1.0, 0) == 4  # 0.5 > 0.1, nan, inf, 0.5 > 0.25
+    assert count(0.0, 0.0, 1.0, 1) == 2  # only the finite differences can fail
+    assert count(0.5, 0.0, 1.0, 1) == 2  # rhs + 0.5: diffs 0.5, 1, -, -, 0.5, 0
+    assert count(0.0, 0.5, 2.0, 1) == 0  # (bound + 0.5) * 2 covers every finite one
+
+
+def test_the_torch_path_catches_what_the_c_path_catches() -> None:
+    faults = _faults(bits=(30,))
+    res = run_ranks(W.fault_runs, 3, faults, {"checksum": True, "nonfinite": False,
+                                              "weights_interval": 1}, native=False, timeout=300)
+    _assert_caught(res, faults, "net.2")
+    assert {r["native"] for rank in res for r in rank} == {False}
+
+
+def test_the_c_path_runs_for_float32_layers_on_the_cpu(kernel: nat.NativeKernel) -> None:
+    faults = _faults(bits=(30,))[:1]
+    res = run_ranks(W.fault_runs, 3, faults, {"checksum": True}, timeout=300)
+    assert {r["native"] for rank in res for r in rank} == {True}
+
