@@ -7,9 +7,10 @@ injectors' callbacks. Per bucket, in this order::
 
     before-callbacks (fault injectors: site "gradient_before_allreduce")
     -> listener.local(bucket): read the local words; may return digest spans
+    -> listener.row_sums(bucket): matrices whose row sums (as they were) it wants
     -> the 1/world scaling pass: on the CPU the C kernel scales, flags NaN/Inf
-       (if a listener wants the flag) and digests the spans returned, in one read
-       of the bucket; spans it cannot fuse are digested by torch ops first
+       (if a listener wants the flag) and digests the spans returned, or sums the
+       rows asked for, in one read of the bucket; what it cannot fuse is read first
     -> listener.after_scaling(bucket, flag, digest)
     -> on the step's last bucket: listener.before_last_allreduce()
     -> the all-reduce (ours, or the user's own comm hook)
@@ -40,11 +41,15 @@ from torch._C._distributed_c10d import GradBucket
 
 from sdc_guard.scaling import (
     Flag,
+    RowSums,
     Spans,
     can_fuse_digest,
+    can_fuse_rows,
     check_nonfinite,
+    row_sums,
     scale_and_check,
     scale_digest_spans,
+    scale_row_sums,
 )
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
@@ -76,6 +81,12 @@ class BucketListener:
     def local(self, bucket: GradBucket) -> DigestSpans | None:
         """The local words, before the scaling pass (read only). Return spans to have the
         pass digest them (their digest comes to ``after_scaling``)."""
+        return None
+
+    def row_sums(self, bucket: GradBucket) -> list[RowSums] | None:
+        """Matrices in the local bucket (2-D views into its buffer) whose float32 row sums,
+        before the scaling, the pass should write into the tensors given with them (ready
+        in ``after_scaling``)."""
         return None
 
     def after_scaling(self, bucket: GradBucket, flag: Flag | None,
@@ -123,6 +134,8 @@ class GuardCommHook:
         self.listeners: list[BucketListener] = []
         self.fused_digests = 0
         """How many listener digests the scaling pass has computed."""
+        self.fused_row_sums = 0
+        """How many buckets' row sums the scaling pass has taken (``row_sums``)."""
         self.step = -1
         """The step being computed (set by ``begin_step``; fault injectors read it)."""
         self.sentinel: torch.Tensor | None = None
@@ -184,10 +197,18 @@ class GuardCommHook:
                       if w is not None and ours and can_fuse_digest(buf, w.spans)), None)
         digests: list[int | torch.Tensor | None] = [
             None if w is None or i == fused else w.digest(buf) for i, w in enumerate(wants)]
+        rows = [r for lst in self.listeners for r in (lst.row_sums(bucket) or ())]
+        fuse_rows = bool(rows) and ours and fused is None and can_fuse_rows(buf, rows)
+        if rows and not fuse_rows:
+            row_sums(rows)  # a read of their own, before anything scales them
         scale = 1.0 / self.world_size
         flag: Flag | None = None
         fused_spans = None if fused is None else wants[fused]
-        if fused is not None and fused_spans is not None:
+        if fuse_rows:
+            found = scale_row_sums(buf, rows, scale)
+            self.fused_row_sums += 1
+            flag = found if flag_wanted else None
+        elif fused is not None and fused_spans is not None:
             digests[fused], found = scale_digest_spans(buf, fused_spans.spans, scale)
             self.fused_digests += 1
             flag = found if flag_wanted else None

@@ -8,7 +8,10 @@ read of the bucket, computes what the checks subscribed to (``comm_hook``):
   scales and flags in one pass and gives a Python bool; on a device torch's fused
   AMP unscale kernel does (a device flag, no host sync);
 * the replay digest of given word spans, before the scaling
-  (``scale_digest_spans``: the C kernel, on contiguous float32 CPU buckets).
+  (``scale_digest_spans``: the C kernel, on contiguous float32 CPU buckets);
+* the row sums of given matrices in the bucket, before the scaling, for the checksum
+  check's weight-gradient identity (``scale_row_sums``: the C kernel, likewise; elsewhere
+  ``row_sums`` reads them first).
 
 Every path gives the bits of ``buf.mul_(1/world)``, so guarded training stays
 bit-identical to plain DDP. ``check_nonfinite`` is the read-only flag the
@@ -144,3 +147,46 @@ def scale_digest_spans(buf: torch.Tensor, spans: Spans, scale: float) -> tuple[i
         bad |= flag
         total += d + 2 * offset * s
     return total & MASK64, bad
+
+
+RowSums = tuple[torch.Tensor, torch.Tensor]
+"""(a 2-D view into a bucket's buffer, a float32 tensor for its row sums)."""
+
+
+def row_sums(requests: Sequence[RowSums]) -> None:
+    """Write each view's float32 row sums into its output (a pass of its own; the C kernel
+    where it can read the view, else torch)."""
+    kernel = active_kernel()
+    for view, out in requests:
+        if (kernel is not None and host_words(out) and view.dtype == torch.float32
+                and view.device.type == "cpu" and view.is_contiguous()):
+            kernel.cs_rows(view.data_ptr(), view.shape[0], view.shape[1], view.shape[1], None,
+                           None, 1, None, None, 0, out.data_ptr(), None, None, None, 1)
+        else:
+            out.copy_(view.sum(1, dtype=torch.float32))
+
+
+def can_fuse_rows(buf: torch.Tensor, requests: Sequence[RowSums]) -> bool:
+    """Can ``scale_row_sums`` sum the rows of ``requests`` in ``buf``'s scaling pass?"""
+    if not host_words(buf) or active_kernel() is None:
+        return False
+    end = buf.data_ptr() + buf.numel() * 4
+    for view, out in requests:
+        if (view.dtype != torch.float32 or view.dim() != 2 or not view.is_contiguous()
+                or not host_words(out) or out.numel() != view.shape[0]
+                or not buf.data_ptr() <= view.data_ptr() <= end - view.numel() * 4):
+            return False
+    return True
+
+
+def scale_row_sums(buf: torch.Tensor, requests: Sequence[RowSums], scale: float) -> bool:
+    """``row_sums(requests)`` of the values as they were, then ``buf.mul_(scale)`` (its bits),
+    with "was any of it NaN or Inf", in one pass over memory. Only where ``can_fuse_rows``
+    holds; views that overlap one another are refused (``ValueError``)."""
+    kernel = active_kernel()
+    if kernel is None or not can_fuse_rows(buf, requests):
+        raise ValueError("scale_row_sums: needs can_fuse_rows(buf, requests); check it first.")
+    base = buf.data_ptr()
+    blocks = sorted(((v.data_ptr() - base) // 4, v.shape[0], v.shape[1], out.data_ptr())
+                    for v, out in requests)
+    return kernel.scale_rows_at(base, buf.numel(), scale, blocks)

@@ -20,8 +20,10 @@ each identity cost a few vector passes over ``X``, ``Y``, ``GY``, ``GX``, ``GW``
 and ``W``: O(N in + N out + in out) against the product's O(N in out). On the
 CPU, for float32 layers with the exact bound, C passes of the native kernel
 (``NativeKernel.cs_cols``, ``cs_rows``, ``cs_compare``) read each matrix once
-(``W`` and ``|W|`` in one read) and compare in C; elsewhere torch operations do
-it (``|W|`` formed, a matrix product each with ``W`` and ``|W|``).
+(``W`` and ``|W|`` in one read) and compare in C, and ``GW e`` comes from the local
+gradient bucket, summed by the comm hook's scaling pass in the read that scales it
+(``bucket_weight_grad``, ``row_sums``); elsewhere torch operations do it (``|W|``
+formed, a matrix product each with ``W`` and ``|W|``, ``GW`` read in a hook on ``W``).
 
 **Tolerance, from the rounding-error bound.** Both sides are computed in
 float32 (upcast). With ``u(t)`` the unit roundoff of dtype ``t`` (float32 2^-24,
@@ -98,6 +100,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._C._distributed_c10d import GradBucket
 from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.checks.base import Check, Verdict
@@ -107,7 +110,7 @@ from sdc_guard.comm_hook import BucketListener, GuardCommHook
 from sdc_guard.config import PRODUCTS, ChecksumConfig
 from sdc_guard.fingerprints.native import NativeKernel, active_kernel
 from sdc_guard.report import Detection
-from sdc_guard.scaling import Flag
+from sdc_guard.scaling import Flag, RowSums
 
 _U32 = 2.0 ** -24
 _UNIT = {torch.float32: _U32, torch.float64: 2.0 ** -53, torch.bfloat16: 2.0 ** -8,
@@ -346,6 +349,15 @@ class ChecksumCheck(Check, BucketListener):
         """Every rank's bits per step (``_local_flags``), judged a step after they travel."""
         self._veto_word: PendingSum | None = None
         self._vetoed = False
+        self.bucket_weight_grad = self._kernel is not None and all(
+            layer.module.weight.dtype == torch.float32 for layer in self.layers)
+        """The weight-gradient identity is checked on the local gradient bucket, its row
+        sums taken by the comm hook's scaling pass in the same read (``row_sums``), instead of
+        by a hook on each weight (a read of ``GW`` of its own): float32 weights on the CPU
+        with the C kernel. ``GW e`` is then the step's weight gradient summed over its
+        micro-batches, against the right-hand sides summed likewise."""
+        self._by_weight = {id(layer.module.weight): layer for layer in self.layers}
+        self._rows_pending: list[tuple[_Layer, torch.Tensor]] = []
         for layer in self.layers:
             self._hook(layer)
         comm.subscribe(self)
@@ -381,7 +393,7 @@ class ChecksumCheck(Check, BucketListener):
 
         layer.handles.append(m.register_forward_pre_hook(pre))
         layer.handles.append(m.register_forward_hook(post))
-        if self._want["weight_grad"] and m.weight.requires_grad:
+        if self._want["weight_grad"] and m.weight.requires_grad and not self.bucket_weight_grad:
             layer.handles.append(m.weight.register_hook(  # type: ignore[no-untyped-call]
                 lambda gw: self._on_gw(layer, gw)))
 
@@ -646,6 +658,40 @@ class ChecksumCheck(Check, BucketListener):
             self._record(layer, "weight_grad", micro, lhs, layer.gw_rhs, layer.gw_bound * tol)
         layer.gw_rhs = layer.gw_bound = None
         layer.gw_rows = 0
+
+    def row_sums(self, bucket: GradBucket) -> list[RowSums] | None:
+        """The checked layers' weight gradients in this local bucket, whose row sums the
+        comm hook's scaling pass takes (``bucket_weight_grad``)."""
+        if not (self.bucket_weight_grad and self._active):
+            return None
+        requests: list[RowSums] = []
+        self._rows_pending = []
+        for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
+            layer = self._by_weight.get(id(p))
+            if layer is None or layer.gw_rhs is None or g.dim() != 2:
+                continue
+            out = torch.empty(g.shape[0])
+            requests.append((g, out))
+            self._rows_pending.append((layer, out))
+        return requests or None
+
+    def after_scaling(self, bucket: GradBucket, flag: Flag | None,
+                      digest: int | torch.Tensor | None) -> None:
+        """The weight-gradient identity of the layers ``row_sums`` asked for."""
+        pending, self._rows_pending = self._rows_pending, []
+        micro = 0 if self._micro <= 1 else -1  # -1: summed over the step's micro-batches
+        for layer, lhs in pending:
+            n = layer.gw_rows
+            inner = layer.module.in_features
+            x_dtype = layer.calls[0].x.dtype if layer.calls else torch.float32
+            compute = layer.gw_dtype or torch.float32
+            tol = (_cpu_tolerance(self.config.tolerance_scale, n, 2 * inner + n)
+                   if compute == x_dtype == torch.float32 else
+                   tolerance(self.config.tolerance_scale, k=n, checked=2 * inner + n,
+                             compute=compute, operands=(x_dtype,), device=self.device))
+            self._compare(layer, "weight_grad", micro, lhs, layer.gw_rhs, layer.gw_bound, tol)
+            layer.gw_rhs = layer.gw_bound = None
+            layer.gw_rows = 0
 
     def _pending_forwards(self) -> None:
         """Forward identities no backward has checked (an output the loss did not use)."""

@@ -505,3 +505,82 @@ int64_t sdc_cs_compare(const float* lhs, const float* rhs, const float* bound, i
   }
   return bad;
 }
+
+/* Rows [r0, r1) of a rows x cols float32 block at x: out[r] = the row's float32 sum (as it
+   was), then the row multiplied by scale in place (scale_f32); 1 if any was NaN or Inf. */
+CLONES static uint32_t cs_sum_scale_rows(float* x, int64_t r0, int64_t r1, int64_t cols,
+                                         float scale, float* out) {
+  uint32_t bad = 0;
+  for (int64_t r = r0; r < r1; ++r) {
+    float* row = x + r * cols;
+    float sums[2 * CS_MAXK];
+    cs_row(row, cols, 0, 0, sums, 1, 0, 1, 1);
+    out[r] = sums[0];
+    bad |= scale_f32(row, cols, scale);
+  }
+  return bad;
+}
+
+typedef struct {
+  float* x; int64_t r0, r1, cols; float scale; float* out; uint32_t bad;
+} rows_job_t;
+
+static void* rows_thread(void* arg) {
+  rows_job_t* j = (rows_job_t*)arg;
+  j->bad = cs_sum_scale_rows(j->x, j->r0, j->r1, j->cols, j->scale, j->out);
+  return 0;
+}
+
+static uint32_t sum_scale_block(float* x, int64_t rows, int64_t cols, float scale, float* out,
+                                int threads) {
+  if (threads < 1) threads = 1;
+  if (threads > MAX_THREADS) threads = MAX_THREADS;
+  rows_job_t jobs[MAX_THREADS];
+  pthread_t ids[MAX_THREADS];
+  int started[MAX_THREADS] = {0};
+  const int64_t per = (rows + threads - 1) / threads;
+  int used = 0;
+  for (int t = 0; t < threads && (int64_t)t * per < rows; ++t, ++used) {
+    jobs[t] = (rows_job_t){x, (int64_t)t * per, 0, cols, scale, out, 0};
+    jobs[t].r1 = rows - jobs[t].r0 < per ? rows : jobs[t].r0 + per;
+  }
+  for (int t = 1; t < used; ++t)
+    started[t] = pthread_create(&ids[t], 0, rows_thread, &jobs[t]) == 0;
+  for (int t = 0; t < used; ++t)
+    if (!started[t]) rows_thread(&jobs[t]);
+  uint32_t bad = 0;
+  for (int t = 0; t < used; ++t) {
+    if (t && started[t]) pthread_join(ids[t], 0);
+    bad |= jobs[t].bad;
+  }
+  return bad;
+}
+
+/* The comm hook's 1/world scaling pass over n float32 at x (in place, the bits of torch's
+   mul_) that also gives the checksum check the row sums of some matrices in it, as they
+   were, in the same read: seg holds m blocks of four int64 (offset in floats, rows, cols,
+   address of rows float32 outputs), in increasing offset, not overlapping, inside x.
+   1 if any float was NaN or Inf, 0 if none, -1 on bad arguments. Threads split the rows
+   of each block and the floats between blocks. */
+int sdc_scale_rows(float* x, int64_t n, float scale, const int64_t* seg, int m, int threads) {
+  int64_t at = 0;
+  uint64_t out[3];
+  int bad = 0;
+  for (int i = 0; i < m; ++i) {
+    const int64_t off = seg[4 * i], rows = seg[4 * i + 1], cols = seg[4 * i + 2];
+    if (off < at || rows < 0 || cols < 0 || off + rows * cols > n) return -1;
+    if (off > at) {
+      if (weighted(x + at, off - at, 4, threads, scale, out)) return -1;
+      bad |= (int)out[2];
+    }
+    float* dest = (float*)(intptr_t)seg[4 * i + 3];
+    const int use = rows * cols < ((int64_t)1 << 18) ? 1 : threads;
+    bad |= (int)sum_scale_block(x + off, rows, cols, scale, dest, use);
+    at = off + rows * cols;
+  }
+  if (n > at) {
+    if (weighted(x + at, n - at, 4, threads, scale, out)) return -1;
+    bad |= (int)out[2];
+  }
+  return bad;
+}

@@ -21,10 +21,11 @@ measure another's code. They ask for
 each cache line 4 KiB before they read it (software prefetch): without it a core
 alternates between waiting for memory and adding, well short of the bandwidth.
 
-Three entry points serve the checksum check with float32 passes (``sdc_cs_cols``,
+Four entry points serve the checksum check with float32 passes (``sdc_cs_cols``,
 ``sdc_cs_rows``, ``sdc_cs_compare``: its products with ``W`` and ``|W|`` in one read,
-without materialising ``|W|``; ``sdc_guard.checks.checksum``); float sums in any order,
-which its tolerance allows.
+without materialising ``|W|``; ``sdc_scale_rows``: the comm hook's scaling pass that also
+sums the rows of the weight gradients in the bucket; ``sdc_guard.checks.checksum``);
+float sums in any order, which its tolerance allows.
 
 Two more entry points serve the non-finite check on float32 CPU buffers:
 ``sdc_scale_check`` (DDP's 1/world scaling, the bits of ``mul_``, with a NaN/Inf
@@ -117,6 +118,10 @@ class NativeKernel:
         compare.restype = N
         self.cs_compare = compare
         """``sdc_cs_compare``: how many entries fail ``|lhs - rhs| <= bound * tol``."""
+        scale_rows = self._lib.sdc_scale_rows
+        scale_rows.argtypes = [P, N, ctypes.c_float, P, C, C]
+        scale_rows.restype = C
+        self._scale_rows = scale_rows
         isa = self._lib.sdc_isa
         isa.argtypes = [ctypes.c_int]
         isa.restype = ctypes.c_int
@@ -196,6 +201,24 @@ class NativeKernel:
         bad = self._scale_check(address, n, scale, threads)
         if bad < 0:  # pragma: no cover
             raise RuntimeError("sdc_scale_check rejected its arguments")
+        return bool(bad)
+
+    def scale_rows_at(self, address: int, n: int, scale: float,
+                      blocks: list[tuple[int, int, int, int]]) -> bool:
+        """``scale_check_at`` that also writes the row sums (as they were) of some matrices
+        in the ``n`` float32 at ``address``: ``blocks`` holds (offset in floats, rows, cols,
+        address of ``rows`` float32 outputs), in increasing offset, not overlapping, inside.
+        One pass over memory; whether any float was NaN or Inf.
+
+        The caller guarantees the memory: ``n`` writable float32 of a live CPU tensor, and
+        live float32 outputs.
+        """
+        threads = max(1, min(torch.get_num_threads(), n // _PER_THREAD))
+        flat = (ctypes.c_int64 * (4 * len(blocks)))(*(v for b in blocks for v in b))
+        bad = self._scale_rows(address, n, scale, flat, len(blocks), threads)
+        if bad < 0:
+            raise ValueError("sdc_scale_rows: blocks must lie inside the buffer, in increasing "
+                             "offset, without overlapping")
         return bool(bad)
 
     def nonfinite_at(self, address: int, n: int) -> bool:

@@ -124,6 +124,7 @@ def fault_runs(rank: int, world: int, faults: list[dict[str, Any]], cfg: dict[st
                                                                strict=True)),
             "native": any(c.native for check in guard.checks if check.name == "checksum"
                           for layer in check.layers for c in layer.calls),
+            "fused_row_sums": guard.comm.fused_row_sums,
         })
     return results
 

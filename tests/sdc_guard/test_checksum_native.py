@@ -150,3 +150,50 @@ def test_the_c_path_runs_for_float32_layers_on_the_cpu(kernel: nat.NativeKernel)
     res = run_ranks(W.fault_runs, 3, faults, {"checksum": True}, timeout=300)
     assert {r["native"] for rank in res for r in rank} == {True}
 
+
+
+def test_the_weight_gradient_is_checked_in_the_bucket_by_the_scaling_pass() -> None:
+    # A flip in the local bucket (after the product, before the all-reduce) is in GW e too:
+    # the scaling pass's row sums catch it, as a weight-gradient mismatch of that layer.
+    faults = [{"site": "gradient_before_allreduce", "rank": 1, "target": "net.2.weight",
+               "bits": (30,), "step": 0, "index": 37}]
+    res = run_ranks(W.fault_runs, 3, faults, {"checksum": True, "nonfinite": False,
+                                              "weights_interval": 1}, timeout=300)
+    step = res[1][0]["fired"][0][0]  # the faulted rank's record
+    for rank in res:
+        (r,) = rank
+        assert r["detections"] == [("checksum", step, (1,))], r["detections"]
+        assert r["layers"][0]["1"] == {"products": ["weight_grad"], "layer": "net.2"}
+        assert r["skipped"] == [step]
+        assert r["fused_row_sums"] > 0  # in the scaling pass, not a read of its own
+    assert res[1][0]["entries"][0][0]["micro_batch"] == 0
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_scale_row_sums_is_mul_and_the_row_sums_as_they_were(kernel: nat.NativeKernel,
+                                                            threads: int) -> None:
+    from sdc_guard.scaling import can_fuse_rows, row_sums, scale_row_sums
+    g = torch.Generator().manual_seed(5)
+    buf = torch.randn(300_000, generator=g) * 1e3
+    buf[7] = math.inf
+    a = buf[100:100 + 600 * 300].view(600, 300)  # rows of a weight gradient
+    b = buf[200_000:200_000 + 40 * 7].view(40, 7)
+    outs = [torch.empty(600), torch.empty(40)]
+    want_rows = [a.double().sum(1), b.double().sum(1)]
+    want = buf.clone().mul_(1 / 3)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert can_fuse_rows(buf, [(b, outs[1]), (a, outs[0])])
+        assert scale_row_sums(buf, [(b, outs[1]), (a, outs[0])], 1 / 3) is True  # the Inf
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(buf, want)  # the bits of mul_, everywhere
+    for got, ref, view_rows in zip(outs, want_rows, (300, 7), strict=True):
+        assert bool(((got.double() - ref).abs() <= 4 * view_rows * U32 * ref.abs().clamp_min(
+            1.0) * 1e3).all())
+    with pytest.raises(ValueError, match="without overlapping"):
+        scale_row_sums(buf, [(a, outs[0]), (buf[150:450].view(1, 300), torch.empty(1))], 0.5)
+    separate = [torch.empty(600)]
+    row_sums([(a, separate[0])])  # the read of its own, where the pass cannot fuse
+    assert torch.allclose(separate[0].double(), a.double().sum(1), rtol=1e-5, atol=1e-2)
