@@ -177,3 +177,36 @@ def hooks_and_subclasses(rank: int, world: int) -> dict[str, Any]:
         error = str(e)
     return {"default": default, "named": named, "detections": _dets(dets), "hooks_left": left,
             "weight_hooks_left": weight_hooks, "error": error}
+
+
+def node_gx_fault(rank: int, world: int, at_step: int) -> dict[str, Any]:
+    """The checksum check seeing net.2's backward through its product node (no tap): a flip
+    in that node's input gradient on rank 1 at ``at_step``, planted by a post-hook on the
+    node registered before the check's, is an input-gradient mismatch of net.2."""
+    guard = _guard("mlp", "float32", GuardConfig(checksum=True, weights_interval=0))
+    check = next(c for c in guard.checks if c.name == "checksum")
+    layer = next(x for x in check.layers if x.name == "net.2")
+    armed = [False]
+
+    def corrupt(grads_in: tuple[Any, ...], grads_out: tuple[Any, ...]) -> Any:
+        gx = grads_in[1].clone()
+        gx.view(-1)[3] = gx.view(-1)[3] * 2.0 ** 64
+        return (grads_in[0], gx, *grads_in[2:])
+
+    def plant(mod: nn.Module, args: Any, out: torch.Tensor) -> None:
+        if armed[0] and out.grad_fn is not None and out.grad_fn.name() == "AddmmBackward0":
+            out.grad_fn.register_hook(corrupt)
+
+    layer.module.register_forward_hook(plant, prepend=True)
+    via_node = []
+    found = []
+    skipped = []
+    for step in range(at_step + 3):
+        armed[0] = rank == 1 and step == at_step
+        r = guard.step(step)
+        found += r.detections
+        skipped += [step] if r.skipped else []
+        via_node.append(layer.node_ok)
+    found += guard.flush()
+    return {"detections": _dets(found), "layers": [d.evidence.get("ranks", {}) for d in found],
+            "skipped": skipped, "node_ok": via_node, "unseen": check.unseen_input_grads}

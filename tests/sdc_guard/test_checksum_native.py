@@ -197,3 +197,15 @@ def test_scale_row_sums_is_mul_and_the_row_sums_as_they_were(kernel: nat.NativeK
     separate = [torch.empty(600)]
     row_sums([(a, separate[0])])  # the read of its own, where the pass cannot fuse
     assert torch.allclose(separate[0].double(), a.double().sum(1), rtol=1e-5, atol=1e-2)
+
+
+def test_a_layer_seen_through_its_product_node_catches_an_input_gradient_flip() -> None:
+    # From its second call on, a stock nn.Linear is seen through its addmm node (GY and this
+    # call's GX in one post-hook, no tap on X): a flip in the GX that node passes on is
+    # still an input-gradient mismatch of that layer, on that rank, withheld everywhere.
+    res = run_ranks(W.node_gx_fault, 3, 2, timeout=300)
+    for r in res:
+        assert r["detections"] == [("checksum", 2, (1,))], r["detections"]
+        assert r["layers"][0]["1"] == {"products": ["input_grad"], "layer": "net.2"}
+        assert r["skipped"] == [2]
+        assert all(r["node_ok"]) and r["unseen"] == 0
