@@ -83,7 +83,9 @@ every failing entry (layer, product, micro-batch, residual, bound).
 
 What it cannot see: corruptions below the bound (above); layers that are not
 ``nn.Linear`` (convolutions, attention's batched products, embeddings, norms:
-the next step for this check); a layer whose forward is not the stock
+the next step for this check); the weight gradient of a weight tied to another
+module (an embedding shared with the output layer: its gradient sums both uses; the
+other two products are still checked); a layer whose forward is not the stock
 ``nn.Linear.forward`` (a LoRA or quantised subclass computes something else
 than ``X W^T + b``) unless named in ``ChecksumConfig.layers``, which asserts
 the identity holds at its boundary; a module used by a functional call that
@@ -297,7 +299,7 @@ class _Call:
     gx_bound: torch.Tensor | None = None
     gy_dtype: torch.dtype | None = None
     native: bool = False
-    """Checked by the C passes (``_Native``): float32 on the CPU with the exact bound."""
+    """Checked by the C passes (``_gy_native``): float32 on the CPU with the exact bound."""
 
 
 @dataclass
@@ -310,6 +312,9 @@ class _Layer:
     through the node, with no tap on its input."""
     via_node: bool = False
     """Set by the forward pre-hook for the call under way: it installed no tap."""
+    gw_checked: bool = True
+    """The weight-gradient identity is checked: asked for, and the weight is no other
+    module's too (a tied embedding's gradient adds into the same ``W.grad``)."""
     calls: list[_Call] = field(default_factory=list)
     w_key: tuple[int, int] | None = None
     w_norm: torch.Tensor | None = None
@@ -374,6 +379,13 @@ class ChecksumCheck(Check, BucketListener):
         """``nn.Linear`` modules left out: a forward of their own, a non-float weight, or
         not named in ``ChecksumConfig.layers``."""
         self._want = {p: p in config.products for p in PRODUCTS}
+        holders: dict[int, int] = {}
+        for mod in inner.modules():
+            for p in mod.parameters(recurse=False):
+                holders[id(p)] = holders.get(id(p), 0) + 1
+        for layer in self.layers:  # a tied weight's gradient also holds the others' share
+            layer.gw_checked = (self._want["weight_grad"]
+                                and holders.get(id(layer.module.weight), 0) == 1)
         self._kernel: NativeKernel | None = (
             active_kernel() if self.exact and device.type == "cpu" else None)
         """The C passes, for float32 layers on the CPU with the exact bound (the same
@@ -467,7 +479,7 @@ class ChecksumCheck(Check, BucketListener):
 
         layer.handles.append(m.register_forward_pre_hook(pre))
         layer.handles.append(m.register_forward_hook(post))
-        if self._want["weight_grad"] and m.weight.requires_grad and not self.bucket_weight_grad:
+        if layer.gw_checked and m.weight.requires_grad and not self.bucket_weight_grad:
             layer.handles.append(m.weight.register_hook(  # type: ignore[no-untyped-call]
                 lambda gw: self._on_gw(layer, gw)))
 
@@ -586,7 +598,7 @@ class ChecksumCheck(Check, BucketListener):
         w = layer.module.weight.detach()
         wf = w if w.dtype == torch.float32 else w.float()
         call.gy_dtype = g.dtype
-        ga = gf.abs() if call.tapped or self._want["weight_grad"] else None
+        ga = gf.abs() if call.tapped or layer.gw_checked else None
         signed = [self._ones(layer)] if call.forward_due else []
         absolute = list(signed)
         if call.tapped and ga is not None:
@@ -601,7 +613,7 @@ class ChecksumCheck(Check, BucketListener):
                 call.gx_rhs = prods[-1]
                 call.gx_bound = bounds[-1] if bounds is not None else (  # exact, or <= ...
                     torch.linalg.vector_norm(ga.sum(0)) * self._weight_norm(layer))
-        if self._want["weight_grad"] and ga is not None:
+        if layer.gw_checked and ga is not None:
             both = torch.stack([gf.t() @ call.x_rows[0], ga.t() @ call.x_rows[1]])
             layer.gw_rhs = both[0] if layer.gw_rhs is None else layer.gw_rhs + both[0]
             layer.gw_bound = both[1] if layer.gw_bound is None else layer.gw_bound + both[1]
@@ -620,7 +632,7 @@ class ChecksumCheck(Check, BucketListener):
         w = m.weight.detach()
         call.gy_dtype = g.dtype
         tapped, due = call.tapped, call.forward_due
-        want_gw = self._want["weight_grad"]
+        want_gw = layer.gw_checked
         buf = torch.empty(2 * out + 4 * inner + 2 * n)
         c, ca, wc, wac, gxr, gxb, fr, fb = _carve(buf, (out, out, inner, inner, inner, inner,
                                                         n, n))

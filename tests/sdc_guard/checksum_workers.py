@@ -210,3 +210,44 @@ def node_gx_fault(rank: int, world: int, at_step: int) -> dict[str, Any]:
     found += guard.flush()
     return {"detections": _dets(found), "layers": [d.evidence.get("ranks", {}) for d in found],
             "skipped": skipped, "node_ok": via_node, "unseen": check.unseen_input_grads}
+
+
+class TiedModel(nn.Module):
+    """An embedding whose weight is also the output layer's (a language model's tying)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(11, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mid(self.emb(tokens))))
+
+
+def tied_run(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """Clean steps of ``TiedModel`` with the checksum on: no detection, and which layers'
+    weight gradients are checked."""
+    model = DDP(TiedModel())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def batch_for(r: int, step: int) -> Any:
+        g = torch.Generator().manual_seed(1000 * r + step)
+        return torch.randint(0, 11, (6, 4), generator=g), torch.randint(0, 11, (6, 4),
+                                                                        generator=g)
+
+    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
+        tokens, target = batch
+        return F.cross_entropy(m(tokens).reshape(-1, 11), target.reshape(-1))
+
+    guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=batch_for,
+                     config=GuardConfig(checksum=True, weights_interval=0))
+    check = next(c for c in guard.checks if c.name == "checksum")
+    found = []
+    for s in range(steps):
+        found += guard.step(s).detections
+    found += guard.flush()
+    return {"detections": _dets(found),
+            "gw_checked": {x.name: x.gw_checked for x in check.layers}}

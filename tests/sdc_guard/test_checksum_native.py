@@ -209,3 +209,10 @@ def test_a_layer_seen_through_its_product_node_catches_an_input_gradient_flip() 
         assert r["layers"][0]["1"] == {"products": ["input_grad"], "layer": "net.2"}
         assert r["skipped"] == [2]
         assert all(r["node_ok"]) and r["unseen"] == 0
+
+
+def test_a_tied_weight_leaves_its_weight_gradient_unchecked_and_raises_no_alarm() -> None:
+    res = run_ranks(W.tied_run, 2, 6, timeout=300)
+    for r in res:
+        assert r["detections"] == []
+        assert r["gw_checked"] == {"mid": True, "head": False}
