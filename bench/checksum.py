@@ -120,8 +120,9 @@ def checksum_md(res: dict[str, Any]) -> list[str]:
              "The guard with the checksum check alone against the guard with every check off, "
              f"on the same model; blocks of {res['block']} steps, {res['rounds']} rounds, "
              "alternated; the median over rounds of each round's ratio.", "",
-             "`exact` is the default bound (`ChecksumConfig.bound`), `norm` the cheaper, looser "
-             "one.", "",
+             "`exact` is the default bound (`ChecksumConfig.bound`); `norm` the looser one, "
+             "which on the CPU is also the slower: the C passes serve the exact bound only "
+             "(docs/checks/checksum.md).", "",
              "| workload | bound | step, off (ms) | step, checksum (ms) | overhead | 90% interval "
              "| CPU overhead |", "|---|---|---|---|---|---|---|"]
     for name, w in res["workloads"].items():
