@@ -221,6 +221,19 @@ static void* thread_main(void* arg) {
 
 #define MAX_THREADS 64
 
+/* Runs fn on each of used jobs (size bytes apart, from jobs): job 0, and any whose thread
+   failed to start, on the caller's thread; the others on threads of their own. */
+static void run_jobs(void* (*fn)(void*), void* jobs, size_t size, int used) {
+  pthread_t ids[MAX_THREADS];
+  int started[MAX_THREADS] = {0};
+  char* at = (char*)jobs;
+  for (int t = 1; t < used; ++t) started[t] = pthread_create(&ids[t], 0, fn, at + t * size) == 0;
+  for (int t = 0; t < used; ++t)
+    if (!started[t]) fn(at + t * size);
+  for (int t = 1; t < used; ++t)
+    if (started[t]) pthread_join(ids[t], 0);
+}
+
 /* out = {sum_k (2k + 1) v_k, sum_k v_k} (mod 2^64) over n elements of x. Mode 3 (see
    scale_words) also scales x in place and sets out[2] to 1 if a float was NaN or Inf. */
 static int weighted(const void* x, int64_t n, int mode, int threads, float scale,
@@ -229,8 +242,6 @@ static int weighted(const void* x, int64_t n, int mode, int threads, float scale
   if (threads < 1) threads = 1;
   if (threads > MAX_THREADS) threads = MAX_THREADS;
   job_t jobs[MAX_THREADS];
-  pthread_t ids[MAX_THREADS];
-  int started[MAX_THREADS] = {0};
   int64_t per = (n + threads - 1) / threads;
   per = (per + 63) / 64 * 64;
   int used = 0;
@@ -242,11 +253,7 @@ static int weighted(const void* x, int64_t n, int mode, int threads, float scale
     jobs[t].scale = scale;
     jobs[t].bad = 0;
   }
-  for (int t = 1; t < used; ++t) started[t] = pthread_create(&ids[t], 0, thread_main, &jobs[t]) == 0;
-  for (int t = 0; t < used; ++t)
-    if (!started[t]) run(&jobs[t]);  /* the caller's share, and any thread that failed to start */
-  for (int t = 1; t < used; ++t)
-    if (started[t]) pthread_join(ids[t], 0);
+  run_jobs(thread_main, jobs, sizeof jobs[0], used);
   uint64_t total = 0, plain = 0, bad = 0;
   for (int t = 0; t < used; ++t) {
     total += (2 * (uint64_t)jobs[t].lo + 1) * jobs[t].s1 + 2 * jobs[t].s2;
@@ -442,8 +449,6 @@ static void cs_parallel(cs_job_t base, int64_t extent, int threads) {
   if (threads < 1) threads = 1;
   if (threads > MAX_THREADS) threads = MAX_THREADS;
   cs_job_t jobs[MAX_THREADS];
-  pthread_t ids[MAX_THREADS];
-  int started[MAX_THREADS] = {0};
   int64_t per = (extent + threads - 1) / threads;
   per = (per + 15) / 16 * 16;
   int used = 0;
@@ -452,12 +457,7 @@ static void cs_parallel(cs_job_t base, int64_t extent, int threads) {
     jobs[t].lo = (int64_t)t * per;
     jobs[t].hi = extent - jobs[t].lo < per ? extent : jobs[t].lo + per;
   }
-  for (int t = 1; t < used; ++t)
-    started[t] = pthread_create(&ids[t], 0, cs_thread, &jobs[t]) == 0;
-  for (int t = 0; t < used; ++t)
-    if (!started[t]) cs_thread(&jobs[t]);
-  for (int t = 1; t < used; ++t)
-    if (started[t]) pthread_join(ids[t], 0);
+  run_jobs(cs_thread, jobs, sizeof jobs[0], used);
 }
 
 /* s_p (+)= u_p^T A for p < k, b_p (+)= a_p^T |A| for p < ka (see cs_cols_k); a NULL
@@ -536,23 +536,15 @@ static uint32_t sum_scale_block(float* x, int64_t rows, int64_t cols, float scal
   if (threads < 1) threads = 1;
   if (threads > MAX_THREADS) threads = MAX_THREADS;
   rows_job_t jobs[MAX_THREADS];
-  pthread_t ids[MAX_THREADS];
-  int started[MAX_THREADS] = {0};
   const int64_t per = (rows + threads - 1) / threads;
   int used = 0;
   for (int t = 0; t < threads && (int64_t)t * per < rows; ++t, ++used) {
     jobs[t] = (rows_job_t){x, (int64_t)t * per, 0, cols, scale, out, 0};
     jobs[t].r1 = rows - jobs[t].r0 < per ? rows : jobs[t].r0 + per;
   }
-  for (int t = 1; t < used; ++t)
-    started[t] = pthread_create(&ids[t], 0, rows_thread, &jobs[t]) == 0;
-  for (int t = 0; t < used; ++t)
-    if (!started[t]) rows_thread(&jobs[t]);
+  run_jobs(rows_thread, jobs, sizeof jobs[0], used);
   uint32_t bad = 0;
-  for (int t = 0; t < used; ++t) {
-    if (t && started[t]) pthread_join(ids[t], 0);
-    bad |= jobs[t].bad;
-  }
+  for (int t = 0; t < used; ++t) bad |= jobs[t].bad;
   return bad;
 }
 
