@@ -47,13 +47,18 @@ def host_words(buf: torch.Tensor) -> bool:
 def _bad(buf: torch.Tensor) -> torch.Tensor:
     """A 0-d bool tensor: does ``buf`` hold a NaN or Inf? One read pass, no host sync.
 
-    ``isfinite(sum)`` is about 20x cheaper than ``isfinite(buf).all()``; the sum
-    is accumulated in float32 for 16-bit buffers (an fp16 sum would overflow at
-    65504 and raise false alarms). NaN and Inf always propagate through a sum;
-    a false alarm needs finite gradients whose float32 sum exceeds 3.4e38.
+    ``isfinite(sum)`` is about 20x cheaper than ``isfinite(buf).all()``. NaN and Inf
+    always propagate through a sum; a finite buffer must not overflow it, so the sum is
+    accumulated in a wider type: float32 for float16 (an fp16 sum overflows at 65504),
+    float64 for float32 and bfloat16 (their sums overflow at 3.4e38, which the veto
+    sentinel, the dtype's largest value, reaches with any large gradient beside it; MPS,
+    which has no float64, keeps float32 there).
     """
-    if buf.dtype in (torch.float16, torch.bfloat16):
+    wide = torch.float64 if buf.device.type != "mps" else torch.float32
+    if buf.dtype == torch.float16:
         s = buf.sum(dtype=torch.float32)
+    elif buf.dtype in (torch.float32, torch.bfloat16):
+        s = buf.sum(dtype=wide)
     elif buf.is_floating_point():
         s = buf.sum()
     else:  # integer buffers cannot hold non-finite values

@@ -216,3 +216,13 @@ def test_a_tied_weight_leaves_its_weight_gradient_unchecked_and_raises_no_alarm(
     for r in res:
         assert r["detections"] == []
         assert r["gw_checked"] == {"mid": True, "head": False}
+
+
+def test_the_torch_path_vetoes_without_a_false_non_finite_alarm() -> None:
+    # The veto sentinel beside the large gradients a flipped exponent leaves: the torch
+    # path's reduced non-finite flag once summed the buffer in float32, which overflowed,
+    # and reported "the reduction itself" beside the checksum's detection.
+    faults = _faults("blocks.0.attn.qkv", (30,))
+    res = run_ranks(W.fault_runs, 3, faults, {"checksum": True}, kind="transformer", micro=2,
+                    native=False, timeout=300)
+    _assert_caught(res, faults, "blocks.0.attn.qkv")

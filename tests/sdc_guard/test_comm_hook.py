@@ -182,3 +182,16 @@ def test_host_flags_say_which_side_was_non_finite(one_rank: None, native: bool,
                 reduced[-1] = float("inf")
             check.reduced(_Bucket(reduced), reduced)  # type: ignore[arg-type]
         assert check.host_flags() == (local_nan, reduced_nan)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_torch_flag_does_not_call_a_finite_buffer_non_finite(dtype: torch.dtype) -> None:
+    # The veto sentinel (the dtype's largest finite value) beside large gradients: the
+    # buffer's sum overflows the dtype, yet every value is finite.
+    big = torch.finfo(dtype).max
+    buf = torch.tensor([big, big / 2, big / 4, 1.0], dtype=dtype)
+    assert not bool(sc._bad(buf))
+    buf[3] = float("inf")
+    assert bool(sc._bad(buf))
+    buf[3] = float("nan")
+    assert bool(sc._bad(buf))
