@@ -221,6 +221,16 @@ static void* thread_main(void* arg) {
 
 #define MAX_THREADS 64
 
+/* How many jobs of `*per` elements (a multiple of align) cover extent elements on up to
+   `threads` threads; the last job may be shorter. */
+static int split(int64_t extent, int threads, int64_t align, int64_t* per) {
+  if (threads < 1) threads = 1;
+  if (threads > MAX_THREADS) threads = MAX_THREADS;
+  *per = ((extent + threads - 1) / threads + align - 1) / align * align;
+  if (*per < align) *per = align;
+  return (int)((extent + *per - 1) / *per);
+}
+
 /* Runs fn on each of used jobs (size bytes apart, from jobs): job 0, and any whose thread
    failed to start, on the caller's thread; the others on threads of their own. */
 static void run_jobs(void* (*fn)(void*), void* jobs, size_t size, int used) {
@@ -239,13 +249,10 @@ static void run_jobs(void* (*fn)(void*), void* jobs, size_t size, int used) {
 static int weighted(const void* x, int64_t n, int mode, int threads, float scale,
                     uint64_t* out) {
   if (n < 0 || mode < 0 || mode > 5) return 1;
-  if (threads < 1) threads = 1;
-  if (threads > MAX_THREADS) threads = MAX_THREADS;
   job_t jobs[MAX_THREADS];
-  int64_t per = (n + threads - 1) / threads;
-  per = (per + 63) / 64 * 64;
-  int used = 0;
-  for (int t = 0; t < threads && (int64_t)t * per < n; ++t, ++used) {
+  int64_t per;
+  const int used = split(n, threads, 64, &per);
+  for (int t = 0; t < used; ++t) {
     jobs[t].x = (const char*)x;
     jobs[t].lo = (int64_t)t * per;
     jobs[t].n = n - jobs[t].lo < per ? n - jobs[t].lo : per;
@@ -446,13 +453,10 @@ static void* cs_thread(void* arg) {
 
 /* Splits [0, extent) into up to `threads` ranges (multiples of 16) and runs them. */
 static void cs_parallel(cs_job_t base, int64_t extent, int threads) {
-  if (threads < 1) threads = 1;
-  if (threads > MAX_THREADS) threads = MAX_THREADS;
   cs_job_t jobs[MAX_THREADS];
-  int64_t per = (extent + threads - 1) / threads;
-  per = (per + 15) / 16 * 16;
-  int used = 0;
-  for (int t = 0; t < threads && (int64_t)t * per < extent; ++t, ++used) {
+  int64_t per;
+  const int used = split(extent, threads, 16, &per);
+  for (int t = 0; t < used; ++t) {
     jobs[t] = base;
     jobs[t].lo = (int64_t)t * per;
     jobs[t].hi = extent - jobs[t].lo < per ? extent : jobs[t].lo + per;
@@ -533,12 +537,10 @@ static void* rows_thread(void* arg) {
 
 static uint32_t sum_scale_block(float* x, int64_t rows, int64_t cols, float scale, float* out,
                                 int threads) {
-  if (threads < 1) threads = 1;
-  if (threads > MAX_THREADS) threads = MAX_THREADS;
   rows_job_t jobs[MAX_THREADS];
-  const int64_t per = (rows + threads - 1) / threads;
-  int used = 0;
-  for (int t = 0; t < threads && (int64_t)t * per < rows; ++t, ++used) {
+  int64_t per;
+  const int used = split(rows, threads, 1, &per);
+  for (int t = 0; t < used; ++t) {
     jobs[t] = (rows_job_t){x, (int64_t)t * per, 0, cols, scale, out, 0};
     jobs[t].r1 = rows - jobs[t].r0 < per ? rows : jobs[t].r0 + per;
   }
