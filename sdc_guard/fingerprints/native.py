@@ -57,6 +57,7 @@ import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -75,6 +76,15 @@ AVX-512 code is the slower one: ``bench/RESULTS.md``)."""
 
 # Below this many elements per thread, one more thread costs more than it saves.
 _PER_THREAD = 1 << 18
+
+
+def _refused(result: int, fn: Any, args: tuple[Any, ...]) -> int:
+    """``errcheck`` of the checksum passes: their outputs are unwritten when they refuse."""
+    if result != 0:
+        raise ValueError(f"{fn.__name__}: refused its arguments (a negative size, a row "
+                         f"stride below the columns, more than 2 vectors, or ones mixed with "
+                         f"vectors); got {args[1:4]} and k, ka = {args[6]}, {args[9]}")
+    return result
 
 
 class NativeKernel:
@@ -105,12 +115,14 @@ class NativeKernel:
         cols = self._lib.sdc_cs_cols
         cols.argtypes = [P, N, N, N, P, P, C, P, P, C, P, P, P, P, C, C]
         cols.restype = C
+        cols.errcheck = _refused  # type: ignore[assignment]
         self.cs_cols = cols
         """``sdc_cs_cols`` (``kernel.c``): ``s_p (+)= u_p^T A``, ``b_p (+)= a_p^T |A|`` in one pass
         over a float32 matrix (the checksum check's products with ``W`` and ``GY``)."""
         rows = self._lib.sdc_cs_rows
         rows.argtypes = [P, N, N, N, P, P, C, P, P, C, P, P, P, P, C]
         rows.restype = C
+        rows.errcheck = _refused  # type: ignore[assignment]
         self.cs_rows = rows
         """``sdc_cs_rows``: ``r_p[i] = v_p . A[i]``, ``ra_p[i] = va_p . |A[i]|`` per row."""
         compare = self._lib.sdc_cs_compare

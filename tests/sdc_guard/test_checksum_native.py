@@ -114,11 +114,12 @@ def test_rows_pass_refuses_ones_mixed_with_vectors_and_bad_shapes(
     v = torch.randn(8)
     r = torch.empty(2, 4)
     ptrs = (r[0].data_ptr(), r[1].data_ptr(), None, None)
-    assert kernel.cs_rows(a.data_ptr(), 4, 8, 8, v.data_ptr(), None, 2, None, None, 0, *ptrs,
-                          1) == 1
-    assert kernel.cs_rows(a.data_ptr(), 4, 8, 7, None, None, 1, None, None, 0, *ptrs, 1) == 1
-    assert kernel.cs_cols(a.data_ptr(), 4, 8, 8, None, None, 3, None, None, 0, *ptrs, 0,
-                          1) == 1
+    with pytest.raises(ValueError, match="ones mixed with vectors"):
+        kernel.cs_rows(a.data_ptr(), 4, 8, 8, v.data_ptr(), None, 2, None, None, 0, *ptrs, 1)
+    with pytest.raises(ValueError, match="row stride below the columns"):
+        kernel.cs_rows(a.data_ptr(), 4, 8, 7, None, None, 1, None, None, 0, *ptrs, 1)
+    with pytest.raises(ValueError, match="more than 2 vectors"):
+        kernel.cs_cols(a.data_ptr(), 4, 8, 8, None, None, 3, None, None, 0, *ptrs, 0, 1)
 
 
 def test_compare_counts_failures_nan_and_the_scalers_overflow(kernel: nat.NativeKernel) -> None:
