@@ -21,9 +21,10 @@ reshapes), one post-hook on that node sees ``GY`` and this call's ``GX`` instead
 of the two tensor hooks and the view (``_product_node``). The two sides of
 each identity cost a few vector passes over ``X``, ``Y``, ``GY``, ``GX``, ``GW``
 and ``W``: O(N in + N out + in out) against the product's O(N in out). On the
-CPU, for float32 layers with the exact bound, C passes of the native kernel
-(``NativeKernel.cs_cols``, ``cs_rows``, ``cs_compare``) read each matrix once
-(``W`` and ``|W|`` in one read) and compare in C, and ``GW e`` comes from the local
+CPU, for float32 layers with the exact bound, C passes of the native kernel read
+each matrix once (``W`` and ``|W|`` in one read) and compare in C, one call per hook
+(``NativeKernel.cs_fwd``, ``cs_bwd``, ``cs_gx``) into a workspace the layer keeps
+(``_Layer.pool``), and ``GW e`` comes from the local
 gradient bucket, summed by the comm hook's scaling pass in the read that scales it
 (``bucket_weight_grad``, ``row_sums``); elsewhere torch operations do it (``|W|``
 formed, a matrix product each with ``W`` and ``|W|``, ``GW`` read in a hook on ``W``).
@@ -193,19 +194,8 @@ def _rows_ok(t: torch.Tensor) -> bool:
             and t.stride(1) == 1 and t.stride(0) >= t.shape[1])
 
 
-def _carve(buf: torch.Tensor, sizes: tuple[int, ...]) -> list[int]:
-    """The addresses of consecutive float32 vectors of ``sizes`` in ``buf``."""
-    at = [buf.data_ptr()]
-    for size in sizes[:-1]:
-        at.append(at[-1] + size * _F32)
-    return at
-
-
-def _view(buf: torch.Tensor, address: int, n: int) -> torch.Tensor:
-    """The ``n`` float32 of ``buf`` from ``address`` on (one ``_carve`` gave)."""
-    start = (address - buf.data_ptr()) // _F32
-    return buf[start:start + n]
-
+_CS_GX, _CS_GW, _CS_GW_ADD, _CS_FWD, _CS_FINITE = 1, 2, 4, 8, 16
+"""``sdc_cs_bwd``'s ``what`` bits (``kernel.c``)."""
 
 _VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
 _PRODUCT_NODES = {"AddmmBackward0": 1, "MmBackward0": 0}
@@ -240,25 +230,6 @@ def _product_node(out: torch.Tensor, weight: torch.Tensor) -> tuple[Any, int] | 
     return node, at
 
 
-@dataclass(frozen=True)
-class _Pass:
-    """One vector of a C column pass (``sdc_cs_cols``) over a matrix ``A``: ``u^T A`` into
-    ``s`` and ``a^T |A|`` into ``b`` (addresses; a None vector is a vector of ones)."""
-
-    u: int | None
-    s: int
-    a: int | None
-    b: int
-
-    @staticmethod
-    def args(passes: list[_Pass]) -> tuple[Any, ...]:
-        """``sdc_cs_cols``'s vector arguments for up to two passes (absent ones: None)."""
-        p = [*passes, None, None]
-        return (p[0] and p[0].u, p[1] and p[1].u, len(passes),
-                p[0] and p[0].a, p[1] and p[1].a, len(passes),
-                p[0] and p[0].s, p[1] and p[1].s, p[0] and p[0].b, p[1] and p[1].b)
-
-
 def linear_layers(model: nn.Module, patterns: tuple[str, ...] | None) -> list[tuple[str, nn.Linear]]:
     """The layers a ``ChecksumConfig.layers`` selects, in ``named_modules`` order."""
     chosen = []
@@ -279,17 +250,16 @@ def linear_layers(model: nn.Module, patterns: tuple[str, ...] | None) -> list[tu
     return chosen
 
 
-@dataclass
+@dataclass(slots=True)
 class _Call:
     """One forward call of a layer in this micro-batch: what its checks still need."""
 
     x: torch.Tensor
     """The input, ``N x in`` (a reference: autograd keeps it for ``GW`` anyway)."""
-    y_sum: torch.Tensor
-    """float32 ``N``: the output's row sums, taken in the forward hook (a later in-place
-    operation, such as an in-place ReLU, may change the output itself)."""
-    x_rows: torch.Tensor
-    """float32 ``2 x N``: per row of ``X``, its sum and the sum of its absolute values."""
+    sums: torch.Tensor
+    """float32, from the forward hook: ``X e``, ``|X| e`` and ``Y e`` (``N`` each), the
+    output's taken there because a later in-place operation (an in-place ReLU) may change
+    the output itself. On the C path the call's whole workspace (``_native_ws``)."""
     micro_batch: int = 0
     tapped: bool = False
     """The input needs a gradient: the input-gradient product is checked."""
@@ -300,6 +270,30 @@ class _Call:
     gy_dtype: torch.dtype | None = None
     native: bool = False
     """Checked by the C passes (``_gy_native``): float32 on the CPU with the exact bound."""
+    gx_ready: bool = False
+    """The C passes left the input gradient's right-hand side and bound in ``sums``."""
+
+    @property
+    def x_rows(self) -> torch.Tensor:
+        """float32 ``2 x N``: per row of ``X``, its sum and the sum of its absolute values."""
+        n = self.x.shape[0]
+        return self.sums[:2 * n].view(2, n)
+
+    @property
+    def y_sum(self) -> torch.Tensor:
+        """float32 ``N``: the output's row sums."""
+        n = self.x.shape[0]
+        return self.sums[2 * n:3 * n]
+
+
+def _native_ws(n: int, out: int, inner: int) -> tuple[int, int, int]:
+    """A C-path call's workspace, in floats: ``X e``, ``|X| e``, ``Y e`` (``N`` each), then
+    ``sdc_cs_bwd``'s (``c, ca`` of ``out``; ``wc, wac, gxr, gxb`` of ``in``; ``fr, fb`` of
+    ``N``), then ``e^T GX`` (``in``): (where ``sdc_cs_bwd``'s starts, where ``e^T GX``
+    starts, the size)."""
+    bwd = 3 * n
+    gx = bwd + 2 * out + 4 * inner + 2 * n
+    return bwd, gx, gx + inner
 
 
 @dataclass
@@ -312,6 +306,8 @@ class _Layer:
     through the node, with no tap on its input."""
     via_node: bool = False
     """Set by the forward pre-hook for the call under way: it installed no tap."""
+    native: bool = False
+    """Float32 weight (and bias) the C passes can read: set at each checked step's start."""
     gw_checked: bool = True
     """The weight-gradient identity is checked: asked for, and the weight is no other
     module's too (a tied embedding's gradient adds into the same ``W.grad``)."""
@@ -324,6 +320,11 @@ class _Layer:
     gw_rows: int = 0
     gw_dtype: torch.dtype | None = None
     """The dtype the weight gradient was computed in (its output's gradient's)."""
+    pool: list[torch.Tensor] = field(default_factory=list)
+    """The C path's workspaces, one per call of the layer in a micro-batch, kept from step to
+    step (an allocation per call is a dispatch and, often, fresh pages)."""
+    gw_buf: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """The C path's weight-gradient sides (right-hand side, bound) and ``GW e``, kept."""
     ones: torch.Tensor | None = None
     handles: list[Any] = field(default_factory=list)
 
@@ -391,6 +392,8 @@ class ChecksumCheck(Check, BucketListener):
         """The C passes, for float32 layers on the CPU with the exact bound (the same
         identities and tolerances as the torch ops; one read of each matrix)."""
         self._bias = (ctypes.c_float * 2)()
+        """The bias sums of the last forward comparison (``sdc_cs_bwd``)."""
+        self._bias_at = ctypes.addressof(self._bias)
         self._layer_bits = max(1, (len(self.layers) + 1).bit_length())
         self._active = False
         self._micro = 0
@@ -411,6 +414,10 @@ class ChecksumCheck(Check, BucketListener):
         micro-batches, against the right-hand sides summed likewise."""
         self._by_weight = {id(layer.module.weight): layer for layer in self.layers}
         self._rows_pending: list[tuple[_Layer, torch.Tensor]] = []
+        self._bucket_weights: dict[int, tuple[tuple[int, int], list[tuple[_Layer, torch.Tensor]]]] = {}
+        """Per bucket index: (its buffer's address and size, the weight gradients in it)."""
+        self.native_calls = 0
+        """Layer calls whose products the C passes checked (the rest: torch operations)."""
         self.unseen_input_grads = 0
         """Calls whose input gradient went unchecked: the pre-hook expected the product's
         node (as on the layer's last call, with the stock forward and a 2-D or contiguous
@@ -464,14 +471,14 @@ class ChecksumCheck(Check, BucketListener):
             if found is not None and via_node:  # GY and GX from the product's node
                 node, gx_at = found
                 tapped = bool(x.requires_grad) and self._want["input_grad"]
-                self._on_forward(layer, x.detach(), out.detach(), tapped, backward)
+                self._on_forward(layer, x, out, tapped, backward)
                 call = layer.calls[-1]
                 call_index = len(layer.calls) - 1
                 node.register_hook(lambda grads_in, grads_out: self._on_node(
                     layer, call, call_index, grads_out[0], grads_in[gx_at] if tapped else None))
                 return
             tapped = bool(x.requires_grad) and self._want["input_grad"] and not via_node
-            self._on_forward(layer, x.detach(), out.detach(), tapped, backward)
+            self._on_forward(layer, x, out, tapped, backward)
             call = layer.calls[-1]
             if backward:
                 out.register_hook(  # type: ignore[no-untyped-call]
@@ -544,32 +551,44 @@ class ChecksumCheck(Check, BucketListener):
 
     def _on_forward(self, layer: _Layer, x: torch.Tensor, y: torch.Tensor, tapped: bool,
                     backward: bool) -> None:
-        x2 = x.reshape(-1, x.shape[-1])
-        y2 = y.reshape(-1, y.shape[-1])
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        y2 = y if y.dim() == 2 else y.reshape(-1, y.shape[-1])
         kernel = self._kernel
-        w = layer.module.weight
-        if (kernel is not None and x2.dtype == y2.dtype == w.dtype == torch.float32
-                and _rows_ok(w) and (layer.module.bias is None or (
-                    layer.module.bias.is_contiguous() and layer.module.bias.dtype == torch.float32))):
+        if (layer.native and kernel is not None and x2.dtype == torch.float32
+                and y2.dtype == torch.float32):
             x2 = x2 if _rows_ok(x2) else x2.contiguous()
             y2 = y2 if _rows_ok(y2) else y2.contiguous()
             n, inner = x2.shape
-            rows = torch.empty(3, n)  # sum X_i, sum |X_i|, sum Y_i
-            at = rows.data_ptr()
-            kernel.cs_rows(x2.data_ptr(), n, inner, x2.stride(0), None, None, 1, None, None, 1,
-                           at, None, at + n * _F32, None, _threads(x2.numel()))
-            kernel.cs_rows(y2.data_ptr(), n, y2.shape[1], y2.stride(0), None, None, 1, None,
-                           None, 0, at + 2 * n * _F32, None, None, None, _threads(y2.numel()))
-            call = _Call(x2, rows[2], rows[:2], micro_batch=self._micro, tapped=tapped,
+            ws = self._workspace(layer, _native_ws(n, y2.shape[1], inner)[2])
+            kernel.cs_fwd(x2.data_ptr(), n, inner, x2.stride(0), y2.data_ptr(), y2.shape[1],
+                          y2.stride(0), ws.data_ptr(), _threads(x2.numel()),
+                          _threads(y2.numel()))
+            call = _Call(x2.detach(), ws, micro_batch=self._micro, tapped=tapped,
                          forward_due=self._want["forward"], gy_dtype=y.dtype, native=True)
+            self.native_calls += 1
         else:
-            xf = x2 if x2.dtype == torch.float32 else x2.float()
-            x_rows = torch.stack([xf.sum(1), xf.abs().sum(1)])
-            call = _Call(x2, y2.sum(1, dtype=torch.float32), x_rows, micro_batch=self._micro,
-                         tapped=tapped, forward_due=self._want["forward"], gy_dtype=y.dtype)
+            xd = x2.detach()
+            xf = xd if xd.dtype == torch.float32 else xd.float()
+            sums = torch.cat([xf.sum(1), xf.abs().sum(1), y2.detach().sum(1, dtype=torch.float32)])
+            call = _Call(xd, sums, micro_batch=self._micro, tapped=tapped,
+                         forward_due=self._want["forward"], gy_dtype=y.dtype)
         layer.calls.append(call)
         if not backward and call.forward_due:
             self._forward(layer, call, *self._w_cols(layer))  # no backward will come
+
+    @staticmethod
+    def _workspace(layer: _Layer, size: int) -> torch.Tensor:
+        """The workspace of the layer's next call in this micro-batch (``_Layer.pool``)."""
+        i = len(layer.calls)
+        pool = layer.pool
+        if i < len(pool) and pool[i].numel() >= size:
+            return pool[i]
+        ws = torch.empty(size)
+        if i < len(pool):
+            pool[i] = ws
+        else:
+            pool.append(ws)
+        return ws
 
     def _w_cols(self, layer: _Layer) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``e^T W`` and ``e^T |W|`` in float32 (None with the "norm" bound)."""
@@ -590,10 +609,11 @@ class ChecksumCheck(Check, BucketListener):
     def _on_gy(self, layer: _Layer, call: _Call, gy: torch.Tensor) -> None:
         if not self._active:
             return
-        g = gy.detach().reshape(-1, gy.shape[-1])
-        if call.native and self._kernel is not None and g.dtype == torch.float32:
+        if call.native and self._kernel is not None and gy.dtype == torch.float32:
+            g = gy if gy.dim() == 2 else gy.reshape(-1, gy.shape[-1])  # pointers only: no detach
             self._gy_native(self._kernel, layer, call, g if _rows_ok(g) else g.contiguous())
             return
+        g = gy.detach().reshape(-1, gy.shape[-1])
         gf = g if g.dtype == torch.float32 else g.float()
         w = layer.module.weight.detach()
         wf = w if w.dtype == torch.float32 else w.float()
@@ -622,64 +642,50 @@ class ChecksumCheck(Check, BucketListener):
 
     def _gy_native(self, kernel: NativeKernel, layer: _Layer, call: _Call,
                    g: torch.Tensor) -> None:
-        """``_on_gy`` by the C passes: one read of ``GY`` (its column sums, with and without
-        absolute values, and ``GY^T (X e)``, ``|GY|^T (|X| e)`` for the weight gradient), one
-        of ``W`` (``e^T W``, ``(e^T GY) W`` and their bounds through ``|W|``), one of ``X``
-        (the forward's right-hand side and bound); then the forward comparison."""
+        """``_on_gy`` by the C passes, in one call (``sdc_cs_bwd``): one read of ``GY`` (its
+        column sums, with and without absolute values, and ``GY^T (X e)``, ``|GY|^T (|X| e)``
+        for the weight gradient), one of ``W`` (``e^T W``, ``(e^T GY) W`` and their bounds
+        through ``|W|``), one of ``X`` (the forward's right-hand side and bound), then the
+        forward comparison. The input gradient's side stays in the workspace (``_on_gx``)."""
         m = layer.module
         n, out = g.shape
         inner = m.in_features
-        w = m.weight.detach()
         call.gy_dtype = g.dtype
-        tapped, due = call.tapped, call.forward_due
-        want_gw = layer.gw_checked
-        buf = torch.empty(2 * out + 4 * inner + 2 * n)
-        c, ca, wc, wac, gxr, gxb, fr, fb = _carve(buf, (out, out, inner, inner, inner, inner,
-                                                        n, n))
-        # GY: ones -> e^T GY (c), X e -> GW e's right-hand side; |GY| likewise (|X| e)
-        passes: list[_Pass] = []
-        acc = 0
-        if tapped:
-            passes.append(_Pass(None, c, None, ca))
-        if want_gw:
+        due = call.forward_due
+        what = (_CS_GX if call.tapped else 0) | (_CS_FWD if due else 0) | (
+            _CS_FINITE if self.expect_overflow else 0)
+        gw_at = gwb_at = 0
+        if layer.gw_checked:
             if layer.gw_rhs is None or layer.gw_bound is None:
-                gw = torch.empty(2, out)
-                layer.gw_rhs, layer.gw_bound = gw[0], gw[1]
+                if layer.gw_buf is None:
+                    buf = torch.empty(3, out)
+                    layer.gw_buf = (buf[0], buf[1], buf[2])
+                layer.gw_rhs, layer.gw_bound = layer.gw_buf[0], layer.gw_buf[1]
             else:  # another call of the layer in this micro-batch: its share adds on
-                acc = (1 << len(passes)) | (1 << (2 + len(passes)))
-            xr = call.x_rows
-            passes.append(_Pass(xr[0].data_ptr(), layer.gw_rhs.data_ptr(), xr[1].data_ptr(),
-                                layer.gw_bound.data_ptr()))
+                what |= _CS_GW_ADD
+            what |= _CS_GW
+            gw_at, gwb_at = layer.gw_rhs.data_ptr(), layer.gw_bound.data_ptr()
             layer.gw_rows += n
             layer.gw_dtype = g.dtype
-        if passes:
-            kernel.cs_cols(g.data_ptr(), n, out, g.stride(0), *_Pass.args(passes), acc,
-                           _threads(g.numel()))
-        # W: ones -> e^T W, e^T GY -> (e^T GY) W; |W| likewise with e^T |GY|
-        passes = ([_Pass(None, wc, None, wac)] if due else []) + (
-            [_Pass(c, gxr, ca, gxb)] if tapped else [])
-        if not passes:
+        if not what & (_CS_GX | _CS_GW | _CS_FWD):
             return
-        kernel.cs_cols(w.data_ptr(), out, inner, w.stride(0), *_Pass.args(passes), 0,
-                       _threads(w.numel()))
-        if tapped:
-            call.gx_rhs, call.gx_bound = _view(buf, gxr, inner), _view(buf, gxb, inner)
+        ws = call.sums
+        at = ws.data_ptr()
+        bwd, _, _ = _native_ws(n, out, inner)
+        w, x, bias = m.weight, call.x, m.bias
+        tol = _cpu_tolerance(self.config.tolerance_scale, inner + 1, 2 * out + inner) if due else 0.0
+        bad = kernel.cs_bwd(g.data_ptr(), n, out, g.stride(0), w.data_ptr(), inner, w.stride(0),
+                            x.data_ptr(), x.stride(0), None if bias is None else bias.data_ptr(),
+                            at, gw_at, gwb_at, at + 2 * n * _F32, at + bwd * _F32,
+                            self._bias_at, what, tol, _threads(g.numel()), _threads(w.numel()),
+                            _threads(x.numel()))
+        call.gx_ready = call.tapped
         if due:
             call.forward_due = False
-            x = call.x
-            kernel.cs_rows(x.data_ptr(), n, inner, x.stride(0), wc, None, 1, wac, None, 1, fr,
-                           None, fb, None, _threads(x.numel()))
-            b_sum = b_abs = 0.0
-            if m.bias is not None:
-                bias = self._bias
-                at_b = ctypes.addressof(bias)
-                kernel.cs_rows(m.bias.data_ptr(), 1, out, out, None, None, 1, None, None, 1,
-                               at_b, None, at_b + _F32, None, 1)
-                b_sum, b_abs = bias[0], bias[1]
-            self._compare(layer, "forward", call.micro_batch, call.y_sum,
-                          _view(buf, fr, n), _view(buf, fb, n),
-                          _cpu_tolerance(self.config.tolerance_scale, inner + 1, 2 * out + inner),
-                          b_sum, b_abs)
+            if bad:
+                fr = bwd + 2 * out + 4 * inner
+                self._failed(layer, "forward", call.micro_batch, call.y_sum, ws[fr:fr + n],
+                             ws[fr + n:fr + 2 * n], tol, self._bias[0], self._bias[1])
 
     def _compare(self, layer: _Layer, product: str, micro_batch: int, lhs: torch.Tensor,
                  rhs: torch.Tensor | None, bound: torch.Tensor | None, tol: float,
@@ -691,10 +697,16 @@ class ChecksumCheck(Check, BucketListener):
         bad = self._kernel.cs_compare(lhs.data_ptr(), rhs.data_ptr(), bound.data_ptr(),
                                       lhs.numel(), rhs0, bound0, tol, int(self.expect_overflow))
         if bad:
-            diff = (lhs.double() - (rhs.double() + rhs0)).abs().float()
-            limit = ((bound.double() + bound0) * tol).float()
-            self._failures.append(_Failure(layer, product, micro_batch, torch.tensor(True),
-                                           diff, limit))
+            self._failed(layer, product, micro_batch, lhs, rhs, bound, tol, rhs0, bound0)
+
+    def _failed(self, layer: _Layer, product: str, micro_batch: int, lhs: torch.Tensor,
+                rhs: torch.Tensor, bound: torch.Tensor, tol: float, rhs0: float = 0.0,
+                bound0: float = 0.0) -> None:
+        """A failure the C comparison found, with its entries (read for the evidence)."""
+        diff = (lhs.double() - (rhs.double() + rhs0)).abs().float()
+        limit = ((bound.double() + bound0) * tol).float()
+        self._failures.append(_Failure(layer, product, micro_batch, torch.tensor(True), diff,
+                                       limit))
 
     @staticmethod
     def _ones(layer: _Layer) -> torch.Tensor:
@@ -707,19 +719,30 @@ class ChecksumCheck(Check, BucketListener):
         if not self._active or call_index >= len(layer.calls):
             return
         call = layer.calls[call_index]
+        if call.gx_ready:  # the C passes left c W and its bound in the call's workspace
+            out = layer.module.out_features
+            g = gx if gx.dim() == 2 else gx.reshape(-1, gx.shape[-1])
+            n, inner = g.shape
+            ws = call.sums
+            bwd, lhs_at, _ = _native_ws(n, out, inner)
+            at = bwd + 2 * out + 2 * inner  # gxr, then gxb
+            if self._kernel is not None and g.dtype == torch.float32:
+                g = g if _rows_ok(g) else g.contiguous()
+                tol = _cpu_tolerance(self.config.tolerance_scale, out, 2 * n + out)
+                base = ws.data_ptr()
+                if self._kernel.cs_gx(g.data_ptr(), n, inner, g.stride(0),
+                                      base + lhs_at * _F32, base + at * _F32,
+                                      base + (at + inner) * _F32, tol,
+                                      int(self.expect_overflow), _threads(g.numel())):
+                    self._failed(layer, "input_grad", call.micro_batch,
+                                 ws[lhs_at:lhs_at + inner], ws[at:at + inner],
+                                 ws[at + inner:at + 2 * inner], tol)
+                return
+            call.gx_rhs, call.gx_bound = ws[at:at + inner], ws[at + inner:at + 2 * inner]
         if call.gx_rhs is None or call.gx_bound is None:
             return
         g = gx.detach().reshape(-1, gx.shape[-1])
         out = layer.module.out_features
-        if call.native and self._kernel is not None and g.dtype == torch.float32:
-            g = g if _rows_ok(g) else g.contiguous()
-            n, inner = g.shape
-            lhs = torch.empty(inner)
-            self._kernel.cs_cols(g.data_ptr(), n, inner, g.stride(0), None, None, 1, None, None,
-                                 0, lhs.data_ptr(), None, None, None, 0, _threads(g.numel()))
-            self._compare(layer, "input_grad", call.micro_batch, lhs, call.gx_rhs, call.gx_bound,
-                          _cpu_tolerance(self.config.tolerance_scale, out, 2 * n + out))
-            return
         lhs = g.sum(0, dtype=torch.float32)
         compute = call.gy_dtype or gx.dtype
         tol = tolerance(self.config.tolerance_scale, k=out, checked=2 * g.shape[0] + out,
@@ -762,14 +785,27 @@ class ChecksumCheck(Check, BucketListener):
             return None
         requests: list[RowSums] = []
         self._rows_pending = []
-        for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
-            layer = self._by_weight.get(id(p))
-            if layer is None or layer.gw_rhs is None or g.dim() != 2:
+        for layer, g in self._weights_in(bucket):
+            if layer.gw_rhs is None:
                 continue
-            out = torch.empty(g.shape[0])
+            out = layer.gw_buf[2] if layer.gw_buf is not None else torch.empty(g.shape[0])
             requests.append((g, out))
             self._rows_pending.append((layer, out))
         return requests or None
+
+    def _weights_in(self, bucket: GradBucket) -> list[tuple[_Layer, torch.Tensor]]:
+        """The checked layers' weight gradients in the bucket: views of its buffer, found once
+        per buffer (DDP keeps a bucket's buffer from step to step; it may rebuild them once)."""
+        buf = bucket.buffer()
+        index = bucket.index()
+        key = (buf.data_ptr(), buf.numel())
+        known = self._bucket_weights.get(index)
+        if known is None or known[0] != key:
+            found = [(layer, g) for p, g in zip(bucket.parameters(), bucket.gradients(),
+                                                  strict=True)
+                     if (layer := self._by_weight.get(id(p))) is not None and g.dim() == 2]
+            known = self._bucket_weights[index] = (key, found)
+        return known[1]
 
     def after_scaling(self, bucket: GradBucket, flag: Flag | None,
                       digest: int | torch.Tensor | None) -> None:
@@ -788,6 +824,14 @@ class ChecksumCheck(Check, BucketListener):
             self._compare(layer, "weight_grad", micro, lhs, layer.gw_rhs, layer.gw_bound, tol)
             layer.gw_rhs = layer.gw_bound = None
             layer.gw_rows = 0
+
+    def _done(self) -> None:
+        """The step's products are all checked: the forwards no backward checked, then let
+        go of the step's inputs (as autograd does after the backward, not a step later)."""
+        self._pending_forwards()
+        self._active = False
+        for layer in self.layers:
+            layer.calls.clear()
 
     def _pending_forwards(self) -> None:
         """Forward identities no backward has checked (an output the loss did not use)."""
@@ -815,6 +859,9 @@ class ChecksumCheck(Check, BucketListener):
         for layer in self.layers:
             layer.calls.clear()
             layer.gw_rhs = layer.gw_bound = None
+            m = layer.module
+            layer.native = self._kernel is not None and _rows_ok(m.weight) and (
+                m.bias is None or (m.bias.dtype == torch.float32 and m.bias.is_contiguous()))
 
     def _flags(self) -> tuple[Flag, list[_Failure]]:
         """Whether any entry failed (a host bool on the CPU, else a 0-d device bool)."""
@@ -829,8 +876,7 @@ class ChecksumCheck(Check, BucketListener):
         """Called by the comm hook before the step's last gradient all-reduce: does this rank
         withhold the step? The products of the step are all computed by then; later ones (the
         replay audit's arbitration) are not checked."""
-        self._pending_forwards()
-        self._active = False
+        self._done()
         if not self.contain:
             return None
         flag, _ = self._flags()
@@ -842,8 +888,7 @@ class ChecksumCheck(Check, BucketListener):
 
     def pre_step(self, step: int) -> Verdict:
         if self._active:  # no veto was asked for (no gradient all-reduce ran)
-            self._pending_forwards()
-        self._active = False
+            self._done()
         found = self._deferred.collect(self)
         if self._veto_word is not None:
             withhold = self._veto_word.wait() > 0

@@ -510,18 +510,98 @@ int64_t sdc_cs_compare(const float* lhs, const float* rhs, const float* bound, i
   return bad;
 }
 
+/* The checksum check's hooks, one call each (sdc_guard.checks.checksum): the passes above
+   strung together in C, so that a hook makes one foreign call instead of four or five. */
+
+/* Forward hook of a layer Y = X W^T + b (X: n x in, row stride ldx; Y: n x ycols, ldy):
+   out[0, n) = X's row sums, out[n, 2n) = |X|'s, out[2n, 3n) = Y's. 0, or 1 on bad
+   arguments. */
+int sdc_cs_fwd(const float* X, int64_t n, int64_t in, int64_t ldx, const float* Y,
+               int64_t ycols, int64_t ldy, float* out, int threads_x, int threads_y) {
+  if (sdc_cs_rows(X, n, in, ldx, 0, 0, 1, 0, 0, 1, out, 0, out + n, 0, threads_x)) return 1;
+  return sdc_cs_rows(Y, n, ycols, ldy, 0, 0, 1, 0, 0, 0, out + 2 * n, 0, 0, 0, threads_y);
+}
+
+enum { CS_GX = 1, CS_GW = 2, CS_GW_ADD = 4, CS_FWD = 8, CS_FINITE = 16 };
+
+/* Backward hook of one call of that layer, given GY (n x out, ldg), W (out x in, ldw), X (ldx),
+   the bias (out floats, or NULL) and x_rows (the forward hook's: X e, then |X| e). `what`:
+   CS_GX: c = e^T GY, ca = e^T |GY|, then gxr = c W, gxb = ca |W| (the input gradient's
+   right-hand side and bound); CS_GW: gw_rhs = GY^T (X e), gw_bound = |GY|^T (|X| e), added
+   to what they hold with CS_GW_ADD; CS_FWD: wc = e^T W, wac = e^T |W| (in the same read of W),
+   fr = X wc, fb = |X| wac, the bias sums into bsum[0..1], and the forward identity compared:
+   y_sum[i] against fr[i] + bsum[0] within (fb[i] + bsum[1]) tol (CS_FINITE: only a finite
+   difference fails). ws: 2 out + 4 in + 2 n floats, laid out c, ca, wc, wac, gxr, gxb, fr,
+   fb. The number of forward entries that fail, or -1 on bad arguments. */
+int64_t sdc_cs_bwd(const float* GY, int64_t n, int64_t out, int64_t ldg, const float* W,
+                   int64_t in, int64_t ldw, const float* X, int64_t ldx, const float* bias,
+                   const float* x_rows, float* gw_rhs, float* gw_bound, const float* y_sum,
+                   float* ws, float* bsum, int what, double tol, int threads_g, int threads_w,
+                   int threads_x) {
+  if (n < 0 || out < 0 || in < 0) return -1;
+  float *c = ws, *ca = c + out, *wc = ca + out, *wac = wc + in, *gxr = wac + in;
+  float *gxb = gxr + in, *fr = gxb + in, *fb = fr + n;
+  const float* u[2] = {0, 0}; const float* a[2] = {0, 0};
+  float* s[2] = {0, 0}; float* b[2] = {0, 0};
+  int k = 0, acc = 0;
+  if (what & CS_GX) { s[k] = c; b[k] = ca; ++k; }
+  if (what & CS_GW) {
+    u[k] = x_rows; a[k] = x_rows + n; s[k] = gw_rhs; b[k] = gw_bound;
+    if (what & CS_GW_ADD) acc = (1 << k) | (1 << (2 + k));
+    ++k;
+  }
+  if (k && sdc_cs_cols(GY, n, out, ldg, u[0], u[1], k, a[0], a[1], k, s[0], s[1], b[0], b[1],
+                       acc, threads_g))
+    return -1;
+  k = 0;
+  if (what & CS_FWD) { u[k] = 0; a[k] = 0; s[k] = wc; b[k] = wac; ++k; }
+  if (what & CS_GX) { u[k] = c; a[k] = ca; s[k] = gxr; b[k] = gxb; ++k; }
+  if (k && sdc_cs_cols(W, out, in, ldw, u[0], u[1], k, a[0], a[1], k, s[0], s[1], b[0], b[1],
+                       0, threads_w))
+    return -1;
+  if (!(what & CS_FWD)) return 0;
+  if (sdc_cs_rows(X, n, in, ldx, wc, 0, 1, wac, 0, 1, fr, 0, fb, 0, threads_x)) return -1;
+  bsum[0] = bsum[1] = 0.0f;
+  if (bias && sdc_cs_rows(bias, 1, out, out, 0, 0, 1, 0, 0, 1, bsum, 0, bsum + 1, 0, 1))
+    return -1;
+  return sdc_cs_compare(y_sum, fr, fb, n, bsum[0], bsum[1], tol, what & CS_FINITE ? 1 : 0);
+}
+
+/* Input-gradient hook: lhs = e^T GX (GX: n x in, ld), compared with rhs within bound * tol
+   (as sdc_cs_compare). The number of entries that fail, or -1 on bad arguments. */
+int64_t sdc_cs_gx(const float* GX, int64_t n, int64_t in, int64_t ld, float* lhs,
+                  const float* rhs, const float* bound, double tol, int finite_only,
+                  int threads) {
+  if (sdc_cs_cols(GX, n, in, ld, 0, 0, 1, 0, 0, 0, lhs, 0, 0, 0, 0, threads)) return -1;
+  return sdc_cs_compare(lhs, rhs, bound, in, 0.0, 0.0, tol, finite_only);
+}
+
 /* Rows [r0, r1) of a rows x cols float32 block at x: out[r] = the row's float32 sum (as it
    was), then the row multiplied by scale in place (scale_f32); 1 if any was NaN or Inf. */
 CLONES static uint32_t cs_sum_scale_rows(float* x, int64_t r0, int64_t r1, int64_t cols,
                                          float scale, float* out) {
+  const int64_t body = cols / CS_LANES * CS_LANES;
+  cs_i8 flags = {0};
   uint32_t bad = 0;
   for (int64_t r = r0; r < r1; ++r) {
     float* row = x + r * cols;
-    float sums[2 * CS_MAXK];
-    cs_row(row, cols, 0, 0, sums, 1, 0, 1, 1);
-    out[r] = sums[0];
-    bad |= scale_f32(row, cols, scale);
+    cs_v8 acc[2] = {{0}, {0}};
+    for (int64_t c = 0; c < body; c += CS_LANES)  /* one read: sum, flag, scale, store */
+      for (int h = 0; h < 2; ++h) {
+        cs_v8 v = cs_load(row + c + 8 * h);
+        acc[h] += v;
+        flags |= ((cs_i8)v & 0x7f800000) == 0x7f800000;
+        v *= scale;
+        memcpy(row + c + 8 * h, &v, sizeof v);
+      }
+    float t = 0.0f;
+    for (int64_t d = body; d < cols; ++d) t += row[d];
+    for (int h = 0; h < 2; ++h)
+      for (int l = 0; l < 8; ++l) t += acc[h][l];
+    out[r] = t;
+    bad |= scale_f32(row + body, cols - body, scale);
   }
+  for (int l = 0; l < 8; ++l) bad |= flags[l] != 0;
   return bad;
 }
 

@@ -87,6 +87,14 @@ def _refused(result: int, fn: Any, args: tuple[Any, ...]) -> int:
     return result
 
 
+def _count(result: int, fn: Any, args: tuple[Any, ...]) -> int:
+    """``errcheck`` of the checksum hooks' calls, which return a count of failing entries."""
+    if result < 0:
+        raise ValueError(f"{fn.__name__}: refused its arguments (a negative size or a row "
+                         f"stride below the columns); got sizes {args[1:4]}")
+    return result
+
+
 class NativeKernel:
     """The loaded library: ``weighted_sum`` on a contiguous 1-D CPU tensor."""
 
@@ -125,6 +133,27 @@ class NativeKernel:
         rows.errcheck = _refused  # type: ignore[assignment]
         self.cs_rows = rows
         """``sdc_cs_rows``: ``r_p[i] = v_p . A[i]``, ``ra_p[i] = va_p . |A[i]|`` per row."""
+        fwd = self._lib.sdc_cs_fwd
+        fwd.argtypes = [P, N, N, N, P, N, N, P, C, C]
+        fwd.restype = C
+        fwd.errcheck = _refused  # type: ignore[assignment]
+        self.cs_fwd = fwd
+        """``sdc_cs_fwd``: the checksum check's forward hook in one call (the row sums of
+        ``X``, ``|X|`` and ``Y``)."""
+        D = ctypes.c_double
+        bwd = self._lib.sdc_cs_bwd
+        bwd.argtypes = [P, N, N, N, P, N, N, P, N, P, P, P, P, P, P, P, C, D, C, C, C]
+        bwd.restype = N
+        bwd.errcheck = _count  # type: ignore[assignment]
+        self.cs_bwd = bwd
+        """``sdc_cs_bwd``: its backward hook in one call (the passes over ``GY``, ``W`` and
+        ``X``, the forward comparison): how many forward entries fail."""
+        gx = self._lib.sdc_cs_gx
+        gx.argtypes = [P, N, N, N, P, P, P, D, C, C]
+        gx.restype = N
+        gx.errcheck = _count  # type: ignore[assignment]
+        self.cs_gx = gx
+        """``sdc_cs_gx``: its input-gradient hook in one call: how many entries fail."""
         compare = self._lib.sdc_cs_compare
         compare.argtypes = [P, P, P, N, ctypes.c_double, ctypes.c_double, ctypes.c_double, C]
         compare.restype = N

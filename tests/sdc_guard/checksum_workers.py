@@ -15,6 +15,7 @@ import sdc_guard
 from injectors import Fault, arm
 from scenarios.spec.models import build_model, scenario_loss, synthetic_batch
 from sdc_guard import ChecksumConfig, GuardConfig, SDCGuard
+from sdc_guard.checks.checksum import ChecksumCheck
 from sdc_guard.fingerprints.native import disable_native
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -122,8 +123,8 @@ def fault_runs(rank: int, world: int, faults: list[dict[str, Any]], cfg: dict[st
             "scale": gs.get_scale() if gs is not None else None,
             "moved": any(not torch.equal(a, b) for a, b in zip(before, model.parameters(),
                                                                strict=True)),
-            "native": any(c.native for check in guard.checks if check.name == "checksum"
-                          for layer in check.layers for c in layer.calls),
+            "native": any(check.native_calls for check in guard.checks
+                          if isinstance(check, ChecksumCheck)),
             "fused_row_sums": guard.comm.fused_row_sums,
         })
     return results

@@ -170,6 +170,98 @@ def test_the_weight_gradient_is_checked_in_the_bucket_by_the_scaling_pass() -> N
     assert res[1][0]["entries"][0][0]["micro_batch"] == 0
 
 
+F32 = 4
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 40), out=st.integers(1, 70), inner=st.integers(1, 90),
+       pad=st.integers(0, 3), what=st.integers(0, 15), bias=st.booleans(),
+       threads=st.integers(1, 3), seed=st.integers(0, 1000))
+def test_the_hooks_single_calls_give_the_passes_bits_and_compare(
+        kernel: nat.NativeKernel, n: int, out: int, inner: int, pad: int, what: int, bias: bool,
+        threads: int, seed: int) -> None:
+    # sdc_cs_fwd, sdc_cs_bwd and sdc_cs_gx string the passes together in one foreign call
+    # each: the same bits as the passes called one by one, and the comparisons count the
+    # entries that fail (none on a clean product, the one corrupted entry otherwise).
+    g = torch.Generator().manual_seed(seed)
+    _, gy = _matrix(n, out, out + pad, seed)
+    _, w = _matrix(out, inner, inner + pad, seed + 1)
+    _, x = _matrix(n, inner, inner + pad, seed + 2)
+    b = torch.randn(out, generator=g) if bias else None
+    y = torch.addmm(b, x, w.t()) if b is not None else x @ w.t()
+    y_base = torch.zeros(n, out + pad)
+    y_base[:, :out] = y
+    fwd = torch.empty(3, n)
+    kernel.cs_fwd(x.data_ptr(), n, inner, inner + pad, y_base.data_ptr(), out, out + pad,
+                  fwd.data_ptr(), threads, threads)
+    ref = torch.empty(3, n)
+    kernel.cs_rows(x.data_ptr(), n, inner, inner + pad, None, None, 1, None, None, 1,
+                   ref.data_ptr(), None, ref[1].data_ptr(), None, threads)
+    kernel.cs_rows(y_base.data_ptr(), n, out, out + pad, None, None, 1, None, None, 0,
+                   ref[2].data_ptr(), None, None, None, threads)
+    assert torch.equal(fwd, ref)
+
+    ws = torch.full((2 * out + 4 * inner + 2 * n,), math.nan)
+    gw = torch.randn(2, out, generator=g)
+    gw0 = gw.clone()
+    bsum = torch.empty(2)
+    tol = 1e-3
+    bad = kernel.cs_bwd(gy.data_ptr(), n, out, out + pad, w.data_ptr(), inner, inner + pad,
+                        x.data_ptr(), inner + pad, _ptr(b), fwd.data_ptr(), gw[0].data_ptr(),
+                        gw[1].data_ptr(), fwd[2].data_ptr(), ws.data_ptr(), bsum.data_ptr(),
+                        what, tol, threads, threads, threads)
+    c, ca, wc, wac, gxr, gxb, fr, fb = ws.split([out, out, inner, inner, inner, inner, n, n])
+    ref_c, ref_w, ref_f = torch.empty(2, out), torch.empty(4, inner), torch.empty(2, n)
+    gx_on, gw_on, fwd_on = what & 1, what & 2, what & 8  # sdc_cs_bwd's bits (kernel.c)
+    if gx_on:
+        kernel.cs_cols(gy.data_ptr(), n, out, out + pad, None, None, 1, None, None, 1,
+                       ref_c[0].data_ptr(), None, ref_c[1].data_ptr(), None, 0, threads)
+        assert torch.equal(torch.stack([c, ca]), ref_c)
+    if gw_on:
+        # (beside c's, two vectors share the pass: the float32 bound, not the bits)
+        want = gw0 * bool(what & 4) + torch.stack([gy.double().t() @ fwd[0].double(),
+                                                   gy.double().abs().t() @ fwd[1].double()])
+        mag = gw0.abs() * bool(what & 4) + gy.double().abs().t() @ fwd[1].double().abs()
+        assert bool(((gw.double() - want).abs() <= _gamma(n + 2) * mag + 1e-30).all())
+    else:
+        assert torch.equal(gw, gw0)
+    if fwd_on:
+        kernel.cs_cols(w.data_ptr(), out, inner, inner + pad, None, None, 1, None, None, 1,
+                       ref_w[0].data_ptr(), None, ref_w[1].data_ptr(), None, 0, threads)
+        assert torch.equal(torch.stack([wc, wac]), ref_w[:2])
+        kernel.cs_rows(x.data_ptr(), n, inner, inner + pad, wc.data_ptr(), None, 1,
+                       wac.data_ptr(), None, 1, ref_f[0].data_ptr(), None, ref_f[1].data_ptr(),
+                       None, threads)
+        assert torch.equal(torch.stack([fr, fb]), ref_f)
+        want_b = [float(b.sum()), float(b.abs().sum())] if b is not None else [0.0, 0.0]
+        assert bsum.tolist() == pytest.approx(want_b, rel=1e-5, abs=1e-6)
+        assert bad == 0  # a clean product, within 1e-3 of its magnitude
+    else:
+        assert bad == 0
+    if gx_on:
+        gxd = (c.double() @ w.double(), ca.double() @ w.double().abs())
+        for got, want, mag in zip((gxr, gxb), gxd, (c.double().abs() @ w.double().abs(),
+                                                     gxd[1]), strict=True):
+            assert bool(((got.double() - want).abs() <= _gamma(out + 2) * mag + 1e-30).all())
+        gx = y_base.new_zeros(n, inner + pad)
+        gx[:, :inner] = gy @ w
+        lhs = torch.empty(inner)
+        assert kernel.cs_gx(gx.data_ptr(), n, inner, inner + pad, lhs.data_ptr(),
+                            gxr.data_ptr(), gxb.data_ptr(), tol, 0, threads) == 0
+        gx[n // 2, inner // 2] += 1e3 * float(gxb[inner // 2]) + 1e3
+        assert kernel.cs_gx(gx.data_ptr(), n, inner, inner + pad, lhs.data_ptr(),
+                            gxr.data_ptr(), gxb.data_ptr(), tol, 0, threads) == 1
+    if fwd_on:
+        fwd[2, n // 2] += 1e3 * float(fb[n // 2]) + 1e3
+        assert kernel.cs_bwd(gy.data_ptr(), n, out, out + pad, w.data_ptr(), inner,
+                             inner + pad, x.data_ptr(), inner + pad, _ptr(b), fwd.data_ptr(),
+                             gw[0].data_ptr(), gw[1].data_ptr(), fwd[2].data_ptr(),
+                             ws.data_ptr(), bsum.data_ptr(), 8, tol, 1, 1, 1) == 1
+    with pytest.raises(ValueError, match="refused"):  # a row stride below the columns
+        kernel.cs_gx(x.data_ptr(), n, inner, inner - 1, ws.data_ptr(), ws.data_ptr(),
+                     ws.data_ptr(), tol, 0, 1)
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_scale_row_sums_is_mul_and_the_row_sums_as_they_were(kernel: nat.NativeKernel,
                                                             threads: int) -> None:
