@@ -255,7 +255,8 @@ class _Call:
     """One forward call of a layer in this micro-batch: what its checks still need."""
 
     x: torch.Tensor
-    """The input, ``N x in`` (a reference: autograd keeps it for ``GW`` anyway)."""
+    """The input, ``N x in`` (a reference: autograd keeps it for ``GW`` anyway; on the C
+    path not detached, which would be a tensor operation: read it under ``no_grad``)."""
     sums: torch.Tensor
     """float32, from the forward hook: ``X e``, ``|X| e`` and ``Y e`` (``N`` each), the
     output's taken there because a later in-place operation (an in-place ReLU) may change
@@ -563,7 +564,7 @@ class ChecksumCheck(Check, BucketListener):
             kernel.cs_fwd(x2.data_ptr(), n, inner, x2.stride(0), y2.data_ptr(), y2.shape[1],
                           y2.stride(0), ws.data_ptr(), _threads(x2.numel()),
                           _threads(y2.numel()))
-            call = _Call(x2.detach(), ws, micro_batch=self._micro, tapped=tapped,
+            call = _Call(x2, ws, micro_batch=self._micro, tapped=tapped,
                          forward_due=self._want["forward"], gy_dtype=y.dtype, native=True)
             self.native_calls += 1
         else:
@@ -838,9 +839,10 @@ class ChecksumCheck(Check, BucketListener):
         for layer in self.layers:
             due = [c for c in layer.calls if c.forward_due]
             if due:
-                cols = self._w_cols(layer)
-                for call in due:
-                    self._forward(layer, call, *cols)
+                with torch.no_grad():  # a C-path call's input is not detached
+                    cols = self._w_cols(layer)
+                    for call in due:
+                        self._forward(layer, call, *cols)
 
     # -- per step -----------------------------------------------------------------------------
     def due(self, step: int) -> bool:

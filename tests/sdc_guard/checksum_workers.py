@@ -252,3 +252,62 @@ def tied_run(rank: int, world: int, steps: int) -> dict[str, Any]:
     found += guard.flush()
     return {"detections": _dets(found),
             "gw_checked": {x.name: x.gw_checked for x in check.layers}}
+
+
+class AuxModel(nn.Module):
+    """A model with a probe layer whose output the loss does not use (a logged metric)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+        self.probe = nn.Linear(16, 4)
+        self.probed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.body(x))
+        self.probed = self.probe(h)  # requires grad; no backward ever reaches it
+        return self.head(h)
+
+
+def unused_output_run(rank: int, world: int, steps: int, flip_at: int,
+                      native: bool = True) -> dict[str, Any]:
+    """``AuxModel`` with the checksum on: the probe's forward, which no backward checks, is
+    checked when the step's backward is done; with ``flip_at`` >= 0 an exponent bit of one of
+    its outputs flips on rank 1 at that step (a forward hook ahead of the check's).
+    ``native=False``: the torch ops only."""
+    if not native:
+        disable_native()
+    model = DDP(AuxModel(), find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def batch_for(r: int, step: int) -> Any:
+        g = torch.Generator().manual_seed(1000 * r + step)
+        return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(m(x), y)
+
+    guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=batch_for,
+                     config=GuardConfig(checksum=True, weights_interval=0))
+    check = next(c for c in guard.checks if isinstance(c, ChecksumCheck))
+    step_now = [0]
+
+    def plant(mod: nn.Module, args: Any, out: torch.Tensor) -> None:
+        if rank == 1 and step_now[0] == flip_at:
+            with torch.no_grad():
+                out.view(-1)[5] = out.view(-1)[5] * 2.0 ** 64
+
+    model.module.probe.register_forward_hook(plant, prepend=True)
+    found, skipped = [], []
+    for s in range(steps):
+        step_now[0] = s
+        r = guard.step(s)
+        found += r.detections
+        skipped += [s] if r.skipped else []
+    found += guard.flush()
+    return {"detections": _dets(found), "skipped": skipped,
+            "layers": [d.evidence.get("ranks", {}) for d in found],
+            "native": check.native_calls > 0}

@@ -319,3 +319,21 @@ def test_the_torch_path_vetoes_without_a_false_non_finite_alarm() -> None:
     res = run_ranks(W.fault_runs, 3, faults, {"checksum": True}, kind="transformer", micro=2,
                     native=False, timeout=300)
     _assert_caught(res, faults, "blocks.0.attn.qkv")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_an_output_no_backward_reaches_is_checked_when_the_backward_is_done(
+        native: bool) -> None:
+    # A probe layer's output requires a gradient but the loss never uses it: its forward
+    # identity waits for a backward that never comes and is checked when the step's
+    # backward is done (before the last all-reduce, so the step is still withheld).
+    if native and nat.load(warn=False) is None:
+        pytest.skip("the C kernel could not be built here (the torch path is used)")
+    clean = run_ranks(W.unused_output_run, 3, 3, -1, native, timeout=300)
+    for r in clean:
+        assert r["detections"] == [] and r["skipped"] == [] and r["native"] == native, r
+    res = run_ranks(W.unused_output_run, 3, 3, 1, native, timeout=300)
+    for r in res:
+        assert r["detections"] == [("checksum", 1, (1,))], r["detections"]
+        assert r["layers"][0]["1"] == {"products": ["forward"], "layer": "probe"}
+        assert r["skipped"] == [1]
