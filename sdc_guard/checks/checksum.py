@@ -250,6 +250,28 @@ def linear_layers(model: nn.Module, patterns: tuple[str, ...] | None) -> list[tu
     return chosen
 
 
+def _node_shape(out: torch.Tensor, found: tuple[Any, int]) -> tuple[type, int, type, int]:
+    """``_Layer.node_shape`` of a graph ``_product_node`` accepted."""
+    node, depth = out.grad_fn, 0
+    while node is not None and node is not found[0]:
+        node, depth = node.next_functions[0][0], depth + 1
+    return type(out.grad_fn), depth, type(found[0]), found[1]
+
+
+def _known_node(out: torch.Tensor,
+                shape: tuple[type, int, type, int] | None) -> tuple[Any, int] | None:
+    """The product node of a stock ``nn.Linear`` call whose graph starts as the layer's last
+    one did (``_product_node`` checked that one through to the weight), else None."""
+    node = out.grad_fn
+    if shape is None or type(node) is not shape[0]:
+        return None
+    for _ in range(shape[1]):
+        if node is None:
+            return None
+        node = node.next_functions[0][0]
+    return (node, shape[3]) if type(node) is shape[2] else None
+
+
 @dataclass(slots=True)
 class _Call:
     """One forward call of a layer in this micro-batch: what its checks still need."""
@@ -307,6 +329,10 @@ class _Layer:
     through the node, with no tap on its input."""
     via_node: bool = False
     """Set by the forward pre-hook for the call under way: it installed no tap."""
+    node_shape: tuple[type, int, type, int] | None = None
+    """What ``_product_node`` last found: the output's node type, the views above the
+    product, the product node's type, its input gradient's index. A call of the stock
+    forward whose graph starts alike is the same graph (``_known_node``)."""
     native: bool = False
     """Float32 weight (and bias) the C passes can read: set at each checked step's start."""
     gw_checked: bool = True
@@ -464,8 +490,13 @@ class ChecksumCheck(Check, BucketListener):
             self._fresh(layer)
             x = args[0]
             backward = out.requires_grad and torch.is_grad_enabled()
-            found = _product_node(out, m.weight) if backward else None
             via_node, layer.via_node = layer.via_node, False
+            found = None
+            if backward:
+                found = _known_node(out, layer.node_shape) if via_node else None
+                if found is None:
+                    found = _product_node(out, m.weight)
+                    layer.node_shape = None if found is None else _node_shape(out, found)
             layer.node_ok = found is not None
             if via_node and found is None and backward:  # not as predicted: no GX this call
                 self.unseen_input_grads += int(bool(x.requires_grad) and self._want["input_grad"])
