@@ -357,6 +357,45 @@ static inline __attribute__((always_inline)) void cs_cols_k(
   }
 }
 
+/* cs_cols_k for k = ka = 2 (the check's usual passes over W and GY): each element of A is
+   read once for its four sums, rather than once per sum. */
+static inline __attribute__((always_inline)) void cs_cols_22(
+    const float* restrict A, int64_t rows, int64_t ld, int64_t c0, int64_t c1,
+    const float* const* u, const float* const* a, float* const* s, float* const* b) {
+  float* restrict s0 = s[0];
+  float* restrict s1 = s[1];
+  float* restrict b0 = b[0];
+  float* restrict b1 = b[1];
+  int64_t j = 0;
+#define CS_COEF(v, i) ((v) ? (v)[j + (i)] : 1.0f)
+  for (; j + CS_UNROLL <= rows; j += CS_UNROLL) {
+    const float* restrict w0 = A + j * ld;
+    const float* restrict w1 = w0 + ld;
+    const float* restrict w2 = w1 + ld;
+    const float* restrict w3 = w2 + ld;
+    const float p0 = CS_COEF(u[0], 0), p1 = CS_COEF(u[0], 1), p2 = CS_COEF(u[0], 2),
+                p3 = CS_COEF(u[0], 3), q0 = CS_COEF(u[1], 0), q1 = CS_COEF(u[1], 1),
+                q2 = CS_COEF(u[1], 2), q3 = CS_COEF(u[1], 3), r0 = CS_COEF(a[0], 0),
+                r1 = CS_COEF(a[0], 1), r2 = CS_COEF(a[0], 2), r3 = CS_COEF(a[0], 3),
+                t0 = CS_COEF(a[1], 0), t1 = CS_COEF(a[1], 1), t2 = CS_COEF(a[1], 2),
+                t3 = CS_COEF(a[1], 3);
+    for (int64_t c = c0; c < c1; ++c) {
+      const float v0 = w0[c], v1 = w1[c], v2 = w2[c], v3 = w3[c];
+      const float m0 = __builtin_fabsf(v0), m1 = __builtin_fabsf(v1);
+      const float m2 = __builtin_fabsf(v2), m3 = __builtin_fabsf(v3);
+      s0[c] += p0 * v0 + p1 * v1 + p2 * v2 + p3 * v3;
+      s1[c] += q0 * v0 + q1 * v1 + q2 * v2 + q3 * v3;
+      b0[c] += r0 * m0 + r1 * m1 + r2 * m2 + r3 * m3;
+      b1[c] += t0 * m0 + t1 * m1 + t2 * m2 + t3 * m3;
+    }
+  }
+#undef CS_COEF
+  if (j < rows) cs_cols_k(A + j * ld, rows - j, ld, c0, c1,
+                          (const float* const[]){u[0] ? u[0] + j : 0, u[1] ? u[1] + j : 0},
+                          (const float* const[]){a[0] ? a[0] + j : 0, a[1] ? a[1] + j : 0},
+                          s, b, 2, 2);
+}
+
 #define CS_COLBLOCK 1024
 CLONES static void cs_cols_range(const float* A, int64_t rows, int64_t ld, int64_t c0,
                                  int64_t c1, const float* const* u, int k,
@@ -364,7 +403,7 @@ CLONES static void cs_cols_range(const float* A, int64_t rows, int64_t ld, int64
                                  float* const* b) {
   for (int64_t lo = c0; lo < c1; lo += CS_COLBLOCK) {
     const int64_t hi = c1 - lo < CS_COLBLOCK ? c1 : lo + CS_COLBLOCK;
-    if (k == 2 && ka == 2) cs_cols_k(A, rows, ld, lo, hi, u, a, s, b, 2, 2);
+    if (k == 2 && ka == 2) cs_cols_22(A, rows, ld, lo, hi, u, a, s, b);
     else if (k == 1 && ka == 1) cs_cols_k(A, rows, ld, lo, hi, u, a, s, b, 1, 1);
     else if (k == 1 && ka == 0) cs_cols_k(A, rows, ld, lo, hi, u, a, s, b, 1, 0);
     else cs_cols_k(A, rows, ld, lo, hi, u, a, s, b, k, ka);
