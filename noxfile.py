@@ -65,6 +65,13 @@ def shards(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
+def guard_off(session: nox.Session) -> None:
+    """The guard's own cost per step with its checks off, measured directly; bench/guard_off.json."""
+    _install(session)
+    session.run("python", "-m", "bench.guard_off", *session.posargs)
+
+
+@nox.session(default=False)
 def inject(session: nox.Session) -> None:
     """The main job: the default fault-injection campaign into reports/default/ (-- --quick: short)."""
     _install(session)
