@@ -553,12 +553,13 @@ int64_t sdc_cs_compare(const float* lhs, const float* rhs, const float* bound, i
    strung together in C, so that a hook makes one foreign call instead of four or five. */
 
 /* Forward hook of a layer Y = X W^T + b (X: n x in, row stride ldx; Y: n x ycols, ldy):
-   out[0, n) = X's row sums, out[n, 2n) = |X|'s, out[2n, 3n) = Y's. 0, or 1 on bad
+   out[0, n) = X's row sums, out[n, 2n) = |X|'s, out[2n, 3n) = Y's. 0, or -1 on bad
    arguments. */
-int sdc_cs_fwd(const float* X, int64_t n, int64_t in, int64_t ldx, const float* Y,
-               int64_t ycols, int64_t ldy, float* out, int threads_x, int threads_y) {
-  if (sdc_cs_rows(X, n, in, ldx, 0, 0, 1, 0, 0, 1, out, 0, out + n, 0, threads_x)) return 1;
-  return sdc_cs_rows(Y, n, ycols, ldy, 0, 0, 1, 0, 0, 0, out + 2 * n, 0, 0, 0, threads_y);
+int64_t sdc_cs_fwd(const float* X, int64_t n, int64_t in, int64_t ldx, const float* Y,
+                   int64_t ycols, int64_t ldy, float* out, int threads_x, int threads_y) {
+  if (sdc_cs_rows(X, n, in, ldx, 0, 0, 1, 0, 0, 1, out, 0, out + n, 0, threads_x)) return -1;
+  return sdc_cs_rows(Y, n, ycols, ldy, 0, 0, 1, 0, 0, 0, out + 2 * n, 0, 0, 0, threads_y)
+             ? -1 : 0;
 }
 
 enum { CS_GX = 1, CS_GW = 2, CS_GW_ADD = 4, CS_FWD = 8, CS_FINITE = 16 };

@@ -135,8 +135,8 @@ class NativeKernel:
         """``sdc_cs_rows``: ``r_p[i] = v_p . A[i]``, ``ra_p[i] = va_p . |A[i]|`` per row."""
         fwd = self._lib.sdc_cs_fwd
         fwd.argtypes = [P, N, N, N, P, N, N, P, C, C]
-        fwd.restype = C
-        fwd.errcheck = _refused  # type: ignore[assignment]
+        fwd.restype = N
+        fwd.errcheck = _count  # type: ignore[assignment]
         self.cs_fwd = fwd
         """``sdc_cs_fwd``: the checksum check's forward hook in one call (the row sums of
         ``X``, ``|X|`` and ``Y``)."""

@@ -257,6 +257,9 @@ def test_the_hooks_single_calls_give_the_passes_bits_and_compare(
                              inner + pad, x.data_ptr(), inner + pad, _ptr(b), fwd.data_ptr(),
                              gw[0].data_ptr(), gw[1].data_ptr(), fwd[2].data_ptr(),
                              ws.data_ptr(), bsum.data_ptr(), 8, tol, 1, 1, 1) == 1
+    with pytest.raises(ValueError, match=r"sdc_cs_fwd: refused .* got sizes"):
+        kernel.cs_fwd(x.data_ptr(), n, inner, inner - 1, y_base.data_ptr(), out, out + pad,
+                      fwd.data_ptr(), 1, 1)
     with pytest.raises(ValueError, match="refused"):  # a row stride below the columns
         kernel.cs_gx(x.data_ptr(), n, inner, inner - 1, ws.data_ptr(), ws.data_ptr(),
                      ws.data_ptr(), tol, 0, 1)
