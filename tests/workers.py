@@ -22,7 +22,7 @@ from injectors import Fault, InjectionContext, InjectionHandle, arm
 from sdc_guard import GuardConfig, SDCGuard
 from sdc_guard.checks.replay import ReplayAudit
 from sdc_guard.comm_hook import BucketListener, GuardCommHook
-from sdc_guard.fingerprints.words import to_signed64
+from sdc_guard.fingerprints.words import to_unsigned64
 
 
 def make_mlp(seed: int = 0, width: int = 32) -> nn.Module:
@@ -298,16 +298,16 @@ def replay_layout_run(rank: int, world: int, steps: int, *, width: int,
 
     def compare(bucket: Any) -> None:
         idx = [replay.index[id(p)] for p in bucket.parameters()]
-        per_gradient = int(replay._digest(bucket.gradients(), idx))
+        per_gradient = to_unsigned64(int(replay._digest(bucket.gradients(), idx)))
         step_words.append(per_gradient)
         plan = replay._plan(bucket, idx)
         if plan is not None:  # the buffer's own path (host or tensor)
-            same.append(int(plan.digest(bucket.buffer())) == per_gradient)
+            same.append(to_unsigned64(int(plan.digest(bucket.buffer()))) == per_gradient)
 
     def total() -> None:  # every bucket's share has been delivered (fused or not)
         assert replay._own_grad is not None
-        want = to_signed64(sum(step_words) & ((1 << 64) - 1))
-        summed.append(int(replay._own_grad) == want)
+        want = sum(step_words) & ((1 << 64) - 1)
+        summed.append(to_unsigned64(int(replay._own_grad)) == want)
         step_words.clear()
 
     guard.comm.subscribe(Compare())

@@ -82,17 +82,49 @@ from sdc_guard.fingerprints.digest import (
     concat_digest,
     digest_parts,
     host_concat_digest,
+    host_loss_word,
     host_spans_digest,
     loss_word,
     word_count,
 )
-from sdc_guard.fingerprints.words import mix64, mix64_int, to_signed64, to_unsigned64
+from sdc_guard.fingerprints.words import MASK64, mix64, mix64_int, to_signed64, to_unsigned64
 from sdc_guard.report import Detection
 from sdc_guard.scaling import Flag
 from sdc_guard.types import BatchFor, LossFn, micro_batches
 
 _FEW_SPANS = 8
 """Up to this many gradients in a bucket, the device path sums each span on its own."""
+
+Word = int | torch.Tensor
+"""One of the audit's 64-bit words: an unsigned Python int when computed on the host (the
+C kernel's digests, a CPU loss's bits), else a 0-d int64 tensor on the device. On the CPU
+the audit's words stay Python integers from digest to comparison: a tensor op costs
+3-10x more between the step's large products (on caches they filled) than in a loop."""
+
+
+def add_words(a: Word | None, b: Word) -> Word:
+    """``a + b`` modulo 2**64 (``a`` None: ``b``)."""
+    if a is None:
+        return b
+    if isinstance(a, int) and isinstance(b, int):
+        return (a + b) & MASK64
+    device = b.device if isinstance(b, torch.Tensor) else a.device  # type: ignore[union-attr]
+    return as_tensor(a, device) + as_tensor(b, device)
+
+
+def as_tensor(w: Word, device: torch.device | None = None) -> torch.Tensor:
+    """The word as a 0-d int64 tensor (an int on ``device``, default the CPU)."""
+    if isinstance(w, int):
+        return torch.tensor(to_signed64(w), dtype=torch.int64, device=device)
+    return w if device is None else w.to(device)
+
+
+def words_tensor(words: Sequence[Word], device: torch.device) -> torch.Tensor:
+    """int64 ``[len(words)]`` on ``device``: one op when every word is a host int."""
+    if all(isinstance(w, int) for w in words):
+        return torch.tensor([to_signed64(int(w)) for w in words], dtype=torch.int64,
+                            device=device)
+    return torch.stack([as_tensor(w, device) for w in words])
 
 
 @dataclass(frozen=True)
@@ -253,10 +285,11 @@ class ReplayAudit(Check, BucketListener):
         ends = list(itertools.accumulate(word_count(p) for p in self.params))
         self.offsets = [0, *ends[:-1]] if ends else []
         self._plans: dict[tuple[int, ...], BucketPlan | None] = {}
-        self._own_grad: torch.Tensor | None = None
+        self._own_grad: Word | None = None
         self._observing = False
         self._own_losses: list[torch.Tensor] = []
-        self._replayed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._replayed: tuple[Word, Word] | None = None
+        self._own_cache: tuple[Word, Word] | None = None
         self._row_cache: torch.Tensor | None = None
         self._pending: PendingSum | None = None
         self.comm = comm
@@ -288,14 +321,11 @@ class ReplayAudit(Check, BucketListener):
 
     def after_scaling(self, bucket: GradBucket, flag: Flag | None,
                       digest: int | torch.Tensor | None) -> None:
-        if digest is None:
-            return
-        if isinstance(digest, int):
-            digest = torch.tensor(to_signed64(digest), dtype=torch.int64)
-        self._add_own(digest)
+        if digest is not None:
+            self._add_own(digest)
 
-    def _add_own(self, part: torch.Tensor) -> None:
-        self._own_grad = part if self._own_grad is None else self._own_grad + part
+    def _add_own(self, part: Word) -> None:
+        self._own_grad = add_words(self._own_grad, part)
 
     def _plan(self, bucket: GradBucket, idx: list[int]) -> BucketPlan | None:
         """Where the bucket's gradients lie in its flat buffer (cached), or None.
@@ -313,9 +343,14 @@ class ReplayAudit(Check, BucketListener):
             self._plans[key] = BucketPlan.of(buf, bucket.gradients(), idx, self.offsets)
         return self._plans[key]
 
-    def _digest(self, grads: Sequence[torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
+    def _digest(self, grads: Sequence[torch.Tensor], indices: Sequence[int]) -> Word:
         """Gradient word of separate gradients (of the parameters at ``indices``)."""
-        return grads_digest(grads, [self.offsets[i] for i in indices], self.device)
+        offsets = [self.offsets[i] for i in indices]
+        if self.device.type == "cpu" and grads:
+            host = host_concat_digest(zip(grads, offsets, strict=True))
+            if host is not None:
+                return host
+        return grads_digest(grads, offsets, self.device)
 
     def begin_step(self, step: int) -> None:
         """Replay the neighbour's micro-batches of ``step`` first, from the same pre-step
@@ -325,6 +360,7 @@ class ReplayAudit(Check, BucketListener):
         self._own_grad = None
         self._own_losses = []
         self._replayed = None
+        self._own_cache = None
         self._row_cache = None
         self._pending = None
         self._veto_asked = False
@@ -338,16 +374,22 @@ class ReplayAudit(Check, BucketListener):
         """Send the replayed words to their owner (the next rank) and receive this rank's
         from the previous one, point to point: both in flight while this rank computes its
         own step, compared by the owner in the comm hook (``veto``)."""
-        rep_loss, rep_grad = self._replayed or (None, None)
-        assert rep_loss is not None and rep_grad is not None
-        words = torch.stack([rep_loss.to(self.device), rep_grad.to(self.device)])
+        assert self._replayed is not None
+        words = words_tensor(self._replayed, self.device)
         nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world
-        if self.group is not None:
-            nxt = dist.get_global_rank(self.group, nxt)
-            prv = dist.get_global_rank(self.group, prv)
-        self._exchange = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, words, nxt, self.group),
-            dist.P2POp(dist.irecv, self._peer, prv, self.group)])
+        if self.device.type == "cpu":
+            # gloo sends each op on its own (batch_isend_irecv would loop over them): post
+            # both on the process group itself, without the Python wrappers' checks.
+            group = self.group if self.group is not None else dist.group.WORLD
+            assert group is not None
+            self._exchange = [group.send([words], nxt, 0), group.recv([self._peer], prv, 0)]
+        else:  # NCCL pairs a ring of sends and receives only when they are coalesced
+            if self.group is not None:
+                nxt = dist.get_global_rank(self.group, nxt)
+                prv = dist.get_global_rank(self.group, prv)
+            self._exchange = dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, words, nxt, self.group),
+                dist.P2POp(dist.irecv, self._peer, prv, self.group)])
         self._sent = words  # alive until the send completes
 
     def _finish_exchange(self) -> None:
@@ -364,6 +406,9 @@ class ReplayAudit(Check, BucketListener):
             return None
         self._finish_exchange()
         self._veto_asked = True
+        own = self._own()
+        if all(isinstance(w, int) for w in own):  # the host's words: compare as integers
+            return [to_signed64(int(w)) for w in own] != self._peer.tolist()
         differs = (self.row()[:2] != self._peer).any()
         return bool(differs) if differs.device.type == "cpu" else differs
 
@@ -384,23 +429,27 @@ class ReplayAudit(Check, BucketListener):
             return
         self._pending = PendingSum(replay_term(self.row()), self.group)
 
+    def _own(self) -> tuple[Word, Word]:
+        """This rank's own loss and gradient words, once its gradients are all digested
+        (computed once per audit step; the audit stops watching then)."""
+        if self._own_cache is None:
+            host = host_loss_word(self._own_losses)
+            own_loss = host if host is not None else loss_word(self._own_losses)
+            self._own_cache = (own_loss, self._own_grad if self._own_grad is not None else 0)
+            self._observing = False
+        return self._own_cache
+
     def row(self) -> torch.Tensor:
         """This rank's four int64 words: own loss, own gradients, replayed loss, replayed
         gradients (of the neighbour's batch). Computed once per audit step."""
         if self._replayed is None:
             raise RuntimeError("ReplayAudit: begin_step did not run this step")
         if self._row_cache is None:
-            own_loss = loss_word(self._own_losses)
-            own_grad = (self._own_grad if self._own_grad is not None
-                        else torch.zeros((), dtype=torch.int64, device=self.device))
-            rep_loss, rep_grad = self._replayed
-            self._row_cache = torch.stack([own_loss.to(self.device), own_grad,
-                                           rep_loss.to(self.device), rep_grad])
-            self._observing = False
+            self._row_cache = words_tensor([*self._own(), *self._replayed], self.device)
         return self._row_cache
 
     # -- recomputation ----------------------------------------------------------------------
-    def _replay(self, rank: int, step: int, phase: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _replay(self, rank: int, step: int, phase: str) -> tuple[Word, Word]:
         """(loss fingerprint, gradient fingerprint) of ``rank``'s micro-batches of ``step``."""
         self.phase = phase
         buffers = [b.detach().clone() for b in self.module.buffers()]
@@ -423,7 +472,9 @@ class ReplayAudit(Check, BucketListener):
                     b.copy_(saved)
             self.phase = "train"
         kept = [(i, g) for i, g in enumerate(grads) if g is not None]
-        return loss_word(losses), self._digest([g for _, g in kept], [i for i, _ in kept])
+        host = host_loss_word(losses)
+        return (host if host is not None else loss_word(losses),
+                self._digest([g for _, g in kept], [i for i, _ in kept]))
 
     # -- verdict ----------------------------------------------------------------------------
     def pre_step(self, step: int) -> Verdict:
@@ -512,9 +563,8 @@ class ReplayAudit(Check, BucketListener):
             b = (a + 1) % n
             t = (b + 1) % n
             if t == self.rank:
-                lf, gf = self._replay(b, step, "arbitrate")
-                words[2 * k] = lf.to(self.device)
-                words[2 * k + 1] = gf
+                words[2 * k: 2 * k + 2] = words_tensor(self._replay(b, step, "arbitrate"),
+                                                       self.device)
         rows = all_gather_rows(words, self.group).tolist()
         out: dict[str, dict[str, Any]] = {}
         for k, a in enumerate(edges):

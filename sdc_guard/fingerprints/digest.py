@@ -130,13 +130,22 @@ def loss_word(losses: Sequence[torch.Tensor]) -> torch.Tensor:
     ``v`` by ``0 < |d| < 2**64``, times an odd weight; swapping two unequal losses of
     at most 4 bytes changes it by ``2(i-j)(v_j-v_i) != 0``.
     """
-    flat = [loss.detach().reshape(()) for loss in losses]
-    if flat and all(t.device.type == "cpu" and t.dtype == flat[0].dtype for t in flat):
-        # On the host: one view and .item() per loss, Python integers (no tensor ops).
-        as_int = INT_OF_SIZE[flat[0].element_size()]
-        total = sum((2 * k + 1) * int(t.view(as_int).item()) for k, t in enumerate(flat))
-        return torch.tensor(to_signed64(total & MASK64), dtype=torch.int64)
-    return _loss_word_tensor(flat)
+    host = host_loss_word(losses)
+    if host is not None:
+        return torch.tensor(to_signed64(host), dtype=torch.int64)
+    return _loss_word_tensor([loss.detach().reshape(()) for loss in losses])
+
+
+def host_loss_word(losses: Sequence[torch.Tensor]) -> int | None:
+    """``loss_word`` of CPU losses of one dtype as an unsigned int (one ``.item()`` per loss,
+    Python integers, no tensor op); None for losses elsewhere, which ``loss_word`` digests
+    on their device."""
+    if not losses or any(t.device.type != "cpu" or t.dtype != losses[0].dtype for t in losses):
+        return None
+    as_int = INT_OF_SIZE[losses[0].element_size()]
+    total = sum((2 * k + 1) * int(t.detach().reshape(()).view(as_int).item())
+                for k, t in enumerate(losses))
+    return total & MASK64
 
 
 def _loss_word_tensor(flat: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -6,9 +6,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdc_guard.checks.replay import replay_term, replay_term_device, replay_term_host
+from sdc_guard.checks.replay import (
+    add_words,
+    replay_term,
+    replay_term_device,
+    replay_term_host,
+    words_tensor,
+)
 from sdc_guard.collectives import flag_rows, flag_words
-from sdc_guard.fingerprints.words import to_signed64
+from sdc_guard.fingerprints.digest import _loss_word_tensor, host_loss_word, loss_word
+from sdc_guard.fingerprints.words import to_signed64, to_unsigned64
 
 words64 = st.integers(min_value=0, max_value=(1 << 64) - 1).map(to_signed64)
 
@@ -60,6 +67,36 @@ def test_a_rank_wrong_both_times_leaves_a_non_zero_sum() -> None:
 def test_the_host_term_equals_the_device_term(words: list[int]) -> None:
     row = torch.tensor(words, dtype=torch.int64)
     assert int(replay_term_host(row)) == int(replay_term_device(row))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(words64, min_size=1, max_size=6), st.lists(st.booleans(), min_size=6, max_size=6))
+def test_host_words_and_tensor_words_give_the_same_bits(words: list[int],
+                                                        as_int: list[bool]) -> None:
+    """The audit keeps a word as an unsigned int on the host and a 0-d int64 tensor
+    elsewhere (``Word``); sums and rows built from any mix have the same bits."""
+    mixed = [to_unsigned64(w) if i else torch.tensor(w, dtype=torch.int64)
+             for w, i in zip(words, as_int, strict=False)]
+    total = None
+    for w in mixed:
+        total = add_words(total, w)
+    assert total is not None
+    assert to_unsigned64(int(total)) == sum(to_unsigned64(w) for w in words) % (1 << 64)
+    row = words_tensor(mixed, torch.device("cpu"))
+    assert row.dtype == torch.int64 and row.tolist() == words
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=True), min_size=1, max_size=5),
+       st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+def test_the_host_loss_word_is_the_tensor_loss_word(values: list[float],
+                                                    dtype: torch.dtype) -> None:
+    losses = [torch.tensor(v, dtype=dtype) for v in values]
+    host = host_loss_word(losses)
+    assert host is not None
+    assert to_signed64(host) == int(loss_word(losses)) == int(_loss_word_tensor(losses))
+    assert host_loss_word([losses[0], losses[0].double() if dtype != torch.float64
+                           else losses[0].float()]) is None  # mixed dtypes: the tensor path
 
 
 @settings(max_examples=200, deadline=None)
