@@ -185,15 +185,18 @@ def _replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
                 fault: dict[str, Any] | None = None, batchnorm: bool = False,
                 micro: int = 1, skip_steps: tuple[int, ...] = (),
                 nonfinite: bool = True, user_hook: bool = False,
-                contain: bool = True) -> dict[str, Any]:
+                contain: bool = True, bucket_mb: float = 25.0) -> dict[str, Any]:
     """Guarded training with the replay audit; optionally a bit flip in an activation of one rank.
 
     fault = {"rank", "step", "phase": "train"|"replay"|"any", "bit", "permanent": bool}, or
     {"site": "grad_nan", "rank", "step"}: a NaN in that rank's local gradient bucket.
     ``skip_steps``: steps this run leaves out entirely (the "never saw the fault" oracle).
     ``nonfinite``: the non-finite check too. ``user_hook``: a comm hook of the user's (DDP's
-    own all-reduce hook); ``contain``: ``skip_step_on_detection``. The result counts the
-    audit's own collectives (``"collectives"``: its one-word agreements and its gathers).
+    own all-reduce hook); ``contain``: ``skip_step_on_detection``; ``bucket_mb``: DDP's bucket
+    cap (tiny: several buckets). The result counts the audit's own collectives
+    (``"collectives"``: its one-word agreements and its gathers) and names the steps whose
+    ring exchange was posted from the comm hook, with the first bucket
+    (``"sent_with_first_bucket"``).
     """
     from sdc_guard.checks import replay as replay_module
 
@@ -211,7 +214,7 @@ def _replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
     replay_module.PendingSum = counted_sum  # type: ignore[assignment,misc]
     replay_module.all_gather_rows = counted_gather
     torch.manual_seed(0)
-    model = DDP(DropMLP(batchnorm))
+    model = DDP(DropMLP(batchnorm), bucket_cap_mb=bucket_mb)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     cfg = GuardConfig(replay_interval=interval, deterministic=True, micro_batches=micro,
                       weights_interval=1, nonfinite=nonfinite, skip_step_on_detection=contain)
@@ -240,6 +243,13 @@ def _replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
                 out.view(-1).view(torch.int32)[i] ^= 1 << fault.get("bit", 2)
             return out
         getattr(model.module, fault.get("module", "act2")).register_forward_hook(hook)
+    in_hook: list[int] = []
+    for audit in (c for c in guard.checks if isinstance(c, ReplayAudit)):
+        def send(audit: ReplayAudit = audit, real: Any = audit._send_replayed) -> None:
+            if audit._buckets:  # the comm hook has shown a bucket: posted from the hook
+                in_hook.append(current["step"])
+            real()
+        audit._send_replayed = send  # type: ignore[method-assign]
     reports = []
     for s in range(steps):
         if s in skip_steps:
@@ -252,6 +262,7 @@ def _replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
         "skipped": [r.step for r in reports if r.skipped],
         "final": sdc_guard.fingerprint(list(model.module.parameters())),
         "collectives": counts,
+        "sent_with_first_bucket": in_hook,
     }
     return out
 

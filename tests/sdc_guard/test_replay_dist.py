@@ -118,6 +118,24 @@ def test_batchnorm_and_gradient_accumulation(variant: dict[str, object]) -> None
     assert clean[0]["final"] == off[0]["final"]
 
 
+def test_with_several_buckets_the_exchange_rides_the_first_and_still_contains() -> None:
+    # A tiny bucket cap: several buckets. Until an audit step has seen them (DDP rebuilds its
+    # buckets after its first step) the words go right after the replay; then the exchange is
+    # posted from the comm hook, with the first bucket. A flip on such a step is localised
+    # and contained as before.
+    fault = {"rank": 1, "step": 4, "phase": "train", "bit": 2}
+    faulty = run_ranks(workers.replay_run, 3, 6, fault=fault, bucket_mb=0.001)
+    oracle = run_ranks(workers.replay_run, 3, 6, skip_steps=(4,), bucket_mb=0.001)
+    for r in faulty:
+        assert r["sent_with_first_bucket"] == [2, 3, 4, 5]
+        assert ("replay", 4, (1,)) in r["detections"], r["detections"]
+        assert r["skipped"] == [4]
+    assert {r["final"] for r in faulty} == {oracle[0]["final"]}
+    # One bucket: the first is the last, so the words go right after the replay.
+    for r in run_ranks(workers.replay_run, 3, 3):
+        assert r["sent_with_first_bucket"] == [] and r["detections"] == []
+
+
 @pytest.mark.parametrize("variant", [{"batchnorm": True}, {"micro": 3}])
 def test_batchnorm_and_accumulation_localise_contain_and_keep_the_blind_spot(
         variant: dict[str, object]) -> None:
