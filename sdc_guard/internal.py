@@ -7,7 +7,13 @@ the non-finite flags word, the replay digest), named here, in one place, so that
 
 from __future__ import annotations
 
-from sdc_guard.checks.replay import BucketPlan, grads_digest, replay_term_device, replay_term_host
+from sdc_guard.checks.replay import (
+    BucketPlan,
+    ReplayAudit,
+    grads_digest,
+    replay_term_device,
+    replay_term_host,
+)
 from sdc_guard.checks.weights import state_tensors
 from sdc_guard.collectives import PendingSum, flag_rows, flag_words
 from sdc_guard.comm_hook import BucketListener
@@ -25,6 +31,7 @@ __all__ = [
     "BucketListener",
     "BucketPlan",
     "PendingSum",
+    "ReplayAudit",
     "check_nonfinite",
     "derive_seed",
     "digest_value",

@@ -185,7 +185,8 @@ def _replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
                 fault: dict[str, Any] | None = None, batchnorm: bool = False,
                 micro: int = 1, skip_steps: tuple[int, ...] = (),
                 nonfinite: bool = True, user_hook: bool = False,
-                contain: bool = True, bucket_mb: float = 25.0) -> dict[str, Any]:
+                contain: bool = True, bucket_mb: float = 25.0,
+                first_bucket: bool = True) -> dict[str, Any]:
     """Guarded training with the replay audit; optionally a bit flip in an activation of one rank.
 
     fault = {"rank", "step", "phase": "train"|"replay"|"any", "bit", "permanent": bool}, or
@@ -193,7 +194,8 @@ def _replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
     ``skip_steps``: steps this run leaves out entirely (the "never saw the fault" oracle).
     ``nonfinite``: the non-finite check too. ``user_hook``: a comm hook of the user's (DDP's
     own all-reduce hook); ``contain``: ``skip_step_on_detection``; ``bucket_mb``: DDP's bucket
-    cap (tiny: several buckets). The result counts the audit's own collectives
+    cap (tiny: several buckets); ``first_bucket``: ``ReplayAudit.exchange_with_first_bucket``.
+    The result counts the audit's own collectives
     (``"collectives"``: its one-word agreements and its gathers) and names the steps whose
     ring exchange was posted from the comm hook, with the first bucket
     (``"sent_with_first_bucket"``).
@@ -250,6 +252,7 @@ def _replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
                 in_hook.append(current["step"])
             real()
         audit._send_replayed = send  # type: ignore[method-assign]
+        audit.exchange_with_first_bucket = first_bucket
     reports = []
     for s in range(steps):
         if s in skip_steps:

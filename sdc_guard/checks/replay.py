@@ -307,6 +307,9 @@ class ReplayAudit(Check, BucketListener):
         """Gradient buckets the comm hook has shown this audit step."""
         self._many_buckets = False
         """The last audit step had more than one bucket: the exchange waits for the first."""
+        self.exchange_with_first_bucket = True
+        """Post the ring exchange with the first gradient bucket (``_send_replayed``); False:
+        right after the replay, as before (``python -m bench.replay_exchange`` times both)."""
         comm.subscribe(self)
 
     def due(self, step: int) -> bool:
@@ -382,7 +385,7 @@ class ReplayAudit(Check, BucketListener):
         self._observing = True
         self._replayed = self._replay((self.rank + 1) % self.world, step, "replay")
         if self.wants_veto:
-            if self._many_buckets:
+            if self._many_buckets and self.exchange_with_first_bucket:
                 self._send_due = True
             else:
                 self._send_replayed()
@@ -393,9 +396,8 @@ class ReplayAudit(Check, BucketListener):
         (``veto``). Posted with the first bucket's all-reduce rather than right after the
         replay: the messages then travel while the communication threads run anyway. With
         more ranks than cores, a message posted on its own wakes the peer's communication
-        thread at a moment of its own, which preempts a rank that is computing (measured
-        with 3 ranks on 2 cores: 1.27-1.33x the ideal per audit step posted after the
-        replay, 1.10x with the first bucket; docs/checks/replay.md)."""
+        thread at a moment of its own, which preempts a rank that is computing
+        (``python -m bench.replay_exchange`` times both placements side by side)."""
         assert self._replayed is not None
         words = words_tensor(self._replayed, self.device)
         nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world

@@ -131,9 +131,14 @@ def test_with_several_buckets_the_exchange_rides_the_first_and_still_contains() 
         assert ("replay", 4, (1,)) in r["detections"], r["detections"]
         assert r["skipped"] == [4]
     assert {r["final"] for r in faulty} == {oracle[0]["final"]}
-    # One bucket: the first is the last, so the words go right after the replay.
+    # One bucket: the first is the last, so the words go right after the replay; and so they
+    # do with several when asked (the placement before, which the benchmark times beside).
     for r in run_ranks(workers.replay_run, 3, 3):
         assert r["sent_with_first_bucket"] == [] and r["detections"] == []
+    for r in run_ranks(workers.replay_run, 3, 6, fault=fault, bucket_mb=0.001,
+                       first_bucket=False):
+        assert r["sent_with_first_bucket"] == []
+        assert ("replay", 4, (1,)) in r["detections"] and r["skipped"] == [4]
 
 
 @pytest.mark.parametrize("variant", [{"batchnorm": True}, {"micro": 3}])

@@ -1,0 +1,25 @@
+"""``python -m bench.replay_exchange`` runs end to end and writes what it prints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_replay_exchange_writes_its_table_and_json(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "bench.replay_exchange", "--world", "2",
+                          "--rounds", "2", "--block", "1", "--out", str(tmp_path)],
+                         check=True, capture_output=True, text=True, timeout=300).stdout
+    res = json.loads((tmp_path / "replay_exchange.json").read_text())
+    assert set(res["placements"]) == {"first bucket", "after the replay"}
+    for e in res["placements"].values():
+        for kind in ("wall", "cpu"):
+            lo, hi = e[f"{kind}_interval_90"]
+            assert lo <= hi
+    assert set(res["step_ms"]) == {"off", "ideal", "first bucket", "after the replay"}
+    assert "| first bucket |" in out and "| after the replay |" in out
+    bad = subprocess.run([sys.executable, "-m", "bench.replay_exchange", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "needs --world >= 2, --rounds >= 2" in bad.stderr
