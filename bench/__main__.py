@@ -8,7 +8,8 @@ written next to the ratio it is judged by. Results go to ``bench/results.json`` 
 
 The parts: ``fingerprint`` (throughput), ``overhead`` (per check, per step and in
 blocks; the guard with its checks off beside plain DDP), ``replay`` (the replay audit
-against its ideal), ``results`` (RESULTS.md);
+against its ideal), ``replay_exchange`` (where the audit posts its ring exchange),
+``results`` (RESULTS.md);
 ``reference`` (the workload) and ``timing`` (repetitions, bootstrap intervals).
 ``python -m bench.throughput`` measures the campaign harness, ``python -m
 bench.device_check`` checks a machine with an accelerator.
@@ -28,6 +29,7 @@ from bench.checksum import checksum_overhead
 from bench.fingerprint import fingerprint_throughput
 from bench.overhead import check_guard_off, check_overhead, check_overhead_blocks
 from bench.replay import replay_overhead
+from bench.replay_exchange import replay_exchange
 from bench.results import markdown
 from bench.timing import cpu_name
 
@@ -57,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                                               batch=128)),
         ("checksum", lambda: checksum_overhead(3, rounds=2 if q else 12, block=4 if q else 16)),
         ("replay", lambda: replay_overhead(3, rounds=3 if q else 12, batch=128)),
+        ("replay_exchange", lambda: replay_exchange(3, rounds=2 if q else 30,
+                                                    block=2 if q else 10)),
         ("replay_alone", lambda: replay_overhead(3, rounds=3 if q else 12, batch=128,
                                                  nonfinite=False)),
         ("overhead_world2", lambda: check_overhead(2, rounds=3 if q else 6, block=3 if q else 8,

@@ -212,6 +212,14 @@ def markdown(results: dict[str, Any]) -> str:
         lines += checksum_md(results["checksum"])
     if results.get("replay"):
         lines += replay_md(results["replay"])
+    if results.get("replay_exchange"):
+        from bench.replay_exchange import table
+
+        lines += ["## Where the replay audit posts its ring exchange", "",
+                  "The default (with the step's first gradient bucket) beside the placement "
+                  "before it (right after the replay), every step audited, alternated blocks "
+                  "(`python -m bench.replay_exchange`).", "", *table(results["replay_exchange"]),
+                  ""]
     if results.get("replay_alone"):
         lines += ["## The replay audit alone", "",
                   "The same, with the non-finite check off everywhere (the audit's replayed words "

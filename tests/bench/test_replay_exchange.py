@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.replay_exchange import table
+from bench.results import markdown
+
 
 def test_replay_exchange_writes_its_table_and_json(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "bench.replay_exchange", "--world", "2",
@@ -20,6 +23,13 @@ def test_replay_exchange_writes_its_table_and_json(tmp_path: Path) -> None:
             assert lo <= hi
     assert set(res["step_ms"]) == {"off", "ideal", "first bucket", "after the replay"}
     assert "| first bucket |" in out and "| after the replay |" in out
+    # python -m bench writes the same table into RESULTS.md
+    results = json.loads((Path(__file__).parents[2] / "bench" / "results.json").read_text())
+    results.pop("replay_exchange", None)
+    assert "Where the replay audit posts" not in markdown(results)
+    page = markdown({**results, "replay_exchange": res})
+    assert "## Where the replay audit posts its ring exchange" in page
+    assert "\n".join(table(res)) in page
     bad = subprocess.run([sys.executable, "-m", "bench.replay_exchange", "--rounds", "1"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "needs --world >= 2, --rounds >= 2" in bad.stderr
