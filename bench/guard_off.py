@@ -15,13 +15,11 @@ step, which the reference step carries too. Writes ``OUT/guard_off.json`` and pr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bench.reference import D_IN, classification_batch, cross_entropy_loss, reference_mlp
-from bench.timing import bootstrap_interval, cpu_name
+from bench.timing import bootstrap_interval, cpu_name, publish
 from scenarios.spec.overhead import CHECKS_OFF
 from sdc_guard import SDCGuard
 
@@ -140,10 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--rounds and --block must be at least 1 (got --rounds {args.rounds} "
                  f"--block {args.block})")
     res = guard_off(args.rounds, args.block)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "guard_off.json").write_text(json.dumps(res, indent=1) + "\n")
-    print("\n".join(table(res)))
+    publish(args.out, "guard_off", res, table(res))
     return 0
 
 

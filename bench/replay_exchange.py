@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from bench.reference import classification_batch, cross_entropy_loss, guarded_ddp, reference_mlp, switch
-from bench.timing import bootstrap_interval, cpu_name
+from bench.timing import bootstrap_interval, cpu_name, publish
 from scenarios.run.launch import run_ranks
 from scenarios.spec.overhead import replay_only
 from sdc_guard import SDCGuard
@@ -132,10 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"needs --world >= 2, --rounds >= 2, --block >= 1 (got {args.world}, "
                  f"{args.rounds}, {args.block})")
     res = replay_exchange(args.world, args.rounds, args.block)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "replay_exchange.json").write_text(json.dumps(res, indent=2) + "\n")
-    print("\n".join(table(res)))
+    publish(args.out, "replay_exchange", res, table(res))
     return 0
 
 

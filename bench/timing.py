@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import platform
 import random
 import statistics
@@ -58,6 +59,14 @@ def split_rounds(samples: list[Any], rounds: int) -> list[list[Any]]:
     """``samples`` of ``rounds`` equal rounds, as one list per round."""
     per = len(samples) // rounds
     return [samples[i * per:(i + 1) * per] for i in range(rounds)]
+
+
+def publish(out: str | Path, name: str, res: dict[str, Any], lines: list[str]) -> None:
+    """A stand-alone benchmark's ending: ``res`` to ``OUT/name.json``, its table printed."""
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / f"{name}.json").write_text(json.dumps(res, indent=1) + "\n")
+    print("\n".join(lines))
 
 
 def cpu_name() -> str:

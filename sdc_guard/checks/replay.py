@@ -113,6 +113,12 @@ def add_words(a: Word | None, b: Word) -> Word:
     return as_tensor(a, device) + as_tensor(b, device)
 
 
+def _loss_word(losses: Sequence[torch.Tensor]) -> Word:
+    """``loss_word`` as a host int for CPU losses, else as a tensor on their device."""
+    host = host_loss_word(losses)
+    return host if host is not None else loss_word(losses)
+
+
 def as_tensor(w: Word, device: torch.device | None = None) -> torch.Tensor:
     """The word as a 0-d int64 tensor (an int on ``device``, default the CPU)."""
     if isinstance(w, int):
@@ -457,9 +463,8 @@ class ReplayAudit(Check, BucketListener):
         """This rank's own loss and gradient words, once its gradients are all digested
         (computed once per audit step; the audit stops watching then)."""
         if self._own_cache is None:
-            host = host_loss_word(self._own_losses)
-            own_loss = host if host is not None else loss_word(self._own_losses)
-            self._own_cache = (own_loss, self._own_grad if self._own_grad is not None else 0)
+            self._own_cache = (_loss_word(self._own_losses),
+                               self._own_grad if self._own_grad is not None else 0)
             self._observing = False
         return self._own_cache
 
@@ -496,9 +501,7 @@ class ReplayAudit(Check, BucketListener):
                     b.copy_(saved)
             self.phase = "train"
         kept = [(i, g) for i, g in enumerate(grads) if g is not None]
-        host = host_loss_word(losses)
-        return (host if host is not None else loss_word(losses),
-                self._digest([g for _, g in kept], [i for i, _ in kept]))
+        return _loss_word(losses), self._digest([g for _, g in kept], [i for i, _ in kept])
 
     # -- verdict ----------------------------------------------------------------------------
     def pre_step(self, step: int) -> Verdict:
