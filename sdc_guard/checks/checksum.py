@@ -8,7 +8,7 @@ layer's boundary, never by replacing its ``forward``::
     product       computed                 identity checked (e: a vector of ones)
     -----------   ----------------------   --------------------------------------------
     forward       Y  = X W^T + b           Y e        = X (W^T e) + (b . e)     per row i
-    input_grad    GX = GY W                e^T GX     = (e^T GY) W              per column k
+    input_grad    GX = GY W                GX e       = GY (W e)                per row i
     weight_grad   GW = GY^T X              GW e       = GY^T (X e)              per row j
 
 A forward hook sees ``X`` and ``Y`` (after the layer's own computation, so a
@@ -20,14 +20,20 @@ graph is ``F.linear``'s own (an ``addmm`` or ``mm`` node, under at most two
 reshapes), one post-hook on that node sees ``GY`` and this call's ``GX`` instead
 of the two tensor hooks and the view (``_product_node``). The two sides of
 each identity cost a few vector passes over ``X``, ``Y``, ``GY``, ``GX``, ``GW``
-and ``W``: O(N in + N out + in out) against the product's O(N in out). On the
+and ``W``: O(N in + N out + in out) against the product's O(N in out).
+
+The weight's sums (``W^T e``, ``|W|^T e``, ``W e``, ``|W| e``) are taken once per
+step, at the layer's first call (``_w_key``): the forward identity is checked in
+the forward hook, while ``X`` and ``Y`` are in cache, and the input gradient's is
+by rows so that the backward reads no weight (by columns, ``e^T GX = (e^T GY) W``,
+it needs a product with ``W`` there; docs/checks/checksum.md weighs the two). On the
 CPU, for float32 layers with the exact bound, C passes of the native kernel read
 each matrix once (``W`` and ``|W|`` in one read) and compare in C, one call per hook
-(``NativeKernel.cs_fwd``, ``cs_bwd``, ``cs_gx``) into a workspace the layer keeps
-(``_Layer.pool``), and ``GW e`` comes from the local
+(``NativeKernel.cs_fwd``, ``cs_bwd``; ``cs_gx`` for a ``GX`` seen on its own) into a
+workspace the layer keeps (``_Layer.pool``), and ``GW e`` comes from the local
 gradient bucket, summed by the comm hook's scaling pass in the read that scales it
 (``bucket_weight_grad``, ``row_sums``); elsewhere torch operations do it (``|W|``
-formed, a matrix product each with ``W`` and ``|W|``, ``GW`` read in a hook on ``W``).
+formed for the weight's sums, small products per call, ``GW`` read in a hook on ``W``).
 
 **Tolerance, from the rounding-error bound.** Both sides are computed in
 float32 (upcast). With ``u(t)`` the unit roundoff of dtype ``t`` (float32 2^-24,
@@ -43,7 +49,7 @@ its dtype; ``u_in``: the rounding of each operand to the product's dtype when it
 arrives in another one (autocast; TF32 counts as 2^-11); ``L`` and ``R``: the
 lengths of the two checksum sides' float32 sums; ``M``: the sum of the absolute
 values of every term of the entry (``sum_jk |X_ik| |W_jk| + sum_j |b_j|`` for a
-forward row, ``sum_ij |GY_ij| |W_jk|`` for an input-gradient column,
+forward row, ``sum_jk |GY_ij| |W_jk|`` for an input-gradient row,
 ``sum_ik |GY_ij| |X_ik|`` for a weight-gradient row), computed exactly, with the
 same matrix products as the checksums applied to absolute values;
 ``s``: ``ChecksumConfig.tolerance_scale`` (1 by default: the bound itself, no
@@ -96,7 +102,6 @@ outside the products (optimizer, all-reduce, storage): the other checks' work.
 
 from __future__ import annotations
 
-import ctypes
 import fnmatch
 import functools
 import math
@@ -188,14 +193,22 @@ def _threads(elements: int) -> int:
     return max(1, min(torch.get_num_threads(), elements // _PER_THREAD))
 
 
+def _flat_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``t`` (float32 on the CPU, at least 1-D) as rows the C passes can read in place, and
+    their stride: a 2-D matrix with unit column stride as it is, a contiguous tensor of
+    more dimensions as its rows (no view made), anything else copied first."""
+    if t.dim() == 2 and _rows_ok(t):
+        return t, t.stride(0)
+    if t.dim() < 2 or not t.is_contiguous():
+        t = t.reshape(-1, t.shape[-1]).contiguous()
+    return t, t.shape[-1]
+
+
 def _rows_ok(t: torch.Tensor) -> bool:
     """A 2-D float32 CPU matrix the C passes can read in place (unit column stride)."""
     return (t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 2
             and t.stride(1) == 1 and t.stride(0) >= t.shape[1])
 
-
-_CS_GX, _CS_GW, _CS_GW_ADD, _CS_FWD, _CS_FINITE = 1, 2, 4, 8, 16
-"""``sdc_cs_bwd``'s ``what`` bits (``kernel.c``)."""
 
 _VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
 _PRODUCT_NODES = {"AddmmBackward0": 1, "MmBackward0": 0}
@@ -278,16 +291,17 @@ class _Call:
 
     x: torch.Tensor
     """The input, ``N x in`` (a reference: autograd keeps it for ``GW`` anyway; on the C
-    path not detached, which would be a tensor operation: read it under ``no_grad``)."""
+    path as the layer got it, maybe 3-D, and not detached, which would be a tensor
+    operation: read it under ``no_grad``)."""
     sums: torch.Tensor
     """float32, from the forward hook: ``X e``, ``|X| e`` and ``Y e`` (``N`` each), the
     output's taken there because a later in-place operation (an in-place ReLU) may change
-    the output itself. On the C path the call's whole workspace (``_native_ws``)."""
+    the output itself. On the C path the call's whole workspace (``_NATIVE_WS``)."""
+    rows: int
+    """``N``: the input's rows (all its dimensions but the last)."""
     micro_batch: int = 0
     tapped: bool = False
     """The input needs a gradient: the input-gradient product is checked."""
-    forward_due: bool = False
-    """The forward identity is still to be checked (with the backward's pass over ``W``)."""
     gx_rhs: torch.Tensor | None = None
     gx_bound: torch.Tensor | None = None
     gy_dtype: torch.dtype | None = None
@@ -299,24 +313,22 @@ class _Call:
     @property
     def x_rows(self) -> torch.Tensor:
         """float32 ``2 x N``: per row of ``X``, its sum and the sum of its absolute values."""
-        n = self.x.shape[0]
+        n = self.rows
         return self.sums[:2 * n].view(2, n)
 
     @property
     def y_sum(self) -> torch.Tensor:
         """float32 ``N``: the output's row sums."""
-        n = self.x.shape[0]
+        n = self.rows
         return self.sums[2 * n:3 * n]
 
 
-def _native_ws(n: int, out: int, inner: int) -> tuple[int, int, int]:
-    """A C-path call's workspace, in floats: ``X e``, ``|X| e``, ``Y e`` (``N`` each), then
-    ``sdc_cs_bwd``'s (``c, ca`` of ``out``; ``wc, wac, gxr, gxb`` of ``in``; ``fr, fb`` of
-    ``N``), then ``e^T GX`` (``in``): (where ``sdc_cs_bwd``'s starts, where ``e^T GX``
-    starts, the size)."""
-    bwd = 3 * n
-    gx = bwd + 2 * out + 4 * inner + 2 * n
-    return bwd, gx, gx + inner
+_NATIVE_WS = 8
+"""A C-path call's workspace, in units of ``N`` floats: ``sdc_cs_fwd``'s (``X e``,
+``|X| e``, ``Y e``, the forward's right-hand side and bound), then ``sdc_cs_bwd``'s (the
+input gradient's right-hand side and bound, ``GX e``)."""
+_GXS = 5
+"""Where ``sdc_cs_bwd``'s part of the workspace starts (in units of ``N``)."""
 
 
 @dataclass
@@ -339,9 +351,22 @@ class _Layer:
     """The weight-gradient identity is checked: asked for, and the weight is no other
     module's too (a tied embedding's gradient adds into the same ``W.grad``)."""
     calls: list[_Call] = field(default_factory=list)
-    w_key: tuple[int, int] | None = None
+    w_key: tuple[int, ...] | None = None
+    """The step and the weight's (and bias's) version the sums in ``wsum`` were taken at:
+    once per step, and again if the weight changes within it."""
+    sides_key: tuple[int, ...] | None = None
+    """The same for ``sides``."""
+    norm_key: tuple[int, ...] | None = None
+    """The same for ``w_norm``."""
+    wsum: torch.Tensor | None = None
+    """The C path's sums of the weight: ``e^T W``, ``e^T |W|`` (``in`` each), ``W e``,
+    ``|W| e`` (``out`` each), then the bias's sum and absolute sum (``sdc_cs_fwd``)."""
+    sides: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None,
+                 torch.Tensor, torch.Tensor] | None = None
+    """The torch path's: ``e^T W``, ``e^T |W|``, ``W e``, ``|W| e`` in float32 (the
+    absolute ones None with the "norm" bound), the bias's sum and absolute sum."""
     w_norm: torch.Tensor | None = None
-    """float32 0-d: ``||W||_F`` at the weight version ``w_key`` (the "norm" bound)."""
+    """float32 0-d: ``||W||_F`` at the weight version ``norm_key`` (the "norm" bound)."""
     gw_rhs: torch.Tensor | None = None
     gw_bound: torch.Tensor | None = None
     gw_rows: int = 0
@@ -352,7 +377,6 @@ class _Layer:
     step (an allocation per call is a dispatch and, often, fresh pages)."""
     gw_buf: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     """The C path's weight-gradient sides (right-hand side, bound) and ``GW e``, kept."""
-    ones: torch.Tensor | None = None
     handles: list[Any] = field(default_factory=list)
 
 
@@ -418,9 +442,8 @@ class ChecksumCheck(Check, BucketListener):
             active_kernel() if self.exact and device.type == "cpu" else None)
         """The C passes, for float32 layers on the CPU with the exact bound (the same
         identities and tolerances as the torch ops; one read of each matrix)."""
-        self._bias = (ctypes.c_float * 2)()
-        """The bias sums of the last forward comparison (``sdc_cs_bwd``)."""
-        self._bias_at = ctypes.addressof(self._bias)
+        self._generation = 0
+        """Counts checked steps: the weight's sums are taken at least once per step."""
         self._layer_bits = max(1, (len(self.layers) + 1).bit_length())
         self._active = False
         self._micro = 0
@@ -503,14 +526,14 @@ class ChecksumCheck(Check, BucketListener):
             if found is not None and via_node:  # GY and GX from the product's node
                 node, gx_at = found
                 tapped = bool(x.requires_grad) and self._want["input_grad"]
-                self._on_forward(layer, x, out, tapped, backward)
+                self._on_forward(layer, x, out, tapped)
                 call = layer.calls[-1]
                 call_index = len(layer.calls) - 1
                 node.register_hook(lambda grads_in, grads_out: self._on_node(
                     layer, call, call_index, grads_out[0], grads_in[gx_at] if tapped else None))
                 return
             tapped = bool(x.requires_grad) and self._want["input_grad"] and not via_node
-            self._on_forward(layer, x, out, tapped, backward)
+            self._on_forward(layer, x, out, tapped)
             call = layer.calls[-1]
             if backward:
                 out.register_hook(  # type: ignore[no-untyped-call]
@@ -527,6 +550,12 @@ class ChecksumCheck(Check, BucketListener):
         """The product node's post-hook: its output's gradient ``GY`` and, when checked, this
         call's input gradient ``GX`` (both 2-D: the node multiplies the flattened input)."""
         if gy is None:
+            return
+        if (self._active and call.native and self._kernel is not None
+                and gy.dtype == torch.float32 and (gx is None or gx.dtype == torch.float32)):
+            g = gy if _rows_ok(gy) else gy.contiguous()
+            self._gy_native(self._kernel, layer, call, g,
+                            None if gx is None else gx if _rows_ok(gx) else gx.contiguous())
             return
         self._on_gy(layer, call, gy)
         if gx is not None:
@@ -553,15 +582,13 @@ class ChecksumCheck(Check, BucketListener):
         bad = ((diff > bound) & torch.isfinite(diff)) if self.expect_overflow else ~(diff <= bound)
         self._failures.append(_Failure(layer, product, micro_batch, bad.any(), diff, bound))
 
-    def _forward(self, layer: _Layer, call: _Call, w_col: torch.Tensor,
-                 w_abs_col: torch.Tensor | None) -> None:
-        """The forward identity of ``call``, given ``e^T W`` and ``e^T |W|`` (float32, ``in``;
-        None: the "norm" bound)."""
-        call.forward_due = False
+    def _forward(self, layer: _Layer, call: _Call) -> None:
+        """The forward identity of ``call`` by torch operations, in the forward hook."""
         m = layer.module
         x = call.x
         out = m.out_features
         xf = x if x.dtype == torch.float32 else x.float()
+        w_col, w_abs_col, _, _, b_sum, b_abs = self._sides(layer)
         rhs = xf @ w_col
         if w_abs_col is not None:
             bound = xf.abs() @ w_abs_col  # sum_jk |X_ik||W_jk|, exactly
@@ -569,9 +596,8 @@ class ChecksumCheck(Check, BucketListener):
             bound = torch.linalg.vector_norm(xf, dim=1) * (
                 math.sqrt(out) * self._weight_norm(layer))
         if m.bias is not None:
-            b = m.bias.detach()
-            rhs = rhs + b.sum(dtype=torch.float32)
-            bound = bound + b.abs().sum(dtype=torch.float32)
+            rhs = rhs + b_sum
+            bound = bound + b_abs
         tol = tolerance(self.config.tolerance_scale, k=x.shape[1] + 1, checked=2 * out
                         + x.shape[1], compute=call.gy_dtype or self._y_dtype(layer, x),
                         operands=(x.dtype, m.weight.dtype), device=x.device)
@@ -581,32 +607,60 @@ class ChecksumCheck(Check, BucketListener):
     def _y_dtype(layer: _Layer, x: torch.Tensor) -> torch.dtype:
         return torch.promote_types(x.dtype, layer.module.weight.dtype)
 
-    def _on_forward(self, layer: _Layer, x: torch.Tensor, y: torch.Tensor, tapped: bool,
-                    backward: bool) -> None:
-        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        y2 = y if y.dim() == 2 else y.reshape(-1, y.shape[-1])
+    def _w_key(self, layer: _Layer) -> tuple[int, ...]:
+        """When the weight's sums are to be taken (again): once per step, and when the
+        weight or bias changed since (its version)."""
+        m = layer.module
+        b = m.bias
+        return (self._generation, m.weight.data_ptr(), m.weight._version,
+                -1 if b is None else b._version)
+
+    def _on_forward(self, layer: _Layer, x: torch.Tensor, y: torch.Tensor,
+                    tapped: bool) -> None:
+        """The forward hook's sums of ``X`` and ``Y`` (and of ``W``, once per step), and the
+        forward identity checked right away, while ``X`` and ``Y`` are in cache."""
         kernel = self._kernel
-        if (layer.native and kernel is not None and x2.dtype == torch.float32
-                and y2.dtype == torch.float32):
-            x2 = x2 if _rows_ok(x2) else x2.contiguous()
-            y2 = y2 if _rows_ok(y2) else y2.contiguous()
-            n, inner = x2.shape
-            ws = self._workspace(layer, _native_ws(n, y2.shape[1], inner)[2])
-            kernel.cs_fwd(x2.data_ptr(), n, inner, x2.stride(0), y2.data_ptr(), y2.shape[1],
-                          y2.stride(0), ws.data_ptr(), _threads(x2.numel()),
-                          _threads(y2.numel()))
-            call = _Call(x2, ws, micro_batch=self._micro, tapped=tapped,
-                         forward_due=self._want["forward"], gy_dtype=y.dtype, native=True)
+        want = self._want["forward"]
+        if (layer.native and kernel is not None and x.dtype == torch.float32
+                and y.dtype == torch.float32):
+            x2, ldx = _flat_rows(x)  # the C passes read rows at a stride: no view for 3-D
+            y2, ldy = _flat_rows(y)
+            inner, out = x2.shape[-1], y2.shape[-1]
+            n = x2.numel() // inner if inner else 0
+            ws = self._workspace(layer, _NATIVE_WS * n)
+            m = layer.module
+            w, bias = m.weight, m.bias
+            key = self._w_key(layer)
+            fresh = layer.w_key != key
+            layer.w_key = key
+            if layer.wsum is None:
+                layer.wsum = torch.empty(2 * inner + 2 * out + 2)
+            wsum = layer.wsum.data_ptr()
+            tol = _cpu_tolerance(self.config.tolerance_scale, inner + 1, 2 * out + inner)
+            bad = kernel.cs_fwd(x2.data_ptr(), n, inner, ldx, y2.data_ptr(), out, ldy,
+                                w.data_ptr(), w.stride(0),
+                                None if bias is None else bias.data_ptr(), wsum,
+                                wsum + (2 * inner + 2 * out) * _F32, int(fresh),
+                                ws.data_ptr(), int(want), tol, int(self.expect_overflow),
+                                _threads(n * inner), _threads(n * out),
+                                _threads(w.numel()) if fresh else 1)
+            call = _Call(x2, ws, n, micro_batch=self._micro, tapped=tapped, gy_dtype=y.dtype,
+                         native=True)
             self.native_calls += 1
+            if bad:
+                b0, b1 = layer.wsum[-2:].tolist()
+                self._failed(layer, "forward", call.micro_batch, ws[2 * n:3 * n],
+                             ws[3 * n:4 * n], ws[4 * n:5 * n], tol, b0, b1)
         else:
-            xd = x2.detach()
+            xd = x.detach().reshape(-1, x.shape[-1])
+            y2 = y.detach().reshape(-1, y.shape[-1])
             xf = xd if xd.dtype == torch.float32 else xd.float()
-            sums = torch.cat([xf.sum(1), xf.abs().sum(1), y2.detach().sum(1, dtype=torch.float32)])
-            call = _Call(xd, sums, micro_batch=self._micro, tapped=tapped,
-                         forward_due=self._want["forward"], gy_dtype=y.dtype)
+            sums = torch.cat([xf.sum(1), xf.abs().sum(1), y2.sum(1, dtype=torch.float32)])
+            call = _Call(xd, sums, xd.shape[0], micro_batch=self._micro, tapped=tapped,
+                         gy_dtype=y.dtype)
+            if want:
+                self._forward(layer, call)
         layer.calls.append(call)
-        if not backward and call.forward_due:
-            self._forward(layer, call, *self._w_cols(layer))  # no backward will come
 
     @staticmethod
     def _workspace(layer: _Layer, size: int) -> torch.Tensor:
@@ -622,20 +676,31 @@ class ChecksumCheck(Check, BucketListener):
             pool.append(ws)
         return ws
 
-    def _w_cols(self, layer: _Layer) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``e^T W`` and ``e^T |W|`` in float32 (None with the "norm" bound)."""
-        w = layer.module.weight.detach()
-        wf = w if w.dtype == torch.float32 else w.float()
-        ones = self._ones(layer)[None]
-        return ones.mm(wf)[0], ones.mm(wf.abs())[0] if self.exact else None
+    def _sides(self, layer: _Layer) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
+                                             torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """The torch path's sums of the weight (``_Layer.sides``), once per step."""
+        key = self._w_key(layer)
+        if layer.sides_key != key or layer.sides is None:
+            layer.sides_key = key
+            m = layer.module
+            w = m.weight.detach()
+            wf = w if w.dtype == torch.float32 else w.float()
+            wa = wf.abs() if self.exact else None
+            zero = torch.zeros((), device=w.device)
+            b = m.bias.detach() if m.bias is not None else None
+            layer.sides = (wf.sum(0), None if wa is None else wa.sum(0), wf.sum(1),
+                           None if wa is None else wa.sum(1),
+                           zero if b is None else b.sum(dtype=torch.float32),
+                           zero if b is None else b.abs().sum(dtype=torch.float32))
+        return layer.sides
 
     def _weight_norm(self, layer: _Layer) -> torch.Tensor:
-        """``||W||_F`` in float32, once per weight version (the "norm" bound)."""
-        w = layer.module.weight
-        key = (w.data_ptr(), w._version)
-        if layer.w_key != key or layer.w_norm is None:
+        """``||W||_F`` in float32, once per step (the "norm" bound)."""
+        key = self._w_key(layer)
+        if layer.norm_key != key or layer.w_norm is None:
+            w = layer.module.weight
             layer.w_norm = torch.linalg.vector_norm(w.detach(), dtype=torch.float32)
-            layer.w_key = key
+            layer.norm_key = key
         return layer.w_norm
 
     def _on_gy(self, layer: _Layer, call: _Call, gy: torch.Tensor) -> None:
@@ -647,24 +712,14 @@ class ChecksumCheck(Check, BucketListener):
             return
         g = gy.detach().reshape(-1, gy.shape[-1])
         gf = g if g.dtype == torch.float32 else g.float()
-        w = layer.module.weight.detach()
-        wf = w if w.dtype == torch.float32 else w.float()
         call.gy_dtype = g.dtype
         ga = gf.abs() if call.tapped or layer.gw_checked else None
-        signed = [self._ones(layer)] if call.forward_due else []
-        absolute = list(signed)
-        if call.tapped and ga is not None:
-            signed.append(gf.sum(0))
-            absolute.append(ga.sum(0))
-        if signed:  # e^T W, (e^T GY) W and their bounds e^T |W|, (e^T |GY|) |W|
-            prods = torch.stack(signed).mm(wf)
-            bounds = torch.stack(absolute).mm(wf.abs()) if self.exact else None
-            if call.forward_due:
-                self._forward(layer, call, prods[0], None if bounds is None else bounds[0])
-            if call.tapped and ga is not None:
-                call.gx_rhs = prods[-1]
-                call.gx_bound = bounds[-1] if bounds is not None else (  # exact, or <= ...
-                    torch.linalg.vector_norm(ga.sum(0)) * self._weight_norm(layer))
+        if call.tapped and ga is not None:  # GY (W e) and its bound |GY| (|W| e)
+            _, _, w_row, w_abs_row, _, _ = self._sides(layer)
+            call.gx_rhs = gf @ w_row
+            call.gx_bound = ga @ w_abs_row if w_abs_row is not None else (  # exact, or <= ...
+                torch.linalg.vector_norm(gf, dim=1) * (
+                    math.sqrt(layer.module.in_features) * self._weight_norm(layer)))
         if layer.gw_checked and ga is not None:
             both = torch.stack([gf.t() @ call.x_rows[0], ga.t() @ call.x_rows[1]])
             layer.gw_rhs = both[0] if layer.gw_rhs is None else layer.gw_rhs + both[0]
@@ -672,20 +727,19 @@ class ChecksumCheck(Check, BucketListener):
             layer.gw_rows += g.shape[0]
             layer.gw_dtype = g.dtype
 
-    def _gy_native(self, kernel: NativeKernel, layer: _Layer, call: _Call,
-                   g: torch.Tensor) -> None:
-        """``_on_gy`` by the C passes, in one call (``sdc_cs_bwd``): one read of ``GY`` (its
-        column sums, with and without absolute values, and ``GY^T (X e)``, ``|GY|^T (|X| e)``
-        for the weight gradient), one of ``W`` (``e^T W``, ``(e^T GY) W`` and their bounds
-        through ``|W|``), one of ``X`` (the forward's right-hand side and bound), then the
-        forward comparison. The input gradient's side stays in the workspace (``_on_gx``)."""
+    def _gy_native(self, kernel: NativeKernel, layer: _Layer, call: _Call, g: torch.Tensor,
+                   gx: torch.Tensor | None = None) -> None:
+        """``_on_gy`` (and ``_on_gx``, given ``gx``) by the C passes, in one call
+        (``sdc_cs_bwd``): one read of ``GY`` for the input gradient's right-hand side and
+        bound, ``GY (W e)`` and ``|GY| (|W| e)`` (``W``'s sums from the forward), and the
+        weight gradient's, ``GY^T (X e)`` and ``|GY|^T (|X| e)``; then ``GX``'s row sums
+        compared. Without ``gx`` the input gradient's sides stay in the workspace
+        (``_on_gx``)."""
         m = layer.module
         n, out = g.shape
         inner = m.in_features
         call.gy_dtype = g.dtype
-        due = call.forward_due
-        what = (_CS_GX if call.tapped else 0) | (_CS_FWD if due else 0) | (
-            _CS_FINITE if self.expect_overflow else 0)
+        gw = add = 0
         gw_at = gwb_at = 0
         if layer.gw_checked:
             if layer.gw_rhs is None or layer.gw_bound is None:
@@ -694,30 +748,35 @@ class ChecksumCheck(Check, BucketListener):
                     layer.gw_buf = (buf[0], buf[1], buf[2])
                 layer.gw_rhs, layer.gw_bound = layer.gw_buf[0], layer.gw_buf[1]
             else:  # another call of the layer in this micro-batch: its share adds on
-                what |= _CS_GW_ADD
-            what |= _CS_GW
+                add = 1
+            gw = 1
             gw_at, gwb_at = layer.gw_rhs.data_ptr(), layer.gw_bound.data_ptr()
             layer.gw_rows += n
             layer.gw_dtype = g.dtype
-        if not what & (_CS_GX | _CS_GW | _CS_FWD):
+        side = call.tapped
+        if not (gw or side) or layer.wsum is None:
             return
         ws = call.sums
         at = ws.data_ptr()
-        bwd, _, _ = _native_ws(n, out, inner)
-        w, x, bias = m.weight, call.x, m.bias
-        tol = _cpu_tolerance(self.config.tolerance_scale, inner + 1, 2 * out + inner) if due else 0.0
-        bad = kernel.cs_bwd(g.data_ptr(), n, out, g.stride(0), w.data_ptr(), inner, w.stride(0),
-                            x.data_ptr(), x.stride(0), None if bias is None else bias.data_ptr(),
-                            at, gw_at, gwb_at, at + 2 * n * _F32, at + bwd * _F32,
-                            self._bias_at, what, tol, _threads(g.numel()), _threads(w.numel()),
-                            _threads(x.numel()))
-        call.gx_ready = call.tapped
-        if due:
-            call.forward_due = False
-            if bad:
-                fr = bwd + 2 * out + 4 * inner
-                self._failed(layer, "forward", call.micro_batch, call.y_sum, ws[fr:fr + n],
-                             ws[fr + n:fr + 2 * n], tol, self._bias[0], self._bias[1])
+        wr = layer.wsum.data_ptr() + 2 * inner * _F32
+        tol = _cpu_tolerance(self.config.tolerance_scale, out, 2 * inner + out)
+        check = side and gx is not None
+        bad = kernel.cs_bwd(g.data_ptr(), n, out, g.stride(0), wr, wr + out * _F32, at,
+                            gw_at, gwb_at, gw, add, int(side), at + _GXS * n * _F32,
+                            gx.data_ptr() if check and gx is not None else None, inner,
+                            gx.stride(0) if check and gx is not None else inner, tol,
+                            int(self.expect_overflow), _threads(g.numel()),
+                            _threads(n * inner))
+        call.gx_ready = side and not check
+        if bad:
+            self._gx_failed(layer, call, n, tol)
+
+    def _gx_failed(self, layer: _Layer, call: _Call, n: int, tol: float) -> None:
+        """The C passes found input-gradient entries that fail: record them."""
+        ws = call.sums
+        at = _GXS * n
+        self._failed(layer, "input_grad", call.micro_batch, ws[at + 2 * n:at + 3 * n],
+                     ws[at:at + n], ws[at + n:at + 2 * n], tol)
 
     def _compare(self, layer: _Layer, product: str, micro_batch: int, lhs: torch.Tensor,
                  rhs: torch.Tensor | None, bound: torch.Tensor | None, tol: float,
@@ -740,44 +799,29 @@ class ChecksumCheck(Check, BucketListener):
         self._failures.append(_Failure(layer, product, micro_batch, torch.tensor(True), diff,
                                        limit))
 
-    @staticmethod
-    def _ones(layer: _Layer) -> torch.Tensor:
-        w = layer.module.weight
-        if layer.ones is None or layer.ones.device != w.device:
-            layer.ones = torch.ones(w.shape[0], dtype=torch.float32, device=w.device)
-        return layer.ones
-
     def _on_gx(self, layer: _Layer, call_index: int, gx: torch.Tensor) -> None:
         if not self._active or call_index >= len(layer.calls):
             return
         call = layer.calls[call_index]
-        if call.gx_ready:  # the C passes left c W and its bound in the call's workspace
-            out = layer.module.out_features
-            g = gx if gx.dim() == 2 else gx.reshape(-1, gx.shape[-1])
-            n, inner = g.shape
-            ws = call.sums
-            bwd, lhs_at, _ = _native_ws(n, out, inner)
-            at = bwd + 2 * out + 2 * inner  # gxr, then gxb
+        out = layer.module.out_features
+        g = gx if gx.dim() == 2 else gx.reshape(-1, gx.shape[-1])
+        n, inner = g.shape
+        if call.gx_ready:  # the C passes left GY (W e) and its bound in the call's workspace
+            at = _GXS * n
             if self._kernel is not None and g.dtype == torch.float32:
                 g = g if _rows_ok(g) else g.contiguous()
-                tol = _cpu_tolerance(self.config.tolerance_scale, out, 2 * n + out)
-                base = ws.data_ptr()
+                tol = _cpu_tolerance(self.config.tolerance_scale, out, 2 * inner + out)
                 if self._kernel.cs_gx(g.data_ptr(), n, inner, g.stride(0),
-                                      base + lhs_at * _F32, base + at * _F32,
-                                      base + (at + inner) * _F32, tol,
+                                      call.sums.data_ptr() + at * _F32, tol,
                                       int(self.expect_overflow), _threads(g.numel())):
-                    self._failed(layer, "input_grad", call.micro_batch,
-                                 ws[lhs_at:lhs_at + inner], ws[at:at + inner],
-                                 ws[at + inner:at + 2 * inner], tol)
+                    self._gx_failed(layer, call, n, tol)
                 return
-            call.gx_rhs, call.gx_bound = ws[at:at + inner], ws[at + inner:at + 2 * inner]
+            call.gx_rhs, call.gx_bound = call.sums[at:at + n], call.sums[at + n:at + 2 * n]
         if call.gx_rhs is None or call.gx_bound is None:
             return
-        g = gx.detach().reshape(-1, gx.shape[-1])
-        out = layer.module.out_features
-        lhs = g.sum(0, dtype=torch.float32)
+        lhs = g.detach().sum(1, dtype=torch.float32)
         compute = call.gy_dtype or gx.dtype
-        tol = tolerance(self.config.tolerance_scale, k=out, checked=2 * g.shape[0] + out,
+        tol = tolerance(self.config.tolerance_scale, k=out, checked=2 * inner + out,
                         compute=compute, operands=(layer.module.weight.dtype,), device=gx.device)
         self._record(layer, "input_grad", call.micro_batch, lhs, call.gx_rhs,
                      call.gx_bound * tol)
@@ -858,22 +902,11 @@ class ChecksumCheck(Check, BucketListener):
             layer.gw_rows = 0
 
     def _done(self) -> None:
-        """The step's products are all checked: the forwards no backward checked, then let
-        go of the step's inputs (as autograd does after the backward, not a step later)."""
-        self._pending_forwards()
+        """The step's products are all checked: let go of the step's inputs (as autograd
+        does after the backward, not a step later)."""
         self._active = False
         for layer in self.layers:
             layer.calls.clear()
-
-    def _pending_forwards(self) -> None:
-        """Forward identities no backward has checked (an output the loss did not use)."""
-        for layer in self.layers:
-            due = [c for c in layer.calls if c.forward_due]
-            if due:
-                with torch.no_grad():  # a C-path call's input is not detached
-                    cols = self._w_cols(layer)
-                    for call in due:
-                        self._forward(layer, call, *cols)
 
     # -- per step -----------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -886,6 +919,7 @@ class ChecksumCheck(Check, BucketListener):
     def begin_step(self, step: int) -> None:
         self._active = True
         self._micro = 0
+        self._generation += 1
         self._failures = []
         self._vetoed = False
         self._veto_word = None

@@ -1,4 +1,5 @@
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <pthread.h>
 
@@ -426,7 +427,8 @@ static inline __attribute__((always_inline)) cs_v8 cs_load(const float* p) {
 #define CS_ABS(v) ((cs_v8)((cs_i8)(v) & 0x7fffffff))
 static inline __attribute__((always_inline)) void cs_row(
     const float* restrict x, int64_t cols, const float* const* v, const float* const* va,
-    float* out, const int k, const int ka, const int ones, const int abs_ones) {
+    float* out, const int k, const int ka, const int ones, const int abs_ones,
+    const int first_ones) {
   cs_v8 acc[2 * CS_MAXK][2];
   memset(acc, 0, sizeof acc);
   const int64_t body = cols / CS_LANES * CS_LANES;
@@ -435,14 +437,16 @@ static inline __attribute__((always_inline)) void cs_row(
       const cs_v8 xv = cs_load(x + c + 8 * h);
       const cs_v8 xa = CS_ABS(xv);
       for (int p = 0; p < k; ++p)
-        acc[p][h] += ones ? xv : cs_load(v[p] + c + 8 * h) * xv;
+        acc[p][h] += ones || (first_ones && p == 0) ? xv : cs_load(v[p] + c + 8 * h) * xv;
       for (int p = 0; p < ka; ++p)
-        acc[CS_MAXK + p][h] += abs_ones ? xa : cs_load(va[p] + c + 8 * h) * xa;
+        acc[CS_MAXK + p][h] += abs_ones || (first_ones && p == 0)
+                                   ? xa : cs_load(va[p] + c + 8 * h) * xa;
     }
   }
   for (int p = 0; p < k; ++p) {
     float t = 0.0f;
-    for (int64_t d = body; d < cols; ++d) t += (ones ? 1.0f : v[p][d]) * x[d];
+    for (int64_t d = body; d < cols; ++d)
+      t += (ones || (first_ones && p == 0) ? 1.0f : v[p][d]) * x[d];
     for (int h = 0; h < 2; ++h)
       for (int l = 0; l < 8; ++l) t += acc[p][h][l];
     out[p] = t;
@@ -450,7 +454,7 @@ static inline __attribute__((always_inline)) void cs_row(
   for (int p = 0; p < ka; ++p) {
     float t = 0.0f;
     for (int64_t d = body; d < cols; ++d)
-      t += (abs_ones ? 1.0f : va[p][d]) * __builtin_fabsf(x[d]);
+      t += (abs_ones || (first_ones && p == 0) ? 1.0f : va[p][d]) * __builtin_fabsf(x[d]);
     for (int h = 0; h < 2; ++h)
       for (int l = 0; l < 8; ++l) t += acc[CS_MAXK + p][h][l];
     out[CS_MAXK + p] = t;
@@ -461,15 +465,17 @@ CLONES static void cs_rows_range(const float* A, int64_t i0, int64_t i1, int64_t
                                  int64_t cols, const float* const* v, int k,
                                  const float* const* va, int ka, float* const* r,
                                  float* const* ra) {
-  /* every v_p NULL (ones), or none; likewise va */
-  const int ones = k == 0 || !v[0], abs_ones = ka == 0 || !va[0];
+  /* every v_p NULL (ones), or none, or (k = ka = 2) v_0 and va_0 NULL, v_1 and va_1 not */
+  const int mixed = k == 2 && ka == 2 && !v[0] && v[1] && !va[0] && va[1];
+  const int ones = !mixed && (k == 0 || !v[0]), abs_ones = !mixed && (ka == 0 || !va[0]);
   for (int64_t i = i0; i < i1; ++i) {
     const float* x = A + i * ld;
     float out[2 * CS_MAXK];
-    if (ones && abs_ones && k == 1 && ka == 1) cs_row(x, cols, v, va, out, 1, 1, 1, 1);
-    else if (ones && k == 1 && ka == 0) cs_row(x, cols, v, va, out, 1, 0, 1, 1);
-    else if (!ones && !abs_ones && k == 1 && ka == 1) cs_row(x, cols, v, va, out, 1, 1, 0, 0);
-    else cs_row(x, cols, v, va, out, k, ka, ones, abs_ones);
+    if (ones && abs_ones && k == 1 && ka == 1) cs_row(x, cols, v, va, out, 1, 1, 1, 1, 0);
+    else if (ones && k == 1 && ka == 0) cs_row(x, cols, v, va, out, 1, 0, 1, 1, 0);
+    else if (!ones && !abs_ones && k == 1 && ka == 1) cs_row(x, cols, v, va, out, 1, 1, 0, 0, 0);
+    else if (mixed) cs_row(x, cols, v, va, out, 2, 2, 0, 0, 1);
+    else cs_row(x, cols, v, va, out, k, ka, ones, abs_ones, 0);
     for (int p = 0; p < k; ++p) r[p][i] = out[p];
     for (int p = 0; p < ka; ++p) ra[p][i] = out[CS_MAXK + p];
   }
@@ -521,14 +527,15 @@ int sdc_cs_cols(const float* A, int64_t rows, int64_t cols, int64_t ld, const fl
 }
 
 /* r_p[i] = v_p . A[i] for p < k, ra_p[i] = va_p . |A[i]| for p < ka over the n rows of A
-   (see cs_rows_range; every v_p is NULL, meaning ones, or none is; likewise va_p).
-   0, or 1 on bad arguments. */
+   (see cs_rows_range; every v_p is NULL, meaning ones, or none is; likewise va_p; or, with
+   k = ka = 2, the first of each NULL and the second not). 0, or 1 on bad arguments. */
 int sdc_cs_rows(const float* A, int64_t n, int64_t cols, int64_t ld, const float* v0,
                 const float* v1, int k, const float* va0, const float* va1, int ka, float* r0,
                 float* r1, float* ra0, float* ra1, int threads) {
   if (n < 0 || cols < 0 || ld < cols || k < 0 || k > CS_MAXK || ka < 0 || ka > CS_MAXK)
     return 1;
-  if ((k == 2 && !v0 != !v1) || (ka == 2 && !va0 != !va1)) return 1;
+  const int mixed = k == 2 && ka == 2 && !v0 && v1 && !va0 && va1;
+  if (!mixed && ((k == 2 && !v0 != !v1) || (ka == 2 && !va0 != !va1))) return 1;
   cs_job_t job = {A, n, ld, cols, 0, 0, {v0, v1}, k, {va0, va1}, ka, {r0, r1}, {ra0, ra1}, 1};
   cs_parallel(job, n, threads);
   return 0;
@@ -549,71 +556,251 @@ int64_t sdc_cs_compare(const float* lhs, const float* rhs, const float* bound, i
   return bad;
 }
 
-/* The checksum check's hooks, one call each (sdc_guard.checks.checksum): the passes above
-   strung together in C, so that a hook makes one foreign call instead of four or five. */
-
-/* Forward hook of a layer Y = X W^T + b (X: n x in, row stride ldx; Y: n x ycols, ldy):
-   out[0, n) = X's row sums, out[n, 2n) = |X|'s, out[2n, 3n) = Y's. 0, or -1 on bad
-   arguments. */
-int64_t sdc_cs_fwd(const float* X, int64_t n, int64_t in, int64_t ldx, const float* Y,
-                   int64_t ycols, int64_t ldy, float* out, int threads_x, int threads_y) {
-  if (sdc_cs_rows(X, n, in, ldx, 0, 0, 1, 0, 0, 1, out, 0, out + n, 0, threads_x)) return -1;
-  return sdc_cs_rows(Y, n, ycols, ldy, 0, 0, 1, 0, 0, 0, out + 2 * n, 0, 0, 0, threads_y)
-             ? -1 : 0;
-}
-
-enum { CS_GX = 1, CS_GW = 2, CS_GW_ADD = 4, CS_FWD = 8, CS_FINITE = 16 };
-
-/* Backward hook of one call of that layer, given GY (n x out, ldg), W (out x in, ldw), X (ldx),
-   the bias (out floats, or NULL) and x_rows (the forward hook's: X e, then |X| e). `what`:
-   CS_GX: c = e^T GY, ca = e^T |GY|, then gxr = c W, gxb = ca |W| (the input gradient's
-   right-hand side and bound); CS_GW: gw_rhs = GY^T (X e), gw_bound = |GY|^T (|X| e), added
-   to what they hold with CS_GW_ADD; CS_FWD: wc = e^T W, wac = e^T |W| (in the same read of W),
-   fr = X wc, fb = |X| wac, the bias sums into bsum[0..1], and the forward identity compared:
-   y_sum[i] against fr[i] + bsum[0] within (fb[i] + bsum[1]) tol (CS_FINITE: only a finite
-   difference fails). ws: 2 out + 4 in + 2 n floats, laid out c, ca, wc, wac, gxr, gxb, fr,
-   fb. The number of forward entries that fail, or -1 on bad arguments. */
-int64_t sdc_cs_bwd(const float* GY, int64_t n, int64_t out, int64_t ldg, const float* W,
-                   int64_t in, int64_t ldw, const float* X, int64_t ldx, const float* bias,
-                   const float* x_rows, float* gw_rhs, float* gw_bound, const float* y_sum,
-                   float* ws, float* bsum, int what, double tol, int threads_g, int threads_w,
-                   int threads_x) {
-  if (n < 0 || out < 0 || in < 0) return -1;
-  float *c = ws, *ca = c + out, *wc = ca + out, *wac = wc + in, *gxr = wac + in;
-  float *gxb = gxr + in, *fr = gxb + in, *fb = fr + n;
-  const float* u[2] = {0, 0}; const float* a[2] = {0, 0};
-  float* s[2] = {0, 0}; float* b[2] = {0, 0};
-  int k = 0, acc = 0;
-  if (what & CS_GX) { s[k] = c; b[k] = ca; ++k; }
-  if (what & CS_GW) {
-    u[k] = x_rows; a[k] = x_rows + n; s[k] = gw_rhs; b[k] = gw_bound;
-    if (what & CS_GW_ADD) acc = (1 << k) | (1 << (2 + k));
-    ++k;
+/* Rows [i0, i1), columns [c0, c1) of A (row stride ld), each element read once: per row,
+   r[i] = v . A[i][c0:c1] and ra[i] = va . |A[i][c0:c1]| (rows_on; v, va NULL: ones), and
+   per column, s[c] += sum_i u[i] A[i][c] and b[c] += sum_i a[i] |A[i][c]| (cols_on; u, a
+   NULL: ones). Four rows at a time: one load and store of each column accumulator serves
+   four rows, eight lanes of partial sums per row dot. */
+static inline __attribute__((always_inline)) void cs_rc(
+    const float* restrict A, int64_t ld, int64_t i0, int64_t i1, int64_t c0, int64_t c1,
+    const float* restrict v, const float* restrict va, float* restrict r,
+    float* restrict ra, const float* restrict u, const float* restrict a,
+    float* restrict s, float* restrict b, const int rows_on, const int cols_on,
+    const int v_ones, const int u_ones, const int acc_rows) {
+  const int64_t body = c0 + (c1 - c0) / 8 * 8;
+  int64_t i = i0;
+  for (; i + CS_UNROLL <= i1; i += CS_UNROLL) {
+    const float* restrict x[CS_UNROLL];
+    float uc[CS_UNROLL], ac[CS_UNROLL];
+    cs_v8 rv[CS_UNROLL], qv[CS_UNROLL];
+    for (int q = 0; q < CS_UNROLL; ++q) {
+      x[q] = A + (i + q) * ld;
+      uc[q] = u_ones ? 1.0f : (cols_on ? u[i + q] : 0.0f);
+      ac[q] = u_ones ? 1.0f : (cols_on ? a[i + q] : 0.0f);
+      rv[q] = (cs_v8){0};
+      qv[q] = (cs_v8){0};
+    }
+    for (int64_t c = c0; c < body; c += 8) {
+      cs_v8 w[CS_UNROLL], m[CS_UNROLL];
+      for (int q = 0; q < CS_UNROLL; ++q) {
+        w[q] = cs_load(x[q] + c);
+        m[q] = CS_ABS(w[q]);
+      }
+      if (rows_on) {
+        if (v_ones) {
+          for (int q = 0; q < CS_UNROLL; ++q) { rv[q] += w[q]; qv[q] += m[q]; }
+        } else {
+          const cs_v8 vv = cs_load(v + c), vva = cs_load(va + c);
+          for (int q = 0; q < CS_UNROLL; ++q) { rv[q] += vv * w[q]; qv[q] += vva * m[q]; }
+        }
+      }
+      if (cols_on) {
+        cs_v8 sv = cs_load(s + c), bv = cs_load(b + c);
+        for (int q = 0; q < CS_UNROLL; ++q) { sv += uc[q] * w[q]; bv += ac[q] * m[q]; }
+        memcpy(s + c, &sv, sizeof sv);
+        memcpy(b + c, &bv, sizeof bv);
+      }
+    }
+    for (int q = 0; q < CS_UNROLL; ++q) {
+      float t = 0.0f, ta = 0.0f;
+      for (int64_t c = body; c < c1; ++c) {
+        const float e = x[q][c], ea = __builtin_fabsf(e);
+        if (rows_on) {
+          t += (v_ones ? 1.0f : v[c]) * e;
+          ta += (v_ones ? 1.0f : va[c]) * ea;
+        }
+        if (cols_on) {
+          s[c] += uc[q] * e;
+          b[c] += ac[q] * ea;
+        }
+      }
+      if (rows_on) {
+        for (int l = 0; l < 8; ++l) { t += rv[q][l]; ta += qv[q][l]; }
+        r[i + q] = acc_rows ? r[i + q] + t : t;
+        ra[i + q] = acc_rows ? ra[i + q] + ta : ta;
+      }
+    }
   }
-  if (k && sdc_cs_cols(GY, n, out, ldg, u[0], u[1], k, a[0], a[1], k, s[0], s[1], b[0], b[1],
-                       acc, threads_g))
-    return -1;
-  k = 0;
-  if (what & CS_FWD) { u[k] = 0; a[k] = 0; s[k] = wc; b[k] = wac; ++k; }
-  if (what & CS_GX) { u[k] = c; a[k] = ca; s[k] = gxr; b[k] = gxb; ++k; }
-  if (k && sdc_cs_cols(W, out, in, ldw, u[0], u[1], k, a[0], a[1], k, s[0], s[1], b[0], b[1],
-                       0, threads_w))
-    return -1;
-  if (!(what & CS_FWD)) return 0;
-  if (sdc_cs_rows(X, n, in, ldx, wc, 0, 1, wac, 0, 1, fr, 0, fb, 0, threads_x)) return -1;
-  bsum[0] = bsum[1] = 0.0f;
-  if (bias && sdc_cs_rows(bias, 1, out, out, 0, 0, 1, 0, 0, 1, bsum, 0, bsum + 1, 0, 1))
-    return -1;
-  return sdc_cs_compare(y_sum, fr, fb, n, bsum[0], bsum[1], tol, what & CS_FINITE ? 1 : 0);
+  for (; i < i1; ++i) {
+    const float* restrict xi = A + i * ld;
+    const float ui = u_ones ? 1.0f : (cols_on ? u[i] : 0.0f);
+    const float ai = u_ones ? 1.0f : (cols_on ? a[i] : 0.0f);
+    cs_v8 rv = {0}, qv = {0};
+    for (int64_t c = c0; c < body; c += 8) {
+      const cs_v8 w = cs_load(xi + c), m = CS_ABS(w);
+      if (rows_on) {
+        rv += v_ones ? w : cs_load(v + c) * w;
+        qv += v_ones ? m : cs_load(va + c) * m;
+      }
+      if (cols_on) {
+        cs_v8 sv = cs_load(s + c), bv = cs_load(b + c);
+        sv += ui * w;
+        bv += ai * m;
+        memcpy(s + c, &sv, sizeof sv);
+        memcpy(b + c, &bv, sizeof bv);
+      }
+    }
+    float t = 0.0f, ta = 0.0f;
+    for (int64_t c = body; c < c1; ++c) {
+      const float e = xi[c], ea = __builtin_fabsf(e);
+      if (rows_on) {
+        t += (v_ones ? 1.0f : v[c]) * e;
+        ta += (v_ones ? 1.0f : va[c]) * ea;
+      }
+      if (cols_on) {
+        s[c] += ui * e;
+        b[c] += ai * ea;
+      }
+    }
+    if (rows_on) {
+      for (int l = 0; l < 8; ++l) { t += rv[l]; ta += qv[l]; }
+      r[i] = acc_rows ? r[i] + t : t;
+      ra[i] = acc_rows ? ra[i] + ta : ta;
+    }
+  }
 }
 
-/* Input-gradient hook: lhs = e^T GX (GX: n x in, ld), compared with rhs within bound * tol
-   (as sdc_cs_compare). The number of entries that fail, or -1 on bad arguments. */
-int64_t sdc_cs_gx(const float* GX, int64_t n, int64_t in, int64_t ld, float* lhs,
-                  const float* rhs, const float* bound, double tol, int finite_only,
-                  int threads) {
-  if (sdc_cs_cols(GX, n, in, ld, 0, 0, 1, 0, 0, 0, lhs, 0, 0, 0, 0, threads)) return -1;
-  return sdc_cs_compare(lhs, rhs, bound, in, 0.0, 0.0, tol, finite_only);
+typedef struct {
+  const float* A; int64_t ld, rows, c0, c1;
+  const float *v, *va; float *r, *ra; const float *u, *a; float *s, *b;
+} rc_job_t;
+
+/* cs_rc over all rows and columns [c0, c1), the columns a block at a time (the column
+   accumulators stay in L1), the row dots summed over the blocks. */
+CLONES static void cs_rc_range(const rc_job_t* j) {
+  const int rows_on = j->r != 0, cols_on = j->s != 0;
+  const int v_ones = !j->v, u_ones = !j->u;
+  if (rows_on && j->c0 >= j->c1)
+    for (int64_t i = 0; i < j->rows; ++i) j->r[i] = j->ra[i] = 0.0f;
+  for (int64_t lo = j->c0; lo < j->c1; lo += CS_COLBLOCK) {
+    const int64_t hi = j->c1 - lo < CS_COLBLOCK ? j->c1 : lo + CS_COLBLOCK;
+    const int acc = lo > j->c0;
+#define CS_RC(R, C, V, U) cs_rc(j->A, j->ld, 0, j->rows, lo, hi, j->v, j->va, j->r, j->ra, \
+                                j->u, j->a, j->s, j->b, R, C, V, U, acc)
+    if (rows_on && cols_on && v_ones && u_ones) CS_RC(1, 1, 1, 1);
+    else if (rows_on && cols_on && !v_ones && !u_ones) CS_RC(1, 1, 0, 0);
+    else if (rows_on && !cols_on && v_ones) CS_RC(1, 0, 1, 1);
+    else if (rows_on && !cols_on) CS_RC(1, 0, 0, 1);
+    else if (cols_on && u_ones) CS_RC(0, 1, 1, 1);
+    else if (cols_on) CS_RC(0, 1, 1, 0);
+    else CS_RC(rows_on, cols_on, v_ones, u_ones);
+#undef CS_RC
+  }
+}
+
+static void* rc_thread(void* arg) {
+  cs_rc_range((const rc_job_t*)arg);
+  return 0;
+}
+
+/* One pass over A (rows x cols, row stride ld): r = A v and ra = |A| va (r NULL: none; v,
+   va NULL: ones), s (+)= A^T u and b (+)= |A|^T a (s NULL: none; u, a NULL: ones; add: the
+   column sums add to what s and b hold). Threads split the columns; their row dots are
+   summed at the end. 0, or 1 on bad arguments (or no memory for the threads' row dots). */
+static int cs_rowcol(const float* A, int64_t rows, int64_t cols, int64_t ld, const float* v,
+                     const float* va, float* r, float* ra, const float* u, const float* a,
+                     float* s, float* b, int add, int threads) {
+  if (rows < 0 || cols < 0 || ld < cols || (r && !ra) || (s && !b) || (!v != !va)
+      || (!u != !a))
+    return 1;
+  if (s && !add) {
+    memset(s, 0, sizeof(float) * (size_t)cols);
+    memset(b, 0, sizeof(float) * (size_t)cols);
+  }
+  rc_job_t jobs[MAX_THREADS];
+  int64_t per;
+  int used = split(cols, threads, 16, &per);
+  float* scratch = 0;  /* the row dots of threads 1.. */
+  if (r && used > 1 && !(scratch = malloc(sizeof(float) * 2 * (size_t)rows * (size_t)used)))
+    used = 1, per = cols;
+  for (int t = 0; t < used; ++t) {
+    jobs[t] = (rc_job_t){A, ld, rows, (int64_t)t * per, 0, v, va, r, ra, u, a, s, b};
+    jobs[t].c1 = cols - jobs[t].c0 < per ? cols : jobs[t].c0 + per;
+    if (r && t > 0) {
+      jobs[t].r = scratch + 2 * rows * t;
+      jobs[t].ra = jobs[t].r + rows;
+    }
+  }
+  if (used == 0 && r)
+    for (int64_t i = 0; i < rows; ++i) r[i] = ra[i] = 0.0f;
+  run_jobs(rc_thread, jobs, sizeof jobs[0], used);
+  for (int t = 1; t < used && r; ++t)
+    for (int64_t i = 0; i < rows; ++i) {
+      r[i] += jobs[t].r[i];
+      ra[i] += jobs[t].ra[i];
+    }
+  free(scratch);
+  return 0;
+}
+
+int64_t sdc_cs_gx(const float* GX, int64_t n, int64_t in, int64_t ld, float* gxs, double tol,
+                  int finite_only, int threads);
+
+/* The checksum check's hooks, one call each (sdc_guard.checks.checksum): the passes above
+   strung together in C, so that a hook makes one foreign call instead of four or five.
+   Each reads a matrix once, while it is in cache where it can: X and Y right after the
+   forward product, GY and GX right after the backward one. */
+
+/* Forward hook of a call Y = X W^T + b (X: n x in, row stride ldx; Y: n x out, ldy; W:
+   out x in, ldw; bias: out floats or NULL). With w_fresh, first the weight's pass:
+   wsum = [e^T W, e^T |W| (in each), W e, |W| e (out each)] (and bsum = the bias's sum and
+   absolute sum), once per weight version: the forward's right-hand side and the input
+   gradient's. Then out = [X e, |X| e, Y e, X (e^T W)^T, |X| (e^T |W|)^T] (n each), and the
+   forward identity compared (check): Y e against X wc + bsum[0] within (|X| wac +
+   bsum[1]) tol (finite_only: only a finite difference fails). wsum holds 2 in + 2 out
+   floats, res 5 n. The number of entries that fail, or -1 on bad arguments. */
+int64_t sdc_cs_fwd(const float* X, int64_t n, int64_t in, int64_t ldx, const float* Y,
+                   int64_t out, int64_t ldy, const float* W, int64_t ldw, const float* bias,
+                   float* wsum, float* bsum, int w_fresh, float* res, int check, double tol,
+                   int finite_only, int threads_x, int threads_y, int threads_w) {
+  if (n < 0 || in < 0 || out < 0 || ldw < in) return -1;
+  float *wc = wsum, *wac = wc + in, *wr = wac + in, *war = wr + out;
+  if (w_fresh) {
+    if (cs_rowcol(W, out, in, ldw, 0, 0, wr, war, 0, 0, wc, wac, 0, threads_w)) return -1;
+    bsum[0] = bsum[1] = 0.0f;
+    if (bias && sdc_cs_rows(bias, 1, out, out, 0, 0, 1, 0, 0, 1, bsum, 0, bsum + 1, 0, 1))
+      return -1;
+  }
+  float *xs = res, *xa = xs + n, *ys = xa + n, *fr = ys + n, *fb = fr + n;
+  if (check) {
+    if (sdc_cs_rows(X, n, in, ldx, 0, wc, 2, 0, wac, 2, xs, fr, xa, fb, threads_x)) return -1;
+  } else if (sdc_cs_rows(X, n, in, ldx, 0, 0, 1, 0, 0, 1, xs, 0, xa, 0, threads_x)) {
+    return -1;
+  }
+  if (sdc_cs_rows(Y, n, out, ldy, 0, 0, 1, 0, 0, 0, ys, 0, 0, 0, threads_y)) return -1;
+  return check ? sdc_cs_compare(ys, fr, fb, n, bsum[0], bsum[1], tol, finite_only) : 0;
+}
+
+/* Backward hook of that call, given GY (n x out, ldg), wr = W e and war = |W| e (the
+   forward's wsum) and x_rows = [X e, |X| e] (its out). gx_side: gxs[0, n) = GY wr and
+   gxs[n, 2n) = |GY| war, the input gradient's right-hand side and bound (row i of GX sums
+   to row i of GY times W e); gw: gw_rhs (+)= GY^T (X e), gw_bound (+)= |GY|^T (|X| e), the
+   weight gradient's (gw_add: added to what they hold). Then, with GX (n x in, ldx: this
+   call's input gradient; NULL: it comes later, sdc_cs_gx), gxs[2n, 3n) = GX e compared
+   with the right-hand side within the bound times tol. gxs holds 3 n floats. The number
+   of input-gradient entries that fail, or -1 on bad arguments. */
+int64_t sdc_cs_bwd(const float* GY, int64_t n, int64_t out, int64_t ldg, const float* wr,
+                   const float* war, const float* x_rows, float* gw_rhs, float* gw_bound,
+                   int gw, int gw_add, int gx_side, float* gxs, const float* GX, int64_t in,
+                   int64_t ldx, double tol, int finite_only, int threads_g, int threads_x) {
+  if (n < 0 || out < 0 || in < 0) return -1;
+  if ((gx_side || gw)
+      && cs_rowcol(GY, n, out, ldg, wr, war, gx_side ? gxs : 0, gx_side ? gxs + n : 0,
+                   x_rows, x_rows + n, gw ? gw_rhs : 0, gw ? gw_bound : 0, gw_add,
+                   threads_g))
+    return -1;
+  if (!GX) return 0;
+  return sdc_cs_gx(GX, n, in, ldx, gxs, tol, finite_only, threads_x);
+}
+
+/* Input-gradient hook: gxs[2n, 3n) = GX e (GX: n x in, ld), compared with gxs[0, n)
+   within gxs[n, 2n) * tol (as sdc_cs_compare). The number of entries that fail, or -1
+   on bad arguments. */
+int64_t sdc_cs_gx(const float* GX, int64_t n, int64_t in, int64_t ld, float* gxs, double tol,
+                  int finite_only, int threads) {
+  if (sdc_cs_rows(GX, n, in, ld, 0, 0, 1, 0, 0, 0, gxs + 2 * n, 0, 0, 0, threads))
+    return -1;
+  return sdc_cs_compare(gxs + 2 * n, gxs, gxs + n, n, 0.0, 0.0, tol, finite_only);
 }
 
 /* Rows [r0, r1) of a rows x cols float32 block at x: out[r] = the row's float32 sum (as it

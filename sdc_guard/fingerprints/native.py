@@ -133,27 +133,30 @@ class NativeKernel:
         rows.errcheck = _refused  # type: ignore[assignment]
         self.cs_rows = rows
         """``sdc_cs_rows``: ``r_p[i] = v_p . A[i]``, ``ra_p[i] = va_p . |A[i]|`` per row."""
+        D = ctypes.c_double
         fwd = self._lib.sdc_cs_fwd
-        fwd.argtypes = [P, N, N, N, P, N, N, P, C, C]
+        fwd.argtypes = [P, N, N, N, P, N, N, P, N, P, P, P, C, P, C, D, C, C, C, C]
         fwd.restype = N
         fwd.errcheck = _count  # type: ignore[assignment]
         self.cs_fwd = fwd
-        """``sdc_cs_fwd``: the checksum check's forward hook in one call (the row sums of
-        ``X``, ``|X|`` and ``Y``)."""
-        D = ctypes.c_double
+        """``sdc_cs_fwd``: the checksum check's forward hook in one call (the weight's sums
+        once per version; the row sums of ``X``, ``|X|`` and ``Y`` and the forward's two
+        sides, compared): how many forward entries fail."""
         bwd = self._lib.sdc_cs_bwd
-        bwd.argtypes = [P, N, N, N, P, N, N, P, N, P, P, P, P, P, P, P, C, D, C, C, C]
+        bwd.argtypes = [P, N, N, N, P, P, P, P, P, C, C, C, P, P, N, N, D, C, C, C]
         bwd.restype = N
         bwd.errcheck = _count  # type: ignore[assignment]
         self.cs_bwd = bwd
-        """``sdc_cs_bwd``: its backward hook in one call (the passes over ``GY``, ``W`` and
-        ``X``, the forward comparison): how many forward entries fail."""
+        """``sdc_cs_bwd``: its backward hook in one call (one pass over ``GY`` for both
+        gradients' right-hand sides, then ``GX``'s row sums compared): how many
+        input-gradient entries fail."""
         gx = self._lib.sdc_cs_gx
-        gx.argtypes = [P, N, N, N, P, P, P, D, C, C]
+        gx.argtypes = [P, N, N, N, P, D, C, C]
         gx.restype = N
         gx.errcheck = _count  # type: ignore[assignment]
         self.cs_gx = gx
-        """``sdc_cs_gx``: its input-gradient hook in one call: how many entries fail."""
+        """``sdc_cs_gx``: the input-gradient check alone, for a ``GX`` that arrives after
+        ``GY`` (a hook on the input): how many entries fail."""
         compare = self._lib.sdc_cs_compare
         compare.argtypes = [P, P, P, N, ctypes.c_double, ctypes.c_double, ctypes.c_double, C]
         compare.restype = N

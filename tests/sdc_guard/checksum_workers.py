@@ -273,8 +273,8 @@ class AuxModel(nn.Module):
 
 def unused_output_run(rank: int, world: int, steps: int, flip_at: int,
                       native: bool = True) -> dict[str, Any]:
-    """``AuxModel`` with the checksum on: the probe's forward, which no backward checks, is
-    checked when the step's backward is done; with ``flip_at`` >= 0 an exponent bit of one of
+    """``AuxModel`` with the checksum on: the probe's forward, which no backward reaches, is
+    checked in its forward hook all the same; with ``flip_at`` >= 0 an exponent bit of one of
     its outputs flips on rank 1 at that step (a forward hook ahead of the check's).
     ``native=False``: the torch ops only."""
     if not native:

@@ -1,6 +1,6 @@
-"""The checksum check's C passes (``sdc_cs_cols``, ``sdc_cs_rows``, ``sdc_cs_compare``) against
-float64 references, within the float32 rounding bound the check's tolerance allows for them;
-and the check's torch path still catches what the C path catches."""
+"""The checksum check's C passes (``sdc_cs_cols``, ``sdc_cs_rows``, ``sdc_cs_compare`` and the
+hooks' single calls) against float64 references, within the float32 rounding bound the check's
+tolerance allows for them; and the check's torch path still catches what the C path catches."""
 
 from __future__ import annotations
 
@@ -173,16 +173,22 @@ def test_the_weight_gradient_is_checked_in_the_bucket_by_the_scaling_pass() -> N
 F32 = 4
 
 
+def _within(got: torch.Tensor, want: torch.Tensor, mag: torch.Tensor, length: int) -> bool:
+    """``got`` (a float32 sum of ``length`` terms) is ``want`` within the float32 bound."""
+    return bool(((got.double() - want).abs() <= _gamma(length + 2) * mag + 1e-30).all())
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(1, 40), out=st.integers(1, 70), inner=st.integers(1, 90),
-       pad=st.integers(0, 3), what=st.integers(0, 15), bias=st.booleans(),
+       pad=st.integers(0, 3), bias=st.booleans(), gw=st.integers(0, 2), side=st.booleans(),
        threads=st.integers(1, 3), seed=st.integers(0, 1000))
-def test_the_hooks_single_calls_give_the_passes_bits_and_compare(
-        kernel: nat.NativeKernel, n: int, out: int, inner: int, pad: int, what: int, bias: bool,
-        threads: int, seed: int) -> None:
+def test_the_hooks_single_calls_give_the_sums_and_count_the_entries_that_fail(
+        kernel: nat.NativeKernel, n: int, out: int, inner: int, pad: int, bias: bool, gw: int,
+        side: bool, threads: int, seed: int) -> None:
     # sdc_cs_fwd, sdc_cs_bwd and sdc_cs_gx string the passes together in one foreign call
-    # each: the same bits as the passes called one by one, and the comparisons count the
-    # entries that fail (none on a clean product, the one corrupted entry otherwise).
+    # each: the sums within the float32 bound of float64 references, and the comparisons
+    # count the entries that fail (none on a clean product, the one corrupted entry
+    # otherwise).
     g = torch.Generator().manual_seed(seed)
     _, gy = _matrix(n, out, out + pad, seed)
     _, w = _matrix(out, inner, inner + pad, seed + 1)
@@ -191,78 +197,85 @@ def test_the_hooks_single_calls_give_the_passes_bits_and_compare(
     y = torch.addmm(b, x, w.t()) if b is not None else x @ w.t()
     y_base = torch.zeros(n, out + pad)
     y_base[:, :out] = y
-    fwd = torch.empty(3, n)
-    kernel.cs_fwd(x.data_ptr(), n, inner, inner + pad, y_base.data_ptr(), out, out + pad,
-                  fwd.data_ptr(), threads, threads)
-    ref = torch.empty(3, n)
-    kernel.cs_rows(x.data_ptr(), n, inner, inner + pad, None, None, 1, None, None, 1,
-                   ref.data_ptr(), None, ref[1].data_ptr(), None, threads)
-    kernel.cs_rows(y_base.data_ptr(), n, out, out + pad, None, None, 1, None, None, 0,
-                   ref[2].data_ptr(), None, None, None, threads)
-    assert torch.equal(fwd, ref)
-
-    ws = torch.full((2 * out + 4 * inner + 2 * n,), math.nan)
-    gw = torch.randn(2, out, generator=g)
-    gw0 = gw.clone()
-    bsum = torch.empty(2)
+    wsum = torch.full((2 * inner + 2 * out + 2,), math.nan)
+    res = torch.full((8 * n,), math.nan)
     tol = 1e-3
-    bad = kernel.cs_bwd(gy.data_ptr(), n, out, out + pad, w.data_ptr(), inner, inner + pad,
-                        x.data_ptr(), inner + pad, _ptr(b), fwd.data_ptr(), gw[0].data_ptr(),
-                        gw[1].data_ptr(), fwd[2].data_ptr(), ws.data_ptr(), bsum.data_ptr(),
-                        what, tol, threads, threads, threads)
-    c, ca, wc, wac, gxr, gxb, fr, fb = ws.split([out, out, inner, inner, inner, inner, n, n])
-    ref_c, ref_w, ref_f = torch.empty(2, out), torch.empty(4, inner), torch.empty(2, n)
-    gx_on, gw_on, fwd_on = what & 1, what & 2, what & 8  # sdc_cs_bwd's bits (kernel.c)
-    if gx_on:
-        kernel.cs_cols(gy.data_ptr(), n, out, out + pad, None, None, 1, None, None, 1,
-                       ref_c[0].data_ptr(), None, ref_c[1].data_ptr(), None, 0, threads)
-        assert torch.equal(torch.stack([c, ca]), ref_c)
-    if gw_on:
-        # (beside c's, two vectors share the pass: the float32 bound, not the bits)
-        want = gw0 * bool(what & 4) + torch.stack([gy.double().t() @ fwd[0].double(),
-                                                   gy.double().abs().t() @ fwd[1].double()])
-        mag = gw0.abs() * bool(what & 4) + gy.double().abs().t() @ fwd[1].double().abs()
-        assert bool(((gw.double() - want).abs() <= _gamma(n + 2) * mag + 1e-30).all())
+
+    def fwd(fresh: int, check: int) -> int:
+        bs = wsum.data_ptr() + 4 * (2 * inner + 2 * out)
+        return kernel.cs_fwd(x.data_ptr(), n, inner, inner + pad, y_base.data_ptr(), out,
+                             out + pad, w.data_ptr(), inner + pad, _ptr(b), wsum.data_ptr(), bs,
+                             fresh, res.data_ptr(), check, tol, 0, threads, threads, threads)
+
+    assert fwd(1, 1) == 0
+    wd, xd, yd = w.double(), x.double(), y_base.double()[:, :out]
+    wc, wac, wr, war, bsum = wsum.split([inner, inner, out, out, 2])
+    ones_in, ones_out = torch.ones(inner, dtype=torch.float64), torch.ones(out, dtype=torch.float64)
+    assert _within(wc, ones_out @ wd, ones_out @ wd.abs(), out)
+    assert _within(wac, ones_out @ wd.abs(), ones_out @ wd.abs(), out)
+    assert _within(wr, wd @ ones_in, wd.abs() @ ones_in, inner)
+    assert _within(war, wd.abs() @ ones_in, wd.abs() @ ones_in, inner)
+    want_b = [float(b.sum()), float(b.abs().sum())] if b is not None else [0.0, 0.0]
+    assert bsum.tolist() == pytest.approx(want_b, rel=1e-5, abs=1e-6)
+    xs, xa, ys, fr, fb = res[:5 * n].split(n)
+    assert _within(xs, xd @ ones_in, xd.abs() @ ones_in, inner)
+    assert _within(xa, xd.abs() @ ones_in, xd.abs() @ ones_in, inner)
+    assert _within(ys, yd @ ones_out, yd.abs() @ ones_out, out)
+    assert _within(fr, xd @ wc.double(), xd.abs() @ wc.double().abs(), inner)
+    assert _within(fb, xd.abs() @ wac.double(), xd.abs() @ wac.double(), inner)
+    # the weight's sums are kept when not fresh: the forward's sides use the ones given
+    wsum[:inner] = 0.0
+    assert fwd(0, 1) >= 1 or bool((y == 0).all())
+    assert bool((res[3 * n:4 * n] == 0).all())
+    assert fwd(1, 1) == 0
+    y_base[n // 2, out // 2] += 1e3 * float(fb[n // 2]) + 1e3
+    assert fwd(0, 1) == 1
+    assert fwd(0, 0) == 0  # the sums without the comparison
+    y_base[n // 2, out // 2] = y[n // 2, out // 2]
+
+    gw_buf = torch.randn(2, out, generator=g)
+    gw0 = gw_buf.clone()
+    gx = y_base.new_zeros(n, inner + pad)
+    gx[:, :inner] = gy @ w
+
+    def bwd(with_gx: bool) -> int:
+        return kernel.cs_bwd(gy.data_ptr(), n, out, out + pad, wr.data_ptr(), war.data_ptr(),
+                             res.data_ptr(), gw_buf[0].data_ptr(), gw_buf[1].data_ptr(),
+                             int(gw > 0), int(gw == 2), int(side), res[5 * n:].data_ptr(),
+                             gx.data_ptr() if with_gx else None, inner, inner + pad, tol, 0,
+                             threads, threads)
+
+    assert bwd(side) == 0
+    gyd = gy.double()
+    gxr, gxb, gxl = res[5 * n:].split(n)
+    if gw:
+        keep = gw0.double() * (gw == 2)
+        want = keep + torch.stack([gyd.t() @ xs.double(), gyd.abs().t() @ xa.double()])
+        mag = keep.abs() + gyd.abs().t() @ xa.double().abs()
+        assert _within(gw_buf, want, mag, n)
     else:
-        assert torch.equal(gw, gw0)
-    if fwd_on:
-        kernel.cs_cols(w.data_ptr(), out, inner, inner + pad, None, None, 1, None, None, 1,
-                       ref_w[0].data_ptr(), None, ref_w[1].data_ptr(), None, 0, threads)
-        assert torch.equal(torch.stack([wc, wac]), ref_w[:2])
-        kernel.cs_rows(x.data_ptr(), n, inner, inner + pad, wc.data_ptr(), None, 1,
-                       wac.data_ptr(), None, 1, ref_f[0].data_ptr(), None, ref_f[1].data_ptr(),
-                       None, threads)
-        assert torch.equal(torch.stack([fr, fb]), ref_f)
-        want_b = [float(b.sum()), float(b.abs().sum())] if b is not None else [0.0, 0.0]
-        assert bsum.tolist() == pytest.approx(want_b, rel=1e-5, abs=1e-6)
-        assert bad == 0  # a clean product, within 1e-3 of its magnitude
+        assert torch.equal(gw_buf, gw0)
+    if side:
+        assert _within(gxr, gyd @ wr.double(), gyd.abs() @ war.double(), out)
+        assert _within(gxb, gyd.abs() @ war.double(), gyd.abs() @ war.double(), out)
+        gxd = gx.double()[:, :inner]
+        assert _within(gxl, gxd @ ones_in, gxd.abs() @ ones_in, inner)
+        gs = res[5 * n:].data_ptr()
+        assert kernel.cs_gx(gx.data_ptr(), n, inner, inner + pad, gs, tol, 0, threads) == 0
+        gx[n // 2, inner // 2] += 1e3 * float(gxb[n // 2]) + 1e3
+        assert kernel.cs_gx(gx.data_ptr(), n, inner, inner + pad, gs, tol, 0, threads) == 1
+        assert bwd(True) == 1
+        gx[n // 2, inner // 2] = math.nan  # a NaN fails, unless only finite differences do
+        assert kernel.cs_gx(gx.data_ptr(), n, inner, inner + pad, gs, tol, 0, threads) == 1
+        assert kernel.cs_gx(gx.data_ptr(), n, inner, inner + pad, gs, tol, 1, threads) == 0
     else:
-        assert bad == 0
-    if gx_on:
-        gxd = (c.double() @ w.double(), ca.double() @ w.double().abs())
-        for got, want, mag in zip((gxr, gxb), gxd, (c.double().abs() @ w.double().abs(),
-                                                     gxd[1]), strict=True):
-            assert bool(((got.double() - want).abs() <= _gamma(out + 2) * mag + 1e-30).all())
-        gx = y_base.new_zeros(n, inner + pad)
-        gx[:, :inner] = gy @ w
-        lhs = torch.empty(inner)
-        assert kernel.cs_gx(gx.data_ptr(), n, inner, inner + pad, lhs.data_ptr(),
-                            gxr.data_ptr(), gxb.data_ptr(), tol, 0, threads) == 0
-        gx[n // 2, inner // 2] += 1e3 * float(gxb[inner // 2]) + 1e3
-        assert kernel.cs_gx(gx.data_ptr(), n, inner, inner + pad, lhs.data_ptr(),
-                            gxr.data_ptr(), gxb.data_ptr(), tol, 0, threads) == 1
-    if fwd_on:
-        fwd[2, n // 2] += 1e3 * float(fb[n // 2]) + 1e3
-        assert kernel.cs_bwd(gy.data_ptr(), n, out, out + pad, w.data_ptr(), inner,
-                             inner + pad, x.data_ptr(), inner + pad, _ptr(b), fwd.data_ptr(),
-                             gw[0].data_ptr(), gw[1].data_ptr(), fwd[2].data_ptr(),
-                             ws.data_ptr(), bsum.data_ptr(), 8, tol, 1, 1, 1) == 1
+        assert bool(res[5 * n:].isnan().all())  # nothing of the input gradient's
     with pytest.raises(ValueError, match=r"sdc_cs_fwd: refused .* got sizes"):
-        kernel.cs_fwd(x.data_ptr(), n, inner, inner - 1, y_base.data_ptr(), out, out + pad,
-                      fwd.data_ptr(), 1, 1)
+        kernel.cs_fwd(x.data_ptr(), n, inner, inner + pad, y_base.data_ptr(), out, out + pad,
+                      w.data_ptr(), inner - 1, None, wsum.data_ptr(), wsum.data_ptr(), 1,
+                      res.data_ptr(), 1, tol, 0, 1, 1, 1)
     with pytest.raises(ValueError, match="refused"):  # a row stride below the columns
-        kernel.cs_gx(x.data_ptr(), n, inner, inner - 1, ws.data_ptr(), ws.data_ptr(),
-                     ws.data_ptr(), tol, 0, 1)
+        kernel.cs_gx(x.data_ptr(), n, inner, inner - 1, res.data_ptr(), tol, 0, 1)
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -325,11 +338,9 @@ def test_the_torch_path_vetoes_without_a_false_non_finite_alarm() -> None:
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_an_output_no_backward_reaches_is_checked_when_the_backward_is_done(
-        native: bool) -> None:
+def test_an_output_no_backward_reaches_is_checked_in_its_forward(native: bool) -> None:
     # A probe layer's output requires a gradient but the loss never uses it: its forward
-    # identity waits for a backward that never comes and is checked when the step's
-    # backward is done (before the last all-reduce, so the step is still withheld).
+    # identity is checked in the forward hook all the same, and the step is withheld.
     if native and nat.load(warn=False) is None:
         pytest.skip("the C kernel could not be built here (the torch path is used)")
     clean = run_ranks(W.unused_output_run, 3, 3, -1, native, timeout=300)
