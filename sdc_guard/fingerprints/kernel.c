@@ -425,6 +425,9 @@ static inline __attribute__((always_inline)) cs_v8 cs_load(const float* p) {
 }
 /* |v|: the sign bits cleared (a vector cast keeps the bits) */
 #define CS_ABS(v) ((cs_v8)((cs_i8)(v) & 0x7fffffff))
+/* The sum of the eight lanes of the vector lvalue v as a tree (three additions deep, not
+   a chain of eight: a row's reductions are much of the work on short rows). */
+#define CS_HSUM(v) ((((v)[0] + (v)[4]) + ((v)[1] + (v)[5])) + (((v)[2] + (v)[6]) + ((v)[3] + (v)[7])))
 static inline __attribute__((always_inline)) void cs_row(
     const float* restrict x, int64_t cols, const float* const* v, const float* const* va,
     float* out, const int k, const int ka, const int ones, const int abs_ones,
@@ -447,17 +450,15 @@ static inline __attribute__((always_inline)) void cs_row(
     float t = 0.0f;
     for (int64_t d = body; d < cols; ++d)
       t += (ones || (first_ones && p == 0) ? 1.0f : v[p][d]) * x[d];
-    for (int h = 0; h < 2; ++h)
-      for (int l = 0; l < 8; ++l) t += acc[p][h][l];
-    out[p] = t;
+    const cs_v8 v2 = acc[p][0] + acc[p][1];
+    out[p] = t + CS_HSUM(v2);
   }
   for (int p = 0; p < ka; ++p) {
     float t = 0.0f;
     for (int64_t d = body; d < cols; ++d)
       t += (abs_ones || (first_ones && p == 0) ? 1.0f : va[p][d]) * __builtin_fabsf(x[d]);
-    for (int h = 0; h < 2; ++h)
-      for (int l = 0; l < 8; ++l) t += acc[CS_MAXK + p][h][l];
-    out[CS_MAXK + p] = t;
+    const cs_v8 v2 = acc[CS_MAXK + p][0] + acc[CS_MAXK + p][1];
+    out[CS_MAXK + p] = t + CS_HSUM(v2);
   }
 }
 
@@ -615,7 +616,8 @@ static inline __attribute__((always_inline)) void cs_rc(
         }
       }
       if (rows_on) {
-        for (int l = 0; l < 8; ++l) { t += rv[q][l]; ta += qv[q][l]; }
+        t += CS_HSUM(rv[q]);
+        ta += CS_HSUM(qv[q]);
         r[i + q] = acc_rows ? r[i + q] + t : t;
         ra[i + q] = acc_rows ? ra[i + q] + ta : ta;
       }
@@ -653,7 +655,8 @@ static inline __attribute__((always_inline)) void cs_rc(
       }
     }
     if (rows_on) {
-      for (int l = 0; l < 8; ++l) { t += rv[l]; ta += qv[l]; }
+      t += CS_HSUM(rv);
+      ta += CS_HSUM(qv);
       r[i] = acc_rows ? r[i] + t : t;
       ra[i] = acc_rows ? ra[i] + ta : ta;
     }
@@ -823,9 +826,8 @@ CLONES static uint32_t cs_sum_scale_rows(float* x, int64_t r0, int64_t r1, int64
       }
     float t = 0.0f;
     for (int64_t d = body; d < cols; ++d) t += row[d];
-    for (int h = 0; h < 2; ++h)
-      for (int l = 0; l < 8; ++l) t += acc[h][l];
-    out[r] = t;
+    const cs_v8 v2 = acc[0] + acc[1];
+    out[r] = t + CS_HSUM(v2);
     bad |= scale_f32(row + body, cols - body, scale);
   }
   for (int l = 0; l < 8; ++l) bad |= flags[l] != 0;
