@@ -27,11 +27,13 @@ import torch
 
 from bench.checksum import checksum_overhead
 from bench.fingerprint import fingerprint_throughput
-from bench.overhead import check_guard_off, check_overhead, check_overhead_blocks
+from bench.overhead import NO_TRIM, check_guard_off, check_overhead, check_overhead_blocks
+from bench.reference import PLAIN_DDP_VIEWS
 from bench.replay import replay_overhead
 from bench.replay_exchange import replay_exchange
 from bench.results import markdown
 from bench.timing import cpu_name
+from scenarios.spec.overhead import CHECKS_OFF
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
                                                           block=8 if q else 24, batch=128)),
         ("guard_off", lambda: check_guard_off(3, rounds=4 if q else 120, block=8 if q else 16,
                                               batch=128)),
+        ("guard_off_no_trim", lambda: check_guard_off(
+            3, rounds=4 if q else 120, block=8 if q else 16, batch=128,
+            configs=(PLAIN_DDP_VIEWS, CHECKS_OFF), allocator=NO_TRIM)),
         ("checksum", lambda: checksum_overhead(3, rounds=2 if q else 12, block=4 if q else 16)),
         ("replay", lambda: replay_overhead(3, rounds=3 if q else 12, batch=128)),
         ("replay_exchange", lambda: replay_exchange(3, rounds=2 if q else 30,

@@ -8,6 +8,8 @@ model (``bench.reference.switch``), plain DDP runs on a model of its own.
 from __future__ import annotations
 
 import functools
+import os
+import resource
 import statistics
 import time
 from typing import Any
@@ -161,22 +163,26 @@ def _blocks_rank(rank: int, world: int, rounds: int, block: int, batch: int,
     times: dict[str, list[float]] = {k: [] for k in names}
     cpu: dict[str, list[float]] = {k: [] for k in names}
     main: dict[str, list[float]] = {k: [] for k in names}  # this rank's main thread
+    faults: dict[str, list[float]] = {k: [] for k in names}  # minor page faults per step
     step = 0
     for r in range(rounds + 1):  # round 0 warms up
         for oc in configs[r % len(configs):] + configs[:r % len(configs)]:
             name = oc.name
             run = runner(oc, r % INSTANCES)
             dist.barrier()
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0, c0, h0 = time.perf_counter(), time.process_time(), time.thread_time()
             for _ in range(block):
                 run(step)
                 step += 1
             c1, h1 = time.process_time(), time.thread_time()
+            f1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             dist.barrier()
             if r:
                 times[name].append((time.perf_counter() - t0) / block)
                 cpu[name].append((c1 - c0) / block)
                 main[name].append((h1 - h0) / block)
+                faults[name].append((f1 - f0) / block)
     for g in guards:
         if g.config.nonfinite:
             g.flush()
@@ -212,6 +218,7 @@ def _blocks_rank(rank: int, world: int, rounds: int, block: int, batch: int,
         "guard_off_vs_plain": guard_off_vs_plain,
         "guard_off_main_thread_cpu_extra_s": guard_off_main_cpu,
         "step_main_thread_cpu_s": {k: statistics.median(v) for k, v in main.items()},
+        "page_faults_per_step": {k: statistics.mean(v) for k, v in faults.items()},
         "step_s": {k: statistics.median(v) for k, v in times.items()},
         "step_cpu_s": {k: statistics.median(v) for k, v in cpu.items()},
         "vs_guard_off": {k: ratio(times, k) for k in names if k != GUARD_OFF},
@@ -228,10 +235,28 @@ def check_overhead_blocks(world: int, rounds: int, block: int, batch: int) -> di
     return res
 
 
-def check_guard_off(world: int, rounds: int, block: int, batch: int) -> dict[str, Any]:
-    """``GUARD_OFF_CONFIGS`` timed in blocks, as ``check_overhead_blocks``."""
-    res = run_ranks(_blocks_rank, world, rounds, block, batch, GUARD_OFF_CONFIGS, timeout=3600)[0]
-    res.update({"world": world, "batch": batch, "rounds": rounds, "block": block})
+NO_TRIM = {"MALLOC_TRIM_THRESHOLD_": "4294967296", "MALLOC_MMAP_THRESHOLD_": "33554432"}
+"""glibc's settings docs/usage.md advises for CPU training: freed memory stays with the
+process, so a step does not fault its pages back in."""
+
+
+def check_guard_off(world: int, rounds: int, block: int, batch: int,
+                    configs: tuple[OverheadConfig, ...] = GUARD_OFF_CONFIGS,
+                    allocator: dict[str, str] | None = None) -> dict[str, Any]:
+    """``configs`` timed in blocks, as ``check_overhead_blocks``; ``allocator``: environment
+    variables the ranks start with (glibc reads its ``MALLOC_*`` settings then)."""
+    saved = {k: os.environ.get(k) for k in allocator or {}}
+    os.environ.update(allocator or {})
+    try:
+        res = run_ranks(_blocks_rank, world, rounds, block, batch, configs, timeout=3600)[0]
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    res.update({"world": world, "batch": batch, "rounds": rounds, "block": block,
+                "configs": [oc.name for oc in configs], "allocator": allocator or {}})
     return res
 
 

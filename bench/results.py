@@ -91,13 +91,28 @@ def overhead_md(ov: dict[str, Any], *, reference: bool) -> list[str]:
 def guard_off_md(go: dict[str, Any], *, reference: bool) -> list[str]:
     """The guard with its checks off beside plain DDP (``bench.overhead.check_guard_off``)."""
     target = " (target: within 0.5% of plain DDP)" if reference else ""
-    lines = ["", f"## The guard with its checks off beside plain DDP: {go['world']} ranks, "
-             f"batch {go['batch']}", "",
-             f"Blocks of {go['block']} steps with no barrier between the steps, {go['rounds']} "
-             "rounds, the order of the four configurations rotating; each DDP construction on "
-             "both sides. No check reads the gradient buckets, so the guard registers no comm "
-             "hook and DDP keeps its built-in all-reduce (any hook costs DDP a pass of its own: "
-             "docs/architecture.md).", "",
+    configs = go.get("configs") or [""] * 4
+    alloc = go.get("allocator") or {}
+    if alloc:
+        title = (f"## The same with glibc's heap trimming off: {go['world']} ranks, "
+                 f"batch {go['batch']}")
+        intro = [f"The ranks start with {' '.join(f'`{k}={v}`' for k, v in alloc.items())} "
+                 "(docs/usage.md advises them for CPU training: freed memory stays with the "
+                 "process, so no step faults its pages back in), bucket views on both sides. "
+                 "What is left is the guard's own work."]
+    else:
+        title = (f"## The guard with its checks off beside plain DDP: {go['world']} ranks, "
+                 f"batch {go['batch']}")
+        intro = [f"Blocks of {go['block']} steps with no barrier between the steps, "
+                 f"{go['rounds']} rounds, the order of the {len(configs)} configurations "
+                 "rotating; each DDP construction on both sides. No check reads the gradient "
+                 "buckets, so the guard registers no comm hook and DDP keeps its built-in "
+                 "all-reduce (any hook costs DDP a pass of its own: docs/architecture.md)."
+                 + (" glibc's allocator as it comes: it gives the top of its heap back to the "
+                    "system and the next step faults those pages in again, a number that "
+                    "moves with each loop's pattern of allocations (the page faults below)."
+                    if go.get("page_faults_per_step") else "")]
+    lines = ["", title, "", *intro, "",
              "Step time: the median over rounds of each round's ratio (90% bootstrap interval)"
              + target + ":", "",
              "| guard, checks off / plain DDP | ratio - 1 | 90% interval |", "|---|---|---|"]
@@ -111,6 +126,10 @@ def guard_off_md(go: dict[str, Any], *, reference: bool) -> list[str]:
     for pair, (d, (lo, hi), base) in go["guard_off_main_thread_cpu_extra_s"].items():
         lines.append(f"| {pair} | **{d*1e6:+.0f}** | {lo*1e6:+.0f} .. {hi*1e6:+.0f} | "
                      f"**{d/base*100:+.2f}%** ({lo/base*100:+.2f}% .. {hi/base*100:+.2f}%) |")
+    faults = go.get("page_faults_per_step")
+    if faults:
+        lines += ["", "Minor page faults per step of this rank's process, mean: "
+                  + "; ".join(f"{name} {n:.0f}" for name, n in faults.items()) + "."]
     lines.append("")
     return lines
 
@@ -208,6 +227,8 @@ def markdown(results: dict[str, Any]) -> str:
                           reference=True)
     if results.get("guard_off"):
         lines += guard_off_md(results["guard_off"], reference=True)
+    if results.get("guard_off_no_trim"):
+        lines += guard_off_md(results["guard_off_no_trim"], reference=True)
     if results.get("checksum"):
         lines += checksum_md(results["checksum"])
     if results.get("replay"):

@@ -222,6 +222,7 @@ class SDCGuard:
                 scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
                 scaled.backward()
                 del loss, scaled  # the graph goes now, as in a plain loop, not after the step
+        del batches, mb  # the batch too, before the optimizer allocates its temporaries
 
         verdicts = [check.pre_step(step) for check in due]
         detections = [d for v in verdicts for d in v.detections]
