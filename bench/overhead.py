@@ -7,8 +7,8 @@ model (``bench.reference.switch``), plain DDP runs on a model of its own.
 
 from __future__ import annotations
 
+import ctypes
 import functools
-import os
 import resource
 import statistics
 import time
@@ -153,10 +153,17 @@ def _overhead_rank(rank: int, world: int, rounds: int, block: int, batch: int) -
 
 
 def _blocks_rank(rank: int, world: int, rounds: int, block: int, batch: int,
-                 configs: tuple[OverheadConfig, ...] = BLOCK_CONFIGS) -> dict[str, Any]:
+                 configs: tuple[OverheadConfig, ...] = BLOCK_CONFIGS,
+                 allocator: dict[int, int] | None = None) -> dict[str, Any]:
     """Step time as a training loop sees it: blocks of ``block`` steps timed as a whole,
     with no barrier between the steps (a barrier per step adds two meeting points of its
-    own, and lines the ranks' phases up); the configurations rotate round by round."""
+    own, and lines the ranks' phases up); the configurations rotate round by round.
+    ``allocator``: glibc ``mallopt`` settings this rank applies first (``NO_TRIM``)."""
+    if allocator:
+        libc = ctypes.CDLL(None)
+        for param, value in allocator.items():
+            if libc.mallopt(param, value) != 1:
+                raise RuntimeError(f"glibc's mallopt({param}, {value}) refused the setting")
     guards, runner = reference_runs(rank, batch)
 
     names = [oc.name for oc in configs]
@@ -218,7 +225,7 @@ def _blocks_rank(rank: int, world: int, rounds: int, block: int, batch: int,
         "guard_off_vs_plain": guard_off_vs_plain,
         "guard_off_main_thread_cpu_extra_s": guard_off_main_cpu,
         "step_main_thread_cpu_s": {k: statistics.median(v) for k, v in main.items()},
-        "page_faults_per_step": {k: statistics.mean(v) for k, v in faults.items()},
+        "page_faults_per_step": {k: statistics.median(v) for k, v in faults.items()},
         "step_s": {k: statistics.median(v) for k, v in times.items()},
         "step_cpu_s": {k: statistics.median(v) for k, v in cpu.items()},
         "vs_guard_off": {k: ratio(times, k) for k in names if k != GUARD_OFF},
@@ -235,28 +242,27 @@ def check_overhead_blocks(world: int, rounds: int, block: int, batch: int) -> di
     return res
 
 
-NO_TRIM = {"MALLOC_TRIM_THRESHOLD_": "4294967296", "MALLOC_MMAP_THRESHOLD_": "33554432"}
-"""glibc's settings docs/usage.md advises for CPU training: freed memory stays with the
-process, so a step does not fault its pages back in."""
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+"""glibc's ``mallopt`` parameters (``malloc.h``)."""
+NO_TRIM = {M_TRIM_THRESHOLD: (1 << 31) - 1, M_MMAP_THRESHOLD: 32 << 20}
+"""glibc's settings docs/usage.md advises for CPU training (there as ``MALLOC_*``
+environment variables): freed memory stays with the process, so a step does not fault
+its pages back in. Applied by ``mallopt`` in each rank: the ranks are forked from a
+server that started before, with the environment of then."""
+_MALLOPT_NAMES = {M_TRIM_THRESHOLD: "M_TRIM_THRESHOLD", M_MMAP_THRESHOLD: "M_MMAP_THRESHOLD"}
 
 
 def check_guard_off(world: int, rounds: int, block: int, batch: int,
                     configs: tuple[OverheadConfig, ...] = GUARD_OFF_CONFIGS,
-                    allocator: dict[str, str] | None = None) -> dict[str, Any]:
-    """``configs`` timed in blocks, as ``check_overhead_blocks``; ``allocator``: environment
-    variables the ranks start with (glibc reads its ``MALLOC_*`` settings then)."""
-    saved = {k: os.environ.get(k) for k in allocator or {}}
-    os.environ.update(allocator or {})
-    try:
-        res = run_ranks(_blocks_rank, world, rounds, block, batch, configs, timeout=3600)[0]
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+                    allocator: dict[int, int] | None = None) -> dict[str, Any]:
+    """``configs`` timed in blocks, as ``check_overhead_blocks``; ``allocator``: glibc
+    ``mallopt`` settings each rank applies before it builds its models (``NO_TRIM``)."""
+    res = run_ranks(_blocks_rank, world, rounds, block, batch, configs, allocator,
+                    timeout=3600)[0]
     res.update({"world": world, "batch": batch, "rounds": rounds, "block": block,
-                "configs": [oc.name for oc in configs], "allocator": allocator or {}})
+                "configs": [oc.name for oc in configs],
+                "allocator": {_MALLOPT_NAMES.get(k, str(k)): v
+                              for k, v in (allocator or {}).items()}})
     return res
 
 

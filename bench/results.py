@@ -96,10 +96,11 @@ def guard_off_md(go: dict[str, Any], *, reference: bool) -> list[str]:
     if alloc:
         title = (f"## The same with glibc's heap trimming off: {go['world']} ranks, "
                  f"batch {go['batch']}")
-        intro = [f"The ranks start with {' '.join(f'`{k}={v}`' for k, v in alloc.items())} "
-                 "(docs/usage.md advises them for CPU training: freed memory stays with the "
-                 "process, so no step faults its pages back in), bucket views on both sides. "
-                 "What is left is the guard's own work."]
+        intro = [f"Each rank first sets glibc's "
+                 f"{', '.join(f'`mallopt({k}, {v})`' for k, v in alloc.items())} (what "
+                 "docs/usage.md advises for CPU training as `MALLOC_*` variables: freed "
+                 "memory stays with the process, so no step faults its pages back in), "
+                 "bucket views on both sides. What is left is the guard's own work."]
     else:
         title = (f"## The guard with its checks off beside plain DDP: {go['world']} ranks, "
                  f"batch {go['batch']}")
@@ -128,7 +129,7 @@ def guard_off_md(go: dict[str, Any], *, reference: bool) -> list[str]:
                      f"**{d/base*100:+.2f}%** ({lo/base*100:+.2f}% .. {hi/base*100:+.2f}%) |")
     faults = go.get("page_faults_per_step")
     if faults:
-        lines += ["", "Minor page faults per step of this rank's process, mean: "
+        lines += ["", "Minor page faults per step of this rank's process, the median over rounds: "
                   + "; ".join(f"{name} {n:.0f}" for name, n in faults.items()) + "."]
     lines.append("")
     return lines
