@@ -760,14 +760,14 @@ class ChecksumCheck(Check, BucketListener):
         at = ws.data_ptr()
         wr = layer.wsum.data_ptr() + 2 * inner * _F32
         tol = _cpu_tolerance(self.config.tolerance_scale, out, 2 * inner + out)
-        check = side and gx is not None
+        gx = gx if side else None  # an input gradient not asked for is not compared
         bad = kernel.cs_bwd(g.data_ptr(), n, out, g.stride(0), wr, wr + out * _F32, at,
                             gw_at, gwb_at, gw, add, int(side), at + _GXS * n * _F32,
-                            gx.data_ptr() if check and gx is not None else None, inner,
-                            gx.stride(0) if check and gx is not None else inner, tol,
+                            None if gx is None else gx.data_ptr(), inner,
+                            inner if gx is None else gx.stride(0), tol,
                             int(self.expect_overflow), _threads(g.numel()),
                             _threads(n * inner))
-        call.gx_ready = side and not check
+        call.gx_ready = side and gx is None
         if bad:
             self._gx_failed(layer, call, n, tol)
 
