@@ -26,9 +26,10 @@ def test_guard_off_writes_its_table_and_json(tmp_path: Path) -> None:
 
 def test_the_three_rank_guard_off_table_runs_under_the_allocator_it_is_given() -> None:
     # bench.overhead.check_guard_off has each rank set glibc's mallopt first: with the heap
-    # kept (no trimming) a step no longer faults its pages back in, as it does by default
-    # (AdamW's temporaries alone are megabytes); the page gets a section of its own for
-    # that run, with the page faults per step.
+    # kept (no trimming) a step no longer faults its pages back in (AdamW's temporaries alone
+    # are megabytes; how often the defaults fault depends on the process's history, so no
+    # count is asserted for them); the page gets a section of its own for that run, with the
+    # page faults per step.
     from bench.overhead import NO_TRIM, check_guard_off
     from bench.reference import PLAIN_DDP_VIEWS
     from bench.results import guard_off_md
@@ -46,6 +47,3 @@ def test_the_three_rank_guard_off_table_runs_under_the_allocator_it_is_given() -
     page = "\n".join(guard_off_md(kept, reference=True))
     assert "glibc's heap trimming off" in page and "mallopt(M_TRIM_THRESHOLD, 2147483647)" in page
     assert "Minor page faults per step" in page
-    default = check_guard_off(2, rounds=6, block=2, batch=8, configs=configs)
-    assert default["allocator"] == {}
-    assert max(default["page_faults_per_step"].values()) > 50, default["page_faults_per_step"]
