@@ -59,6 +59,7 @@ from typing import Final
 
 import torch
 
+from sdc_guard.fingerprints.native import NativeKernel, active_kernel
 from sdc_guard.fingerprints.weighted import (
     prep_lanes,
     prep_words,
@@ -66,7 +67,14 @@ from sdc_guard.fingerprints.weighted import (
     tail_word,
     weighted_sum,
 )
-from sdc_guard.fingerprints.words import SEED, mix64, mix64_int, to_signed64, to_unsigned64
+from sdc_guard.fingerprints.words import (
+    MASK64,
+    SEED,
+    mix64,
+    mix64_int,
+    to_signed64,
+    to_unsigned64,
+)
 
 # Stable codes for dtypes: never depend on torch's enum order.
 _DTYPE_CODES: Final[dict[torch.dtype, int]] = {
@@ -150,10 +158,7 @@ def _small_values(tensors: Sequence[torch.Tensor], unit: int,
     pieces: list[torch.Tensor] = []
     counts: list[int] = []
     for t in tensors:
-        t = t.detach()
-        if t.is_complex():
-            t = torch.view_as_real(t)
-        raw = t.contiguous().reshape(-1).view(torch.uint8).to(device)
+        raw = raw_bytes(t).to(device)
         pad = -raw.numel() % unit
         pieces.append(raw)
         if pad:
@@ -187,20 +192,75 @@ def _small_values(tensors: Sequence[torch.Tensor], unit: int,
 _key_cache: dict[tuple[torch.device, bool, tuple[int, ...]], torch.Tensor] = {}
 
 
+_key_int_cache: dict[tuple[bool, tuple[int, ...]], tuple[int, ...]] = {}
+
+
+def _key_ints(is_list: bool, metas: tuple[int, ...]) -> tuple[int, ...]:
+    """Per-position keys, unsigned: the tensor's dtype/shape word mixed with its index in the
+    list."""
+    key = (is_list, metas)
+    k = _key_int_cache.get(key)
+    if k is None:
+        k = tuple(mix64_int(mix64_int(m + i * SEED) ^ (0xA5A5 if is_list else 0x5A5A))
+                  for i, m in enumerate(metas))
+        if len(_key_int_cache) > 256:
+            _key_int_cache.clear()
+        _key_int_cache[key] = k
+    return k
+
+
 def _keys(device: torch.device, is_list: bool, metas: tuple[int, ...]) -> torch.Tensor:
-    """Per-position keys: the tensor's dtype/shape word mixed with its index in the list."""
+    """``_key_ints`` as an int64 vector on ``device``."""
     key = (device, is_list, metas)
     k = _key_cache.get(key)
     if k is None:
-        words = [
-            to_signed64(mix64_int(mix64_int(m + i * SEED) ^ (0xA5A5 if is_list else 0x5A5A)))
-            for i, m in enumerate(metas)
-        ]
-        k = torch.tensor(words, dtype=torch.int64, device=device)
+        k = torch.tensor([to_signed64(w) for w in _key_ints(is_list, metas)], dtype=torch.int64,
+                         device=device)
         if len(_key_cache) > 256:
             _key_cache.clear()
         _key_cache[key] = k
     return k
+
+
+def _native_value(t: torch.Tensor, kernel: NativeKernel) -> int:
+    """``tensor_value`` of a CPU tensor by one call of the C kernel, unsigned, on the host."""
+    raw = raw_bytes(t)
+    n = raw.numel()
+    if t.element_size() == 8:
+        return kernel.words_at(raw.data_ptr(), n // 8, 1)[0]
+    full = n // 4 * 4
+    value = kernel.words_at(raw.data_ptr(), full // 4, 0)[0]
+    if full < n:  # the last, partial lane: zero-padded, weight 2k+1 with k = full/4
+        tail = int.from_bytes(bytes(raw[full:].tolist()), "little")
+        value = (value + (2 * (full // 4) + 1) * tail) & MASK64
+    return value
+
+
+def _native_fingerprint(tensors: list[torch.Tensor], is_list: bool) -> int | None:
+    """The fingerprint, unsigned, of CPU tensors: each ``V`` by one call of the C kernel and
+    the terms mixed and summed as Python ints (no tensor operation: on small tensors their
+    dispatch costs many times the pass itself); None when the kernel is off or a tensor is
+    not on the CPU."""
+    kernel = active_kernel()
+    if kernel is None or any(t.device.type != "cpu" for t in tensors):
+        return None
+    total = mix64_int(len(tensors) + (SEED if is_list else 0))
+    keys = _key_ints(is_list, tuple(_meta_word(t) for t in tensors))
+    for t, k in zip(tensors, keys, strict=True):
+        total += mix64_int(_native_value(t, kernel) + k)
+    return mix64_int(total)
+
+
+def _tensors(x: torch.Tensor | Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
+    """The tensors of ``x`` and whether it was a list; a clear error for anything else."""
+    tensors: list[torch.Tensor] = [x] if isinstance(x, torch.Tensor) else list(x)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"fingerprint: item {i} is a {type(t).__name__}, not a torch.Tensor; "
+                "pass a tensor or an iterable of tensors."
+            )
+    return tensors, not isinstance(x, torch.Tensor)
 
 
 def fingerprint_tensor(x: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor:
@@ -212,15 +272,11 @@ def fingerprint_tensor(x: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor
     tensor changes exactly one term (``mix`` is a bijection), so it always changes
     the sum, and the final ``mix`` keeps it changed.
     """
-    is_list = not isinstance(x, torch.Tensor)
-    tensors: list[torch.Tensor] = [x] if isinstance(x, torch.Tensor) else list(x)
-    for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(
-                f"fingerprint: item {i} is a {type(t).__name__}, not a torch.Tensor; "
-                "pass a tensor or an iterable of tensors."
-            )
+    tensors, is_list = _tensors(x)
     device = tensors[0].device if tensors else torch.device("cpu")
+    value = _native_fingerprint(tensors, is_list)
+    if value is not None:
+        return torch.tensor(to_signed64(value), dtype=torch.int64)
     metas = tuple(_meta_word(t) for t in tensors)
     total = torch.tensor(to_signed64(mix64_int(len(tensors) + (SEED if is_list else 0))),
                          dtype=torch.int64, device=device)
@@ -252,11 +308,14 @@ def tensor_values(tensors: Sequence[torch.Tensor], device: torch.device) -> torc
     return values
 
 
-
 def fingerprint(x: torch.Tensor | Iterable[torch.Tensor]) -> int:
     """A 64-bit fingerprint of the exact bits of a tensor (or an ordered list of tensors).
 
     Returns an int with ``0 <= v < 2**64``. See the module docstring for what
     is guaranteed to change it.
     """
-    return to_unsigned64(int(fingerprint_tensor(x).item()))
+    tensors, is_list = _tensors(x)
+    value = _native_fingerprint(tensors, is_list)
+    if value is not None:
+        return value
+    return to_unsigned64(int(fingerprint_tensor(tensors[0] if not is_list else tensors).item()))

@@ -157,11 +157,12 @@ def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.is_complex():
         t = torch.view_as_real(t)
-    if not t.is_contiguous():
-        t = t.contiguous()
-    if (t.storage_offset() * t.element_size()) % 8:
-        t = t.clone()
-    return t.reshape(-1).view(torch.uint8)
+    flat = t.reshape(-1)
+    # A view of 0 or 1 elements counts as contiguous with any stride, which the byte view
+    # refuses: those are copied too, as are views off an 8-byte boundary.
+    if flat.stride(0) != 1 or (flat.storage_offset() * flat.element_size()) % 8:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
 
 
 def tail_word(raw: torch.Tensor, full: int, unit: int) -> torch.Tensor:

@@ -242,6 +242,10 @@ def test_views_equal_their_contiguous_copies() -> None:
     assert fingerprint(x[:, 3]) == fingerprint(x[:, 3].clone())
     assert fingerprint(x[1:, 1:]) == fingerprint(x[1:, 1:].clone())
     assert fingerprint(x.view(-1)[3:]) == fingerprint(x.view(-1)[3:].clone())
+    # 0 or 1 elements at a stride: "contiguous" to torch, yet no byte view of them exists
+    for view in (x.view(-1)[1::2][:1], x.view(-1)[1::2][:0], x[:, 3][:1]):
+        assert fingerprint(view) == fingerprint(view.clone(memory_format=torch.contiguous_format))
+        assert fingerprint([view, x]) == fingerprint([view.clone(), x])
 
 
 def test_empty_bool_and_every_dtype_in_range() -> None:
