@@ -5,9 +5,9 @@ How it works
 A tensor's bytes are read in one of two ways, by element size:
 
 * elements of 4 bytes or less (float32, float16, bfloat16, int8/16/32, uint8,
-  bool, complex64): as unsigned 32-bit lanes ``L_k`` (the last one
-  zero-padded), and ``V = sum_k (2k + 1) * L_k  (mod 2**64)``;
-* 8-byte elements (float64, int64, complex128): as 64-bit words ``X_i``, each
+  bool) and complex128 (four lanes an element): as unsigned 32-bit lanes ``L_k``
+  (the last one zero-padded), and ``V = sum_k (2k + 1) * L_k  (mod 2**64)``;
+* 8-byte elements (float64, int64, complex64): as 64-bit words ``X_i``, each
   passed through the bijection ``Y_i = X_i ^ (X_i >>> 32)``, and
   ``V = sum_i (2i + 1) * Y_i  (mod 2**64)``.
 
@@ -21,11 +21,13 @@ mixed, position-keyed term to a wrapping sum (see ``fingerprint_tensor``).
 What is guaranteed (``v2`` = the power of 2 dividing a number; odd weights are
 invertible modulo 2**64; tested with hypothesis in ``tests/sdc_guard/test_fingerprint.py``):
 
-* **any single-element change**, every dtype: an element of <= 4 bytes lies in
-  one lane, which changes by 0 < |d| < 2**32, so ``V`` changes by
+* **any single-element change**, every dtype but complex128: an element of <= 4 bytes
+  lies in one lane, which changes by 0 < |d| < 2**32, so ``V`` changes by
   ``(2k+1) d != 0``; an 8-byte element is one word, ``X -> Y`` is a bijection so
   ``Y`` changes, and ``V`` changes by ``(2i+1) dY != 0``. The mixer is a
-  bijection, so the fingerprint changes too;
+  bijection, so the fingerprint changes too. A complex128 element spans four lanes:
+  a change inside one of them (any single bit flip) is seen by the same argument; a
+  change across several lanes of one element is not proven;
 * **swapping two unequal elements**, dtypes of <= 4 bytes, tensors under 2**32
   lanes, any two positions: with the elements at byte offsets o1, o2 of lanes
   k, l, ``dV = (v-u) [(2k+1) 2**(8 o1) - (2l+1) 2**(8 o2)]``; for k = l it is the
@@ -45,11 +47,12 @@ Only the final 8 bytes leave the device, and only when ``fingerprint`` (not
 ``fingerprint_tensor``) is called.
 
 On the CPU a small C kernel (``sdc_guard.fingerprints.native``, source ``kernel.c``,
-built with the system C compiler on first use, in well under a second) computes the same sums in one
-read pass, about 3x faster, at the speed of ``torch.sum``; the values are
-identical either way. Without a compiler, or with ``SDC_GUARD_NATIVE=0``, the
-torch path runs (``native_enabled()`` says which). The replay audit uses a cheaper
-linear digest of raw words instead (``sdc_guard.fingerprints.digest``).
+built with the system C compiler on first use, in well under a second) computes the same
+sums in one read pass, about 3x faster, at the speed of ``torch.sum``, and the few words
+per tensor are mixed as Python ints (no tensor operation); the values are identical
+either way. Without a compiler, or with ``SDC_GUARD_NATIVE=0``, the torch path runs
+(``native_enabled()`` says which). The replay audit uses a cheaper linear digest of raw
+words instead (``sdc_guard.fingerprints.digest``).
 """
 
 from __future__ import annotations

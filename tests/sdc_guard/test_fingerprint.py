@@ -86,6 +86,26 @@ def test_any_single_element_change_changes_fingerprint(dtype: torch.dtype, n: in
     assert fingerprint(t) != fingerprint(u)
 
 
+@settings(max_examples=200, deadline=None)
+@given(dtype=st.sampled_from([torch.complex64, torch.complex128]), n=st.integers(1, 100),
+       data=st.data())
+def test_complex_tensors_are_read_as_documented(dtype: torch.dtype, n: int,
+                                                 data: st.DataObject) -> None:
+    # complex64 as 64-bit words (one an element), complex128 as 32-bit lanes (four an
+    # element) (docs/fingerprint.md), alone or in a list; any single bit flip is seen.
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    t = torch.randn(n, dtype=dtype, generator=g)
+    parts = torch.view_as_real(t)
+    read_as = t.view(torch.int64) if dtype == torch.complex64 else parts.view(torch.int32)
+    assert int(P.tensor_value(t).item()) & M64 == _ref_value(read_as)
+    assert int(P.tensor_values([t, t[:1]], torch.device("cpu"))[0]) & M64 == _ref_value(read_as)
+    u = t.clone()
+    word = torch.view_as_real(u).view(INT_VIEW[parts.element_size()]).view(-1)
+    word[data.draw(st.integers(0, 2 * n - 1))] ^= 1 << data.draw(st.integers(0, 8 * parts.element_size() - 2))
+    assert fingerprint(t) != fingerprint(u)
+    assert fingerprint([t]) != fingerprint([u])
+
+
 @settings(max_examples=60, deadline=None)
 @given(specs=st.lists(st.tuples(st.sampled_from([*DTYPES, torch.complex64]),
                                 st.sampled_from([0, 1, 2, 3, 7, 100, 4097, 16_385, 40_000])),
