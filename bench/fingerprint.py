@@ -13,7 +13,6 @@ import torch
 from bench.timing import alternate
 from sdc_guard import fingerprint, fingerprint_tensor, native_enabled, native_kernel
 from sdc_guard.fingerprints.native import ISAS, active_kernel
-from sdc_guard.internal import tensor_value, tensor_values
 
 GIB = 1024**3
 
@@ -91,14 +90,14 @@ def many_small_tensors(rounds: int) -> dict[str, Any]:
     for i in range(200):
         tensors += [torch.randn(1024), torch.randn(1024), torch.rand(1024),
                     torch.tensor(float(i))]
-    cpu = torch.device("cpu")
     methods: dict[str, Callable[[], object]] = {
-        "values batched (the default for a list)": lambda: tensor_values(tensors, cpu),
-        "values one tensor at a time": lambda: torch.stack(
-            [tensor_value(t) for t in tensors]),
+        "fingerprint_tensor of the list, torch path (small tensors valued together)":
+            lambda: _on_path(False, lambda: fingerprint_tensor(tensors).item()),
         "torch.sum of each tensor": lambda: torch.stack([t.sum() for t in tensors]),
-        "fingerprint_tensor of the list": lambda: fingerprint_tensor(tensors).item(),
     }
+    if native_enabled():
+        methods["fingerprint_tensor of the list, C kernel (a call a tensor, mixed on the host)"] = (
+            lambda: _on_path(True, lambda: fingerprint_tensor(tensors).item()))
     times = alternate(methods, rounds * 3)
     return {"tensors": len(tensors),
             "us_per_tensor": {k: statistics.median(v) / len(tensors) * 1e6

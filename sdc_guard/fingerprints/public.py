@@ -57,6 +57,7 @@ words instead (``sdc_guard.fingerprints.digest``).
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterable, Sequence
 from typing import Final
 
@@ -226,16 +227,24 @@ def _keys(device: torch.device, is_list: bool, metas: tuple[int, ...]) -> torch.
 
 
 def _native_value(t: torch.Tensor, kernel: NativeKernel) -> int:
-    """``tensor_value`` of a CPU tensor by one call of the C kernel, unsigned, on the host."""
-    raw = raw_bytes(t)
-    n = raw.numel()
+    """``tensor_value`` of a CPU tensor by one call of the C kernel, unsigned, on the host.
+
+    A contiguous tensor on an 8-byte boundary is read where it lies (no view: a tensor
+    operation costs more than the pass on a small tensor); any other is copied first."""
+    copy = None
+    if t.is_contiguous() and t.data_ptr() % 8 == 0:
+        at, n = t.data_ptr(), t.numel() * t.element_size()
+    else:
+        copy = raw_bytes(t)
+        at, n = copy.data_ptr(), copy.numel()
     if t.element_size() == 8:
-        return kernel.words_at(raw.data_ptr(), n // 8, 1)[0]
+        return kernel.words_at(at, n // 8, 1)[0]
     full = n // 4 * 4
-    value = kernel.words_at(raw.data_ptr(), full // 4, 0)[0]
+    value = kernel.words_at(at, full // 4, 0)[0]
     if full < n:  # the last, partial lane: zero-padded, weight 2k+1 with k = full/4
-        tail = int.from_bytes(bytes(raw[full:].tolist()), "little")
+        tail = int.from_bytes(ctypes.string_at(at + full, n - full), "little")
         value = (value + (2 * (full // 4) + 1) * tail) & MASK64
+    del copy  # the copy lives until the kernel has read it
     return value
 
 
