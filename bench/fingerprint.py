@@ -77,7 +77,51 @@ def fingerprint_throughput(mib: int, rounds: int) -> dict[str, Any]:
             "ratio_to_sum": base / med,
         }
     out["many_small"] = many_small_tensors(rounds)
+    out["in_cache"] = in_cache_throughput(rounds)
     return out
+
+
+IN_CACHE_KIB = 1024
+"""A tensor small enough to stay in a server core's L2 between passes."""
+
+
+def in_cache_throughput(rounds: int, reps: int = 50) -> dict[str, Any] | None:
+    """GiB/s of the C kernel's word loop on each instruction set this CPU has, on one thread,
+    over a float32 tensor that stays in L2 (``IN_CACHE_KIB``), beside ``torch.sum`` on it.
+
+    With no wait for memory this is what each loop's instructions allow: where it is well
+    above a machine's one-thread memory bandwidth, the loop is not what binds the
+    fingerprint there (the question for machines without AVX-512, measured here on the
+    narrower loops). None without the C kernel."""
+    kernel = active_kernel() if native_enabled() else None
+    if kernel is None:
+        return None
+    x = torch.randn(IN_CACHE_KIB * 1024 // 4)
+    lanes = x.view(torch.int32)
+
+    def repeated(fn: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(reps):
+                fn()
+        return run
+
+    def loop(isa: str) -> Callable[[], object]:
+        assert kernel is not None
+        body = repeated(lambda: kernel.words_at(lanes.data_ptr(), lanes.numel(), 0))
+        return lambda: _on_isa(isa, body)
+
+    methods: dict[str, Callable[[], object]] = {"torch.sum": repeated(lambda: x.sum())}
+    for isa in ISAS[: ISAS.index(kernel.cpu_isa) + 1]:
+        methods[f"C word loop, {isa}"] = loop(isa)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = alternate(methods, rounds * 3)
+    finally:
+        torch.set_num_threads(threads)
+    nbytes = x.numel() * 4 * reps
+    return {"kib": IN_CACHE_KIB, "threads": 1,
+            "gib_per_s": {k: nbytes / statistics.median(v) / GIB for k, v in times.items()}}
 
 
 def many_small_tensors(rounds: int) -> dict[str, Any]:

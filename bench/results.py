@@ -224,6 +224,16 @@ def markdown(results: dict[str, Any]) -> str:
                   "AdamW moments and step counters), 1 list, microseconds per tensor:", "",
                   "| method | us per tensor |", "|---|---|"]
         lines += [f"| {k} | {v:.2f} |" for k, v in small["us_per_tensor"].items()]
+    cache = fp.get("in_cache")
+    if cache:
+        rates = cache["gib_per_s"]
+        loops = ", ".join(f"{k.removeprefix('C word loop, ')} {v:.1f}" for k, v in rates.items()
+                          if k != "torch.sum")
+        lines += ["", f"In cache ({cache['kib']} KiB float32, stays in L2; 1 thread), GiB/s: "
+                  f"torch.sum {rates['torch.sum']:.1f}; the C kernel's word loop: {loops}. "
+                  "With no wait for memory, this is what each loop's instructions allow: "
+                  "where it is well above a machine's one-thread memory bandwidth, that "
+                  "loop is not what binds the fingerprint there."]
     lines += overhead_md({**results["overhead"], "blocks": results.get("overhead_blocks")},
                           reference=True)
     if results.get("guard_off"):

@@ -1,0 +1,31 @@
+"""The fingerprint bench's in-cache table: each instruction set's word loop, and its line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.fingerprint import in_cache_throughput
+from bench.results import markdown
+from sdc_guard import native_enabled
+from sdc_guard.fingerprints.native import ISAS, active_kernel
+
+
+def test_in_cache_rates_name_every_loop_this_cpu_runs_and_reach_results_md() -> None:
+    if not native_enabled():
+        pytest.skip("the C kernel could not be built here")
+    kernel = active_kernel()
+    assert kernel is not None
+    before = kernel.isa
+    res = in_cache_throughput(rounds=1, reps=2)
+    assert kernel.isa == before  # the forced loops are undone
+    assert res is not None
+    loops = [f"C word loop, {isa}" for isa in ISAS[: ISAS.index(kernel.cpu_isa) + 1]]
+    assert list(res["gib_per_s"]) == ["torch.sum", *loops]
+    assert all(v > 0 for v in res["gib_per_s"].values())
+    results = json.loads((Path(__file__).parents[2] / "bench" / "results.json").read_text())
+    page = markdown({**results, "fingerprint": {**results["fingerprint"], "in_cache": res}})
+    line = next(x for x in page.splitlines() if x.startswith("In cache ("))
+    assert all(isa in line for isa in ISAS[: ISAS.index(kernel.cpu_isa) + 1])
