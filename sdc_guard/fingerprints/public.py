@@ -272,6 +272,12 @@ def _tensors(x: torch.Tensor | Iterable[torch.Tensor]) -> tuple[list[torch.Tenso
                 f"fingerprint: item {i} is a {type(t).__name__}, not a torch.Tensor; "
                 "pass a tensor or an iterable of tensors."
             )
+        if t.layout != torch.strided:
+            raise TypeError(f"fingerprint: item {i} is a {t.layout} tensor; only dense tensors "
+                            "have one layout of bits to fingerprint: pass t.to_dense().")
+        if t.is_meta:
+            raise ValueError(f"fingerprint: item {i} is on the meta device and holds no data; "
+                             "fingerprint a tensor that has its values.")
     return tensors, not isinstance(x, torch.Tensor)
 
 

@@ -310,6 +310,12 @@ def test_bad_input_is_named() -> None:
         fingerprint([torch.zeros(2), 3])  # type: ignore[list-item]
     with pytest.raises(TypeError, match="not supported"):
         fingerprint(torch.zeros(2, dtype=torch.float8_e4m3fnuz))
+    sparse = torch.eye(3).to_sparse()
+    with pytest.raises(TypeError, match=r"item 1 is a torch.sparse_coo tensor.*to_dense"):
+        fingerprint([torch.zeros(2), sparse])
+    assert fingerprint(sparse.to_dense()) == fingerprint(torch.eye(3))
+    with pytest.raises(ValueError, match="item 0 is on the meta device"):
+        P.fingerprint_tensor(torch.empty(3, device="meta"))
 
 
 def test_loss_word_sees_every_bit_of_every_micro_batch_loss() -> None:
