@@ -45,6 +45,23 @@ from scenarios.spec.scenario import Scenario
 from scenarios.spec.trials import TrialSpec, describe, plan_trials
 
 
+def overhead_matches(ov: Any, campaign: CampaignSpec) -> bool:
+    """Whether an ``overhead.json`` left in the output directory measured what ``campaign``
+    asks for (its scenario, world size and model, the replay intervals, rounds and block), so
+    that a resumed campaign keeps it; a campaign whose overhead section changed measures
+    again rather than report another configuration's numbers."""
+    spec = campaign.overhead
+    if spec is None or not isinstance(ov, dict):
+        return False
+    sc = campaign.overhead_scenario()
+    want = {"scenario": sc.name, "world_size": sc.world_size, "model": sc.model.kind,
+            "rounds": spec.rounds, "block": spec.block}
+    return (all(ov.get(k) == v for k, v in want.items())
+            and isinstance(ov.get("replay"), dict)
+            and sorted(ov["replay"], key=int)
+            == [str(k) for k in sorted(campaign.overhead_intervals())])
+
+
 class Executor(Protocol):
     coordinator: bool
     """True in the process that classifies trials and writes files."""
@@ -310,7 +327,12 @@ class CampaignRunner:
             if any(t.scenario == sc.name for t in todo):
                 self.goldens[sc.name] = self.golden(sc)
         ov_path = self.out / "overhead.json"
-        have_ov = self.executor.agree(coordinator and ov_path.exists())
+        kept = _read_json(ov_path) if coordinator and ov_path.exists() else None
+        reuse = kept is not None and overhead_matches(kept, self.campaign)
+        if coordinator and kept is not None and not reuse and self.campaign.overhead is not None:
+            _say(f"{ov_path} was measured for another overhead configuration (scenario, "
+                 "world size, model, replay intervals, rounds or block): measuring again")
+        have_ov = self.executor.agree(reuse)
         measures = self.shard is None or self.shard[0] == 0  # shard 0 measures the overhead
         if self.campaign.overhead is not None and not have_ov and measures:
             if coordinator:

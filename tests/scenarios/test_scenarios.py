@@ -22,6 +22,7 @@ from scenarios.report.summary import (
     recommendation_agreement,
     wilson,
 )
+from scenarios.run.runner import overhead_matches
 from scenarios.run.store import COLUMNS, GoldenRun, TrialTable
 from scenarios.spec.campaign import CampaignSpec, load_campaign
 from scenarios.spec.errors import ScenarioError
@@ -325,6 +326,25 @@ def test_replay_overhead_fit_and_its_recommendation() -> None:
     assert edge is not None and 0.2 < edge < 0.8
     # One interval only: nothing to fit; the medians decide.
     assert fit_replay_overhead(exact["samples_ms"], [4]) is None
+
+
+def test_a_resumed_campaign_keeps_an_overhead_json_only_for_the_overhead_it_measured() -> None:
+    # The runner measures again when the overhead section changed (another scenario, world
+    # size, model, replay intervals, rounds or block; the quick variant), rather than report
+    # another configuration's numbers beside the new trials.
+    c = load_campaign(CONFIGS / "default.toml")
+    assert c.overhead is not None
+    sc = c.overhead_scenario()
+    ov = {"scenario": sc.name, "world_size": sc.world_size, "model": sc.model.kind,
+          "rounds": c.overhead.rounds, "block": c.overhead.block,
+          "replay": {str(k): 0.1 for k in reversed(c.overhead_intervals())}}
+    assert overhead_matches(ov, c)
+    for change in ({"scenario": "other"}, {"world_size": sc.world_size + 1}, {"model": "cnn"},
+                   {"rounds": c.overhead.rounds + 1}, {"block": c.overhead.block + 1},
+                   {"replay": {"1": 0.1}}, {"replay": None}):
+        assert not overhead_matches({**ov, **change}, c), change
+    assert not overhead_matches(ov, load_campaign(CONFIGS / "default.toml", quick=True))
+    assert not overhead_matches(None, c) and not overhead_matches([ov], c)
 
 
 def test_report_from_a_trial_table(tmp_path: Path) -> None:
