@@ -230,9 +230,10 @@ def _native_value(t: torch.Tensor, kernel: NativeKernel) -> int:
     """``tensor_value`` of a CPU tensor by one call of the C kernel, unsigned, on the host.
 
     A contiguous tensor on an 8-byte boundary is read where it lies (no view: a tensor
-    operation costs more than the pass on a small tensor); any other is copied first."""
+    operation costs more than the pass on a small tensor); any other, and a lazy conjugate or
+    negative view (its memory holds the values before the op), is copied first."""
     copy = None
-    if t.is_contiguous() and t.data_ptr() % 8 == 0:
+    if t.is_contiguous() and t.data_ptr() % 8 == 0 and not (t.is_conj() or t.is_neg()):
         at, n = t.data_ptr(), t.numel() * t.element_size()
     else:
         copy = raw_bytes(t)

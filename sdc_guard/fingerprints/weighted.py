@@ -155,6 +155,8 @@ def weighted_sum(src: torch.Tensor, prep: Prep | None, *, with_sum: bool = False
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a flat uint8 view, contiguous and 8-byte aligned."""
     t = t.detach()
+    if t.is_conj() or t.is_neg():  # lazy views: their memory holds the values before the op
+        t = t.resolve_conj().resolve_neg()
     if t.is_complex():
         t = torch.view_as_real(t)
     flat = t.reshape(-1)

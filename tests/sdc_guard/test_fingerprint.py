@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdc_guard import fingerprint
+from sdc_guard import fingerprint, native_kernel
 from sdc_guard.fingerprints import digest as D
 from sdc_guard.fingerprints import public as P
 from sdc_guard.fingerprints import weighted as W
@@ -262,6 +262,15 @@ def test_views_equal_their_contiguous_copies() -> None:
     assert fingerprint(x[:, 3]) == fingerprint(x[:, 3].clone())
     assert fingerprint(x[1:, 1:]) == fingerprint(x[1:, 1:].clone())
     assert fingerprint(x.view(-1)[3:]) == fingerprint(x.view(-1)[3:].clone())
+    # lazy conjugate and negative views: the values they show, not the memory under them, on
+    # the C kernel's path and on the torch path
+    z = torch.randn(6, dtype=torch.complex64)
+    neg = torch._neg_view(x)
+    for native in (True, False):
+        with native_kernel(native):
+            assert fingerprint(z.conj()) == fingerprint(z.conj().resolve_conj()) != fingerprint(z)
+            assert fingerprint([x, z.conj()]) == fingerprint([x, z.conj().resolve_conj()])
+            assert fingerprint(neg) == fingerprint(-x) != fingerprint(x)
     # 0 or 1 elements at a stride: "contiguous" to torch, yet no byte view of them exists
     for view in (x.view(-1)[1::2][:1], x.view(-1)[1::2][:0], x[:, 3][:1]):
         assert fingerprint(view) == fingerprint(view.clone(memory_format=torch.contiguous_format))
