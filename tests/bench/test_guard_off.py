@@ -26,10 +26,13 @@ def test_guard_off_writes_its_table_and_json(tmp_path: Path) -> None:
 
 def test_the_three_rank_guard_off_table_runs_under_the_allocator_it_is_given() -> None:
     # bench.overhead.check_guard_off has each rank set glibc's mallopt first: with the heap
-    # kept (no trimming) a step no longer faults its pages back in (AdamW's temporaries alone
-    # are megabytes; how often the defaults fault depends on the process's history, so no
-    # count is asserted for them); the page gets a section of its own for that run, with the
-    # page faults per step.
+    # kept (no trimming) a step no longer faults AdamW's temporaries back in (6 MB a step on
+    # this model: the full bench's ranks fault 400-600 pages a step when glibc trims). Some
+    # faults remain that no malloc setting reaches (the interpreter maps its own object arenas;
+    # a loaded CI machine measured 131 a step in both loops), so the bound is set between the
+    # two; how often the defaults fault depends on the process's history, so no count is
+    # asserted for them. The page gets a section of its own for that run, with the page
+    # faults per step.
     from bench.overhead import NO_TRIM, check_guard_off
     from bench.reference import PLAIN_DDP_VIEWS
     from bench.results import guard_off_md
@@ -40,7 +43,7 @@ def test_the_three_rank_guard_off_table_runs_under_the_allocator_it_is_given() -
     assert kept["allocator"] == {"M_TRIM_THRESHOLD": 2**31 - 1, "M_MMAP_THRESHOLD": 32 << 20}
     assert kept["configs"] == [PLAIN_DDP_VIEWS.name, CHECKS_OFF.name]
     assert set(kept["page_faults_per_step"]) == set(kept["configs"])
-    assert max(kept["page_faults_per_step"].values()) < 50, kept["page_faults_per_step"]
+    assert max(kept["page_faults_per_step"].values()) < 300, kept["page_faults_per_step"]
     (pair, (ratio, (lo, hi))), = kept["guard_off_vs_plain"].items()
     assert pair == f"{CHECKS_OFF.name} / {PLAIN_DDP_VIEWS.name}" and lo <= hi
     assert -1.0 < ratio < 1.0
