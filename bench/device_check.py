@@ -17,6 +17,12 @@ same checks on the CPU, with gloo for the guarded steps, as a dry run):
   when there is a single GPU) run nonfinite, weights and replay every step with
   no detection, and a NaN written into a local gradient is named and its
   optimizer step withheld on every rank;
+* the checksum check on the device (its torch path: the C passes serve the CPU): every
+  model the campaign ships trains clean in float32 (TF32 off and on) and bfloat16 with
+  no detection; an exponent flip inside each product of a linear layer (forward, input
+  gradient, weight gradient) on the last rank is named in its step, that rank, and the
+  step withheld on every rank; its step time beside the guard without it, on the
+  reference MLP, a wider MLP and the transformer;
 * throughput on the device: fingerprint, word digest, ``torch.hash_tensor``
   beside one ``torch.sum`` pass over the same float32 tensor.
 
@@ -219,6 +225,151 @@ def check_guard(device_type: str, world: int) -> dict[str, Any]:
             "expected_skipped": [6], "ranks": results}
 
 
+CHECKSUM_RUNS = [(kind, dtype, tf32) for kind in ("mlp", "cnn", "cnn_bn", "transformer")
+                 for dtype, tf32 in (("float32", False), ("float32", True), ("bfloat16", False))]
+"""(model kind, dtype, TF32 allowed): the clean runs of ``check_checksum``."""
+CHECKSUM_FAULTS = [{"site": "linear_product", "product": p, "target": "net.2", "bits": (b,)}
+                   for p in ("forward", "input_grad", "weight_grad") for b in (30, 29, 28)]
+"""Exponent flips inside the MLP's middle layer, each product (fired on the last rank)."""
+CHECKSUM_TIMED = {"reference MLP (512-1024-1024-10), batch 128": ("reference", 128, 0),
+                  "MLP 16-4096-4096-4, batch 4096": ("mlp", 4096, 4096),
+                  "transformer (width 128, 2 blocks), batch 64": ("transformer", 64, 128)}
+"""name -> (model kind, batch, width) timed with the checksum on and off."""
+
+
+def _checksum_rank(rank: int, world: int, device_type: str, steps: int, timed_steps: int,
+                   timed: list[str]) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from bench.reference import classification_batch, cross_entropy_loss, reference_mlp
+    from injectors import Fault, arm
+    from scenarios.spec.models import build_model, scenario_loss, synthetic_batch
+    from sdc_guard import GuardConfig, SDCGuard
+    from sdc_guard.fingerprints.native import disable_native
+
+    device = (torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda"
+              else torch.device("cpu"))
+    if device.type == "cpu":  # the dry run takes the device's path: torch ops, no C passes
+        disable_native()
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+    def guard_for(kind: str, dtype: str, config: GuardConfig, *, batch: int = 32,
+                  width: int = 64) -> SDCGuard:
+        if kind == "reference":
+            module = reference_mlp().to(device)
+
+            def batch_for(r: int, step: int) -> Any:
+                x, y = classification_batch(r, step, batch=batch)
+                return x.to(device), y.to(device)
+
+            loss: Any = cross_entropy_loss
+        else:
+            module = build_model(kind, width=width, depth=2, seed=0).to(device, dtypes[dtype])
+
+            def batch_for(r: int, step: int) -> Any:
+                x, y = synthetic_batch(kind, 0, r, step, 0, batch=batch, dtype=dtypes[dtype])
+                return x.to(device), y.to(device)
+
+            loss = scenario_loss
+        model = DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return SDCGuard(model, opt, loss_fn=loss, batch_for=batch_for, config=config)
+
+    def dets(found: list[Any]) -> list[tuple[str, int, list[int]]]:
+        return [(d.check, d.step, list(d.suspect_ranks)) for d in found]
+
+    on = GuardConfig(checksum=True)
+    out: dict[str, Any] = {"device": str(device), "backend": dist.get_backend(), "clean": {},
+                           "faults": [], "timing": {}}
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    for kind, dtype, allow in CHECKSUM_RUNS:
+        torch.backends.cuda.matmul.allow_tf32 = allow
+        try:
+            guard = guard_for(kind, dtype, on)
+            reports = [guard.step(s) for s in range(steps)]
+            found = [d for r in reports for d in r.detections] + guard.flush()
+            out["clean"][f"{kind}/{dtype}{'/tf32' if allow else ''}"] = {
+                "detections": dets(found), "skipped": [r.step for r in reports if r.skipped]}
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+        dist.barrier()
+    guard = guard_for("mlp", "float32", on)
+    step = 0
+    for f in CHECKSUM_FAULTS:
+        guard.reconfigure(guard.config)
+        handle = arm(Fault(**f, rank=world - 1, step=step + 1), guard=guard)
+        reports = [guard.step(step + i) for i in range(4)]
+        step += 4
+        found = [d for r in reports for d in r.detections] + guard.flush()
+        handle.remove()
+        out["faults"].append({"fault": f, "fired": [rec["step"] for rec in handle.records],
+                              "detections": dets(found),
+                              "skipped": [r.step for r in reports if r.skipped]})
+    dist.barrier()
+    for name in timed:
+        kind, batch, width = CHECKSUM_TIMED[name]
+        guards = {label: guard_for(kind, "float32", GuardConfig(checksum=c), batch=batch,
+                                   width=width) for label, c in (("off", False), ("on", True))}
+        times: dict[str, list[float]] = {"off": [], "on": []}
+        for r in range(7):  # alternated blocks, the first one warms up
+            for label in (("off", "on") if r % 2 else ("on", "off")):
+                g = guards[label]
+                dist.barrier()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                for s in range(timed_steps):
+                    g.step(r * timed_steps + s)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if r:
+                    times[label].append((time.perf_counter() - t0) / timed_steps)
+        off, on_t = statistics.median(times["off"]), statistics.median(times["on"])
+        out["timing"][name] = {"step_ms_off": off * 1e3, "step_ms_checksum": on_t * 1e3,
+                               "overhead": on_t / off - 1.0}
+        for g in guards.values():
+            g.flush()
+        dist.barrier()
+    return out
+
+
+def checksum_problems(results: list[dict[str, Any]]) -> list[str]:
+    """What ``_checksum_rank``'s results (by rank) show going wrong: a detection or a withheld
+    step in a clean run; a fault that did not fire in exactly one step, or that every rank
+    did not report once, as the checksum's, naming the last rank, with that step withheld."""
+    world = len(results)
+    problems = []
+    for r, res in enumerate(results):
+        for run, v in res["clean"].items():
+            if v["detections"] or v["skipped"]:
+                problems.append(f"rank {r}: {run} clean: {v}")
+        for i, v in enumerate(res["faults"]):
+            fired = sorted(set(results[-1]["faults"][i]["fired"]))
+            want = [("checksum", fired[0], [world - 1])] if len(fired) == 1 else None
+            if want is None or [tuple(d) for d in v["detections"]] != want or v["skipped"] != fired:
+                problems.append(f"rank {r}: {v['fault']}: fired {fired}, detections "
+                                f"{v['detections']}, skipped {v['skipped']}")
+    return problems
+
+
+def check_checksum(device_type: str, world: int, steps: int = 300, timed_steps: int = 20,
+                   timed: list[str] | None = None) -> dict[str, Any]:
+    """The checksum check on ``world`` ranks of the device (``_checksum_rank``): no detection
+    in any clean run; each fault named in the step it fired, on the last rank, withheld.
+    ``timed``: the ``CHECKSUM_TIMED`` workloads to time (all by default)."""
+    from scenarios.run.launch import run_ranks
+
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    results = run_ranks(_checksum_rank, world, device_type, steps, timed_steps,
+                        list(CHECKSUM_TIMED) if timed is None else timed, timeout=1800,
+                        backend=backend)
+    problems = checksum_problems(results)
+    return {"passed": not problems, "world": world, "backend": backend,
+            "problems": problems[:20], "timing": results[0]["timing"],
+            "clean_runs": len(results[0]["clean"]), "faults": len(results[0]["faults"])}
+
+
 def _median_time(fn: Callable[[], object], device: torch.device, reps: int = 9) -> float:
     fn()
     torch.cuda.synchronize(device)
@@ -290,10 +441,13 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         steps["telemetry"] = lambda: check_telemetry(device)
         steps["nccl_guard"] = lambda: check_guard("cuda", torch.cuda.device_count())
+        steps["checksum"] = lambda: check_checksum("cuda", torch.cuda.device_count())
         for mib in args.mib:
             steps[f"throughput_{mib}mib"] = lambda mib=mib: throughput(device, mib)
     else:  # the guarded steps with gloo: a dry run of this script's plumbing
         steps["gloo_guard"] = lambda: check_guard("cpu", 3)
+        steps["checksum"] = lambda: check_checksum(
+            "cpu", 3, steps=20, timed_steps=4, timed=[next(iter(CHECKSUM_TIMED))])
     for name, fn in steps.items():
         t0 = time.perf_counter()
         try:

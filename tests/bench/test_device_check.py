@@ -24,6 +24,37 @@ def test_dry_run_on_cpu_passes_and_writes_json(tmp_path: Path) -> None:
         # The replay's in the step's own report, the non-finite one from flush().
         assert rank["detections"] == [["replay", 6, [2]], ["nonfinite", 6, [2]]]
         assert rank["skipped"] == [6]
+    checksum = report["checksum"]  # the checksum check's torch path, as a GPU runs it
+    assert checksum["passed"] and checksum["problems"] == [], checksum
+    assert checksum["clean_runs"] == len(device_check.CHECKSUM_RUNS)
+    assert checksum["faults"] == len(device_check.CHECKSUM_FAULTS)
+    assert all(t["step_ms_off"] > 0 for t in checksum["timing"].values())
+
+
+def _checksum_rank_result(detections: list[list[object]], skipped: list[int],
+                          fired: list[int]) -> dict[str, object]:
+    return {"clean": {"mlp/float32": {"detections": [], "skipped": []}},
+            "faults": [{"fault": {"product": "forward"}, "fired": fired,
+                        "detections": detections, "skipped": skipped}]}
+
+
+def test_checksum_judge_names_what_went_wrong() -> None:
+    good = [_checksum_rank_result([["checksum", 5, [1]]], [5], []),
+            _checksum_rank_result([["checksum", 5, [1]]], [5], [5, 5])]
+    assert device_check.checksum_problems(good) == []
+    missed = [_checksum_rank_result([], [], []), _checksum_rank_result([], [], [5])]
+    assert len(device_check.checksum_problems(missed)) == 2
+    wrong_rank = [_checksum_rank_result([["checksum", 5, [0]]], [5], []),
+                  _checksum_rank_result([["checksum", 5, [0]]], [5], [5])]
+    assert len(device_check.checksum_problems(wrong_rank)) == 2
+    not_withheld = [_checksum_rank_result([["checksum", 5, [1]]], [], []),
+                    _checksum_rank_result([["checksum", 5, [1]]], [5], [5])]
+    assert device_check.checksum_problems(not_withheld) == [
+        "rank 0: {'product': 'forward'}: fired [5], detections [['checksum', 5, [1]]], "
+        "skipped []"]
+    false_positive = [good[0], dict(good[1], clean={"mlp/bfloat16": {
+        "detections": [["checksum", 3, [1]]], "skipped": [3]}})]
+    assert len(device_check.checksum_problems(false_positive)) == 1
 
 
 @pytest.mark.timeout(60)
