@@ -170,8 +170,23 @@ def tolerance(scale: float, *, k: int, checked: int, compute: torch.dtype,
               operands: tuple[torch.dtype, ...], device: torch.device) -> float:
     """The factor that multiplies ``M`` (module doc): ``k`` the product's inner length,
     ``checked`` the lengths of the two checksum sides' float32 sums together (``L + R``)."""
-    factor = (accumulation(compute, device, k) + unit_roundoff(compute)
-              + input_rounding(compute, operands, device) + _gamma(checked + 2, _U32))
+    if device.type != "cuda":
+        return _tolerance(scale, k, checked, compute, tuple(operands), "cpu", None)
+    matmul = torch.backends.cuda.matmul
+    flags = (matmul.allow_tf32, matmul.allow_fp16_reduced_precision_reduction,
+             matmul.allow_bf16_reduced_precision_reduction)
+    return _tolerance(scale, k, checked, compute, tuple(operands), "cuda", flags)
+
+
+@functools.lru_cache(maxsize=4096)
+def _tolerance(scale: float, k: int, checked: int, compute: torch.dtype,
+               operands: tuple[torch.dtype, ...], device: str,
+               flags: tuple[bool, bool, bool] | None) -> float:
+    """``tolerance``, cached: a hook asks for it every step with the same sizes; ``flags``
+    (CUDA's TF32 and reduced-precision settings, read at each call) are part of the key."""
+    at = torch.device(device)
+    factor = (accumulation(compute, at, k) + unit_roundoff(compute)
+              + input_rounding(compute, operands, at) + _gamma(checked + 2, _U32))
     return scale * factor * (1.0 + 1e-3)
 
 
@@ -582,16 +597,16 @@ class ChecksumCheck(Check, BucketListener):
         bad = ((diff > bound) & torch.isfinite(diff)) if self.expect_overflow else ~(diff <= bound)
         self._failures.append(_Failure(layer, product, micro_batch, bad.any(), diff, bound))
 
-    def _forward(self, layer: _Layer, call: _Call) -> None:
-        """The forward identity of ``call`` by torch operations, in the forward hook."""
+    def _forward(self, layer: _Layer, call: _Call, xf: torch.Tensor, xa: torch.Tensor) -> None:
+        """The forward identity of ``call`` by torch operations, in the forward hook (``xf``:
+        its input in float32, ``xa`` the absolute values)."""
         m = layer.module
         x = call.x
         out = m.out_features
-        xf = x if x.dtype == torch.float32 else x.float()
         w_col, w_abs_col, _, _, b_sum, b_abs = self._sides(layer)
         rhs = xf @ w_col
         if w_abs_col is not None:
-            bound = xf.abs() @ w_abs_col  # sum_jk |X_ik||W_jk|, exactly
+            bound = xa @ w_abs_col  # sum_jk |X_ik||W_jk|, exactly
         else:  # <= ||X_i||_2 sum_j ||W_j||_2 <= ||X_i||_2 sqrt(out) ||W||_F
             bound = torch.linalg.vector_norm(xf, dim=1) * (
                 math.sqrt(out) * self._weight_norm(layer))
@@ -655,11 +670,12 @@ class ChecksumCheck(Check, BucketListener):
             xd = x.detach().reshape(-1, x.shape[-1])
             y2 = y.detach().reshape(-1, y.shape[-1])
             xf = xd if xd.dtype == torch.float32 else xd.float()
-            sums = torch.cat([xf.sum(1), xf.abs().sum(1), y2.sum(1, dtype=torch.float32)])
+            xa = xf.abs()  # formed once: its row sums here, the forward's bound below
+            sums = torch.cat([xf.sum(1), xa.sum(1), y2.sum(1, dtype=torch.float32)])
             call = _Call(xd, sums, xd.shape[0], micro_batch=self._micro, tapped=tapped,
                          gy_dtype=y.dtype)
             if want:
-                self._forward(layer, call)
+                self._forward(layer, call, xf, xa)
         layer.calls.append(call)
 
     @staticmethod
