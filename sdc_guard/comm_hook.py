@@ -41,15 +41,14 @@ from torch._C._distributed_c10d import GradBucket
 
 from sdc_guard.scaling import (
     Flag,
+    RowPlans,
     RowSums,
     Spans,
     can_fuse_digest,
-    can_fuse_rows,
     check_nonfinite,
     row_sums,
     scale_and_check,
     scale_digest_spans,
-    scale_row_sums,
 )
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
@@ -136,6 +135,7 @@ class GuardCommHook:
         """How many listener digests the scaling pass has computed."""
         self.fused_row_sums = 0
         """How many buckets' row sums the scaling pass has taken (``row_sums``)."""
+        self._row_plans = RowPlans()
         self.step = -1
         """The step being computed (set by ``begin_step``; fault injectors read it)."""
         self.sentinel: torch.Tensor | None = None
@@ -198,14 +198,15 @@ class GuardCommHook:
         digests: list[int | torch.Tensor | None] = [
             None if w is None or i == fused else w.digest(buf) for i, w in enumerate(wants)]
         rows = [r for lst in self.listeners for r in (lst.row_sums(bucket) or ())]
-        fuse_rows = bool(rows) and ours and fused is None and can_fuse_rows(buf, rows)
+        plan = (self._row_plans.get(bucket.index(), buf, rows) if rows and ours and fused is None else None)
+        fuse_rows = plan is not None
         if rows and not fuse_rows:
             row_sums(rows)  # a read of their own, before anything scales them
         scale = 1.0 / self.world_size
         flag: Flag | None = None
         fused_spans = None if fused is None else wants[fused]
-        if fuse_rows:
-            found = scale_row_sums(buf, rows, scale)
+        if plan is not None:
+            found = plan.scale(scale)
             self.fused_row_sums += 1
             flag = found if flag_wanted else None
         elif fused is not None and fused_spans is not None:

@@ -188,10 +188,54 @@ def scale_row_sums(buf: torch.Tensor, requests: Sequence[RowSums], scale: float)
     """``row_sums(requests)`` of the values as they were, then ``buf.mul_(scale)`` (its bits),
     with "was any of it NaN or Inf", in one pass over memory. Only where ``can_fuse_rows``
     holds; views that overlap one another are refused (``ValueError``)."""
-    kernel = active_kernel()
-    if kernel is None or not can_fuse_rows(buf, requests):
+    plan = RowPlan.of(buf, requests)
+    if plan is None:
         raise ValueError("scale_row_sums: needs can_fuse_rows(buf, requests); check it first.")
-    base = buf.data_ptr()
-    blocks = sorted(((v.data_ptr() - base) // 4, v.shape[0], v.shape[1], out.data_ptr())
-                    for v, out in requests)
-    return kernel.scale_rows_at(base, buf.numel(), scale, blocks)
+    return plan.scale(scale)
+
+
+class RowPlan:
+    """``scale_row_sums`` of one bucket's buffer and requests, checked once
+    (``can_fuse_rows``) and kept with its blocks in the C call's form: the comm hook meets the
+    same buffer and the same requests every step (``RowPlans``)."""
+
+    def __init__(self, buf: torch.Tensor, requests: Sequence[RowSums]) -> None:
+        kernel = active_kernel()
+        assert kernel is not None
+        self.kernel = kernel
+        self.tensors = (buf, *(t for r in requests for t in r))
+        """Kept alive: the key of ``RowPlans`` holds their ids."""
+        base = buf.data_ptr()
+        self.base, self.n = base, buf.numel()
+        self.blocks = kernel.row_blocks(sorted(
+            ((v.data_ptr() - base) // 4, v.shape[0], v.shape[1], out.data_ptr())
+            for v, out in requests))
+
+    @classmethod
+    def of(cls, buf: torch.Tensor, requests: Sequence[RowSums]) -> RowPlan | None:
+        """The plan, or None where ``can_fuse_rows`` does not hold."""
+        if not can_fuse_rows(buf, requests):
+            return None
+        return cls(buf, requests)
+
+    def scale(self, scale: float) -> bool:
+        """The pass: the row sums written, the buffer scaled; whether any was NaN or Inf."""
+        return self.kernel.scale_rows_blocks(self.base, self.n, scale, self.blocks)
+
+
+class RowPlans:
+    """The ``RowPlan`` of each bucket (by its index): the same tensor objects, at the same
+    addresses, as the last time find it without checking again (a plan keeps its tensors
+    alive, so their ids cannot be reused while it is kept); anything else makes a new plan,
+    which lets go of the old one's tensors (DDP rebuilds its buckets once)."""
+
+    def __init__(self) -> None:
+        self._plans: dict[int, tuple[tuple[int, ...], RowPlan | None]] = {}
+
+    def get(self, index: int, buf: torch.Tensor, requests: Sequence[RowSums]) -> RowPlan | None:
+        key = (id(buf), buf.data_ptr(), *(id(t) for r in requests for t in r),
+               *(t.data_ptr() for r in requests for t in r))
+        known = self._plans.get(index)
+        if known is None or known[0] != key:
+            known = self._plans[index] = (key, RowPlan.of(buf, requests))
+        return known[1]

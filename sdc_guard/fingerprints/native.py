@@ -257,9 +257,18 @@ class NativeKernel:
         The caller guarantees the memory: ``n`` writable float32 of a live CPU tensor, and
         live float32 outputs.
         """
+        return self.scale_rows_blocks(address, n, scale, self.row_blocks(blocks))
+
+    @staticmethod
+    def row_blocks(blocks: list[tuple[int, int, int, int]]) -> Any:
+        """``scale_rows_at``'s blocks in the C call's form (kept by a caller that repeats it)."""
+        return ((ctypes.c_int64 * (4 * len(blocks)))(*(v for b in blocks for v in b)),
+                len(blocks))
+
+    def scale_rows_blocks(self, address: int, n: int, scale: float, blocks: Any) -> bool:
+        """``scale_rows_at`` with its blocks from ``row_blocks``."""
         threads = max(1, min(torch.get_num_threads(), n // _PER_THREAD))
-        flat = (ctypes.c_int64 * (4 * len(blocks)))(*(v for b in blocks for v in b))
-        bad = self._scale_rows(address, n, scale, flat, len(blocks), threads)
+        bad = self._scale_rows(address, n, scale, blocks[0], blocks[1], threads)
         if bad < 0:
             raise ValueError("sdc_scale_rows: blocks must lie inside the buffer, in increasing "
                              "offset, without overlapping")

@@ -313,6 +313,30 @@ def test_scale_row_sums_is_mul_and_the_row_sums_as_they_were(kernel: nat.NativeK
     assert torch.allclose(separate[0].double(), a.double().sum(1), rtol=1e-5, atol=1e-2)
 
 
+def test_row_plans_are_kept_per_bucket_and_remade_when_its_tensors_change(
+        kernel: nat.NativeKernel) -> None:
+    from sdc_guard.scaling import RowPlans
+    plans = RowPlans()
+    buf = torch.randn(10_000, generator=torch.Generator().manual_seed(2))
+    a, out = buf[40:40 + 30 * 20].view(30, 20), torch.empty(30)
+    first = plans.get(0, buf, [(a, out)])
+    assert first is not None and plans.get(0, buf, [(a, out)]) is first  # checked once
+    expected = a.double().sum(1)
+    scaled = buf.clone().mul_(0.25)
+    assert first.scale(0.25) is False
+    assert torch.equal(buf, scaled)
+    assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-4)
+    other = torch.empty(30)  # another output tensor: a new plan, writing there
+    second = plans.get(0, buf, [(a, other)])
+    assert second is not None and second is not first
+    second.scale(1.0)
+    assert torch.allclose(other.double(), buf[40:640].view(30, 20).double().sum(1), rtol=1e-5,
+                          atol=1e-4)
+    assert plans.get(1, buf, [(a, other)]) is not second  # another bucket: its own plan
+    half = buf.to(torch.float64)  # a buffer the pass cannot read: no plan
+    assert plans.get(0, half, [(half[:600].view(30, 20), other)]) is None
+
+
 def test_a_layer_seen_through_its_product_node_catches_an_input_gradient_flip() -> None:
     # From its second call on, a stock nn.Linear is seen through its addmm node (GY and this
     # call's GX in one post-hook, no tap on X): a flip in the GX that node passes on is
