@@ -205,6 +205,8 @@ _PER_THREAD = 1 << 20
 
 
 def _threads(elements: int) -> int:
+    if elements < 2 * _PER_THREAD:  # one thread, without asking torch for its count
+        return 1
     return max(1, min(torch.get_num_threads(), elements // _PER_THREAD))
 
 
