@@ -198,9 +198,9 @@ class GuardCommHook:
         digests: list[int | torch.Tensor | None] = [
             None if w is None or i == fused else w.digest(buf) for i, w in enumerate(wants)]
         rows = [r for lst in self.listeners for r in (lst.row_sums(bucket) or ())]
-        plan = (self._row_plans.get(bucket.index(), buf, rows) if rows and ours and fused is None else None)
-        fuse_rows = plan is not None
-        if rows and not fuse_rows:
+        plan = (self._row_plans.get(bucket.index(), buf, rows)
+                if rows and ours and fused is None else None)
+        if rows and plan is None:
             row_sums(rows)  # a read of their own, before anything scales them
         scale = 1.0 / self.world_size
         flag: Flag | None = None
