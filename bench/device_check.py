@@ -32,6 +32,7 @@ Results go to ``DIR/device_check.json`` and are printed.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -131,9 +132,10 @@ def check_kernels(device: torch.device) -> dict[str, Any]:
         on_device = int(loss_word([loss.to(device) for loss in losses]))
         if on_device != int(loss_word(losses)):
             mismatches.append(f"loss_word {dtype}")
-    odd = [(1024, 512), (1024,), (7,), (3, 3), (10, 1024), (0,), (10,)]
-    whole = [(1024, 512), (1024,), (8,), (4, 4), (10, 1024), (0,), (12,)]  # whole 8-byte words
-    many = [(64, 4 * i) for i in range(1, 21)]  # many spans: the cumulative-sum path
+    odd: list[tuple[int, ...]] = [(1024, 512), (1024,), (7,), (3, 3), (10, 1024), (0,), (10,)]
+    # whole 8-byte words; many spans (the cumulative-sum path)
+    whole: list[tuple[int, ...]] = [(1024, 512), (1024,), (8,), (4, 4), (10, 1024), (0,), (12,)]
+    many: list[tuple[int, ...]] = [(64, 4 * i) for i in range(1, 21)]
     for dtype, sizes in itertools.product((torch.float32, torch.float16, torch.bfloat16),
                                           (whole, many)):
         unit = torch.empty((), dtype=dtype).element_size()
@@ -228,8 +230,9 @@ def check_guard(device_type: str, world: int) -> dict[str, Any]:
 CHECKSUM_RUNS = [(kind, dtype, tf32) for kind in ("mlp", "cnn", "cnn_bn", "transformer")
                  for dtype, tf32 in (("float32", False), ("float32", True), ("bfloat16", False))]
 """(model kind, dtype, TF32 allowed): the clean runs of ``check_checksum``."""
-CHECKSUM_FAULTS = [{"site": "linear_product", "product": p, "target": "net.2", "bits": (b,)}
-                   for p in ("forward", "input_grad", "weight_grad") for b in (30, 29, 28)]
+CHECKSUM_FAULTS: list[dict[str, Any]] = [
+    {"site": "linear_product", "product": p, "target": "net.2", "bits": (b,)}
+    for p in ("forward", "input_grad", "weight_grad") for b in (30, 29, 28)]
 """Exponent flips inside the MLP's middle layer, each product (fired on the last rank)."""
 CHECKSUM_TIMED = {"reference MLP (512-1024-1024-10), batch 128": ("reference", 128, 0),
                   "MLP 16-4096-4096-4, batch 4096": ("mlp", 4096, 4096),
@@ -443,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         steps["nccl_guard"] = lambda: check_guard("cuda", torch.cuda.device_count())
         steps["checksum"] = lambda: check_checksum("cuda", torch.cuda.device_count())
         for mib in args.mib:
-            steps[f"throughput_{mib}mib"] = lambda mib=mib: throughput(device, mib)
+            steps[f"throughput_{mib}mib"] = functools.partial(throughput, device, mib)
     else:  # the guarded steps with gloo: a dry run of this script's plumbing
         steps["gloo_guard"] = lambda: check_guard("cpu", 3)
         steps["checksum"] = lambda: check_checksum(

@@ -3,6 +3,7 @@ tensor, and the per-tensor cost for a model's many small tensors."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import statistics
 from collections.abc import Callable
@@ -39,7 +40,7 @@ def fingerprint_throughput(mib: int, rounds: int) -> dict[str, Any]:
     """GiB/s of each way to summarise the same float32 tensor, alternated round by round."""
     x = torch.randn(mib * 1024 * 1024 // 4)
     nbytes = x.numel() * 4
-    mv = memoryview(x.numpy()).cast("B")
+    mv = x.numpy().data.cast("B")
     methods: dict[str, Callable[[], object]] = {
         "torch.sum (one read pass)": lambda: float(x.sum()),
         "sdc_guard.fingerprint (torch ops: no C compiler)":
@@ -62,7 +63,7 @@ def fingerprint_throughput(mib: int, rounds: int) -> dict[str, Any]:
             if isa == kernel.isa:
                 continue
             methods[f"sdc_guard.fingerprint (C kernel, {isa} forced)"] = (
-                lambda isa=isa: _on_isa(isa, lambda: fingerprint(x)))
+                functools.partial(_on_isa, isa, lambda: fingerprint(x)))
     times = alternate(methods, rounds)
     base = statistics.median(times["torch.sum (one read pass)"])
     out: dict[str, Any] = {"tensor_mib": mib, "threads": torch.get_num_threads(),

@@ -237,7 +237,7 @@ def _blocks_rank(rank: int, world: int, rounds: int, block: int, batch: int,
 
 def check_overhead_blocks(world: int, rounds: int, block: int, batch: int) -> dict[str, Any]:
     """``BLOCK_CONFIGS`` timed in blocks of ``block`` steps on ``world`` ranks."""
-    res = run_ranks(_blocks_rank, world, rounds, block, batch, timeout=1800)[0]
+    res: dict[str, Any] = run_ranks(_blocks_rank, world, rounds, block, batch, timeout=1800)[0]
     res.update({"world": world, "batch": batch, "rounds": rounds, "block": block})
     return res
 
@@ -257,7 +257,7 @@ def check_guard_off(world: int, rounds: int, block: int, batch: int,
                     allocator: dict[int, int] | None = None) -> dict[str, Any]:
     """``configs`` timed in blocks, as ``check_overhead_blocks``; ``allocator``: glibc
     ``mallopt`` settings each rank applies before it builds its models (``NO_TRIM``)."""
-    res = run_ranks(_blocks_rank, world, rounds, block, batch, configs, allocator,
+    res: dict[str, Any] = run_ranks(_blocks_rank, world, rounds, block, batch, configs, allocator,
                     timeout=3600)[0]
     res.update({"world": world, "batch": batch, "rounds": rounds, "block": block,
                 "configs": [oc.name for oc in configs],
@@ -268,7 +268,7 @@ def check_guard_off(world: int, rounds: int, block: int, batch: int,
 
 def check_overhead(world: int, rounds: int, block: int, batch: int) -> dict[str, Any]:
     """``CONFIGS`` step by step on ``world`` ranks, and the ratios the README quotes."""
-    res = run_ranks(_overhead_rank, world, rounds, block, batch, timeout=1800)[0]
+    res: dict[str, Any] = run_ranks(_overhead_rank, world, rounds, block, batch, timeout=1800)[0]
     base = res["step_s"][PLAIN_DDP.name]
     res["overhead_vs_plain_ddp"] = {k: v / base - 1.0 for k, v in res["step_s"].items()}
     cbase = res["step_cpu_s"][PLAIN_DDP.name]

@@ -111,7 +111,8 @@ def reference_runs(rank: int, batch: int) -> tuple[list[SDCGuard], Runner]:
 
         def plain(step: int) -> None:
             opt.zero_grad(set_to_none=True)
-            cross_entropy_loss(model, batch_for(rank, step)).backward()
+            loss = cross_entropy_loss(model, batch_for(rank, step))
+            loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
         return plain
 

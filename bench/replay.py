@@ -53,14 +53,14 @@ def _measure(rank: int, world: int, rounds: int, batch: int, *, nonfinite: bool,
     """
     batch_for = functools.partial(classification_batch, batch=batch)
 
-    def audit(k: int) -> GuardConfig:  # the audit every k steps (0: off), deterministic mode
+    def audit_every(k: int) -> GuardConfig:  # the audit every k steps (0: off), deterministic
         config = replay_only(max(k, 1)).config
         assert config is not None
         return replace(config, replay_interval=k, nonfinite=nonfinite)
 
-    configs = {"off": (audit(0), 0),
-               **{f"audit {k}": (audit(k), 0) for k in REPLAY_INTERVALS},
-               **{f"ideal {k}": (audit(0), k) for k in REPLAY_INTERVALS}}
+    configs = {"off": (audit_every(0), 0),
+               **{f"audit {k}": (audit_every(k), 0) for k in REPLAY_INTERVALS},
+               **{f"ideal {k}": (audit_every(0), k) for k in REPLAY_INTERVALS}}
     """name -> (the guard's configuration, interval of the ideal's extra forward+backward)"""
     guards: list[SDCGuard] = []
     extra_every = [0]
@@ -68,7 +68,7 @@ def _measure(rank: int, world: int, rounds: int, batch: int, *, nonfinite: bool,
         model = guarded_ddp(reference_mlp())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         g = SDCGuard(model, opt, loss_fn=cross_entropy_loss, batch_for=batch_for,
-                     config=audit(1))
+                     config=audit_every(1))
         module = model.module
         params = [p for p in module.parameters() if p.requires_grad]
 
@@ -91,12 +91,12 @@ def _measure(rank: int, world: int, rounds: int, batch: int, *, nonfinite: bool,
 
     module = reference_mlp()
     params = list(module.parameters())
-    steps = {k: 0 for k in configs}
-    times: dict[str, list[float]] = {k: [] for k in configs}
-    cpu: dict[str, list[float]] = {k: [] for k in configs}
-    thread: dict[str, list[float]] = {k: [] for k in configs}
-    step_ids: dict[str, list[int]] = {k: [] for k in configs}
-    faults: dict[str, list[int]] = {k: [] for k in configs}
+    steps = {name: 0 for name in configs}
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    cpu: dict[str, list[float]] = {name: [] for name in configs}
+    thread: dict[str, list[float]] = {name: [] for name in configs}
+    step_ids: dict[str, list[int]] = {name: [] for name in configs}
+    faults: dict[str, list[int]] = {name: [] for name in configs}
     """Minor page faults per step: memory the C library handed back to the system and
     the step touched again (glibc trims its heap when enough is free at its top)."""
     fwd_bwd: list[float] = []
@@ -175,9 +175,9 @@ def _measure(rank: int, world: int, rounds: int, batch: int, *, nonfinite: bool,
         return (statistics.median(t for st, t in samples[name] if st % k != 0)
                 - statistics.median(t for _, t in samples["off"]))
 
-    tagged = {k: list(zip(step_ids[k], times[k], strict=True)) for k in configs}
-    ctagged = {k: list(zip(step_ids[k], cpu[k], strict=True)) for k in configs}
-    htagged = {k: list(zip(step_ids[k], thread[k], strict=True)) for k in configs}
+    tagged = {name: list(zip(step_ids[name], times[name], strict=True)) for name in configs}
+    ctagged = {name: list(zip(step_ids[name], cpu[name], strict=True)) for name in configs}
+    htagged = {name: list(zip(step_ids[name], thread[name], strict=True)) for name in configs}
     off = statistics.median(times["off"])
     coff = statistics.median(cpu["off"])
     fb = statistics.median(fwd_bwd)
@@ -187,36 +187,36 @@ def _measure(rank: int, world: int, rounds: int, batch: int, *, nonfinite: bool,
                            "step_cpu_s_replay_off": coff, "native_kernel": native_in_use,
                            "steps_per_config": len(times["off"]), "rounds": rounds,
                            "intervals": {}}
-    per_round = {k: split_rounds(v, rounds) for k, v in tagged.items()}
+    per_round = {name: split_rounds(v, rounds) for name, v in tagged.items()}
     for k in REPLAY_INTERVALS:
-        a, i = f"audit {k}", f"ideal {k}"
-        audit, ideal = extra_per_step(tagged, a), extra_per_step(tagged, i)
-        sub = {n: per_round[n] for n in ("off", a, i)}
+        a, b = f"audit {k}", f"ideal {k}"
+        audit_extra, ideal_extra = extra_per_step(tagged, a), extra_per_step(tagged, b)
+        sub = {n: per_round[n] for n in ("off", a, b)}
         out["intervals"][str(k)] = {
-            "per_audit_step_ratio": per_hit(tagged, a) / per_hit(tagged, i),
+            "per_audit_step_ratio": per_hit(tagged, a) / per_hit(tagged, b),
             "per_audit_step_ratio_interval_90": bootstrap_interval(
-                sub, lambda m, a=a, i=i: per_hit(m, a) / per_hit(m, i)),
-            "per_audit_step_thread_cpu_ratio": per_hit(htagged, a) / per_hit(htagged, i),
+                sub, lambda m, a=a, b=b: per_hit(m, a) / per_hit(m, b)),
+            "per_audit_step_thread_cpu_ratio": per_hit(htagged, a) / per_hit(htagged, b),
             "audit_step_extra_s": per_hit(tagged, a),
-            "ideal_step_extra_s": per_hit(tagged, i),
+            "ideal_step_extra_s": per_hit(tagged, b),
             "audit_rest_vs_off_s": rest_vs_off(tagged, a),
             "audit_rest_vs_off_interval_90": bootstrap_interval(sub, lambda m, a=a: rest_vs_off(m, a)),
-            "ideal_rest_vs_off_s": rest_vs_off(tagged, i),
+            "ideal_rest_vs_off_s": rest_vs_off(tagged, b),
             "ratio_to_ideal_interval_90": bootstrap_interval(
-                sub, lambda m, a=a, i=i: extra_per_step(m, a) / extra_per_step(m, i)),
-            "step_s": off + audit,
-            "ideal_step_s": off + ideal,
-            "overhead": audit / off,
-            "ideal_overhead": ideal / off,
-            "ratio_to_ideal": audit / ideal,
+                sub, lambda m, a=a, b=b: extra_per_step(m, a) / extra_per_step(m, b)),
+            "step_s": off + audit_extra,
+            "ideal_step_s": off + ideal_extra,
+            "overhead": audit_extra / off,
+            "ideal_overhead": ideal_extra / off,
+            "ratio_to_ideal": audit_extra / ideal_extra,
             "formula_overhead": fb / k / off,
-            "ratio_to_formula": audit / (fb / k),
-            "cpu_ratio_to_ideal": extra_per_step(ctagged, a) / extra_per_step(ctagged, i),
+            "ratio_to_formula": audit_extra / (fb / k),
+            "cpu_ratio_to_ideal": extra_per_step(ctagged, a) / extra_per_step(ctagged, b),
             "page_faults_per_step": {
                 n: {kind: statistics.mean(f for st, f in zip(step_ids[n], faults[n], strict=True)
                                           if (st % k == 0) == (kind == "audit"))
                     for kind in (("audit", "other") if k > 1 else ("audit",))}
-                for n in (a, i)},
+                for n in (a, b)},
         }
     return out
 
@@ -224,7 +224,7 @@ def _measure(rank: int, world: int, rounds: int, batch: int, *, nonfinite: bool,
 def replay_overhead(world: int, rounds: int, batch: int, native: bool = True,
                     nonfinite: bool = True) -> dict[str, Any]:
     """The replay audit's overhead on ``world`` ranks (see ``_measure``)."""
-    res = run_ranks(_replay_rank, world, rounds, batch, native, nonfinite, timeout=3600)[0]
+    res: dict[str, Any] = run_ranks(_replay_rank, world, rounds, batch, native, nonfinite, timeout=3600)[0]
     res.update({"world": world, "batch": batch, "nonfinite": nonfinite})
     return res
 

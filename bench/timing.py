@@ -9,14 +9,17 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-Rounds = dict[str, list[list[float]]]
-"""Per configuration, per round, the samples measured in that round."""
+T = TypeVar("T")
+Rounds = dict[str, list[list[T]]]
+"""Per configuration, per round, the samples measured in that round (seconds, or samples
+tagged with their step)."""
 
 
-def seconds(fn: Callable[[], object]) -> float:
-    """Wall seconds of one call of ``fn``."""
+def seconds(fn: Callable[..., object]) -> float:
+    """Wall seconds of one call of ``fn`` (with no arguments; a lambda may bind some as
+    defaults)."""
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
@@ -33,9 +36,13 @@ def alternate(methods: dict[str, Callable[[], object]], rounds: int) -> dict[str
     return times
 
 
-def bootstrap_interval(rounds: Rounds, stat: Callable[[dict[str, list[float]]], float],
+def bootstrap_interval(rounds: Rounds[T], stat: Callable[..., float],
                        n: int = 1000) -> tuple[float, float]:
     """A 90% bootstrap interval of ``stat`` over the measurement rounds.
+
+    ``stat`` takes the pooled samples, ``{configuration: samples}`` (the lambdas that
+    call it bind their other arguments as defaults, which ``Callable[[...], float]``
+    cannot express).
 
     The configurations alternate inside a round, so a round is the unit of
     resampling: each resample pools the samples of randomly drawn rounds and applies

@@ -1,0 +1,33 @@
+"""The checksum section of ``python -m bench`` runs and reports both baselines."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import bench.checksum as section
+
+
+def test_the_checksum_section_times_both_baselines_and_renders_its_table(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # One small workload on 2 ranks (the full bench runs three on 3); the ranks assert that
+    # the headline baseline never registered a comm hook.
+    monkeypatch.setattr(section, "WORKLOADS", {"reference MLP, batch 8": ("mlp", 8)})
+    res = section.checksum_overhead(2, rounds=3, block=2)
+    assert (res["world"], res["rounds"], res["block"]) == (2, 3, 2)
+    (name, w), = res["workloads"].items()
+    assert name == "reference MLP, batch 8"
+    assert w["step_ms_off"] > 0 and w["step_ms_off_hooked"] > 0
+    assert set(w["bounds"]) == {"exact", "norm"}
+    for b in w["bounds"].values():
+        assert b["step_ms"] > 0
+        for key in ("overhead", "cpu_overhead", "overhead_vs_hooked"):
+            assert math.isfinite(b[key]) and b[key] > -1.0
+        for key in ("overhead_interval_90", "overhead_vs_hooked_interval_90"):
+            lo, hi = b[key]
+            assert lo <= hi
+    table = "\n".join(section.checksum_md(res))
+    assert "(2 ranks x 1 thread)" in table and "Blocks of 2 steps, 3 rounds" in table
+    rows = [line for line in table.splitlines() if line.startswith("| reference MLP, batch 8")]
+    assert [row.split(" | ")[1] for row in rows] == ["exact", "norm"]
