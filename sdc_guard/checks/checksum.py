@@ -60,7 +60,8 @@ entry of the reference MLP the bound is about ``1e-4 M``: a flip of an exponent
 bit or of the top mantissa bits of a term of typical size is seen, a flip of the
 lower mantissa bits is not. In bfloat16 (7 mantissa bits) the bound is a few
 ulps of ``M``: only exponent and sign flips of large terms stand out
-(``docs/checks.md`` has the measured coverage per bit).
+(the campaign report's ``checksum_bits.svg`` shows, bit by bit, where the line falls;
+docs/checks/checksum.md).
 
 **Contained in the step, with no new collective.** A rank whose products fail
 writes the largest finite value of the dtype into the first element of the
