@@ -28,6 +28,12 @@ PERCENTILES = (50, 90, 99)
 MEASURES = ("latency_from_injection", "latency_from_divergence")
 
 
+def step_counts(counts: pd.Series) -> dict[str, int]:
+    """A ``value_counts`` of latencies in steps as ``{"<steps>": trials}``, in its order."""
+    return {str(int(v)): int(n) for v, n in zip(counts.index.to_numpy(dtype=float),
+                                                 counts.to_numpy(), strict=True)}
+
+
 def _describe(col: pd.Series) -> dict[str, Any] | None:
     col = col.dropna().astype(float)
     if col.empty:
@@ -64,8 +70,7 @@ def latency_distribution(faults: pd.DataFrame, sites: list[str]) -> dict[str, An
             d = _describe(g[measure])
             if d is not None:
                 cells.setdefault(str(c), {})[str(s)] = d
-        hist = {str(c): {str(int(v)): int(n) for v, n in
-                         g[measure].dropna().value_counts().sort_index().items()}
+        hist = {str(c): step_counts(g[measure].dropna().value_counts().sort_index())
                 for c, g in det.groupby("check", sort=True)}
         out[key] = {"all": _describe(det[measure]), "checks": by_check, "sites": by_site,
                     "check_site": cells,

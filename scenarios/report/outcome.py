@@ -154,8 +154,8 @@ def _fault_started(results: list[dict[str, Any]], records: list[dict[str, Any]],
 def _recovery(results: list[dict[str, Any]], golden: GoldenRun, records: list[dict[str, Any]],
               first_inj: int | None) -> dict[str, Any]:
     """The recovery columns (see the module doc); {} when the trial ran without ``[recovery]``."""
-    rec = [r.get("recovery") for r in results]
-    if any(x is None for x in rec):
+    rec: list[dict[str, Any]] = [r["recovery"] for r in results if r.get("recovery") is not None]
+    if len(rec) < len(results):
         return {}
     out: dict[str, Any] = {
         "final_matches_golden": all(x["final_fp"] == golden.state_fps[-1] for x in rec),

@@ -14,6 +14,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.patches import Rectangle
 
 SVG_METADATA: dict[str, Any] = {"Date": None}
 """SVGs without a creation date, and (``svg.hashsalt``) with the same ids on every run."""
@@ -79,7 +80,7 @@ def latency(summary: dict[str, Any], path: Path) -> None:
         ax.set_xlabel("latency (steps)")
         ax.set_title(title)
     axes[0].set_ylabel("detected trials")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[s]) for s in order
+    handles = [Rectangle((0, 0), 1, 1, color=colors[s]) for s in order
                if s in lat["from_injection"] or s in lat["from_divergence"]]
     names = [s for s in order if s in lat["from_injection"] or s in lat["from_divergence"]]
     if handles:

@@ -45,7 +45,7 @@ import pandas as pd
 from injectors import SITES
 from scenarios.report.checksum import checksum_summary
 from scenarios.report.cost import cost_model, field_coverage
-from scenarios.report.latency import latency_distribution
+from scenarios.report.latency import latency_distribution, step_counts
 from scenarios.report.stats import bootstrap_rounds, fit_interval, fit_replay_overhead, wilson
 from scenarios.report.table import json_list, py, read_trials
 from scenarios.spec.cluster import ClusterSpec, cluster_from_table
@@ -243,7 +243,7 @@ def _histogram(faults: pd.DataFrame, sites: list[str]) -> dict[str, dict[str, di
         for s in sites:
             counts = det.loc[det["site"] == s, col].dropna().value_counts(sort=False)
             if len(counts):
-                hist[key][s] = {str(int(v)): int(n) for v, n in counts.items()}
+                hist[key][s] = step_counts(counts)
     return hist
 
 

@@ -88,7 +88,7 @@ class Session:
             self.ddp.zero_grad(set_to_none=True)
             batch = self.batch_for(rank, step)
             first = batch[0] if scenario.micro_batches > 1 else batch
-            self.loss_fn(self.ddp, first).backward()
+            self.loss_fn(self.ddp, first).backward()  # type: ignore[no-untyped-call]
         self.reset()
 
     def reset(self) -> None:
@@ -112,7 +112,7 @@ class Session:
             last = i == len(batches) - 1
             with contextlib.nullcontext() if last else self.ddp.no_sync():
                 loss = self.loss_fn(self.ddp, mb)
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call]
         self.optimizer.step()
         return float(loss.detach())
 

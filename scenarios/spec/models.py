@@ -37,7 +37,8 @@ class MLP(nn.Module):
         self.net = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+        y: torch.Tensor = self.net(x)
+        return y
 
 
 class GlobalAvgPool(nn.Module):
@@ -70,7 +71,8 @@ class SmallCNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.pool(self.act1(self.norm1(self.conv1(x))))
         h = self.gap(self.act2(self.norm2(self.conv2(h))))
-        return self.head(h)
+        y: torch.Tensor = self.head(h)
+        return y
 
 
 class CausalSelfAttention(nn.Module):
@@ -87,7 +89,8 @@ class CausalSelfAttention(nn.Module):
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // self.heads))
         mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        return self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        y: torch.Tensor = self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        return y
 
 
 class Block(nn.Module):
@@ -102,7 +105,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.out(self.act(self.fc(self.ln2(x))))
+        y: torch.Tensor = x + self.out(self.act(self.fc(self.ln2(x))))
+        return y
 
 
 class TinyGPT(nn.Module):
@@ -118,7 +122,8 @@ class TinyGPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
-        return self.head(self.ln_f(self.blocks(self.tok(idx) + self.pos(pos))))
+        y: torch.Tensor = self.head(self.ln_f(self.blocks(self.tok(idx) + self.pos(pos))))
+        return y
 
 
 def build_model(kind: str, *, width: int, depth: int, seed: int) -> nn.Module:
