@@ -21,13 +21,12 @@ from sdc_guard.determinism import derive_seed, rng_stream
 from sdc_guard.fingerprints.digest import digest_value, loss_word
 from sdc_guard.fingerprints.public import tensor_value, tensor_values
 from sdc_guard.fingerprints.weighted import DEVICE_CHUNK, INT_OF_SIZE
-from sdc_guard.fingerprints.words import MASK64, to_signed64, to_unsigned64
+from sdc_guard.fingerprints.words import to_signed64, to_unsigned64
 from sdc_guard.scaling import check_nonfinite, fused_unscale_ok, scale_and_check
 
 __all__ = [
     "DEVICE_CHUNK",
     "INT_OF_SIZE",
-    "MASK64",
     "BucketListener",
     "BucketPlan",
     "PendingSum",
