@@ -257,8 +257,8 @@ def check_guard_off(world: int, rounds: int, block: int, batch: int,
                     allocator: dict[int, int] | None = None) -> dict[str, Any]:
     """``configs`` timed in blocks, as ``check_overhead_blocks``; ``allocator``: glibc
     ``mallopt`` settings each rank applies before it builds its models (``NO_TRIM``)."""
-    res: dict[str, Any] = run_ranks(_blocks_rank, world, rounds, block, batch, configs, allocator,
-                    timeout=3600)[0]
+    res: dict[str, Any] = run_ranks(_blocks_rank, world, rounds, block, batch, configs,
+                                    allocator, timeout=3600)[0]
     res.update({"world": world, "batch": batch, "rounds": rounds, "block": block,
                 "configs": [oc.name for oc in configs],
                 "allocator": {_MALLOPT_NAMES.get(k, str(k)): v
