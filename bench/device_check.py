@@ -9,7 +9,8 @@ same checks on the CPU, with gloo for the guarded steps, as a dry run):
 * ``fingerprint`` and the replay's word digest give the same value on the device
   as on the CPU, for every dtype, odd sizes, non-contiguous views, empty tensors
   and a tensor larger than one device chunk; the result stays on the device;
-* ``rng_stream`` replays the same random numbers on the device;
+* ``rng_stream`` replays the same random numbers on the device and gives the generators
+  their state back;
 * the comm hook's fused scale-and-check leaves the bits of ``mul_(1/world)`` and
   flags exactly the non-finite buffers; the step-word term and the replay's
   gradient words computed on the device equal the host values;
@@ -171,7 +172,15 @@ def check_rng(device: torch.device) -> dict[str, Any]:
     for _ in range(2):
         with rng_stream(7, 1, 3, 0, device):
             draws.append(torch.rand(1000, device=device).cpu())
-    return {"passed": torch.equal(draws[0], draws[1])}
+    before = [torch.get_rng_state(), *([torch.cuda.get_rng_state(device)]
+                                         if device.type == "cuda" else [])]
+    with rng_stream(7, 1, 3, 0, device):
+        torch.rand(1000, device=device)
+    after = [torch.get_rng_state(), *([torch.cuda.get_rng_state(device)]
+                                        if device.type == "cuda" else [])]
+    restored = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    return {"passed": torch.equal(draws[0], draws[1]) and restored,
+            "same_draws": torch.equal(draws[0], draws[1]), "state_restored": restored}
 
 
 def _guarded_rank(rank: int, world: int, device_type: str) -> dict[str, Any]:

@@ -10,6 +10,7 @@ tensors laid end to end is a sum of per-tensor parts (``digest_parts``,
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -136,15 +137,37 @@ def loss_word(losses: Sequence[torch.Tensor]) -> torch.Tensor:
     return _loss_word_tensor([loss.detach().reshape(()) for loss in losses])
 
 
+_BITS = {torch.float32: (struct.Struct("<f"), struct.Struct("<i"), 0),
+         torch.float64: (struct.Struct("<d"), struct.Struct("<q"), 0),
+         torch.float16: (struct.Struct("<e"), struct.Struct("<h"), 0),
+         torch.bfloat16: (struct.Struct("<f"), struct.Struct("<i"), 16)}
+"""dtype -> (pack the value, read its bits as a signed int, shift): a float loss's bits from
+its Python float, exactly (a bfloat16 is the top half of its float32)."""
+
+
+def _loss_bits(t: torch.Tensor) -> int:
+    """The bits of a one-element CPU loss as a signed integer of its size.
+
+    One ``.item()``: right after a backward pass, every tensor op costs tens of microseconds
+    (the caches hold the step's data, not the dispatcher's code). A NaN goes through the
+    tensor's own bits: a Python float does not keep every NaN payload.
+    """
+    value = t.item()
+    form = _BITS.get(t.dtype)
+    if form is None or value != value:
+        return int(t.detach().reshape(()).view(INT_OF_SIZE[t.element_size()]).item())
+    pack, bits, shift = form
+    word: int = bits.unpack(pack.pack(value))[0]
+    return word >> shift
+
+
 def host_loss_word(losses: Sequence[torch.Tensor]) -> int | None:
     """``loss_word`` of CPU losses of one dtype as an unsigned int (one ``.item()`` per loss,
     Python integers, no tensor op); None for losses elsewhere, which ``loss_word`` digests
     on their device."""
     if not losses or any(t.device.type != "cpu" or t.dtype != losses[0].dtype for t in losses):
         return None
-    as_int = INT_OF_SIZE[losses[0].element_size()]
-    total = sum((2 * k + 1) * int(t.detach().reshape(()).view(as_int).item())
-                for k, t in enumerate(losses))
+    total = sum((2 * k + 1) * _loss_bits(t) for k, t in enumerate(losses))
     return total & MASK64
 
 
