@@ -35,7 +35,7 @@ def _tests_python(session: nox.Session) -> Path | None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff on everything; mypy --strict on sdc_guard, injectors, scenarios and bench.
+    """ruff on everything; mypy --strict on sdc_guard, injectors, scenarios, bench and tests.
 
     mypy reads torch's (and the other dependencies') types from the ``tests`` session's
     environment when it exists, rather than installing a second copy of torch and the harness
@@ -47,7 +47,7 @@ def lint(session: nox.Session) -> None:
         _install(session)
     where = [] if tests_python is None else ["--python-executable", str(tests_python)]
     session.run("ruff", "check", ".")
-    session.run("mypy", *where, "sdc_guard", "injectors", "scenarios", "bench")
+    session.run("mypy", *where, "sdc_guard", "injectors", "scenarios", "bench", "tests")
 
 
 @nox.session(default=False)

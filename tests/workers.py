@@ -139,7 +139,7 @@ def plain_run(rank: int, world: int, steps: int, opt: str = "adamw") -> dict[str
     for s in range(steps):
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(model, batch_for(rank, s))
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         losses.append(float(loss.item()))
     out = {"losses": losses, "final": sdc_guard.fingerprint(list(model.module.parameters()))}
@@ -162,7 +162,8 @@ class DropMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.drop(self.act1(self.norm(self.fc1(x))))
-        return self.fc3(self.act2(self.fc2(h)))
+        y: torch.Tensor = self.fc3(self.act2(self.fc2(h)))
+        return y
 
 
 def _micro_batches(k: int):  # type: ignore[no-untyped-def]
@@ -203,7 +204,8 @@ def _replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
     from sdc_guard.checks import replay as replay_module
 
     counts = {"agreements": 0, "gathers": 0}
-    real_sum, real_gather = replay_module.PendingSum, replay_module.all_gather_rows
+    names = vars(replay_module)  # the names the audit calls, counted where it looks them up
+    real_sum, real_gather = names["PendingSum"], names["all_gather_rows"]
 
     def counted_sum(*a: Any, **k: Any) -> Any:
         counts["agreements"] += 1
@@ -213,8 +215,7 @@ def _replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
         counts["gathers"] += 1
         return real_gather(*a, **k)
 
-    replay_module.PendingSum = counted_sum  # type: ignore[assignment,misc]
-    replay_module.all_gather_rows = counted_gather
+    names["PendingSum"], names["all_gather_rows"] = counted_sum, counted_gather
     torch.manual_seed(0)
     model = DDP(DropMLP(batchnorm), bucket_cap_mb=bucket_mb)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -235,7 +236,7 @@ def _replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
                     bucket.buffer()[0] = float("nan")
             guard.comm.before.append(nan)
     elif fault and fault["rank"] == rank:
-        def hook(mod: nn.Module, inp: Any, out: torch.Tensor) -> torch.Tensor:
+        def flip(mod: nn.Module, inp: Any, out: torch.Tensor) -> torch.Tensor:
             s = current["step"]
             hit = (s >= fault["step"]) if fault.get("permanent") else (s == fault["step"])
             if hit and fault.get("phase", "train") in ("any", guard.phase):
@@ -244,7 +245,7 @@ def _replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
                 i = int(out.view(-1).argmax())
                 out.view(-1).view(torch.int32)[i] ^= 1 << fault.get("bit", 2)
             return out
-        getattr(model.module, fault.get("module", "act2")).register_forward_hook(hook)
+        getattr(model.module, fault.get("module", "act2")).register_forward_hook(flip)
     in_hook: list[int] = []
     for audit in (c for c in guard.checks if isinstance(c, ReplayAudit)):
         def send(audit: ReplayAudit = audit, real: Any = audit._send_replayed) -> None:
@@ -280,7 +281,8 @@ class SpareMLP(nn.Module):
         self.fc2 = nn.Linear(width, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))
+        y: torch.Tensor = self.fc2(torch.relu(self.fc1(x)))
+        return y
 
 
 def replay_layout_run(rank: int, world: int, steps: int, *, width: int,
@@ -460,7 +462,7 @@ def plain_trials(rank: int, world: int, trials: list[dict[str, Any]],
                 h.begin_step(s)
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(model, padded_batch_for(rank, s))
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()
             losses.append(loss.item())
         for h in handles:

@@ -96,7 +96,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, unquote, urlsplit
 
 __all__ = ["RequestRecord", "StandInAPIServer"]
@@ -1638,6 +1638,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = do_OPTIONS = _serve
 
 
+_Server = TypeVar("_Server", bound="StandInAPIServer")
+
+
 class StandInAPIServer:
     """A kube-apiserver stand-in on 127.0.0.1 (see the module docstring for what it reproduces).
 
@@ -1704,8 +1707,9 @@ class StandInAPIServer:
         if thread is not None:
             thread.join(timeout=5)
 
-    def __enter__(self) -> StandInAPIServer:
-        return self.start()
+    def __enter__(self: _Server) -> _Server:
+        self.start()
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -128,7 +128,7 @@ def _strict(schema: Any) -> Any:
         return [_strict(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in schema.items():
         if key == "properties":
             out[key] = {name: _strict(sub) for name, sub in value.items()}
@@ -145,7 +145,8 @@ def _strict(schema: Any) -> Any:
 @cache
 def _crd_fixture() -> Doc:
     """The vendored CRD fixture: ``{"source": {...}, "openAPIV3Schema": {...}}``."""
-    return json.loads(CRD_FIXTURE.read_text())
+    fixture: Doc = json.loads(CRD_FIXTURE.read_text())
+    return fixture
 
 
 @cache
@@ -232,7 +233,8 @@ def _rename(mapping: Doc, old: str, new: str) -> None:
 
 def _master_spec(job: Doc) -> Doc:
     """The Master replica's pod spec."""
-    return job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    spec: Doc = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    return spec
 
 
 def test_misspelled_pod_field_is_rejected_by_kubernetes_schema() -> None:
@@ -459,12 +461,14 @@ def test_master_and_workers_run_the_same_pod() -> None:
 
 def _worker(job: Doc) -> Doc:
     """The Worker replica spec."""
-    return job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    worker: Doc = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    return worker
 
 
 def _worker_main(job: Doc) -> Doc:
     """The Worker's ``pytorch`` container."""
-    return _worker(job)["template"]["spec"]["containers"][0]
+    container: Doc = _worker(job)["template"]["spec"]["containers"][0]
+    return container
 
 
 def _drop_env(name: str) -> Callable[[Doc, Doc, list[Doc]], None]:
@@ -513,7 +517,7 @@ def test_broken_pytorchjob_is_caught(name: str) -> None:
 
 def _campaign_docs() -> tuple[Doc, Doc, Doc]:
     """The campaign's Indexed Job, its merge Job and their volume claim."""
-    by_file = {i.split("#")[0]: [] for i, _ in ALL_DOCS}
+    by_file: dict[str, list[Doc]] = {i.split("#")[0]: [] for i, _ in ALL_DOCS}
     for i, d in ALL_DOCS:
         by_file[i.split("#")[0]].append(d)
     shards = {d["kind"]: d for d in by_file["campaign-shards.yaml"]}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -84,12 +85,13 @@ def test_value_faults_write_exactly_the_addressed_elements(
     original = _words(t)
     rng_seed = data.draw(st.integers(0, 1000))
     twin = random.Random(rng_seed)
-    for op, expect in (
+    ops: list[tuple[Callable[[], B.BitChange], list[int]]] = [
         (lambda: B.set_bits(t, index, word, burst=burst), [word] * burst),
         (lambda: B.zero(t, index, burst=burst), [0] * burst),
         (lambda: B.random_bits(t, index, random.Random(rng_seed), burst=burst),
          [twin.getrandbits(lay.width) for _ in range(burst)]),
-    ):
+    ]
+    for op, expect in ops:
         change = op()
         now = _words(t)
         assert list(change.after) == expect == now[index : index + burst]

@@ -44,7 +44,7 @@ def test_weight_state_and_reduced_gradient_sites_are_caught_by_the_weights_check
 ) -> None:
     log = tmp_path / "events.jsonl"
     report = {"repair_by_majority": False}  # report only: the corruption stays, every step
-    trials = [
+    trials: list[dict[str, Any]] = [
         {"steps": STEPS, "cfg": {"event_log": str(log), **report},
          "faults": [Fault(site="weight_storage", rank=1, step=2, target="2.weight", index=5,
                           bits=(0,))]},

@@ -38,7 +38,7 @@ def _train(model: nn.Module, ctx: InjectionContext | None, steps: int,
         model.zero_grad(set_to_none=True)
         logits = model(X)
         loss = F.cross_entropy(logits, Y)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         out.append({"loss": loss.item(), "logits": logits.detach().clone(),
                     "grads": {n: p.grad.clone() for n, p in model.named_parameters()
                               if p.grad is not None}})
@@ -105,7 +105,9 @@ def test_weight_storage_and_optimizer_state_at_the_start_of_the_step(tmp_path: P
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     log = tmp_path / "inj.jsonl"
     ctx = InjectionContext.plain(model, optimizer=opt, events=EventLog(log, rank=0))
-    w = model[0].weight
+    first, last = model[0], model[2]
+    assert isinstance(first, nn.Linear) and isinstance(last, nn.Linear)
+    w = first.weight
     weight = arm(Fault(site="weight_storage", rank=0, step=1, target="0.weight", index=13,
                        kind="set", value=-2.5), context=ctx)
     moment = arm(Fault(site="optimizer_state", rank=0, step=2, target="2.bias",
@@ -118,7 +120,7 @@ def test_weight_storage_and_optimizer_state_at_the_start_of_the_step(tmp_path: P
     assert w.view(-1)[13].item() == -2.5
     rec = weight.records[0]
     assert rec["after"] == [read_bits(w, 13)[0]] and rec["kind"] == "set" and rec["bits"] == []
-    m = opt.state[model[2].bias]["exp_avg"]
+    m = opt.state[last.bias]["exp_avg"]
     before = m[1].item()
     ctx.begin_step(1)  # the same step again: nothing fires twice
     ctx.begin_step(2)

@@ -21,6 +21,11 @@ from sdc_guard.fingerprints.native import disable_native
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def _checksum(guard: SDCGuard) -> ChecksumCheck:
+    """The guard's checksum check."""
+    return next(c for c in guard.checks if isinstance(c, ChecksumCheck))
+
+
 def _guard(kind: str, dtype: str, cfg: GuardConfig, *, batch: int = 8, width: int = 16,
            scaler: Any = None, comm_hook: Any = None, micro: int = 1) -> SDCGuard:
     model = DDP(build_model(kind, width=width, depth=2, seed=0).to(_DTYPES[dtype]))
@@ -46,7 +51,7 @@ def clean_run(rank: int, world: int, runs: list[tuple[str, str]], steps: int) ->
     out: dict[str, Any] = {}
     for kind, dtype in runs:
         guard = _guard(kind, dtype, GuardConfig(checksum=True, weights_interval=0))
-        check = guard.checks[-1]
+        check = _checksum(guard)
         worst = [0.0]
         record = check._record  # the tolerance's margin, measured on the way
 
@@ -67,8 +72,8 @@ def clean_run(rank: int, world: int, runs: list[tuple[str, str]], steps: int) ->
             worst[0] = max(worst[0], float(ratio))
             compare(layer, product, micro, lhs, rhs, bound, tol, rhs0, bound0)
 
-        check._record = spy  # type: ignore[method-assign]
-        check._compare = spy_native  # type: ignore[method-assign]
+        check._record = spy  # type: ignore[method-assign,assignment]
+        check._compare = spy_native  # type: ignore[method-assign,assignment]
         found = []
         skipped = []
         for s in range(steps):
@@ -159,12 +164,12 @@ def hooks_and_subclasses(rank: int, world: int) -> dict[str, Any]:
 
     guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=batch_for,
                      config=GuardConfig(checksum=True))
-    default = ([x.name for x in guard.checks[-1].layers], guard.checks[-1].skipped)
+    default = ([x.name for x in _checksum(guard).layers], _checksum(guard).skipped)
     dets = [d for s in range(5) for d in guard.step(s).detections]
     guard.flush()
     named_cfg = GuardConfig(checksum=ChecksumConfig(layers=("0", "4")))
     guard.reconfigure(named_cfg)
-    named = [x.name for x in guard.checks[-1].layers]
+    named = [x.name for x in _checksum(guard).layers]
     for s in range(5, 8):
         dets += guard.step(s).detections
     guard.flush()
@@ -185,7 +190,7 @@ def node_gx_fault(rank: int, world: int, at_step: int) -> dict[str, Any]:
     in that node's input gradient on rank 1 at ``at_step``, planted by a post-hook on the
     node registered before the check's, is an input-gradient mismatch of net.2."""
     guard = _guard("mlp", "float32", GuardConfig(checksum=True, weights_interval=0))
-    check = next(c for c in guard.checks if c.name == "checksum")
+    check = _checksum(guard)
     layer = next(x for x in check.layers if x.name == "net.2")
     armed = [False]
 
@@ -225,7 +230,8 @@ class TiedModel(nn.Module):
         self.head.weight = self.emb.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.mid(self.emb(tokens))))
+        y: torch.Tensor = self.head(torch.relu(self.mid(self.emb(tokens))))
+        return y
 
 
 def tied_run(rank: int, world: int, steps: int) -> dict[str, Any]:
@@ -245,7 +251,7 @@ def tied_run(rank: int, world: int, steps: int) -> dict[str, Any]:
 
     guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=batch_for,
                      config=GuardConfig(checksum=True, weights_interval=0))
-    check = next(c for c in guard.checks if c.name == "checksum")
+    check = _checksum(guard)
     found = []
     for s in range(steps):
         found += guard.step(s).detections
@@ -268,7 +274,8 @@ class AuxModel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.body(x))
         self.probed = self.probe(h)  # requires grad; no backward ever reaches it
-        return self.head(h)
+        y: torch.Tensor = self.head(h)
+        return y
 
 
 def unused_output_run(rank: int, world: int, steps: int, flip_at: int,

@@ -21,7 +21,7 @@ from tests import workers
 def _train(model: DDP, opt: torch.optim.Optimizer, steps: range) -> None:
     for s in steps:
         opt.zero_grad()
-        workers.loss_fn(model, workers.batch_for(0, s)).backward()
+        workers.loss_fn(model, workers.batch_for(0, s)).backward()  # type: ignore[no-untyped-call]
         opt.step()
 
 

@@ -128,8 +128,8 @@ def test_compare_counts_failures_nan_and_the_scalers_overflow(kernel: nat.Native
     bound = torch.tensor([0.0, 0.1, 1.0, 1.0, 2.0, 0.25])
 
     def count(rhs0: float, bound0: float, tol: float, finite_only: int) -> int:
-        return kernel.cs_compare(lhs.data_ptr(), rhs.data_ptr(), bound.data_ptr(), 6, rhs0,
-                                 bound0, tol, finite_only)
+        return int(kernel.cs_compare(lhs.data_ptr(), rhs.data_ptr(), bound.data_ptr(), 6, rhs0,
+                                 bound0, tol, finite_only))
 
     # |diff|: 0, 0.5, nan, inf, 1, 0.5 against bound * tol: 0, 0.1, 1, 1, 2, 0.25
     assert count(0.0, 0.0, 1.0, 0) == 4  # 0.5 > 0.1, nan, inf, 0.5 > 0.25
@@ -203,13 +203,14 @@ def test_the_hooks_single_calls_give_the_sums_and_count_the_entries_that_fail(
 
     def fwd(fresh: int, check: int) -> int:
         bs = wsum.data_ptr() + 4 * (2 * inner + 2 * out)
-        return kernel.cs_fwd(x.data_ptr(), n, inner, inner + pad, y_base.data_ptr(), out,
+        return int(kernel.cs_fwd(x.data_ptr(), n, inner, inner + pad, y_base.data_ptr(), out,
                              out + pad, w.data_ptr(), inner + pad, _ptr(b), wsum.data_ptr(), bs,
-                             fresh, res.data_ptr(), check, tol, 0, threads, threads, threads)
+                             fresh, res.data_ptr(), check, tol, 0, threads, threads,
+                             threads))
 
     assert fwd(1, 1) == 0
     wd, xd, yd = w.double(), x.double(), y_base.double()[:, :out]
-    wc, wac, wr, war, bsum = wsum.split([inner, inner, out, out, 2])
+    wc, wac, wr, war, bsum = torch.split(wsum, [inner, inner, out, out, 2])
     ones_in, ones_out = torch.ones(inner, dtype=torch.float64), torch.ones(out, dtype=torch.float64)
     assert _within(wc, ones_out @ wd, ones_out @ wd.abs(), out)
     assert _within(wac, ones_out @ wd.abs(), ones_out @ wd.abs(), out)
@@ -217,7 +218,7 @@ def test_the_hooks_single_calls_give_the_sums_and_count_the_entries_that_fail(
     assert _within(war, wd.abs() @ ones_in, wd.abs() @ ones_in, inner)
     want_b = [float(b.sum()), float(b.abs().sum())] if b is not None else [0.0, 0.0]
     assert bsum.tolist() == pytest.approx(want_b, rel=1e-5, abs=1e-6)
-    xs, xa, ys, fr, fb = res[:5 * n].split(n)
+    xs, xa, ys, fr, fb = torch.split(res[:5 * n], n)
     assert _within(xs, xd @ ones_in, xd.abs() @ ones_in, inner)
     assert _within(xa, xd.abs() @ ones_in, xd.abs() @ ones_in, inner)
     assert _within(ys, yd @ ones_out, yd.abs() @ ones_out, out)
@@ -244,15 +245,15 @@ def test_the_hooks_single_calls_give_the_sums_and_count_the_entries_that_fail(
     gx[:, :inner] = gy @ w
 
     def bwd(with_gx: bool) -> int:
-        return kernel.cs_bwd(gy.data_ptr(), n, out, out + pad, wr.data_ptr(), war.data_ptr(),
+        return int(kernel.cs_bwd(gy.data_ptr(), n, out, out + pad, wr.data_ptr(), war.data_ptr(),
                              res.data_ptr(), gw_buf[0].data_ptr(), gw_buf[1].data_ptr(),
                              int(gw > 0), int(gw == 2), int(side), res[5 * n:].data_ptr(),
                              gx.data_ptr() if with_gx else None, inner, inner + pad, tol, 0,
-                             threads, threads)
+                             threads, threads))
 
     assert bwd(side) == 0
     gyd = gy.double()
-    gxr, gxb, gxl = res[5 * n:].split(n)
+    gxr, gxb, gxl = torch.split(res[5 * n:], n)
     if gw:
         keep = gw0.double() * (gw == 2)
         want = keep + torch.stack([gyd.t() @ xs.double(), gyd.abs().t() @ xa.double()])

@@ -33,7 +33,7 @@ def test_bad_config_names_the_field(kwargs: dict[str, object], match: str) -> No
 
 def test_config_is_keyword_only() -> None:
     with pytest.raises(TypeError):
-        GuardConfig(True)  # type: ignore[misc]
+        GuardConfig(True)  # type: ignore[call-arg]
 
 
 def test_guard_refuses_a_model_that_is_not_ddp() -> None:

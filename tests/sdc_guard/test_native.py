@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -244,7 +245,7 @@ def test_an_unwritable_cache_falls_back_to_a_private_temp_dir(
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the cache directory should be")
     monkeypatch.setenv("SDC_GUARD_CACHE", str(blocker / "cache"))
-    monkeypatch.setattr(nat.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(nat, "_tried", False)
     monkeypatch.setattr(nat, "_kernel", None)
@@ -256,7 +257,7 @@ def test_an_unwritable_cache_falls_back_to_a_private_temp_dir(
 
 def test_a_temp_dir_open_to_others_is_refused(monkeypatch: pytest.MonkeyPatch,
                                               tmp_path: Path) -> None:
-    monkeypatch.setattr(nat.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
     shared = nat._private_tmp_dir()
     shared.chmod(0o777)
     with pytest.raises(RuntimeError, match="not private"):

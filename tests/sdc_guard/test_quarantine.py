@@ -24,9 +24,15 @@ TOPO = Topology(tuple(RankPlace(r, f"h{r}", n, pod=f"pod-{r}", namespace="ml")
 OTHER = {"key": "example.com/gpu-maint", "value": "x", "effect": "PreferNoSchedule"}
 
 
+class _Server(StandInAPIServer):
+    """The stand-in, with the kubeconfig the fixture wrote for it."""
+
+    kubeconfig: Path
+
+
 @pytest.fixture
 def srv(tmp_path: Path) -> Iterator[Any]:
-    with StandInAPIServer() as s:
+    with _Server() as s:
         for n in NODES:
             s.add_node(n, taints=[OTHER])
         s.kubeconfig = s.write_kubeconfig(tmp_path / "kubeconfig")
@@ -89,7 +95,7 @@ def test_a_real_version_conflict_keeps_the_other_writers_change(srv: Any) -> Non
     """A kubelet-like writer changes the node after our read: the server refuses our write
     (409), we read again, and both changes survive."""
     q = _q(srv)
-    seen = []
+    seen: list[str] = []
     original = q.api.get
 
     def get_then_bump(name: str) -> dict[str, Any]:

@@ -23,9 +23,15 @@ NODES = ["gpu-a", "gpu-b", "gpu-c"]
 OTHER_TAINT = {"key": "example.com/maintenance", "value": "soon", "effect": "PreferNoSchedule"}
 
 
+class _Server(StandInAPIServer):
+    """The stand-in, with the kubeconfig the fixture wrote for it."""
+
+    kubeconfig: Path
+
+
 @pytest.fixture
 def server(tmp_path: Path) -> Any:
-    with StandInAPIServer() as srv:
+    with _Server() as srv:
         for n in NODES:
             srv.add_node(n, taints=[OTHER_TAINT] if n == "gpu-b" else None)
         srv.add_node("gpu-spare")
@@ -77,10 +83,10 @@ def test_a_fault_on_rank_1_cordons_exactly_its_node(server: Any, tmp_path: Path)
     assert res[2]["actions"] == []
     assert res[1]["telemetry"][0]["available"] is False and res[0]["telemetry"][0] is None
     events = read_events(log)
-    det = [e for e in events if e["event"] == "detection" and e["step"] == 3]
-    assert sorted(e["rank"] for e in det) == [0, 1, 2]
-    assert all(e["suspect_nodes"] == ["gpu-b"] for e in det)
-    assert [e["evidence"].get("telemetry", {}).get("available") for e in det
+    logged = [e for e in events if e["event"] == "detection" and e["step"] == 3]
+    assert sorted(e["rank"] for e in logged) == [0, 1, 2]
+    assert all(e["suspect_nodes"] == ["gpu-b"] for e in logged)
+    assert [e["evidence"].get("telemetry", {}).get("available") for e in logged
             if e["rank"] == 1] == [False]
     cordons = [e for e in events if e["event"] == "quarantine" and e["action"] == "cordon"]
     assert [(e["rank"], e["node"], e["dry_run"]) for e in cordons] == [(0, "gpu-b", False)]

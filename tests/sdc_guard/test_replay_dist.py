@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tests import workers
@@ -107,7 +109,7 @@ def test_contained_detection_equals_run_that_never_saw_the_step() -> None:
 
 
 @pytest.mark.parametrize("variant", [{"batchnorm": True}, {"micro": 3}])
-def test_batchnorm_and_gradient_accumulation(variant: dict[str, object]) -> None:
+def test_batchnorm_and_gradient_accumulation(variant: dict[str, Any]) -> None:
     clean = run_ranks(workers.replay_run, 3, 10, **variant)
     assert all(r["detections"] == [] for r in clean)
     fault = {"rank": 1, "step": 5, "phase": "replay", "bit": 2}
@@ -143,7 +145,7 @@ def test_with_several_buckets_the_exchange_rides_the_first_and_still_contains() 
 
 @pytest.mark.parametrize("variant", [{"batchnorm": True}, {"micro": 3}])
 def test_batchnorm_and_accumulation_localise_contain_and_keep_the_blind_spot(
-        variant: dict[str, object]) -> None:
+        variant: dict[str, Any]) -> None:
     # The rest of the audit's tests on the BatchNorm and gradient-accumulation models: a flip
     # in the own computation, contained (the weights equal a run that never saw the step) ...
     fault = {"rank": 1, "step": 4, "phase": "train", "bit": 2}
