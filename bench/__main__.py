@@ -8,7 +8,8 @@ written next to the ratio it is judged by. Results go to ``bench/results.json`` 
 
 The parts: ``fingerprint`` (throughput), ``overhead`` (per check, per step and in
 blocks; the guard with its checks off beside plain DDP), ``replay`` (the replay audit
-against its ideal), ``replay_exchange`` (where the audit posts its ring exchange),
+against its ideal; also with glibc's heap trimming off), ``replay_exchange`` (where the audit
+posts its ring exchange),
 ``results`` (RESULTS.md);
 ``reference`` (the workload) and ``timing`` (repetitions, bootstrap intervals).
 ``python -m bench.throughput`` measures the campaign harness, ``python -m
@@ -66,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         # The headline replay section (the target): twice the rounds of the others,
         # as its per-audit-step medians move by about 0.1 from one 12-round run to the next.
         ("replay", lambda: replay_overhead(3, rounds=3 if q else 24, batch=128)),
+        ("replay_no_trim", lambda: replay_overhead(3, rounds=3 if q else 12, batch=128,
+                                                   allocator=NO_TRIM)),
         ("replay_exchange", lambda: replay_exchange(3, rounds=2 if q else 30,
                                                     block=2 if q else 10)),
         ("replay_alone", lambda: replay_overhead(3, rounds=3 if q else 12, batch=128,

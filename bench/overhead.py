@@ -159,11 +159,7 @@ def _blocks_rank(rank: int, world: int, rounds: int, block: int, batch: int,
     with no barrier between the steps (a barrier per step adds two meeting points of its
     own, and lines the ranks' phases up); the configurations rotate round by round.
     ``allocator``: glibc ``mallopt`` settings this rank applies first (``NO_TRIM``)."""
-    if allocator:
-        libc = ctypes.CDLL(None)
-        for param, value in allocator.items():
-            if libc.mallopt(param, value) != 1:
-                raise RuntimeError(f"glibc's mallopt({param}, {value}) refused the setting")
+    apply_allocator(allocator)
     guards, runner = reference_runs(rank, batch)
 
     names = [oc.name for oc in configs]
@@ -252,6 +248,20 @@ server that started before, with the environment of then."""
 _MALLOPT_NAMES = {M_TRIM_THRESHOLD: "M_TRIM_THRESHOLD", M_MMAP_THRESHOLD: "M_MMAP_THRESHOLD"}
 
 
+def apply_allocator(allocator: dict[int, int] | None) -> None:
+    """Apply glibc ``mallopt`` settings (``NO_TRIM``) to this process; None: as it comes."""
+    if allocator:
+        libc = ctypes.CDLL(None)
+        for param, value in allocator.items():
+            if libc.mallopt(param, value) != 1:
+                raise RuntimeError(f"glibc's mallopt({param}, {value}) refused the setting")
+
+
+def allocator_names(allocator: dict[int, int] | None) -> dict[str, int]:
+    """``allocator`` with glibc's names for its parameters (for the results)."""
+    return {_MALLOPT_NAMES.get(k, str(k)): v for k, v in (allocator or {}).items()}
+
+
 def check_guard_off(world: int, rounds: int, block: int, batch: int,
                     configs: tuple[OverheadConfig, ...] = GUARD_OFF_CONFIGS,
                     allocator: dict[int, int] | None = None) -> dict[str, Any]:
@@ -261,8 +271,7 @@ def check_guard_off(world: int, rounds: int, block: int, batch: int,
                                     allocator, timeout=3600)[0]
     res.update({"world": world, "batch": batch, "rounds": rounds, "block": block,
                 "configs": [oc.name for oc in configs],
-                "allocator": {_MALLOPT_NAMES.get(k, str(k)): v
-                              for k, v in (allocator or {}).items()}})
+                "allocator": allocator_names(allocator)})
     return res
 
 

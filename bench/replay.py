@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bench.overhead import NO_TRIM, allocator_names, apply_allocator
 from bench.reference import (
     INSTANCES,
     classification_batch,
@@ -30,8 +31,11 @@ REPLAY_INTERVALS = (1, 2, 5, 10, 50)
 
 
 def _replay_rank(rank: int, world: int, rounds: int, batch: int,
-                 native: bool = True, nonfinite: bool = True) -> dict[str, Any]:
-    """``_measure`` with the C kernel on (``native``) or the torch path forced."""
+                 native: bool = True, nonfinite: bool = True,
+                 allocator: dict[int, int] | None = None) -> dict[str, Any]:
+    """``_measure`` with the C kernel on (``native``) or the torch path forced, under glibc's
+    ``mallopt`` settings ``allocator`` (``bench.overhead.NO_TRIM``; None: as it comes)."""
+    apply_allocator(allocator)
     with native_kernel(native) as native_in_use:
         return _measure(rank, world, rounds, batch, nonfinite=nonfinite,
                         native_in_use=native_in_use)
@@ -222,10 +226,14 @@ def _measure(rank: int, world: int, rounds: int, batch: int, *, nonfinite: bool,
 
 
 def replay_overhead(world: int, rounds: int, batch: int, native: bool = True,
-                    nonfinite: bool = True) -> dict[str, Any]:
-    """The replay audit's overhead on ``world`` ranks (see ``_measure``)."""
-    res: dict[str, Any] = run_ranks(_replay_rank, world, rounds, batch, native, nonfinite, timeout=3600)[0]
-    res.update({"world": world, "batch": batch, "nonfinite": nonfinite})
+                    nonfinite: bool = True,
+                    allocator: dict[int, int] | None = None) -> dict[str, Any]:
+    """The replay audit's overhead on ``world`` ranks (see ``_measure``); ``allocator``: glibc
+    ``mallopt`` settings each rank applies before it builds its models."""
+    res: dict[str, Any] = run_ranks(_replay_rank, world, rounds, batch, native, nonfinite,
+                                    allocator, timeout=3600)[0]
+    res.update({"world": world, "batch": batch, "nonfinite": nonfinite,
+                "allocator": allocator_names(allocator)})
     return res
 
 
@@ -239,11 +247,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, default=3, help="ranks (default 3)")
     ap.add_argument("--rounds", type=int, default=12, help="rounds (default 12)")
     ap.add_argument("--alone", action="store_true", help="the non-finite check off everywhere")
+    ap.add_argument("--no-trim", action="store_true",
+                    help="each rank keeps its freed memory (glibc mallopt, as docs/usage.md "
+                         "advises): no page faults from the allocator's trimming")
     args = ap.parse_args(argv)
     if args.world < 1 or args.rounds < 1:
         ap.error(f"--world and --rounds must be at least 1 (got --world {args.world} "
                  f"--rounds {args.rounds})")
-    res = replay_overhead(args.world, rounds=args.rounds, batch=128, nonfinite=not args.alone)
+    res = replay_overhead(args.world, rounds=args.rounds, batch=128, nonfinite=not args.alone,
+                          allocator=NO_TRIM if args.no_trim else None)
     print("\n".join(replay_md(res)))
     return 0
 

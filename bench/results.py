@@ -147,6 +147,9 @@ def replay_md(rp: dict[str, Any]) -> list[str]:
     kernel = "" if rp.get("native_kernel") else ", digests on the torch path (no C kernel)"
     checks = ("the non-finite check on in every configuration" if rp.get("nonfinite", False)
               else "the replay alone")
+    alloc = rp.get("allocator") or {}
+    if alloc:
+        checks += ", glibc's heap trimming off"
     lines = [f"## Replay audit overhead ({rp['world']} rank(s), batch {rp['batch']}, {checks}, "
              f"{rp.get('rounds', rp['steps_per_config'] // 10)} rounds, alternated{kernel})", "",
              f"Replay off: {rp['step_s_replay_off']*1e3:.2f} ms/step (median) "
@@ -183,12 +186,19 @@ def replay_md(rp: dict[str, Any]) -> list[str]:
                      f"{lo:.2f} .. {hi:.2f} | "
                      f"{r.get('per_audit_step_thread_cpu_ratio', float('nan')):.2f} | {rest} | "
                      f"{_faults(r)} |")
-    lines += ["", "Page faults: minor faults of the rank's process per audit (or extra) step, "
-              "mean; memory the C library gave back to the system and the step touched again "
-              "(glibc trims its heap when enough is free at its top, and the audit step's "
-              "allocations differ from the ideal's). Each fault costs about a microsecond plus "
-              f"the page's zeroing; replay off: {rp.get('page_faults_per_step_replay_off', 0):.0f} "
-              "per step (docs/usage.md: the allocator settings that avoid them).",
+    faults = (f"Page faults: minor faults of the rank's process per audit (or extra) step, "
+              f"mean; replay off: {rp.get('page_faults_per_step_replay_off', 0):.0f} per step. "
+              + ("Each rank first set glibc's "
+                 + ", ".join(f"`mallopt({k}, {v})`" for k, v in alloc.items())
+                 + " (docs/usage.md: freed memory stays with the process): what faults remain "
+                 "come from elsewhere (the interpreter's own arenas, new buffers)."
+                 if alloc else
+                 "Memory the C library gave back to the system and the step touched again "
+                 "(glibc trims its heap when enough is free at its top, and the audit step's "
+                 "allocations differ from the ideal's). Each fault costs about a microsecond "
+                 "plus the page's zeroing (docs/usage.md: the allocator settings that avoid "
+                 "them; the section with them applied follows)."))
+    lines += ["", faults,
               "", "Per step, over the whole run (robust means: the median of the audit (or "
               "extra) steps and of the other steps, weighted 1/k and (k-1)/k, so that this "
               "machine's occasional 100 ms stalls do not swamp effects of 1%; at long "
@@ -252,6 +262,16 @@ def markdown(results: dict[str, Any]) -> str:
                   "before it (right after the replay), every step audited, alternated blocks "
                   "(`python -m bench.replay_exchange`).", "", *table(results["replay_exchange"]),
                   ""]
+    if results.get("replay_no_trim"):
+        lines += ["## The replay audit with glibc's heap trimming off", "",
+                  "The same as the first replay table, each rank keeping the memory it frees "
+                  "(the settings docs/usage.md advises for CPU training). The audit step frees "
+                  "its recomputation's gradients and activations before the step allocates; "
+                  "with glibc's defaults that memory may go back to the system and come back "
+                  "as page faults later in the step (the optimizer's temporaries), as often as "
+                  "the process's history of allocations decides. Here what is left is the "
+                  "audit's own work.", ""]
+        lines += replay_md(results["replay_no_trim"])
     if results.get("replay_alone"):
         lines += ["## The replay audit alone", "",
                   "The same, with the non-finite check off everywhere (the audit's replayed words "
