@@ -172,15 +172,17 @@ def check_rng(device: torch.device) -> dict[str, Any]:
     for _ in range(2):
         with rng_stream(7, 1, 3, 0, device):
             draws.append(torch.rand(1000, device=device).cpu())
-    before = [torch.get_rng_state(), *([torch.cuda.get_rng_state(device)]
-                                         if device.type == "cuda" else [])]
+
+    def states() -> list[torch.Tensor]:
+        return [torch.get_rng_state(),
+                *([torch.cuda.get_rng_state(device)] if device.type == "cuda" else [])]
+
+    before = states()
     with rng_stream(7, 1, 3, 0, device):
         torch.rand(1000, device=device)
-    after = [torch.get_rng_state(), *([torch.cuda.get_rng_state(device)]
-                                        if device.type == "cuda" else [])]
-    restored = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    return {"passed": torch.equal(draws[0], draws[1]) and restored,
-            "same_draws": torch.equal(draws[0], draws[1]), "state_restored": restored}
+    restored = all(torch.equal(a, b) for a, b in zip(before, states(), strict=True))
+    same = torch.equal(draws[0], draws[1])
+    return {"passed": same and restored, "same_draws": same, "state_restored": restored}
 
 
 def _guarded_rank(rank: int, world: int, device_type: str) -> dict[str, Any]:

@@ -197,7 +197,7 @@ def replay_md(rp: dict[str, Any]) -> list[str]:
                  "(glibc trims its heap when enough is free at its top, and the audit step's "
                  "allocations differ from the ideal's). Each fault costs about a microsecond "
                  "plus the page's zeroing (docs/usage.md: the allocator settings that avoid "
-                 "them; the section with them applied follows)."))
+                 "them; `python -m bench.replay --no-trim` times the audit with them)."))
     lines += ["", faults,
               "", "Per step, over the whole run (robust means: the median of the audit (or "
               "extra) steps and of the other steps, weighted 1/k and (k-1)/k, so that this "
