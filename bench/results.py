@@ -148,6 +148,7 @@ def replay_md(rp: dict[str, Any]) -> list[str]:
     checks = ("the non-finite check on in every configuration" if rp.get("nonfinite", False)
               else "the replay alone")
     alloc = rp.get("allocator") or {}
+    pooled = all("per_audit_step_ratio_pooled" in r for r in rp["intervals"].values())
     if alloc:
         checks += ", glibc's heap trimming off"
     lines = [f"## Replay audit overhead ({rp['world']} rank(s), batch {rp['batch']}, {checks}, "
@@ -167,25 +168,37 @@ def replay_md(rp: dict[str, Any]) -> list[str]:
              "(over \"off\" for k = 1), against the same for the ideal's extra "
              "forward+backward. Comparing steps within one configuration keeps the noise "
              "between configurations out, which at long intervals is larger than the whole "
-             "effect. The main-thread CPU column is the same ratio in the rank's main-thread "
+             "effect. " + (
+                 "The headline is the median over rounds of each round's ratio (a round's "
+                 "blocks ran one after another on one model instance), as the checksum table's; "
+                 "the pooled column takes each median over every round's steps first. "
+                 if pooled else
+                 "The ratio of the medians over every round's steps (this run predates the "
+                 "median over rounds of each round's ratio). ") +
+             "The main-thread CPU column is the pooled ratio in the rank's main-thread "
              "CPU time: the work an audit adds, without the waits of 3 ranks sharing 2 cores. "
              "The last column checks the premise: the audit configuration's other "
              "steps cost what \"off\" costs.", "",
              "| interval | audit step extra (ms) | ideal step extra (ms) | **measured / ideal, per "
-             "audit step** | 90% interval (bootstrap over rounds) | main-thread CPU, measured / "
-             "ideal | audit's other steps vs off (ms, 90% interval) | page faults per audit "
-             "step: audit / ideal |",
-             "|---|---|---|---|---|---|---|---|"]
+             "audit step** | 90% interval (bootstrap over rounds) | "
+             + ("pooled medians (90% interval) | " if pooled else "")
+             + "main-thread CPU, measured / ideal | audit's other steps vs off (ms, 90% interval) "
+             "| page faults per audit step: audit / ideal |",
+             "|---|---|---|---|---|---|---|---|" + ("---|" if pooled else "")]
     for k, r in rp["intervals"].items():
         lo, hi = r["per_audit_step_ratio_interval_90"]
         rlo, rhi = r["audit_rest_vs_off_interval_90"]
         rest = ("-" if k == "1" else f"{r['audit_rest_vs_off_s']*1e3:+.2f} "
                 f"({rlo*1e3:+.2f} .. {rhi*1e3:+.2f})")
+        if pooled:
+            plo, phi = r["per_audit_step_ratio_pooled_interval_90"]
+            rest = f"{r['per_audit_step_ratio_pooled']:.2f} ({plo:.2f} .. {phi:.2f}) | " + (
+                f"{r.get('per_audit_step_thread_cpu_ratio', float('nan')):.2f} | {rest}")
+        else:
+            rest = f"{r.get('per_audit_step_thread_cpu_ratio', float('nan')):.2f} | {rest}"
         lines.append(f"| {k} | {r['audit_step_extra_s']*1e3:.2f} | "
                      f"{r['ideal_step_extra_s']*1e3:.2f} | **{r['per_audit_step_ratio']:.2f}** | "
-                     f"{lo:.2f} .. {hi:.2f} | "
-                     f"{r.get('per_audit_step_thread_cpu_ratio', float('nan')):.2f} | {rest} | "
-                     f"{_faults(r)} |")
+                     f"{lo:.2f} .. {hi:.2f} | {rest} | {_faults(r)} |")
     faults = (f"Page faults: minor faults of the rank's process per audit (or extra) step, "
               f"mean; replay off: {rp.get('page_faults_per_step_replay_off', 0):.0f} per step. "
               + ("Each rank first set glibc's "
