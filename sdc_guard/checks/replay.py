@@ -64,7 +64,9 @@ seen by this check (the non-finite and weight checks still run every step).
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -117,6 +119,11 @@ def _loss_word(losses: Sequence[torch.Tensor]) -> Word:
     """``loss_word`` as a host int for CPU losses, else as a tensor on their device."""
     host = host_loss_word(losses)
     return host if host is not None else loss_word(losses)
+
+
+_TWO_WORDS = struct.Struct("=qq")
+"""Two int64 words as they lie in a CPU tensor's memory (native byte order): the replayed
+words written into the send buffer without a tensor op (``ReplayAudit._send_replayed``)."""
 
 
 def as_tensor(w: Word, device: torch.device | None = None) -> torch.Tensor:
@@ -306,6 +313,8 @@ class ReplayAudit(Check, BucketListener):
         self._exchange: list[Any] = []
         self._peer = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._sent: torch.Tensor | None = None
+        self._send_buf = torch.zeros(2, dtype=torch.int64)
+        """The replayed words on their way to the owner (CPU): written in place, no tensor op."""
         self._veto_asked = False
         self._send_due = False
         """The exchange waits for this step's first gradient bucket (``local``)."""
@@ -405,7 +414,13 @@ class ReplayAudit(Check, BucketListener):
         thread at a moment of its own, which preempts a rank that is computing
         (``python -m bench.replay_exchange`` times both placements side by side)."""
         assert self._replayed is not None
-        words = words_tensor(self._replayed, self.device)
+        if self.device.type == "cpu" and all(isinstance(w, int) for w in self._replayed):
+            self._finish_exchange()  # (always done by now) the buffer must outlive its send
+            words = self._send_buf
+            ctypes.memmove(words.data_ptr(),
+                           _TWO_WORDS.pack(*(to_signed64(int(w)) for w in self._replayed)), 16)
+        else:
+            words = words_tensor(self._replayed, self.device)
         nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world
         if self.device.type == "cpu":
             # gloo sends each op on its own (batch_isend_irecv would loop over them): post
