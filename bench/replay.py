@@ -198,12 +198,12 @@ def _measure(rank: int, world: int, rounds: int, batch: int, *, nonfinite: bool,
         sub = {n: per_round[n] for n in ("off", a, b)}
         # The headline: each round's own ratio (its blocks ran on one model instance, one
         # after another), then the median over rounds, as the checksum table takes its own.
-        ratios = {"round": [[per_hit(one, a) / per_hit(one, b)] for one in (
-            {n: per_round[n][r] for n in sub} for r in range(rounds))]}
+        round_ratios = [per_hit(one, a) / per_hit(one, b)
+                        for one in ({n: v[r] for n, v in sub.items()} for r in range(rounds))]
         out["intervals"][str(k)] = {
-            "per_audit_step_ratio": statistics.median(r for (r,) in ratios["round"]),
+            "per_audit_step_ratio": statistics.median(round_ratios),
             "per_audit_step_ratio_interval_90": bootstrap_interval(
-                ratios, lambda m: statistics.median(m["round"])),
+                {"round": [[x] for x in round_ratios]}, lambda m: statistics.median(m["round"])),
             "per_audit_step_ratio_pooled": per_hit(tagged, a) / per_hit(tagged, b),
             "per_audit_step_ratio_pooled_interval_90": bootstrap_interval(
                 sub, lambda m, a=a, b=b: per_hit(m, a) / per_hit(m, b)),
