@@ -190,15 +190,15 @@ def replay_md(rp: dict[str, Any]) -> list[str]:
         rlo, rhi = r["audit_rest_vs_off_interval_90"]
         rest = ("-" if k == "1" else f"{r['audit_rest_vs_off_s']*1e3:+.2f} "
                 f"({rlo*1e3:+.2f} .. {rhi*1e3:+.2f})")
+        pooled_cell = ""
         if pooled:
             plo, phi = r["per_audit_step_ratio_pooled_interval_90"]
-            rest = f"{r['per_audit_step_ratio_pooled']:.2f} ({plo:.2f} .. {phi:.2f}) | " + (
-                f"{r.get('per_audit_step_thread_cpu_ratio', float('nan')):.2f} | {rest}")
-        else:
-            rest = f"{r.get('per_audit_step_thread_cpu_ratio', float('nan')):.2f} | {rest}"
+            pooled_cell = f"{r['per_audit_step_ratio_pooled']:.2f} ({plo:.2f} .. {phi:.2f}) | "
         lines.append(f"| {k} | {r['audit_step_extra_s']*1e3:.2f} | "
                      f"{r['ideal_step_extra_s']*1e3:.2f} | **{r['per_audit_step_ratio']:.2f}** | "
-                     f"{lo:.2f} .. {hi:.2f} | {rest} | {_faults(r)} |")
+                     f"{lo:.2f} .. {hi:.2f} | {pooled_cell}"
+                     f"{r.get('per_audit_step_thread_cpu_ratio', float('nan')):.2f} | {rest} | "
+                     f"{_faults(r)} |")
     faults = (f"Page faults: minor faults of the rank's process per audit (or extra) step, "
               f"mean; replay off: {rp.get('page_faults_per_step_replay_off', 0):.0f} per step. "
               + ("Each rank first set glibc's "
