@@ -124,6 +124,7 @@ class GuardCommHook:
     ) -> None:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
         self.inner_hook = inner_hook
         self.inner_state = inner_state
         self.before: list[BucketCallback] = []
@@ -139,7 +140,8 @@ class GuardCommHook:
         self.step = -1
         """The step being computed (set by ``begin_step``; fault injectors read it)."""
         self.sentinel: torch.Tensor | None = None
-        """The first element of this step's reduced last bucket, when a listener wants vetoes."""
+        """The sentinel's slots in this step's reduced last bucket (its first ``world``
+        elements), when a listener wants vetoes."""
 
     def subscribe(self, listener: BucketListener) -> None:
         """Dispatch per-bucket events to ``listener`` from now on (checks, when built)."""
@@ -152,10 +154,14 @@ class GuardCommHook:
 
     def _veto(self, bucket: GradBucket) -> None:
         """The veto sentinel: a listener that withholds the step writes the dtype's largest
-        finite value into the first element of the last bucket, after the scaling pass (so
-        the local non-finite scan never sees it) and before the all-reduce, which carries it
-        to every rank (``vetoed``). Only with our own all-reduce: a user's hook may compress
-        or keep state, and its listeners veto by a word of their own instead."""
+        finite value into the last bucket, after the scaling pass (so the local non-finite
+        scan never sees it) and before the all-reduce, which carries it to every rank
+        (``vetoed``). Each rank writes its own slot, element ``rank`` of the bucket: two
+        ranks vetoing in one step then leave two finite sentinels, not one sum that
+        overflows to Inf (which the non-finite check would report as a fault in the
+        reduction, and a ``GradScaler`` as an overflow). Only with our own all-reduce: a
+        user's hook may compress or keep state, and its listeners veto by a word of their
+        own instead."""
         if self.inner_hook is not None:
             for lst in self.listeners:
                 if lst.wants_veto:
@@ -165,25 +171,28 @@ class GuardCommHook:
                  if (f := lst.veto()) is not None and f is not False]
         if not flags:
             return
-        first = bucket.buffer().view(-1)[:1]
-        big = torch.finfo(first.dtype).max
+        flat = bucket.buffer().view(-1)
+        slot = self.rank % flat.numel()  # a bucket smaller than the world shares its slots
+        mine = flat[slot:slot + 1]
+        big = torch.finfo(mine.dtype).max
         if all(isinstance(f, bool) for f in flags):
-            first.fill_(big)
+            mine.fill_(big)
             return
-        flag = torch.stack([torch.as_tensor(f, device=first.device) for f in flags]).any()
-        first.copy_(torch.where(flag, torch.full_like(first, big), first))  # no host sync
+        flag = torch.stack([torch.as_tensor(f, device=mine.device) for f in flags]).any()
+        mine.copy_(torch.where(flag, torch.full_like(mine, big), mine))  # no host sync
 
     def vetoed(self, *, expect_overflow: bool = False) -> bool:
         """Did some rank veto this step (``veto``)? Read from this rank's copy of the reduced
-        sentinel: at least half the dtype's largest finite value (no gradient is that large;
-        a corrupt one that is deserves the same). Non-finite (two vetoes overflow, or a
-        non-finite gradient): True, unless a ``GradScaler`` is there to skip the step itself.
-        One host read (a sync on a device)."""
+        sentinel's slots: one of them at least half the dtype's largest finite value (no
+        gradient is that large; a corrupt one that is deserves the same). Non-finite (a
+        non-finite gradient, which could hide a veto): True, unless a ``GradScaler`` is
+        there to skip the step itself. One host read (a sync on a device)."""
         if self.sentinel is None:
             return False
-        value = float(self.sentinel.item())
-        if math.isfinite(value):
-            return abs(value) >= torch.finfo(self.sentinel.dtype).max / 2
+        values = self.sentinel.tolist()
+        if all(math.isfinite(v) for v in values):
+            half = torch.finfo(self.sentinel.dtype).max / 2
+            return any(abs(v) >= half for v in values)
         return not expect_overflow
 
     def _local(self, bucket: GradBucket) -> None:
@@ -255,7 +264,7 @@ class GuardCommHook:
                 cb(bucket, out)
             if last and state.inner_hook is None and any(
                     lst.wants_veto for lst in state.listeners):
-                state.sentinel = out.view(-1)[:1]
+                state.sentinel = out.view(-1)[:state.world_size]
             for lst in state.listeners:
                 lst.reduced(bucket, out)
             return out

@@ -64,21 +64,20 @@ ulps of ``M``: only exponent and sign flips of large terms stand out
 docs/checks/checksum.md).
 
 **Contained in the step, with no new collective.** A rank whose products fail
-writes the largest finite value of the dtype into the first element of the
-step's last gradient bucket, after the non-finite scan and before the
-all-reduce (``GuardCommHook``: the *veto sentinel*). The all-reduce then
-carries it to every rank, where that element is at least half the largest
+writes the largest finite value of the dtype into its own slot (element
+``rank``) of the step's last gradient bucket, after the non-finite scan and
+before the all-reduce (``GuardCommHook``: the *veto sentinel*). The all-reduce
+then carries it to every rank, where that element is at least half the largest
 finite value (no real gradient is): every rank withholds its optimizer step,
-the same step, without a word exchanged. The sentinel is finite, so the
-non-finite check does not report it, and a ``GradScaler`` does not see an
-overflow (the guard skips its ``step`` and ``update``: the scale is kept). Two
-ranks vetoing at once overflow the sentinel to Inf: the step is withheld all the
-same (by this check without a scaler; with one, the scaler skips it and lowers
-its scale). With a comm hook of the user's own (which may compress or keep
-state), the sentinel is not written: the veto travels in a one-word all-reduce
-started just before the last gradient all-reduce and waited for before the
-optimizer step instead. ``GuardConfig.skip_step_on_detection=False`` turns
-containment off (nothing is written into the gradients).
+the same step, without a word exchanged. The sentinel is finite, also when
+several ranks veto at once (each writes its own slot), so the non-finite check
+does not report it, and a ``GradScaler`` does not see an overflow (the guard
+skips its ``step`` and ``update``: the scale is kept). With a comm hook of the
+user's own (which may compress or keep state), the sentinel is not written:
+the veto travels in a one-word all-reduce started just before the last
+gradient all-reduce and waited for before the optimizer step instead.
+``GuardConfig.skip_step_on_detection=False`` turns containment off (nothing is
+written into the gradients).
 
 **Naming the rank needs one word**, exchanged like the non-finite check's
 (``flagword.DeferredFlags``): every rank puts the products that failed (three

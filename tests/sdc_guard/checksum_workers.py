@@ -88,11 +88,13 @@ def clean_run(rank: int, world: int, runs: list[tuple[str, str]], steps: int) ->
     return out
 
 
-def fault_runs(rank: int, world: int, faults: list[dict[str, Any]], cfg: dict[str, Any],
+def fault_runs(rank: int, world: int, faults: list[dict[str, Any] | list[dict[str, Any]]],
+               cfg: dict[str, Any],
                kind: str = "mlp", scaler: bool = False, user_hook: bool = False,
                micro: int = 1, native: bool = True) -> list[dict[str, Any]]:
-    """One guard; per fault: fresh checks, the fault armed, 4 steps, flush, disarm.
-    ``native=False``: the torch ops only (no C kernel in this rank)."""
+    """One guard; per fault: fresh checks, the fault armed, 4 steps, flush, disarm. An entry
+    may be a list of faults, armed together. ``native=False``: the torch ops only (no C
+    kernel in this rank)."""
     if not native:
         disable_native()
     hook = None
@@ -108,7 +110,8 @@ def fault_runs(rank: int, world: int, faults: list[dict[str, Any]], cfg: dict[st
     step = 0
     for f in faults:
         guard.reconfigure(guard.config)
-        h = arm(Fault(**{**f, "step": step + 1}), guard=guard)
+        handles = [arm(Fault(**{**one, "step": step + 1}), guard=guard)
+                   for one in (f if isinstance(f, list) else [f])]
         before = [p.detach().clone() for p in model.parameters()]
         reports = []
         states = []
@@ -117,9 +120,10 @@ def fault_runs(rank: int, world: int, faults: list[dict[str, Any]], cfg: dict[st
             states.append(sdc_guard.fingerprint(list(model.parameters())))
             step += 1
         found = [d for r in reports for d in r.detections] + guard.flush()
-        h.remove()
+        for h in handles:
+            h.remove()
         results.append({
-            "fired": [(rec["step"], rec["bits"]) for rec in h.records],
+            "fired": [(rec["step"], rec["bits"]) for h in handles for rec in h.records],
             "detections": _dets(found),
             "layers": [d.evidence.get("ranks", {}) for d in found],
             "entries": [d.evidence.get("entries") for d in found],

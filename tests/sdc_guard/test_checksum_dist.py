@@ -63,6 +63,23 @@ def test_grad_scaler_keeps_its_scale_and_user_comm_hook_still_contains() -> None
     _assert_caught(res, faults, "net.2")
 
 
+@pytest.mark.parametrize("scaler", [False, True], ids=["plain", "grad-scaler"])
+def test_two_ranks_vetoing_in_one_step_make_one_detection(scaler: bool) -> None:
+    # Ranks 1 and 2 fail a product in the same step: each writes its own slot of the veto
+    # sentinel, so the reduced gradients stay finite. One checksum detection names both;
+    # the non-finite check reports nothing and a GradScaler keeps its scale.
+    both = [{**f, "rank": r} for r in (1, 2) for f in _faults(bits=(30,))[:1]]
+    res = run_ranks(W.fault_runs, 3, [both], {"checksum": True, "nonfinite": True},
+                    scaler=scaler, timeout=300)
+    step = res[1][0]["fired"][0][0]
+    for rank in res:
+        r = rank[0]
+        assert r["detections"] == [("checksum", step, (1, 2))], r["detections"]
+        assert r["skipped"] == [step]
+        assert r["scale"] == (256.0 if scaler else None)
+    assert len({tuple(rank[0]["states"]) for rank in res}) == 1
+
+
 def test_report_only_leaves_the_gradients_alone() -> None:
     faults = _faults(bits=(29,))[:1]
     res = run_ranks(W.fault_runs, 3, faults, {"checksum": True, "nonfinite": False,

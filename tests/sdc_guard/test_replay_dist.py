@@ -100,6 +100,16 @@ def test_permanent_fault_on_rank_2_caught_at_first_audit_step() -> None:
         assert first == ("replay", 3, (2,))
 
 
+def test_a_fault_in_both_computations_of_a_rank_is_one_replay_detection() -> None:
+    # Rank 1 computes its own batch and its replay of rank 2's wrong: ranks 1 and 2 both
+    # veto. Their sentinels lie in slots of their own, so the reduced gradients stay finite
+    # and the non-finite check does not report a fault in the reduction.
+    fault = {"rank": 1, "step": 2, "phase": "any", "bit": 9, "permanent": True}
+    for r in run_ranks(workers.replay_run, 3, 3, fault=fault):
+        assert r["detections"] == [("replay", 2, (1,))], r["detections"]
+        assert r["skipped"] == [2]
+
+
 def test_contained_detection_equals_run_that_never_saw_the_step() -> None:
     fault = {"rank": 1, "step": 4, "phase": "train", "bit": 2}
     faulty = run_ranks(workers.replay_run, 3, 8, fault=fault)
