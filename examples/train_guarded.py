@@ -15,6 +15,10 @@ breaker tripped, the API refused), it exits 1 instead, which ``ExitCode`` treats
 permanent: a human should look. Without ``--act`` (the default, a dry run) training goes on.
 
     python examples/train_guarded.py --steps 200 [--act] [--kubeconfig PATH] [--plant-fault STEP]
+    torchrun --standalone --nproc-per-node 3 examples/train_guarded.py --no-quarantine --plant-fault 20
+
+Without Kubernetes credentials (in-cluster, or ``--kubeconfig``) it exits with code 2 at once
+and says so; ``--no-quarantine`` detects and repairs without a cluster.
 
 ``--plant-fault STEP`` sticks a bit of one weight of rank 1 at 1 from STEP on, to see the whole
 path: the weights check repairs it from the majority once, and convicts rank 1 the second
@@ -36,7 +40,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sdc_guard
-from sdc_guard.remediation import KubeQuarantine
+from sdc_guard.remediation import KubeError, KubeQuarantine
 
 
 def make_model() -> nn.Module:
@@ -82,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
+    try:  # before the process group: a rank that cannot start leaves no peer waiting
+        quarantine = None if args.no_quarantine else KubeQuarantine(
+            dry_run=not args.act, max_nodes=1, max_fraction=0.1, kubeconfig=args.kubeconfig)
+    except KubeError as e:
+        print(f"train_guarded: {e}; or --no-quarantine to detect only", file=sys.stderr)
+        return 2
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo", init_method="env://")
     rank = dist.get_rank()
@@ -91,8 +101,6 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     model = DDP(make_model().to(device), device_ids=[device.index] if cuda else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    quarantine = None if args.no_quarantine else KubeQuarantine(
-        dry_run=not args.act, max_nodes=1, max_fraction=0.1, kubeconfig=args.kubeconfig)
     config = sdc_guard.GuardConfig(replay_interval=4, deterministic=True,
                                    event_log=args.event_log)
     guard = sdc_guard.SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for(device),
