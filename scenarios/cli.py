@@ -52,7 +52,8 @@ def _run_campaign(campaign: CampaignSpec, out: Path, cache: str | None, progress
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m scenarios", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m scenarios",
+                                 description=__doc__.splitlines()[0].replace("``", ""))
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run one scenario file: golden run and its faults")
     run.add_argument("file")

@@ -9,7 +9,8 @@ from sdc_guard.remediation import cli as quarantine_cli
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sdc_guard", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m sdc_guard",
+                                     description=(__doc__ or "").replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True)
     quarantine_cli.add_parser(sub)
     args = parser.parse_args(argv)

@@ -39,7 +39,8 @@ from sdc_guard.remediation.evidence import (
 
 def add_parser(sub: Any) -> None:
     q = sub.add_parser("quarantine", help="list, show or release nodes quarantined by sdc-guard",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=(__doc__ or "").replace("``", ""),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     auth = argparse.ArgumentParser(add_help=False)
     auth.add_argument("--kubeconfig", default=None,
                       help="kubeconfig path (default: $KUBECONFIG, else ~/.kube/config)")
