@@ -285,6 +285,23 @@ class SpareMLP(nn.Module):
         return y
 
 
+def unused_without_find_run(rank: int, world: int) -> dict[str, Any]:
+    """A parameter the forward never uses, and DDP not told (``find_unused_parameters``): what
+    the first audit step says, and whether anything was reported as a detection."""
+    torch.manual_seed(0)
+    model = DDP(SpareMLP(32, True))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    found: list[sdc_guard.Detection] = []
+    cfg = GuardConfig(replay_interval=1, deterministic=True)
+    guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for, config=cfg,
+                     on_detection=found.append)
+    try:
+        guard.step(0)
+    except RuntimeError as e:
+        return {"error": str(e), "detections": found}
+    return {"error": None, "detections": found}
+
+
 def replay_layout_run(rank: int, world: int, steps: int, *, width: int,
                       unused: bool = False, bucket_mb: float = 25.0,
                       as_view: bool = False) -> dict[str, Any]:

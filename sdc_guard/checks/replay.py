@@ -320,6 +320,8 @@ class ReplayAudit(Check, BucketListener):
         """The exchange waits for this step's first gradient bucket (``local``)."""
         self._buckets = 0
         """Gradient buckets the comm hook has shown this audit step."""
+        self._own_params = 0
+        """Parameters whose gradients those buckets held (``_check_complete``)."""
         self._many_buckets = False
         """The last audit step had more than one bucket: the exchange waits for the first."""
         self.exchange_with_first_bucket = True
@@ -342,6 +344,7 @@ class ReplayAudit(Check, BucketListener):
             self._send_due = False
             self._send_replayed()
         idx = [self.index.get(id(p), -1) for p in bucket.parameters()]
+        self._own_params += sum(i >= 0 for i in idx)
         plan = self._plan(bucket, idx)
         if plan is None:
             kept = [(i, g) for i, g in zip(idx, bucket.gradients(), strict=True) if i >= 0]
@@ -396,6 +399,7 @@ class ReplayAudit(Check, BucketListener):
         self._pending = None
         self._veto_asked = False
         self._buckets = 0
+        self._own_params = 0
         self.phase = "train"
         self._observing = True
         self._replayed = self._replay((self.rank + 1) % self.world, step, "replay")
@@ -524,6 +528,7 @@ class ReplayAudit(Check, BucketListener):
         single bad edges, localise. A detection withholds the step on every rank."""
         if self._replayed is None:
             raise RuntimeError("ReplayAudit.pre_step: begin_step did not run this step")
+        self._check_complete(step)
         try:
             if self._veto_asked:  # the owners compared: a veto (or a non-finite gradient
                 # anywhere, which may hide one) sends every rank to the gather
@@ -549,6 +554,26 @@ class ReplayAudit(Check, BucketListener):
         else:
             self.verified(step)
         return Verdict(found, withhold=bool(found))
+
+    def _check_complete(self, step: int) -> None:
+        """Refuse to compare an own gradient word that misses parameters.
+
+        DDP reduces a bucket only once every gradient in it (and in the buckets before it)
+        is ready. A parameter the forward did not use, without
+        ``find_unused_parameters=True``, never gets one: its bucket and every later one never
+        reach the comm hook, the own word lacks their share, and every edge of the ring
+        would disagree on every rank, a detection with every rank a suspect (a quarantine).
+        The error instead names the fix; DDP raises on the next step for the same reason.
+        Every rank has the same parameters, so every rank raises here, before any collective
+        of the verdict."""
+        if self._own_params < len(self.params):
+            raise RuntimeError(
+                f"replay audit, step {step}: the gradient buckets DDP reduced held "
+                f"{self._own_params} of the {len(self.params)} parameters that require "
+                "gradients: the others got none (the forward did not use them), so their "
+                "buckets never reached the all-reduce and nothing can be compared. Construct "
+                "DistributedDataParallel(..., find_unused_parameters=True), or set "
+                "requires_grad=False on the parameters the forward does not use.")
 
     def judge(self, step: int, words: list[list[int]]) -> list[Detection]:
         """The detection, if any, from every rank's four words (row r: rank r, as ``row()``)."""

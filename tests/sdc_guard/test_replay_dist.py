@@ -110,6 +110,15 @@ def test_a_fault_in_both_computations_of_a_rank_is_one_replay_detection() -> Non
         assert r["skipped"] == [2]
 
 
+def test_a_parameter_without_gradient_is_an_error_naming_the_fix_not_a_detection() -> None:
+    # Without find_unused_parameters its bucket never reaches the comm hook: the own word is
+    # incomplete and every edge would disagree (every rank a suspect). Every rank raises.
+    for r in run_ranks(workers.unused_without_find_run, 3):
+        assert r["detections"] == []
+        assert r["error"] is not None and "find_unused_parameters=True" in r["error"]
+        assert "held 0 of the 6 parameters" in r["error"], r["error"]  # one bucket, never ready
+
+
 def test_contained_detection_equals_run_that_never_saw_the_step() -> None:
     fault = {"rank": 1, "step": 4, "phase": "train", "bit": 2}
     faulty = run_ranks(workers.replay_run, 3, 8, fault=fault)
