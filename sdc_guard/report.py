@@ -17,7 +17,8 @@ class Detection:
     step: int
     """The training step at which it fired."""
     suspect_ranks: tuple[int, ...]
-    """The ranks the evidence blames; empty when it cannot attribute (e.g. world size 2)."""
+    """The ranks the evidence blames, in the guard's process group (the global ranks unless
+    ``SDCGuard(process_group=...)``); empty when it cannot attribute (e.g. world size 2)."""
     detail: str = ""
     """A sentence for humans: what differed and why these suspects."""
     evidence: dict[str, Any] = field(default_factory=dict, compare=False)

@@ -285,6 +285,37 @@ class SpareMLP(nn.Module):
         return y
 
 
+def subgroup_run(rank: int, world: int, steps: int, fault_rank: int,
+                 fault_step: int) -> dict[str, Any]:
+    """Two DDP replicas sets in one job, each guarded over its own process group (ranks
+    0-2 and 3-5, each on a node of its own): a flipped activation on global rank
+    ``fault_rank`` at ``fault_step``, the replay audit every step."""
+    os.environ["NODE_NAME"] = f"node-{rank}"
+    groups = [dist.new_group([0, 1, 2]), dist.new_group([3, 4, 5])]
+    group = groups[rank // 3]
+    model = DDP(make_mlp(), process_group=group)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = GuardConfig(replay_interval=1, deterministic=True)
+    guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for, config=cfg,
+                     process_group=group)
+    current = {"step": -1}
+    if rank == fault_rank:
+        def flip(mod: nn.Module, inp: Any, out: torch.Tensor) -> torch.Tensor:
+            if current["step"] == fault_step and guard.phase == "train":
+                out = out.clone()
+                out.view(-1).view(torch.int32)[int(out.view(-1).argmax())] ^= 1 << 26
+            return out
+        model.module[1].register_forward_hook(flip)
+    reports = []
+    for s in range(steps):
+        current["step"] = s
+        reports.append(guard.step(s))
+    found = [d for r in reports for d in r.detections] + guard.flush()
+    return {"detections": [(d.check, d.step, d.suspect_ranks, d.suspect_nodes) for d in found],
+            "skipped": [r.step for r in reports if r.skipped],
+            "final": sdc_guard.fingerprint(list(model.module.parameters()))}
+
+
 def unused_without_find_run(rank: int, world: int) -> dict[str, Any]:
     """A parameter the forward never uses, and DDP not told (``find_unused_parameters``): what
     the first audit step says, and whether anything was reported as a detection."""

@@ -119,6 +119,19 @@ def test_a_parameter_without_gradient_is_an_error_naming_the_fix_not_a_detection
         assert "held 0 of the 6 parameters" in r["error"], r["error"]  # one bucket, never ready
 
 
+def test_a_guard_over_a_process_group_of_its_own_names_its_ranks_and_nodes() -> None:
+    # Two replica sets in a job of 6 (ranks 0-2, 3-5), each guarded over its own group. A
+    # fault on global rank 4 is rank 1 of the second group: named there, with its node,
+    # and withheld there only; the first group trains on, unaware.
+    res = run_ranks(workers.subgroup_run, 6, 5, 4, 3, timeout=300)
+    for r in res[:3]:
+        assert r["detections"] == [] and r["skipped"] == []
+    for r in res[3:]:
+        assert r["detections"] == [("replay", 3, (1,), ("node-4",))], r["detections"]
+        assert r["skipped"] == [3]
+    assert len({r["final"] for r in res[:3]}) == 1 and len({r["final"] for r in res[3:]}) == 1
+
+
 def test_contained_detection_equals_run_that_never_saw_the_step() -> None:
     fault = {"rank": 1, "step": 4, "phase": "train", "bit": 2}
     faulty = run_ranks(workers.replay_run, 3, 8, fault=fault)
