@@ -156,6 +156,15 @@ class SDCGuard:
                 "replay audit recomputes a neighbour's micro-batch, so pass "
                 "SDCGuard(..., batch_for=lambda rank, step: ...) or set replay_interval=0."
             )
+        if config.micro_batches > 1 and getattr(self.model, "static_graph", False):
+            raise ValueError(
+                f"GuardConfig.micro_batches={config.micro_batches} with "
+                "DistributedDataParallel(static_graph=True): the guard accumulates the first "
+                "micro-batches under no_sync(), which PyTorch's reducer does not support with a "
+                "static graph (an internal assert on the first backward, then gradients no "
+                "longer all-reduced: pytorch/pytorch#143580). Build DDP without static_graph, "
+                "or set micro_batches=1."
+            )
         if config.deterministic:
             enable_determinism(config.seed)
         for check in self.checks:

@@ -54,6 +54,19 @@ def test_guard_refuses_a_ddp_model_with_a_comm_hook_of_its_own(one_rank: None) -
         SDCGuard(ddp, opt, loss_fn=lambda m, b: m(b).sum())
 
 
+def test_guard_refuses_accumulation_on_a_static_graph(one_rank: None) -> None:
+    # PyTorch's reducer asserts under no_sync() with static_graph=True (pytorch#143580).
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(torch.nn.Linear(2, 2), static_graph=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"micro_batches=2 with .*static_graph=True.*micro_batches=1"):
+        SDCGuard(ddp, opt, loss_fn=lambda m, b: m(b).sum(), config=GuardConfig(micro_batches=2))
+    guard = SDCGuard(ddp, opt, loss_fn=lambda m, b: m(b).sum())  # one micro-batch: fine
+    with pytest.raises(ValueError, match="static_graph"):
+        guard.reconfigure(GuardConfig(micro_batches=3))
+
+
 def test_majority_vote() -> None:
     assert majority_outliers([5, 5, 5]) == ()
     assert majority_outliers([5, 7, 5]) == (1,)
