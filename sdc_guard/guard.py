@@ -22,7 +22,7 @@ from sdc_guard.remediation import Remediation
 from sdc_guard.report import Detection, StepReport
 from sdc_guard.telemetry import gpu_snapshot
 from sdc_guard.topology import Topology, gather_topology
-from sdc_guard.types import BatchFor, LossFn, StepHook, micro_batches
+from sdc_guard.types import BatchFor, LossFn, StepHook, fetch_micro_batches, scalar_loss
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ class SDCGuard:
         if not self._hooked:  # a fault injector may have joined the comm hook's lists
             self._hook_if_needed()
         cfg = self.config
-        batches = micro_batches(self.batch_for(self.rank, step), cfg.micro_batches)
+        batches = fetch_micro_batches(self.batch_for, self.rank, step, cfg.micro_batches)
         due = [c for c in self.checks if c.due(step)]
         self.comm.begin_step(step)
         for check in due:
@@ -224,7 +224,7 @@ class SDCGuard:
             with contextlib.nullcontext() if last else self.model.no_sync():
                 with (rng_stream(cfg.seed, self.rank, step, i, self.device)
                       if cfg.deterministic else contextlib.nullcontext()):
-                    loss = self.loss_fn(self.model, mb)
+                    loss = scalar_loss(self.loss_fn(self.model, mb))
                 losses.append(loss.detach())
                 for check in due:
                     check.on_loss(losses[-1])

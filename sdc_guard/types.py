@@ -27,3 +27,24 @@ def micro_batches(batch: Any, count: int) -> Sequence[Any]:
             + "."
         )
     return batch
+
+
+def fetch_micro_batches(batch_for: BatchFor, rank: int, step: int, count: int) -> Sequence[Any]:
+    """``micro_batches(batch_for(rank, step), count)``, refusing a batch of None."""
+    batch = batch_for(rank, step)
+    if batch is None:
+        what = f"a sequence of {count} micro-batches" if count > 1 else "the batch"
+        raise ValueError(f"batch_for({rank}, {step}) returned None; it must return {what} of "
+                         f"rank {rank} for step {step}.")
+    return micro_batches(batch, count)
+
+
+def scalar_loss(loss: Any) -> torch.Tensor:
+    """``loss`` if it is a one-element tensor (what ``loss_fn`` must return), else a clear error."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"loss_fn(model, batch) must return the loss as a torch.Tensor, got "
+                        f"{type(loss).__name__}.")
+    if loss.numel() != 1:
+        raise ValueError(f"loss_fn(model, batch) must return a scalar loss, got a tensor of shape "
+                         f"{list(loss.shape)}: reduce it (e.g. loss.mean()).")
+    return loss

@@ -64,9 +64,11 @@ seen by this check (the non-finite and weight checks still run every step).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import struct
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -90,10 +92,11 @@ from sdc_guard.fingerprints.digest import (
     loss_word,
     word_count,
 )
+from sdc_guard.fingerprints.public import fingerprint
 from sdc_guard.fingerprints.words import MASK64, mix64, mix64_int, to_signed64, to_unsigned64
 from sdc_guard.report import Detection
 from sdc_guard.scaling import Flag
-from sdc_guard.types import BatchFor, LossFn, micro_batches
+from sdc_guard.types import BatchFor, LossFn, fetch_micro_batches, scalar_loss
 
 _FEW_SPANS = 8
 """Up to this many gradients in a bucket, the device path sums each span on its own."""
@@ -226,6 +229,39 @@ def grads_digest(grads: Sequence[torch.Tensor], offsets: Sequence[int],
             return torch.tensor(to_signed64(host), dtype=torch.int64)
     parts = torch.stack([digest_parts(g).to(device) for g in grads])
     return concat_digest(parts, torch.tensor(list(offsets), dtype=torch.int64, device=device))
+
+
+_PROBED: weakref.WeakSet[Any] = weakref.WeakSet()
+"""The ``batch_for`` callables ``ReplayAudit._probe`` has found deterministic: a guard that
+switches its checks (``SDCGuard.reconfigure``) builds a new audit and does not ask again."""
+
+
+def _probed(batch_for: BatchFor) -> bool:
+    try:
+        return batch_for in _PROBED
+    except TypeError:  # not weakly referable
+        return False
+
+
+def _same_batch(a: Any, b: Any) -> bool:
+    """Are two batches the same, tensors bit for bit (nested lists, tuples and dicts)?"""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device):
+            return False
+        try:
+            return fingerprint(a) == fingerprint(b)
+        except TypeError:  # a layout without one order of bits (sparse): not ours to judge
+            return True
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return (type(a) is type(b) and len(a) == len(b)
+                and all(_same_batch(x, y) for x, y in zip(a, b, strict=True)))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_batch(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:  # an object whose == is not a plain answer: not ours to judge
+        return True
 
 
 def replay_term(row: torch.Tensor) -> torch.Tensor:
@@ -504,9 +540,12 @@ class ReplayAudit(Check, BucketListener):
         grads: list[torch.Tensor | None] = [None] * len(self.params)
         losses = []
         try:
-            for i, mb in enumerate(micro_batches(self.batch_for(rank, step), self.micro)):
+            batches = fetch_micro_batches(self.batch_for, rank, step, self.micro)
+            if not _probed(self.batch_for):
+                self._probe(batches, rank, step)
+            for i, mb in enumerate(batches):
                 with rng_stream(self.seed, rank, step, i, self.device):
-                    loss = self.loss_fn(self.module, mb)
+                    loss = scalar_loss(self.loss_fn(self.module, mb))
                 losses.append(loss.detach())
                 scaled = self.scale(loss) if self.scale is not None else loss
                 new = torch.autograd.grad(scaled, self.params, allow_unused=True)
@@ -521,6 +560,24 @@ class ReplayAudit(Check, BucketListener):
             self.phase = "train"
         kept = [(i, g) for i, g in enumerate(grads) if g is not None]
         return _loss_word(losses), self._digest([g for _, g in kept], [i for i, _ in kept])
+
+    def _probe(self, batches: Sequence[Any], rank: int, step: int) -> None:
+        """On the first audit step: does ``batch_for(rank, step)`` give the same batch again?
+
+        The audit rests on it (``sdc_guard.determinism``). A batch drawn from an iterator or
+        from an unseeded generator differs on every call, and every edge of the ring would
+        disagree, every rank a suspect; the error names the cause instead. One extra call
+        of ``batch_for``, once per process for each ``batch_for`` (``_PROBED``)."""
+        again = fetch_micro_batches(self.batch_for, rank, step, self.micro)
+        if not _same_batch(list(batches), list(again)):
+            raise ValueError(
+                f"replay audit: batch_for({rank}, {step}) returned a different batch when called "
+                "again with the same arguments. The audit recomputes a neighbour's batch, so "
+                "batch_for(rank, step) must be a function of (rank, step) alone: no iterator "
+                "state, randomness only from a generator seeded by (rank, step) "
+                "(docs/usage.md), or set replay_interval=0.")
+        with contextlib.suppress(TypeError):  # not weakly referable: probed again next time
+            _PROBED.add(self.batch_for)
 
     # -- verdict ----------------------------------------------------------------------------
     def pre_step(self, step: int) -> Verdict:

@@ -67,6 +67,49 @@ def test_guard_refuses_accumulation_on_a_static_graph(one_rank: None) -> None:
         guard.reconfigure(GuardConfig(micro_batches=3))
 
 
+def _one_rank_guard(**kwargs: object) -> SDCGuard:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    args: dict[str, object] = {
+        "loss_fn": lambda m, b: m(b).pow(2).mean(),
+        "batch_for": lambda r, s: torch.ones(3, 4) * (s + 1),
+        **kwargs}
+    return SDCGuard(ddp, opt, **args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"loss_fn": lambda m, b: m(b).pow(2)}, ValueError,
+         r"must return a scalar loss, got a tensor of shape \[3, 2\]: reduce it"),
+        ({"loss_fn": lambda m, b: 1.0}, TypeError, "must return the loss as a torch.Tensor"),
+        ({"batch_for": lambda r, s: None}, ValueError, r"batch_for\(0, 0\) returned None"),
+        # in the replay too, which fetches and computes the neighbour's batch first
+        ({"loss_fn": lambda m, b: m(b), "config": GuardConfig(replay_interval=1,
+                                                              deterministic=True)},
+         ValueError, "must return a scalar loss"),
+    ])
+def test_a_bad_batch_or_loss_is_named(one_rank: None, kwargs: dict[str, object],
+                                      error: type[Exception], match: str) -> None:
+    guard = _one_rank_guard(**kwargs)
+    with pytest.raises(error, match=match):
+        guard.step(0)
+
+
+def test_replay_refuses_a_batch_for_that_is_not_a_function_of_its_arguments(
+        one_rank: None) -> None:
+    # Drawn from the global generator: another batch on every call. Every edge of the ring
+    # would disagree, every rank a suspect; the audit names the cause on its first step.
+    cfg = GuardConfig(replay_interval=1, deterministic=True)
+    guard = _one_rank_guard(batch_for=lambda r, s: torch.randn(3, 4), config=cfg)
+    with pytest.raises(ValueError, match=r"batch_for\(0, 0\) returned a different batch"):
+        guard.step(0)
+    fine = _one_rank_guard(config=cfg)  # seeded by (rank, step): audited as before
+    assert [fine.step(s).detections for s in range(3)] == [[], [], []]
+
+
 def test_majority_vote() -> None:
     assert majority_outliers([5, 5, 5]) == ()
     assert majority_outliers([5, 7, 5]) == (1,)
