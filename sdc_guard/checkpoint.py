@@ -137,6 +137,10 @@ def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> 
 class CheckpointManager:
     """Save, verify and restore checkpoints; refuse those inside a suspect window."""
 
+    FROM_SCRATCH = "restore_from_scratch"
+    """``record.sdc_event`` of the ERROR record ``restore`` logs when no checkpoint is usable
+    (a harness that records the rollback itself may filter that record out)."""
+
     def __init__(self, directory: str | Path, keep: int = 3, *,
                  group: dist.ProcessGroup | None = None) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
@@ -286,7 +290,7 @@ class CheckpointManager:
         if chosen is None:
             if self._rank() == 0:  # every rank made the same choice (checked above)
                 log.error("sdc-guard: no usable checkpoint in %s: training starts from scratch "
-                          "(step 0)", self.directory)
+                          "(step 0)", self.directory, extra={"sdc_event": self.FROM_SCRATCH})
             return 0
         info, payload = chosen
         rngs = payload["rng"]

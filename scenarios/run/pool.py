@@ -48,6 +48,7 @@ import torch.multiprocessing  # torch's reductions for the queues
 
 from scenarios.run import forkserver
 from scenarios.run.rank import Command, Ping, RankRunner
+from sdc_guard import CheckpointManager
 
 
 class PoolError(RuntimeError):
@@ -125,6 +126,9 @@ def _worker(rank: int, world: int, store: str, backend: str, device_type: str,
     os.environ.clear()  # the coordinator's now, not the fork server's from when it started
     os.environ.update(environ)
     logging.getLogger("sdc_guard").setLevel(logging.ERROR)  # detections go to the results
+    # and so does a rollback to step 0 (the trial's rollback_step): no line per trial
+    logging.getLogger("sdc_guard.checkpoint").addFilter(
+        lambda record: getattr(record, "sdc_event", None) != CheckpointManager.FROM_SCRATCH)
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
