@@ -184,16 +184,17 @@ class GuardCommHook:
     def vetoed(self, *, expect_overflow: bool = False) -> bool:
         """Did some rank veto this step (``veto``)? Read from this rank's copy of the reduced
         sentinel's slots: one of them at least half the dtype's largest finite value (no
-        gradient is that large; a corrupt one that is deserves the same). Non-finite (a
-        non-finite gradient, which could hide a veto): True, unless a ``GradScaler`` is
-        there to skip the step itself. One host read (a sync on a device)."""
+        gradient is that large; a corrupt one that is deserves the same). Else a non-finite
+        slot (a non-finite gradient, which could hide a veto): True, unless a
+        ``GradScaler`` is there to skip the step itself. One host read (a sync on a
+        device)."""
         if self.sentinel is None:
             return False
         values = self.sentinel.tolist()
-        if all(math.isfinite(v) for v in values):
-            half = torch.finfo(self.sentinel.dtype).max / 2
-            return any(abs(v) >= half for v in values)
-        return not expect_overflow
+        half = torch.finfo(self.sentinel.dtype).max / 2
+        if any(math.isfinite(v) and abs(v) >= half for v in values):
+            return True
+        return not (expect_overflow or all(math.isfinite(v) for v in values))
 
     def _local(self, bucket: GradBucket) -> None:
         """Listeners' local reads, then the scaling pass with what they asked fused in."""

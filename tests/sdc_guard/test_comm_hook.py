@@ -195,3 +195,21 @@ def test_the_torch_flag_does_not_call_a_finite_buffer_non_finite(dtype: torch.dt
     assert bool(sc._bad(buf))
     buf[3] = float("nan")
     assert bool(sc._bad(buf))
+
+
+@pytest.mark.parametrize(
+    ("slots", "scaler", "vetoed"),
+    [
+        ([0.5, -2.0, 1.0], False, False),  # gradients only
+        ([0.5, 3.4e38, 1.0], False, True),  # rank 1's veto
+        ([3.4e38, 3.4e38, 1.0], False, True),  # two vetoes, each in its own slot: finite
+        ([float("inf"), 0.5, 1.0], False, True),  # a non-finite slot could hide a veto
+        ([float("inf"), 0.5, 1.0], True, False),  # ... unless the scaler skips the step
+        ([float("inf"), 3.4e38, 1.0], True, True),  # a veto beside an overflow still counts
+    ])
+def test_the_sentinel_slots_say_whether_some_rank_vetoed(one_rank: None, slots: list[float],
+                                                         scaler: bool, vetoed: bool) -> None:
+    hook = GuardCommHook()
+    assert not hook.vetoed()  # no veto asked this step
+    hook.sentinel = torch.tensor(slots, dtype=torch.float32)
+    assert hook.vetoed(expect_overflow=scaler) is vetoed
