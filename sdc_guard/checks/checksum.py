@@ -104,6 +104,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,6 +123,8 @@ from sdc_guard.config import PRODUCTS, ChecksumConfig
 from sdc_guard.fingerprints.native import NativeKernel, active_kernel
 from sdc_guard.report import Detection
 from sdc_guard.scaling import Flag, RowSums
+
+log = logging.getLogger(__name__)
 
 _U32 = 2.0 ** -24
 _UNIT = {torch.float32: _U32, torch.float64: 2.0 ** -53, torch.bfloat16: 2.0 ** -8,
@@ -395,6 +398,8 @@ class _Layer:
     gw_buf: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     """The C path's weight-gradient sides (right-hand side, bound) and ``GW e``, kept."""
     handles: list[Any] = field(default_factory=list)
+    called: bool = False
+    """The layer's forward ran in a checked step (``ChecksumCheck.uncalled``)."""
 
 
 @dataclass
@@ -489,6 +494,11 @@ class ChecksumCheck(Check, BucketListener):
         """Calls whose input gradient went unchecked: the pre-hook expected the product's
         node (as on the layer's last call, with the stock forward and a 2-D or contiguous
         input) and the graph had none. Not seen in any shipped model or test."""
+        self.uncalled: list[str] | None = None
+        """After the first checked step: the chosen layers whose forward did not run in it
+        (a module used through a functional call that bypasses its ``forward``, such as
+        ``nn.MultiheadAttention``'s ``out_proj``, or one that step did not use): not
+        checked then. Logged once as a warning."""
         for layer in self.layers:
             self._hook(layer)
         comm.subscribe(self)
@@ -527,6 +537,7 @@ class ChecksumCheck(Check, BucketListener):
         def post(mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
             if not self._active or not args or not isinstance(out, torch.Tensor):
                 return
+            layer.called = True
             self._fresh(layer)
             x = args[0]
             backward = out.requires_grad and torch.is_grad_enabled()
@@ -974,6 +985,13 @@ class ChecksumCheck(Check, BucketListener):
     def pre_step(self, step: int) -> Verdict:
         if self._active:  # no veto was asked for (no gradient all-reduce ran)
             self._done()
+        if self.uncalled is None:
+            self.uncalled = [layer.name for layer in self.layers if not layer.called]
+            if self.uncalled:
+                log.warning("checksum: layer(s) %s did not run their forward in step %d and "
+                            "are not checked (a functional call that bypasses the module's "
+                            "forward, as nn.MultiheadAttention does with out_proj, or a layer "
+                            "the step did not use)", self.uncalled, step)
         found = self._deferred.collect(self)
         if self._veto_word is not None:
             withhold = self._veto_word.wait() > 0

@@ -176,3 +176,40 @@ def test_checksum_tolerance_follows_the_rounding_bound() -> None:
                                     device=cpu))
     with pytest.raises(ValueError, match="float32, float64, bfloat16 and float16"):
         unit_roundoff(torch.int8)
+
+
+def test_checksum_names_the_layers_whose_forward_never_ran(
+        one_rank: None, caplog: pytest.LogCaptureFixture) -> None:
+    # nn.MultiheadAttention multiplies by out_proj.weight in a functional call: the layer is
+    # chosen (an nn.Linear subclass) but its hooks never run, so it is not checked; say so.
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from sdc_guard.checks.checksum import ChecksumCheck
+
+    class Attn(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+            self.head = torch.nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            a, _ = self.mha(x, x, x, need_weights=False)
+            out: torch.Tensor = self.head(a.mean(1))
+            return out
+
+    ddp = DDP(Attn())
+    guard = SDCGuard(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1),
+                     loss_fn=lambda m, b: m(b).pow(2).mean(),
+                     batch_for=lambda r, s: torch.ones(2, 3, 8), config=GuardConfig(checksum=True))
+    with caplog.at_level("WARNING", logger="sdc_guard"):
+        for s in range(3):
+            assert guard.step(s).detections == []
+    check = next(c for c in guard.checks if isinstance(c, ChecksumCheck))
+    assert check.uncalled == ["mha.out_proj"]
+    assert [r.getMessage() for r in caplog.records].count(
+        "checksum: layer(s) ['mha.out_proj'] did not run their forward in step 0 and are not "
+        "checked (a functional call that bypasses the module's forward, as "
+        "nn.MultiheadAttention does with out_proj, or a layer the step did not use)") == 1
+    plain = _one_rank_guard(config=GuardConfig(checksum=True))
+    plain.step(0)
+    assert next(c for c in plain.checks if isinstance(c, ChecksumCheck)).uncalled == []
