@@ -587,8 +587,8 @@ class ReplayAudit(Check, BucketListener):
             raise RuntimeError("ReplayAudit.pre_step: begin_step did not run this step")
         self._check_complete(step)
         try:
-            if self._veto_asked:  # the owners compared: a veto (or a non-finite gradient
-                # anywhere, which may hide one) sends every rank to the gather
+            if self._veto_asked:  # the owners compared: a veto (or a non-finite value in
+                # the sentinel's slots, which may hide one) sends every rank to the gather
                 if not self.comm.vetoed():
                     self.verified(step)
                     return Verdict()
