@@ -63,6 +63,13 @@ class SDCGuard:
             raise TypeError(
                 f"SDCGuard(config=...) must be a sdc_guard.GuardConfig, got {type(config).__name__}."
             )
+        if isinstance(getattr(model, "_orig_mod", None), DistributedDataParallel):
+            raise TypeError(
+                "SDCGuard(model=...) got torch.compile(DistributedDataParallel(...)): pass the "
+                "DistributedDataParallel itself, with the module inside it compiled: "
+                "DistributedDataParallel(torch.compile(module)) (the replay audit recomputes "
+                "through that module, which must run the same compiled code as the step)."
+            )
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(
                 f"SDCGuard(model=...) must be a torch.nn.parallel.DistributedDataParallel, got "

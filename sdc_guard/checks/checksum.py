@@ -497,8 +497,9 @@ class ChecksumCheck(Check, BucketListener):
         self.uncalled: list[str] | None = None
         """After the first checked step: the chosen layers whose forward did not run in it
         (a module used through a functional call that bypasses its ``forward``, such as
-        ``nn.MultiheadAttention``'s ``out_proj``, or one that step did not use): not
-        checked then. Logged once as a warning."""
+        ``nn.MultiheadAttention``'s ``out_proj``, never checked; or one that step did not
+        use, such as an expert no token was routed to, checked in the steps that run it).
+        Logged once as a warning."""
         for layer in self.layers:
             self._hook(layer)
         comm.subscribe(self)
@@ -567,8 +568,12 @@ class ChecksumCheck(Check, BucketListener):
                 out.register_hook(  # type: ignore[no-untyped-call]
                     lambda gy: self._on_gy(layer, call, gy))
 
-        layer.handles.append(m.register_forward_pre_hook(pre))
-        layer.handles.append(m.register_forward_hook(post))
+        # Hidden from torch.compile: traced, the hooks' reads of ``self._active`` would give
+        # the train step and the replay (checks idle) different graphs, whose kernels need
+        # not agree bit for bit; run eagerly, they split both the same way.
+        eager = torch.compiler.disable
+        layer.handles.append(m.register_forward_pre_hook(eager(pre)))  # type: ignore[no-untyped-call]
+        layer.handles.append(m.register_forward_hook(eager(post)))  # type: ignore[no-untyped-call]
         if layer.gw_checked and m.weight.requires_grad and not self.bucket_weight_grad:
             layer.handles.append(m.weight.register_hook(  # type: ignore[no-untyped-call]
                 lambda gw: self._on_gw(layer, gw)))
@@ -988,10 +993,11 @@ class ChecksumCheck(Check, BucketListener):
         if self.uncalled is None:
             self.uncalled = [layer.name for layer in self.layers if not layer.called]
             if self.uncalled:
-                log.warning("checksum: layer(s) %s did not run their forward in step %d and "
-                            "are not checked (a functional call that bypasses the module's "
-                            "forward, as nn.MultiheadAttention does with out_proj, or a layer "
-                            "the step did not use)", self.uncalled, step)
+                log.warning("checksum: layer(s) %s did not run their forward in step %d: a "
+                            "layer is checked only in the steps that run its forward, so one "
+                            "used through a functional call that bypasses it (as "
+                            "nn.MultiheadAttention does with out_proj) is never checked",
+                            self.uncalled, step)
         found = self._deferred.collect(self)
         if self._veto_word is not None:
             withhold = self._veto_word.wait() > 0

@@ -296,6 +296,22 @@ def replay_term_device(row: torch.Tensor) -> torch.Tensor:
     return h(row[2], row[3]) - h(row[0], row[1])
 
 
+def _refuse_compiled_ddp(model: DistributedDataParallel) -> None:
+    """Refuse a DDP that is itself compiled (``model.compile()``).
+
+    The own step then runs DDP's compiled graph, while the replay recomputes through the
+    module inside it, uncompiled: other kernels, whose results need not agree bit for bit,
+    so every edge of the ring would disagree at every audit step and every rank be a
+    suspect. Compiling the module inside DDP runs the same compiled code in both."""
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        raise ValueError(
+            "replay audit: the DistributedDataParallel itself is compiled (ddp.compile()), so "
+            "the replay, which recomputes through the module inside it, would run other "
+            "kernels than the step and disagree with it on every rank. Compile the module "
+            "inside DDP instead: DistributedDataParallel(torch.compile(module)), or "
+            "module.compile() before wrapping it.")
+
+
 class ReplayAudit(Check, BucketListener):
     """The ring replay audit, every ``interval`` steps; see the module doc."""
 
@@ -316,6 +332,7 @@ class ReplayAudit(Check, BucketListener):
         contain: bool = True,
     ) -> None:
         self.model = model
+        _refuse_compiled_ddp(model)
         self.interval = interval
         self.scale = scale
         self.module: nn.Module = model.module
@@ -427,6 +444,7 @@ class ReplayAudit(Check, BucketListener):
         right away when the model's gradients fill one bucket (the first is then the last,
         where the owner compares); see ``_send_replayed``.
         """
+        _refuse_compiled_ddp(self.model)
         self._own_grad = None
         self._own_losses = []
         self._replayed = None

@@ -322,3 +322,30 @@ def unused_output_run(rank: int, world: int, steps: int, flip_at: int,
     return {"detections": _dets(found), "skipped": skipped,
             "layers": [d.evidence.get("ranks", {}) for d in found],
             "native": check.native_calls > 0}
+
+
+def compiled_run(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """``DDP(torch.compile(mlp))`` with the checksum and a replay every step: ``steps`` clean
+    steps, then a top-exponent flip in rank 1's product of the last layer (one step)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 10))
+    model = DDP(torch.compile(net))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def batch_for(r: int, s: int) -> Any:
+        g = torch.Generator().manual_seed(1000 * s + r)
+        return torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
+
+    def loss_fn(m: nn.Module, b: Any) -> torch.Tensor:
+        return F.cross_entropy(m(b[0]), b[1])
+
+    guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=batch_for,
+                     config=GuardConfig(checksum=True, replay_interval=1, deterministic=True))
+    clean = [d for s in range(steps) for d in guard.step(s).detections]
+    handle = arm(Fault(site="linear_product", rank=1, step=steps, target="_orig_mod.2",
+                       product="forward", bits=(30,)), guard=guard)
+    report = guard.step(steps)
+    late = guard.flush()  # the checksum's verdict on a step comes with the next one's
+    handle.remove()
+    return {"clean": _dets(clean), "fault": _dets(report.detections + late),
+            "skipped": report.skipped}

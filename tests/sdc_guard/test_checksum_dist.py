@@ -5,6 +5,7 @@ GradScaler or a comm hook of the user's."""
 
 from __future__ import annotations
 
+import shutil
 from typing import Any
 
 import pytest
@@ -106,3 +107,15 @@ def test_layer_choice_subclasses_and_reconfigure() -> None:
     assert res["detections"] == []  # in-place ReLUs after the checked layers: no false alarm
     assert res["hooks_left"] == 0 and res["weight_hooks_left"] == 0
     assert "'nope' matches no floating-point nn.Linear" in res["error"]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile's CPU backend needs a C++ compiler")
+def test_a_compiled_module_with_checksum_and_replay_has_no_false_positive() -> None:
+    # Traced by torch.compile, the checksum's hooks read whether the checks are on: the step
+    # and the replay (checks idle) compiled to different graphs whose kernels disagreed in
+    # the last bits, and the first audit convicted every rank. Run eagerly, they split both
+    # alike.
+    for r in run_ranks(W.compiled_run, 3, 4, timeout=600):
+        assert r["clean"] == [], r
+        assert r["fault"] == [("replay", 4, (1,)), ("checksum", 4, (1,))] and r["skipped"], r

@@ -110,6 +110,28 @@ def test_replay_refuses_a_batch_for_that_is_not_a_function_of_its_arguments(
     assert [fine.step(s).detections for s in range(3)] == [[], [], []]
 
 
+def test_a_compiled_ddp_is_refused_where_the_replay_would_run_other_code(one_rank: None) -> None:
+    # The replay recomputes through the module inside DDP: with DDP itself compiled, the step
+    # ran other kernels and every audit convicted every rank. Neither call compiles anything.
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    kw: dict[str, object] = {"loss_fn": lambda m, b: m(b).pow(2).mean(),
+                             "batch_for": lambda r, s: torch.ones(3, 4),
+                             "config": GuardConfig(replay_interval=1, deterministic=True)}
+    with pytest.raises(TypeError, match=r"got torch.compile\(DistributedDataParallel"):
+        SDCGuard(torch.compile(ddp), opt, **kw)  # type: ignore[arg-type]
+    guard = SDCGuard(ddp, opt, **kw)  # type: ignore[arg-type]
+    ddp.compile()  # after the guard was built: refused at the next audit step
+    with pytest.raises(ValueError, match=r"the DistributedDataParallel itself is compiled"):
+        guard.step(0)
+    compiled = DDP(torch.nn.Linear(4, 2))
+    compiled.compile()  # before: refused when the guard is built
+    with pytest.raises(ValueError, match=r"DistributedDataParallel\(torch.compile\(module\)\)"):
+        SDCGuard(compiled, opt, **kw)  # type: ignore[arg-type]
+
+
 def test_majority_vote() -> None:
     assert majority_outliers([5, 5, 5]) == ()
     assert majority_outliers([5, 7, 5]) == (1,)
@@ -207,9 +229,9 @@ def test_checksum_names_the_layers_whose_forward_never_ran(
     check = next(c for c in guard.checks if isinstance(c, ChecksumCheck))
     assert check.uncalled == ["mha.out_proj"]
     assert [r.getMessage() for r in caplog.records].count(
-        "checksum: layer(s) ['mha.out_proj'] did not run their forward in step 0 and are not "
-        "checked (a functional call that bypasses the module's forward, as "
-        "nn.MultiheadAttention does with out_proj, or a layer the step did not use)") == 1
+        "checksum: layer(s) ['mha.out_proj'] did not run their forward in step 0: a layer is "
+        "checked only in the steps that run its forward, so one used through a functional call "
+        "that bypasses it (as nn.MultiheadAttention does with out_proj) is never checked") == 1
     plain = _one_rank_guard(config=GuardConfig(checksum=True))
     plain.step(0)
     assert next(c for c in plain.checks if isinstance(c, ChecksumCheck)).uncalled == []
