@@ -24,7 +24,7 @@ import torch
 
 from injectors.context import InjectionContext, Record
 from injectors.fault import GRADIENT_SITES, MODULE_SITES, Fault, FaultError
-from injectors.sites import INSTALLERS, Injector, Undo
+from injectors.sites import INERT_SITES, INSTALLERS, Injector, Undo, install_inert
 
 if TYPE_CHECKING:
     from sdc_guard.guard import SDCGuard
@@ -39,7 +39,8 @@ class InjectionHandle:
         self.fault = fault
         self.context = context
         self.armed = armed
-        """True on the fault's rank (hooks installed), False elsewhere (inert)."""
+        """True on the fault's rank (hooks installed), False elsewhere (inert: at most a hook
+        that does nothing, see ``injectors.sites.install_inert``)."""
         self.records: list[Record] = []
         """One record per firing (see ``injectors.sites.Injector.corrupt``)."""
         self._undo: list[Undo] = []
@@ -149,7 +150,9 @@ def arm(
 ) -> InjectionHandle:
     """Validate ``fault`` and, on its rank, install it. Give exactly one of ``guard`` / ``context``.
 
-    Collective-free: call it on every rank (each validates; only ``fault.rank`` installs).
+    Collective-free: call it on every rank (each validates; only ``fault.rank`` installs;
+    for a site in the model, the other ranks install a hook that does nothing, so that
+    torch.compile splits the model alike on every rank).
     """
     if not isinstance(fault, Fault):
         raise TypeError(f"arm(fault): expected an injectors.Fault, got {type(fault).__name__}.")
@@ -166,4 +169,6 @@ def arm(
     if handle.armed:
         injector = Injector(fault, ctx, handle.records, target)
         handle._undo = INSTALLERS[fault.site](injector)
+    elif fault.site in INERT_SITES:
+        handle._undo = install_inert(fault, target)
     return handle

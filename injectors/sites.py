@@ -162,6 +162,14 @@ def _module_output(inj: Injector, output: Any) -> torch.Tensor:
     return output
 
 
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook``, hidden from torch.compile. Traced, a hook that reads the step would be
+    recompiled at every step, and past dynamo's cache limit its module would fall back to
+    eager kernels on this rank alone, whose results the replay audit would tell apart from
+    its neighbours' compiled ones."""
+    return torch.compiler.disable(hook)  # type: ignore[no-untyped-call,no-any-return]
+
+
 def install_activation(inj: Injector) -> list[Undo]:
     module: torch.nn.Module = inj.target
 
@@ -173,7 +181,7 @@ def install_activation(inj: Injector) -> list[Undo]:
         inj.corrupt(out, step)
         return out
 
-    return [module.register_forward_hook(hook).remove]
+    return [module.register_forward_hook(_eager(hook)).remove]
 
 
 def install_activation_grad(inj: Injector) -> list[Undo]:
@@ -202,7 +210,7 @@ def install_activation_grad(inj: Injector) -> list[Undo]:
             h.remove()
         pending.clear()
 
-    return [module.register_forward_hook(hook).remove, remove_pending]
+    return [module.register_forward_hook(_eager(hook)).remove, remove_pending]
 
 
 def _bucket_slot(bucket: GradBucket, param: torch.Tensor) -> int | None:
@@ -332,12 +340,15 @@ class _FaultyLinear(torch.autograd.Function):
         return gx, gw, gb, None, None, None
 
 
-def install_linear_product(inj: Injector) -> list[Undo]:
-    module = inj.target
+def _linear(fault: Fault, module: torch.nn.Module) -> torch.nn.Linear:
     if not isinstance(module, torch.nn.Linear):
         raise FaultError("target", f"site 'linear_product' needs an nn.Linear module; "
-                         f"{inj.fault.target!r} is a {type(module).__name__}.")
-    had = "forward" in module.__dict__
+                         f"{fault.target!r} is a {type(module).__name__}.")
+    return module
+
+
+def install_linear_product(inj: Injector) -> list[Undo]:
+    module = _linear(inj.fault, inj.target)
     original = module.forward
 
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -348,16 +359,40 @@ def install_linear_product(inj: Injector) -> list[Undo]:
         return _FaultyLinear.apply(  # type: ignore[no-untyped-call]
             x, module.weight, bias, inj, step, inj.ctx.phase)
 
-    module.forward = forward  # type: ignore[method-assign,assignment]
+    return _replace_forward(module, _eager(forward))
+
+
+def _replace_forward(module: torch.nn.Module, forward: Callable[..., Any]) -> list[Undo]:
+    had = "forward" in module.__dict__
+    original = module.forward
+    module.forward = forward
 
     def undo() -> None:
         if had:
-            module.forward = original  # type: ignore[method-assign]
+            module.forward = original
         else:
             del module.forward
 
     return [undo]
 
+
+def _nothing(*args: Any) -> None:
+    return None
+
+
+def install_inert(fault: Fault, module: torch.nn.Module) -> list[Undo]:
+    """On the other ranks, for a site that hooks a module: a hook that does nothing, hidden
+    from torch.compile as the armed rank's is, so that a compiled model breaks its graph at
+    the same place on every rank (the armed rank's kernels stay those of its neighbours, and
+    the replay audit sees only the fault). Eager models: a no-op."""
+    if fault.site == "linear_product":
+        original = _linear(fault, module).forward
+        return _replace_forward(module, _eager(lambda *a, **k: original(*a, **k)))
+    return [module.register_forward_hook(_eager(_nothing)).remove]
+
+
+INERT_SITES = ("activation", "activation_grad", "linear_product")
+"""Sites whose hooks sit in the model: installed, inert, on the ranks a fault does not touch."""
 
 INSTALLERS: dict[str, Callable[[Injector], list[Undo]]] = {
     "activation": install_activation,

@@ -25,9 +25,9 @@ from sdc_guard.comm_hook import BucketListener, GuardCommHook
 from sdc_guard.fingerprints.words import to_unsigned64
 
 
-def make_mlp(seed: int = 0, width: int = 32) -> nn.Module:
+def make_mlp(seed: int = 0, width: int = 32, act: type[nn.Module] = nn.ReLU) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+    return nn.Sequential(nn.Linear(16, width), act(), nn.Linear(width, width), act(),
                          nn.Linear(width, 4))
 
 
@@ -448,10 +448,13 @@ def _grad_observer(comm: GuardCommHook, step_of: Any, out: dict[int, list[int]])
 
 
 def guard_trials(rank: int, world: int, trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each trial: ``faults`` (list of Fault), ``steps``, ``opt``, ``cfg`` (GuardConfig kwargs)."""
+    """Each trial: ``faults`` (list of Fault), ``steps``, ``opt``, ``cfg`` (GuardConfig kwargs),
+    ``compile`` (the module inside DDP compiled: targets then start with ``_orig_mod.``),
+    ``gelu`` (GELU activations instead of ReLU)."""
     results = []
     for trial in trials:
-        model = DDP(make_mlp())
+        net = make_mlp(act=nn.GELU if trial.get("gelu") else nn.ReLU)
+        model = DDP(torch.compile(net) if trial.get("compile") else net)
         optimizer = make_optimizer(model, trial.get("opt", "adamw"))
         guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=padded_batch_for,
                          config=GuardConfig(**trial.get("cfg", {})))

@@ -6,6 +6,7 @@ Each test spawns 3 ranks once and runs several independent trials in them
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +180,29 @@ def test_activation_sites_change_only_the_faulty_ranks_local_computation() -> No
         for r in range(WORLD):
             assert res[r][trial]["detections"] == [("replay", 1, (1,))], (phase, r)
             assert res[r][trial]["skipped"] == [1]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile's CPU backend needs a C++ compiler")
+def test_faults_in_a_compiled_module_are_seen_in_their_step_only() -> None:
+    # A hook on the faulty rank alone, traced by torch.compile, was recompiled at every step
+    # and then fell back to eager kernels there: the replay told that rank's results apart
+    # from its neighbours' at every audit step, before and after a transient fault. The
+    # hooks now run eagerly, and the other ranks hold an inert one at the same place.
+    faults = [Fault(site="activation", rank=1, step=3, target="_orig_mod.3", index=2,
+                    bits=(30,)),
+              Fault(site="linear_product", rank=1, step=3, target="_orig_mod.2", index=2,
+                    bits=(30,))]
+    res = run_ranks(workers.guard_trials, WORLD,
+                    [{"steps": 8, "cfg": AUDIT, "compile": True, "gelu": True, "faults": [f]}
+                     for f in faults],
+                    timeout=600)
+    _clean(res)
+    for trial, _ in enumerate(faults):
+        assert _only_on(res, trial, 1)["step"] == 3
+        for r in range(WORLD):
+            assert res[r][trial]["detections"] == [("replay", 3, (1,))], (trial, r)
+            assert res[r][trial]["skipped"] == [3]
 
 
 # Arming checks the fault against the model on every rank, not only on the fault's rank.

@@ -166,9 +166,13 @@ def test_a_fault_for_another_rank_validates_but_touches_nothing() -> None:
     model = _model()
     ctx = InjectionContext.plain(model, rank=0, world_size=3)
     h = arm(Fault(site="activation", rank=2, step=0, target="0", bits=(31,)), context=ctx)
-    assert not h.armed and not h.active and _no_hooks(model)
+    # One hook that does nothing, where the armed rank has its own (torch.compile then
+    # splits the model alike on every rank); gone with the handle.
+    assert not h.armed and not h.active and len(model[0]._forward_hooks) == 1
     clean = _train(_model(), None, 1)
     assert _train(model, ctx, 1)[0]["loss"] == clean[0]["loss"] and h.records == []
+    h.remove()
+    assert _no_hooks(model)
     with pytest.raises(FaultError, match="close matches"):
         arm(Fault(site="weight_storage", rank=2, step=0, target="2.weigh", bits=(1,)),
             context=ctx)
