@@ -200,7 +200,7 @@ class CheckpointManager:
                 "clean_through": guard.clean_through,
                 "checks": {c.name: c.clean_through for c in guard.checks}},
         }
-        fp = f"{fingerprint(state_tensors(_module(model), optimizer)):016x}"
+        fp = f"{fingerprint(state_tensors(_module(model), optimizer, every=True)):016x}"
         import io
 
         buf = io.BytesIO()
@@ -263,7 +263,7 @@ class CheckpointManager:
                 payload = self._load(info)
                 _module(model).load_state_dict(payload["model"])
                 optimizer.load_state_dict(payload["optimizer"])
-                got = f"{fingerprint(state_tensors(_module(model), optimizer)):016x}"
+                got = f"{fingerprint(state_tensors(_module(model), optimizer, every=True)):016x}"
                 if got != info.fingerprint:
                     raise CheckpointError(f"checkpoint {info.file}: the loaded state's "
                                           f"fingerprint {got} is not the recorded "

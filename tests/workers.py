@@ -6,6 +6,7 @@ The guard's tests (``guarded_run``, ``replay_run``, ...) and the injectors' (``g
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import time
@@ -331,6 +332,39 @@ def unused_without_find_run(rank: int, world: int) -> dict[str, Any]:
     except RuntimeError as e:
         return {"error": str(e), "detections": found}
     return {"error": None, "detections": found}
+
+
+def ignored_params_run(rank: int, world: int) -> dict[str, Any]:
+    """Parameters DDP ignores (``_ddp_params_and_buffers_to_ignore``): trained, each rank its
+    own (the replay refuses them; the weights check leaves them out), and frozen, equal on
+    every rank (audited) or not (refused)."""
+    out: dict[str, Any] = {}
+    cfg = GuardConfig(replay_interval=1, deterministic=True)
+    for case in ("trained", "frozen_equal", "frozen_differ"):
+        net = make_mlp()
+        setattr(net, "_ddp_params_and_buffers_to_ignore", ["2.weight", "2.bias"])  # noqa: B010
+        layer = net.get_submodule("2")
+        if case != "trained":
+            layer.requires_grad_(False)
+        if case == "frozen_differ":
+            with torch.no_grad():
+                layer.get_parameter("bias").add_(rank)
+        model = DDP(net)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        try:
+            guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for, config=cfg)
+            out[case] = None
+        except ValueError as e:
+            out[case] = str(e)
+        if case == "frozen_differ":
+            continue
+        if case == "trained":  # the weights check alone
+            guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for,
+                             config=dataclasses.replace(cfg, replay_interval=0))
+        found = [d for s in range(4) for d in guard.step(s).detections] + guard.flush()
+        out[f"{case}_detections"] = _flushed(found)
+        out[f"{case}_ignored"] = sdc_guard.fingerprint(list(layer.parameters()))
+    return out
 
 
 def replay_layout_run(rank: int, world: int, steps: int, *, width: int,

@@ -80,7 +80,8 @@ from torch._C._distributed_c10d import GradBucket
 from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.checks.base import Check, Verdict
-from sdc_guard.collectives import PendingSum, all_gather_rows
+from sdc_guard.checks.weights import ddp_ignored
+from sdc_guard.collectives import PendingSum, all_gather_rows, gather_if_different
 from sdc_guard.comm_hook import BucketListener, GuardCommHook
 from sdc_guard.determinism import rng_stream
 from sdc_guard.fingerprints.digest import (
@@ -92,7 +93,7 @@ from sdc_guard.fingerprints.digest import (
     loss_word,
     word_count,
 )
-from sdc_guard.fingerprints.public import fingerprint
+from sdc_guard.fingerprints.public import fingerprint, fingerprint_tensor
 from sdc_guard.fingerprints.words import MASK64, mix64, mix64_int, to_signed64, to_unsigned64
 from sdc_guard.report import Detection
 from sdc_guard.scaling import Flag
@@ -312,6 +313,36 @@ def _refuse_compiled_ddp(model: DistributedDataParallel) -> None:
             "module.compile() before wrapping it.")
 
 
+def _refuse_unshared(module: nn.Module, ignored: set[int],
+                     group: dist.ProcessGroup | None) -> None:
+    """Refuse parameters that DDP ignores unless they are frozen and equal on every rank.
+
+    The replay recomputes a neighbour's batch with this rank's weights. DDP neither
+    broadcasts nor all-reduces the parameters named in ``_ddp_params_and_buffers_to_ignore``:
+    one that trains drifts apart between ranks, and one that differs makes every edge of
+    the ring disagree at every audit step, every rank a suspect. Collective when some
+    parameter is ignored (alike on every rank: the module is the same)."""
+    if not ignored:
+        return
+    names = [n for n, p in module.named_parameters() if id(p) in ignored]
+    trained = [n for n, p in module.named_parameters() if id(p) in ignored and p.requires_grad]
+    if trained:
+        raise ValueError(
+            f"replay audit: DDP ignores the parameters {trained} "
+            "(_ddp_params_and_buffers_to_ignore) and they require gradients: each rank "
+            "trains its own, so a neighbour's batch cannot be recomputed with the same "
+            "weights. Turn the replay off (GuardConfig(replay_interval=0); the weights check "
+            "leaves these parameters out), or let DDP all-reduce them.")
+    tensors = [p.detach() for n, p in module.named_parameters() if id(p) in ignored]
+    if gather_if_different(fingerprint_tensor(tensors), group) is not None:
+        raise ValueError(
+            f"replay audit: DDP ignores the frozen parameters {names} "
+            "(_ddp_params_and_buffers_to_ignore), so it did not broadcast them, and they "
+            "differ between ranks: a neighbour's batch cannot be recomputed with the same "
+            "weights. Load the same values on every rank, or turn the replay off "
+            "(GuardConfig(replay_interval=0)).")
+
+
 class ReplayAudit(Check, BucketListener):
     """The ring replay audit, every ``interval`` steps; see the module doc."""
 
@@ -344,7 +375,12 @@ class ReplayAudit(Check, BucketListener):
         self.micro = micro_batch_count
         self.group = group
         self.device = next(model.parameters()).device
-        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        # The parameters DDP all-reduces: those it ignores never reach the comm hook, so
+        # they are not in the own gradient word and must not be in the replayed one.
+        ignored = ddp_ignored(model)
+        _refuse_unshared(self.module, ignored, group)
+        named = [(n, p) for n, p in self.module.named_parameters()
+                 if p.requires_grad and id(p) not in ignored]
         self.params = [p for _, p in named]
         self.index = {id(p): i for i, (_, p) in enumerate(named)}
         # The gradient word is the digest D of every gradient laid end to end in

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.checks.base import Check
 from sdc_guard.collectives import gather_if_different, majority_outliers
@@ -31,14 +32,31 @@ from sdc_guard.fingerprints.words import to_unsigned64
 from sdc_guard.report import Detection
 
 
+def ddp_ignored(model: torch.nn.Module) -> set[int]:
+    """``id`` of each parameter that DDP leaves to each rank (named in the module's
+    ``_ddp_params_and_buffers_to_ignore``): never broadcast nor all-reduced, so its replicas
+    may differ by design. ``model``: the DDP model or the module inside it."""
+    module = model.module if isinstance(model, DistributedDataParallel) else model
+    names = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    if not names:
+        return set()
+    return {id(p) for n, p in module.named_parameters() if n in names}
+
+
 def state_tensors(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, every: bool = False
 ) -> list[torch.Tensor]:
-    """The replicated state in canonical order: parameters, then optimizer state tensors."""
-    tensors = [p.detach() for _, p in model.named_parameters()]
+    """The replicated state in canonical order: parameters, then optimizer state tensors.
+
+    Parameters that DDP ignores (``ddp_ignored``), and their optimizer state, are not
+    replicated and are left out, unless ``every`` (a checkpoint's own fingerprint)."""
+    skip = set() if every else ddp_ignored(model)
+    tensors = [p.detach() for _, p in model.named_parameters() if id(p) not in skip]
     if optimizer is not None:
         for group in optimizer.param_groups:
             for p in group["params"]:
+                if id(p) in skip:
+                    continue
                 st = optimizer.state.get(p, {})
                 for key in sorted(st, key=str):
                     v = st[key]

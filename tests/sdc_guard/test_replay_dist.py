@@ -119,6 +119,19 @@ def test_a_parameter_without_gradient_is_an_error_naming_the_fix_not_a_detection
         assert "held 0 of the 6 parameters" in r["error"], r["error"]  # one bucket, never ready
 
 
+def test_parameters_ddp_ignores_are_left_out_or_refused_never_a_detection() -> None:
+    # DDP neither broadcasts nor all-reduces them: trained, each rank's drift apart. The
+    # weights check convicted at every step, and the replay every rank at every audit step.
+    res = run_ranks(workers.ignored_params_run, 3)
+    for r in res:
+        assert "DDP ignores the parameters ['2.weight', '2.bias']" in r["trained"]
+        assert r["trained_detections"] == []  # weights check alone, the ignored layer apart
+        assert r["frozen_equal"] is None and r["frozen_equal_detections"] == []
+        assert "they differ between ranks" in r["frozen_differ"], r["frozen_differ"]
+    assert len({r["trained_ignored"] for r in res}) == 3  # they did drift apart
+    assert len({r["frozen_equal_ignored"] for r in res}) == 1
+
+
 def test_a_guard_over_a_process_group_of_its_own_names_its_ranks_and_nodes() -> None:
     # Two replica sets in a job of 6 (ranks 0-2, 3-5), each guarded over its own group. A
     # fault on global rank 4 is rank 1 of the second group: named there, with its node,
