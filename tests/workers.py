@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import sdc_guard
 from injectors import Fault, InjectionContext, InjectionHandle, arm
 from sdc_guard import GuardConfig, SDCGuard
+from sdc_guard.checks.checksum import ChecksumCheck
 from sdc_guard.checks.replay import ReplayAudit
 from sdc_guard.comm_hook import BucketListener, GuardCommHook
 from sdc_guard.fingerprints.words import to_unsigned64
@@ -358,9 +359,11 @@ def ignored_params_run(rank: int, world: int) -> dict[str, Any]:
             out[case] = str(e)
         if case == "frozen_differ":
             continue
-        if case == "trained":  # the weights check alone
+        if case == "trained":  # the weights check and the checksum
             guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for,
-                             config=dataclasses.replace(cfg, replay_interval=0))
+                             config=dataclasses.replace(cfg, replay_interval=0, checksum=True))
+            check = next(c for c in guard.checks if isinstance(c, ChecksumCheck))
+            out["weight_grads_checked"] = [x.name for x in check.layers if x.gw_checked]
         found = [d for s in range(4) for d in guard.step(s).detections] + guard.flush()
         out[f"{case}_detections"] = _flushed(found)
         out[f"{case}_ignored"] = sdc_guard.fingerprint(list(layer.parameters()))

@@ -117,6 +117,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.checks.base import Check, Verdict
 from sdc_guard.checks.flagword import DeferredFlags
+from sdc_guard.checks.weights import ddp_ignored
 from sdc_guard.collectives import PendingSum
 from sdc_guard.comm_hook import BucketListener, GuardCommHook
 from sdc_guard.config import PRODUCTS, ChecksumConfig
@@ -368,8 +369,9 @@ class _Layer:
     native: bool = False
     """Float32 weight (and bias) the C passes can read: set at each checked step's start."""
     gw_checked: bool = True
-    """The weight-gradient identity is checked: asked for, and the weight is no other
-    module's too (a tied embedding's gradient adds into the same ``W.grad``)."""
+    """The weight-gradient identity is checked: asked for, the weight is no other module's
+    too (a tied embedding's gradient adds into the same ``W.grad``), and DDP all-reduces it
+    (not named in ``_ddp_params_and_buffers_to_ignore``)."""
     calls: list[_Call] = field(default_factory=list)
     w_key: tuple[int, ...] | None = None
     """The step and the weight's (and bias's) version the sums in ``wsum`` were taken at:
@@ -457,9 +459,14 @@ class ChecksumCheck(Check, BucketListener):
         for mod in inner.modules():
             for p in mod.parameters(recurse=False):
                 holders[id(p)] = holders.get(id(p), 0) + 1
-        for layer in self.layers:  # a tied weight's gradient also holds the others' share
+        # A tied weight's gradient also holds the others' share. A weight DDP ignores is in
+        # no bucket: its gradient may come after the last one, when the step's verdict is
+        # already cast, so a failure there could not be contained.
+        ignored = ddp_ignored(model)
+        for layer in self.layers:
             layer.gw_checked = (self._want["weight_grad"]
-                                and holders.get(id(layer.module.weight), 0) == 1)
+                                and holders.get(id(layer.module.weight), 0) == 1
+                                and id(layer.module.weight) not in ignored)
         self._kernel: NativeKernel | None = (
             active_kernel() if self.exact and device.type == "cpu" else None)
         """The C passes, for float32 layers on the CPU with the exact bound (the same

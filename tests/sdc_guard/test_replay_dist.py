@@ -125,7 +125,8 @@ def test_parameters_ddp_ignores_are_left_out_or_refused_never_a_detection() -> N
     res = run_ranks(workers.ignored_params_run, 3)
     for r in res:
         assert "DDP ignores the parameters ['2.weight', '2.bias']" in r["trained"]
-        assert r["trained_detections"] == []  # weights check alone, the ignored layer apart
+        assert r["trained_detections"] == []  # weights and checksum, the ignored layer apart
+        assert r["weight_grads_checked"] == ["0", "4"]  # "2": in no bucket, not containable
         assert r["frozen_equal"] is None and r["frozen_equal_detections"] == []
         assert "they differ between ranks" in r["frozen_differ"], r["frozen_differ"]
     assert len({r["trained_ignored"] for r in res}) == 3  # they did drift apart
