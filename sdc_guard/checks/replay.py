@@ -313,6 +313,23 @@ def _refuse_compiled_ddp(model: DistributedDataParallel) -> None:
             "module.compile() before wrapping it.")
 
 
+def _refuse_sync_batchnorm(module: nn.Module) -> None:
+    """Refuse ``nn.SyncBatchNorm``: it normalises with statistics gathered from every rank's
+    batch, so a batch cannot be recomputed alone. In the replay each rank contributes its
+    neighbour's statistics, the same set in another order, which the merge (a running
+    combination, row by row) rounds differently: every edge would disagree in the last
+    bits, every rank a suspect. Derived from how the merge works; no GPU here to run it
+    (DDP refuses SyncBatchNorm on the CPU)."""
+    names = [n for n, m in module.named_modules() if isinstance(m, nn.SyncBatchNorm)]
+    if names:
+        raise ValueError(
+            f"replay audit: the model has SyncBatchNorm layers {names[:4]}"
+            f"{' ...' if len(names) > 4 else ''}, which normalise with statistics gathered "
+            "from every rank's batch, so a neighbour's batch cannot be recomputed alone. Use "
+            "nn.BatchNorm (each rank's own statistics) or turn the replay off "
+            "(GuardConfig(replay_interval=0)).")
+
+
 def _refuse_unshared(module: nn.Module, ignored: set[int],
                      group: dist.ProcessGroup | None) -> None:
     """Refuse parameters that DDP ignores unless they are frozen and equal on every rank.
@@ -379,6 +396,7 @@ class ReplayAudit(Check, BucketListener):
         # they are not in the own gradient word and must not be in the replayed one.
         ignored = ddp_ignored(model)
         _refuse_unshared(self.module, ignored, group)
+        _refuse_sync_batchnorm(self.module)
         named = [(n, p) for n, p in self.module.named_parameters()
                  if p.requires_grad and id(p) not in ignored]
         self.params = [p for _, p in named]

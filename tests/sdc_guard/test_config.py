@@ -132,6 +132,18 @@ def test_a_compiled_ddp_is_refused_where_the_replay_would_run_other_code(one_ran
         SDCGuard(compiled, opt, **kw)  # type: ignore[arg-type]
 
 
+def test_replay_refuses_sync_batchnorm() -> None:
+    # Its statistics come from every rank's batch: in the replay, the same set merged in
+    # another order. DDP refuses SyncBatchNorm on the CPU, so the rule is tested alone.
+    from sdc_guard.checks.replay import _refuse_sync_batchnorm
+
+    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(  # type: ignore[no-untyped-call]
+        torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8)))
+    with pytest.raises(ValueError, match=r"SyncBatchNorm layers \['1'\].*turn the replay off"):
+        _refuse_sync_batchnorm(model)
+    _refuse_sync_batchnorm(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8)))
+
+
 def test_majority_vote() -> None:
     assert majority_outliers([5, 5, 5]) == ()
     assert majority_outliers([5, 7, 5]) == (1,)
