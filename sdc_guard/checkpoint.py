@@ -154,7 +154,14 @@ class CheckpointManager:
 
     # -- the guard's side ------------------------------------------------------------------
     def bind(self, guard: SDCGuard) -> None:
-        """Called by ``SDCGuard(..., checkpoints=self)``."""
+        """Called by ``SDCGuard(..., checkpoints=self)``. The manager's group must be the
+        guard's: its collectives and its writer (the group's rank 0) are that replica set's."""
+        if self.group is not guard.group:
+            raise ValueError(
+                "SDCGuard(checkpoints=...): the CheckpointManager's group is not the guard's "
+                "process_group, so its collectives and its writer would span other ranks. "
+                "Build it with the same group, CheckpointManager(directory, "
+                "group=process_group), and a directory of that replica set's own.")
         self.guard = guard
 
     def record_detection(self, d: Detection, window_start: int) -> None:

@@ -117,11 +117,13 @@ class SDCGuard:
         self._hooked = False
         self.checks: list[Check] = []
         self.events: EventLog | None = None
-        self.reconfigure(config)
+        # Bound before the checks are built and the comm hook registered with DDP: a bad
+        # argument must not leave the model hooked (DDP takes one hook, once).
         self.set_remediation(remediation)
         self.checkpoints: CheckpointManager | None = None
         """Told of every unrepaired detection and its suspect window (``sdc_guard.checkpoint``)."""
         self.set_checkpoints(checkpoints)
+        self.reconfigure(config)
 
     def set_checkpoints(self, checkpoints: CheckpointManager | None) -> None:
         """Record suspect windows in ``checkpoints`` from now on (None: nowhere)."""

@@ -144,6 +144,27 @@ def test_replay_refuses_sync_batchnorm() -> None:
     _refuse_sync_batchnorm(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8)))
 
 
+def test_checkpoints_must_share_the_guards_group(one_rank: None, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from sdc_guard import CheckpointManager
+
+    group = dist.new_group([0])
+    ddp = DDP(torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    kw: dict[str, object] = {"loss_fn": lambda m, b: m(b).pow(2).mean(),
+                             "batch_for": lambda r, s: torch.ones(3, 4), "process_group": group,
+                             "config": GuardConfig(checksum=True)}
+    with pytest.raises(ValueError, match=r"CheckpointManager\(directory, group=process_group\)"):
+        SDCGuard(ddp, opt, checkpoints=CheckpointManager(tmp_path / "a"), **kw)  # type: ignore[arg-type]
+    # Refused before the comm hook was registered: the same model takes a guard afterwards.
+    guard = SDCGuard(ddp, opt, checkpoints=CheckpointManager(tmp_path / "b", group=group),
+                     **kw)  # type: ignore[arg-type]
+    assert guard.checkpoints is not None and guard.checkpoints.group is group
+    assert guard.step(0).detections == []
+
+
 def test_majority_vote() -> None:
     assert majority_outliers([5, 5, 5]) == ()
     assert majority_outliers([5, 7, 5]) == (1,)
