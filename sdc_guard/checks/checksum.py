@@ -404,6 +404,26 @@ class _Layer:
     """The layer's forward ran in a checked step (``ChecksumCheck.uncalled``)."""
 
 
+def _recomputing() -> bool:
+    """Is this forward call activation checkpointing's recomputation without reentry
+    (``torch.utils.checkpoint(..., use_reentrant=False)``)? It runs inside the backward,
+    under saved-tensor hooks, only to regenerate the tensors the backward saved (it stops
+    as soon as it has them, often before the layer's forward hook): no backward runs
+    through its output, so its calls are not the layer's (the forward's own call was
+    checked). The reentrant form's recomputation, with no such hooks, is the graph its
+    backward runs through: checked as a call."""
+    if torch._C._current_graph_task_id() == -1:
+        return False
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:  # not in this torch: every call counts, as before
+        return False
+    try:
+        hooks = top(False)
+    except TypeError:  # older signature, without ignore_is_tracing
+        hooks = top()
+    return hooks is not None
+
+
 @dataclass
 class _Failure:
     """One set of checksum entries (read on the host only when one of them failed)."""
@@ -523,7 +543,8 @@ class ChecksumCheck(Check, BucketListener):
 
         def pre(mod: nn.Module, args: tuple[Any, ...]) -> Any:
             layer.via_node = False
-            if not self._active or not args or not isinstance(args[0], torch.Tensor):
+            if (not self._active or not args or not isinstance(args[0], torch.Tensor)
+                    or _recomputing()):
                 return None
             self._fresh(layer)
             x = args[0]
@@ -543,7 +564,8 @@ class ChecksumCheck(Check, BucketListener):
             return (tap, *args[1:])
 
         def post(mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-            if not self._active or not args or not isinstance(out, torch.Tensor):
+            if (not self._active or not args or not isinstance(out, torch.Tensor)
+                    or _recomputing()):
                 return
             layer.called = True
             self._fresh(layer)

@@ -313,6 +313,21 @@ def _refuse_compiled_ddp(model: DistributedDataParallel) -> None:
             "module.compile() before wrapping it.")
 
 
+def _grads(loss: torch.Tensor, params: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad`` of the replayed loss, which leaves ``.grad`` (and DDP's
+    reducer) alone; reentrant activation checkpointing cannot run under it."""
+    try:
+        return torch.autograd.grad(loss, params, allow_unused=True)
+    except RuntimeError as e:
+        if "use_reentrant=True" not in str(e):
+            raise
+        raise RuntimeError(
+            "replay audit: the model uses torch.utils.checkpoint(..., use_reentrant=True), "
+            "which cannot run under torch.autograd.grad, how the replay computes a "
+            "neighbour's gradients without touching .grad. Pass use_reentrant=False (what "
+            "PyTorch recommends), or turn the replay off (GuardConfig(replay_interval=0)).") from e
+
+
 def _refuse_sync_batchnorm(module: nn.Module) -> None:
     """Refuse ``nn.SyncBatchNorm``: it normalises with statistics gathered from every rank's
     batch, so a batch cannot be recomputed alone. In the replay each rank contributes its
@@ -620,7 +635,7 @@ class ReplayAudit(Check, BucketListener):
                     loss = scalar_loss(self.loss_fn(self.module, mb))
                 losses.append(loss.detach())
                 scaled = self.scale(loss) if self.scale is not None else loss
-                new = torch.autograd.grad(scaled, self.params, allow_unused=True)
+                new = _grads(scaled, self.params)
                 grads = [
                     g if acc is None else (acc if g is None else acc + g)
                     for acc, g in zip(grads, new, strict=True)

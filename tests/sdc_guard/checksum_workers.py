@@ -349,3 +349,60 @@ def compiled_run(rank: int, world: int, steps: int) -> dict[str, Any]:
     handle.remove()
     return {"clean": _dets(clean), "fault": _dets(report.detections + late),
             "skipped": report.skipped}
+
+
+class Checkpointed(nn.Module):
+    """Two residual blocks under ``torch.utils.checkpoint`` (activation checkpointing)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp = nn.Linear(16, 32)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(32, 32), nn.GELU(),
+                                                   nn.Linear(32, 32)) for _ in range(2)])
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h: torch.Tensor = self.inp(x)
+        for block in self.blocks:
+            h = h + checkpoint(block, h, use_reentrant=self.reentrant)
+        out: torch.Tensor = self.head(h)
+        return out
+
+
+def checkpointed_run(rank: int, world: int, reentrant: bool, faults: list[dict[str, Any]],
+                     replay: bool = False) -> list[list[tuple[str, int, tuple[int, ...]]]]:
+    """The checksum on a model with activation checkpointing: 2 clean steps (their
+    detections first), then each fault armed for one step on rank 1 (its detections).
+    ``replay``: instead, one step with the replay audit (its detections, or its error)."""
+    torch.manual_seed(0)
+    model = DDP(Checkpointed(reentrant))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def batch_for(r: int, s: int) -> Any:
+        g = torch.Generator().manual_seed(100 * s + r)
+        return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+    def loss_fn(m: nn.Module, b: Any) -> torch.Tensor:
+        return F.cross_entropy(m(b[0]), b[1])
+
+    if replay:  # what the replay says of it
+        guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=batch_for,
+                         config=GuardConfig(replay_interval=1, deterministic=True))
+        try:
+            return [_dets(guard.step(0).detections)]
+        except RuntimeError as e:
+            return [str(e)]  # type: ignore[list-item]
+    guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=batch_for,
+                     config=GuardConfig(checksum=True))
+    out = [_dets([d for s in range(2) for d in guard.step(s).detections])]
+    step = 2
+    for f in faults:
+        handle = arm(Fault(**f, step=step), guard=guard)
+        found = guard.step(step).detections + guard.flush()
+        handle.remove()
+        out.append(_dets(found))
+        step += 1
+    return out

@@ -119,3 +119,25 @@ def test_a_compiled_module_with_checksum_and_replay_has_no_false_positive() -> N
     for r in run_ranks(W.compiled_run, 3, 4, timeout=600):
         assert r["clean"] == [], r
         assert r["fault"] == [("replay", 4, (1,)), ("checksum", 4, (1,))] and r["skipped"], r
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_products_are_checked_once(reentrant: bool) -> None:
+    # Without reentry, the recomputation inside the backward ran the layer's forward
+    # pre-hook again (and stopped before its forward hook): that call took the place of the
+    # forward's own, and a flipped input gradient went unseen. With reentry the recomputed
+    # graph is the one the backward runs through, and is checked.
+    faults = [{"site": "linear_product", "product": p, "rank": 1, "target": t, "bits": (30,)}
+              for p in PRODUCTS for t in ("blocks.0.0", "blocks.1.2")]
+    for r in run_ranks(W.checkpointed_run, 3, reentrant, faults, timeout=300):
+        assert r[0] == [], r[0]
+        for i, (f, found) in enumerate(zip(faults, r[1:], strict=True)):
+            assert found == [("checksum", 2 + i, (1,))], (f, found)
+
+
+def test_the_replay_names_reentrant_checkpointing_and_audits_the_other() -> None:
+    # torch.autograd.grad, which the replay needs, cannot run through the reentrant form:
+    # torch's error from deep inside the audit now names the fix.
+    for r in run_ranks(W.checkpointed_run, 3, True, [], True):
+        assert "use_reentrant=True" in r[0] and "Pass use_reentrant=False" in r[0], r[0]
+    assert run_ranks(W.checkpointed_run, 3, False, [], True) == [[[]]] * 3
