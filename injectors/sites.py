@@ -175,8 +175,8 @@ def install_activation(inj: Injector) -> list[Undo]:
 
     def hook(mod: torch.nn.Module, args: Any, output: Any) -> Any:
         step = inj.fires_in_forward(mod)
-        if step is None:
-            return None
+        if step is None or _module_output(inj, output).numel() == 0:
+            return None  # an empty output (an expert no token was routed to): nothing to hit
         out = _module_output(inj, output).clone()
         inj.corrupt(out, step)
         return out
@@ -193,7 +193,7 @@ def install_activation_grad(inj: Injector) -> list[Undo]:
         if step is None:
             return
         out = _module_output(inj, output)
-        if not out.requires_grad:  # no backward will run through it (no_grad, eval)
+        if not out.requires_grad or out.numel() == 0:  # no backward through it, or empty
             return
         phase = inj.ctx.phase
 
@@ -353,7 +353,7 @@ def install_linear_product(inj: Injector) -> list[Undo]:
 
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         step = inj.fires_in_forward(module)
-        if step is None or args or kwargs:
+        if step is None or args or kwargs or x.numel() == 0:
             return original(x, *args, **kwargs)
         bias = module.bias
         return _FaultyLinear.apply(  # type: ignore[no-untyped-call]

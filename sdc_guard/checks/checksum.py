@@ -544,8 +544,8 @@ class ChecksumCheck(Check, BucketListener):
         def pre(mod: nn.Module, args: tuple[Any, ...]) -> Any:
             layer.via_node = False
             if (not self._active or not args or not isinstance(args[0], torch.Tensor)
-                    or _recomputing()):
-                return None
+                    or args[0].numel() == 0 or _recomputing()):
+                return None  # an empty input (an expert no token was routed to): no product
             self._fresh(layer)
             x = args[0]
             # The product's node will be there (as on the last call): no tap needed. Only
@@ -565,6 +565,7 @@ class ChecksumCheck(Check, BucketListener):
 
         def post(mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
             if (not self._active or not args or not isinstance(out, torch.Tensor)
+                    or not isinstance(args[0], torch.Tensor) or args[0].numel() == 0
                     or _recomputing()):
                 return
             layer.called = True

@@ -406,3 +406,52 @@ def checkpointed_run(rank: int, world: int, reentrant: bool, faults: list[dict[s
         out.append(_dets(found))
         step += 1
     return out
+
+
+class Odd(nn.Module):
+    """Linear layers called the ways a real model may: an expert no token reached (an empty
+    input), an unbatched 1-D input, a non-contiguous 3-D input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.expert = nn.Linear(32, 32)
+        self.vec = nn.Linear(32, 32)
+        self.heads = nn.Linear(8, 8)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        routed = h[h[:, 0] > 1e9]  # no row: the expert gets a [0, 32] input
+        h = h + self.expert(routed).sum(0)
+        h = h + self.vec(h[0])
+        t = h.view(-1, 4, 8).transpose(0, 1)
+        h = self.heads(t).transpose(0, 1).reshape(-1, 32)
+        out: torch.Tensor = self.head(h)
+        return out
+
+
+def odd_calls_run(rank: int, world: int, faults: list[dict[str, Any]]) -> dict[str, Any]:
+    """``Odd`` with the checksum and the replay: 3 clean steps, then each fault armed on rank
+    1 for one step (detections and injection records per fault)."""
+    torch.manual_seed(0)
+    model = DDP(Odd())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def batch_for(r: int, s: int) -> Any:
+        g = torch.Generator().manual_seed(100 * s + r)
+        return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+    def loss_fn(m: nn.Module, b: Any) -> torch.Tensor:
+        return F.cross_entropy(m(b[0]), b[1])
+
+    guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=batch_for,
+                     config=GuardConfig(checksum=True, replay_interval=1, deterministic=True))
+    clean = _dets([d for s in range(3) for d in guard.step(s).detections])
+    per_fault = []
+    for i, f in enumerate(faults):
+        handle = arm(Fault(**f, step=3 + i), guard=guard)
+        found = guard.step(3 + i).detections + guard.flush()
+        handle.remove()
+        per_fault.append({"detections": _dets(found), "fired": len(handle.records)})
+    return {"clean": clean, "faults": per_fault}

@@ -141,3 +141,19 @@ def test_the_replay_names_reentrant_checkpointing_and_audits_the_other() -> None
     for r in run_ranks(W.checkpointed_run, 3, True, [], True):
         assert "use_reentrant=True" in r[0] and "Pass use_reentrant=False" in r[0], r[0]
     assert run_ranks(W.checkpointed_run, 3, False, [], True) == [[[]]] * 3
+
+
+def test_an_expert_without_tokens_a_vector_and_a_strided_input() -> None:
+    # An expert no token was routed to multiplies an empty input: the C backward pass
+    # refused its sizes and the step raised. Such a call has no product to check, and no
+    # element for a fault to hit (the fault waits for a call that has one).
+    faults = [{"site": "linear_product", "product": "forward", "rank": 1, "target": "expert",
+               "bits": (30,)},
+              {"site": "activation", "rank": 1, "target": "expert", "bits": (30,)}]
+    faults += [{"site": "linear_product", "product": p, "rank": 1, "target": t, "bits": (30,)}
+               for p in PRODUCTS for t in ("vec", "heads")]
+    for r in run_ranks(W.odd_calls_run, 3, faults, timeout=300):
+        assert r["clean"] == [], r["clean"]
+        assert r["faults"][:2] == [{"detections": [], "fired": 0}] * 2
+        for i, (f, got) in enumerate(zip(faults[2:], r["faults"][2:], strict=True)):
+            assert got["detections"][-1] == ("checksum", 5 + i, (1,)), (f, got)
