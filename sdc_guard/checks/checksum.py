@@ -412,10 +412,11 @@ def _recomputing() -> bool:
     through its output, so its calls are not the layer's (the forward's own call was
     checked). The reentrant form's recomputation, with no such hooks, is the graph its
     backward runs through: checked as a call."""
-    if torch._C._current_graph_task_id() == -1:
-        return False
+    task = getattr(torch._C, "_current_graph_task_id", None)
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:  # not in this torch: every call counts, as before
+    if task is None or top is None:  # not in this torch: every call counts
+        return False
+    if task() == -1:  # not inside a backward
         return False
     try:
         hooks = top(False)
