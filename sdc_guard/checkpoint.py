@@ -196,6 +196,9 @@ class CheckpointManager:
             log.warning("sdc-guard: not saving step %d: a suspect window is open since step %d "
                         "(restore a checkpoint first)", step, opened[0]["start"])
             return None
+        consolidate = getattr(optimizer, "consolidate_state_dict", None)
+        if callable(consolidate):  # ZeroRedundancyOptimizer: each rank holds a shard
+            consolidate(to=self._writer_in(getattr(optimizer, "process_group", None)))
         if self._rank() != 0:
             return None
         guard = self.guard
@@ -369,6 +372,16 @@ class CheckpointManager:
 
     def _write_state(self, state: dict[str, Any]) -> None:
         _write_atomic(self.directory / WINDOWS, json.dumps(state, indent=1).encode())
+
+    def _writer_in(self, group: dist.ProcessGroup | None) -> int:
+        """The writer's (this manager's rank 0's) rank in ``group`` (None: the default
+        group), where a sharded optimizer gathers its state before the writer saves it."""
+        if not dist.is_initialized():
+            return 0
+        writer = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        if group is None or group is dist.group.WORLD:
+            return writer
+        return dist.get_group_rank(group, writer)
 
     def _rank(self) -> int:
         return dist.get_rank(self.group) if dist.is_initialized() else 0

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sdc_guard
 from injectors import Fault, InjectionContext, InjectionHandle, arm
-from sdc_guard import GuardConfig, SDCGuard
+from sdc_guard import CheckpointManager, GuardConfig, SDCGuard
 from sdc_guard.checks.checksum import ChecksumCheck
 from sdc_guard.checks.replay import ReplayAudit
 from sdc_guard.comm_hook import BucketListener, GuardCommHook
@@ -370,6 +370,35 @@ def ignored_params_run(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def zero_checkpoint_run(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
+    """``ZeroRedundancyOptimizer`` (each rank holds a shard of the optimizer state) under the
+    guard, saved after step 2 and restored after step 4: this rank's shard and the weights
+    as saved, and every detection (there should be none)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = DDP(make_mlp())
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                  lr=1e-2)
+    ckpt = CheckpointManager(ckpt_dir)
+    guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=batch_for, checkpoints=ckpt,
+                     config=GuardConfig(replay_interval=2, deterministic=True))
+
+    def shard() -> int:
+        return sdc_guard.fingerprint([t for st in opt.optim.state.values()
+                                      for _, t in sorted(st.items()) if torch.is_tensor(t)])
+
+    found = [d for s in range(3) for d in guard.step(s).detections]
+    ckpt.save(2, model, opt)
+    saved = (shard(), sdc_guard.fingerprint(list(model.parameters())))
+    found += [d for s in range(3, 5) for d in guard.step(s).detections]
+    moved = shard() != saved[0]
+    start = ckpt.restore(model, opt)
+    restored = (shard(), sdc_guard.fingerprint(list(model.parameters())))
+    found += [d for s in range(start, 5) for d in guard.step(s).detections] + guard.flush()
+    return {"start": start, "moved": moved, "restored_as_saved": restored == saved,
+            "detections": _flushed(found)}
+
+
 def replay_layout_run(rank: int, world: int, steps: int, *, width: int,
                       unused: bool = False, bucket_mb: float = 25.0,
                       as_view: bool = False) -> dict[str, Any]:
@@ -594,8 +623,6 @@ def recovery_run(rank: int, world: int, steps: int, ckpt_dir: str, *, every: int
     """Train with a checkpoint every ``every`` steps; on the first unrepaired detection the
     faulty rank's fault is removed (its node replaced) and the run is restored from the last
     clean checkpoint, then trained to the end."""
-    from sdc_guard import CheckpointManager
-
     model = DDP(make_mlp())
     optimizer = make_optimizer(model, "adamw")
     ckpt = CheckpointManager(ckpt_dir, keep=2)

@@ -49,15 +49,17 @@ def state_tensors(
     """The replicated state in canonical order: parameters, then optimizer state tensors.
 
     Parameters that DDP ignores (``ddp_ignored``), and their optimizer state, are not
-    replicated and are left out, unless ``every`` (a checkpoint's own fingerprint)."""
+    replicated and are left out, unless ``every`` (a checkpoint's own fingerprint). So is
+    the state of an optimizer that shards it over the ranks (``ZeroRedundancyOptimizer``,
+    known by its ``consolidate_state_dict``): each rank holds another part."""
     skip = set() if every else ddp_ignored(model)
     tensors = [p.detach() for _, p in model.named_parameters() if id(p) not in skip]
-    if optimizer is not None:
+    if optimizer is not None and not callable(getattr(optimizer, "consolidate_state_dict", None)):
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if id(p) in skip:
                     continue
-                st = optimizer.state.get(p, {})
+                st = optimizer.state.get(p) or {}
                 for key in sorted(st, key=str):
                     v = st[key]
                     if isinstance(v, torch.Tensor):
