@@ -48,6 +48,7 @@ import torch.multiprocessing  # torch's reductions for the queues
 
 from scenarios.run import forkserver
 from scenarios.run.rank import Command, Ping, RankRunner
+from scenarios.spec.errors import ScenarioError
 from sdc_guard import CheckpointManager
 
 
@@ -64,10 +65,16 @@ class PoolError(RuntimeError):
 
 
 def pick_backend(requested: str, world_size: int) -> tuple[str, str]:
-    """(backend, device type): nccl + cuda when asked or available for every rank, else gloo."""
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= 1
-    if requested == "nccl" or (requested == "auto" and cuda
-                               and torch.cuda.device_count() >= world_size):
+    """(backend, device type): nccl + cuda when asked or available for every rank, else gloo.
+    Asked for nccl without a CUDA device per rank (nccl runs one rank per device): a
+    ``ScenarioError`` naming ``backend``."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "nccl" and gpus < world_size:
+        raise ScenarioError(
+            "backend", requested, "'auto' or 'gloo' on this machine",
+            reason=f"nccl runs one rank per CUDA device, world_size = {world_size} needs "
+                   f"{world_size} and this machine has {gpus}")
+    if requested == "nccl" or (requested == "auto" and gpus >= world_size):
         return "nccl", "cuda"
     return "gloo", "cpu"
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from scenarios.cli import main
 from scenarios.report.outcome import classify, failed_row
@@ -105,6 +106,17 @@ def test_cli_prints_one_line_and_exits_2(tmp_path: Path, capsys: pytest.CaptureF
     camp = _write(tmp_path, 'scenarios = ["missing.toml"]\n[sample]\n', "c.toml")
     assert main(["campaign", str(camp)]) == 2
     assert "missing.toml" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 3, reason="three CUDA devices: nccl can run")
+def test_nccl_without_a_device_per_rank_is_named(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    # It was a ZeroDivisionError from the ranks (no CUDA device to take one modulo of).
+    p = _write(tmp_path, 'backend = "nccl"\n')
+    assert main(["run", str(p), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "backend = 'nccl' is not valid (nccl runs one rank per CUDA device" in err, err
+    assert "allowed: 'auto' or 'gloo' on this machine" in err
 
 
 def test_cli_subprocess_has_no_traceback(tmp_path: Path) -> None:
