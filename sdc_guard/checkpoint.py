@@ -6,15 +6,20 @@
     guard = sdc_guard.SDCGuard(..., checkpoints=ckpt)    # records suspect windows
     ckpt.save(step, model, optimizer)                     # collective: every rank calls
     start = ckpt.restore(model, optimizer)                # the step to train next
+    ckpt.save(step, model, optimizer, extra={"lr": scheduler, "scaler": scaler})
+    start = ckpt.restore(model, optimizer, extra={"lr": scheduler, "scaler": scaler})
 
 **What a checkpoint holds.** The model's and the optimizer's ``state_dict``, every rank's
 random-number-generator states (torch CPU and CUDA, Python's ``random``, NumPy's when it is
 installed; they differ per rank), the step, the guard's verification state
 (``SDCGuard.clean_through`` and each check's), and the 64-bit fingerprint of the parameters
 and optimizer state (``sdc_guard.fingerprint`` over ``state_tensors``), checked again after
-loading. Rank 0 writes it (DDP replicas are identical; the ranks' RNG states are gathered
-first): ``step-000000120.pt`` and its manifest ``step-000000120.json`` (size, SHA-256,
-fingerprint, generation). Both are written to a temporary name, fsynced and renamed; the
+loading. With ``extra``, each named object's ``state_dict()`` too (an LR scheduler, a
+``GradScaler``, a stateful data loader: anything with ``state_dict`` and ``load_state_dict``),
+every rank's, restored on that rank after the model and the optimizer. Rank 0 writes it (DDP
+replicas are identical; the ranks' RNG states and extra states are gathered first):
+``step-000000120.pt`` and its manifest ``step-000000120.json`` (size, SHA-256, fingerprint,
+generation). Both are written to a temporary name, fsynced and renamed; the
 manifest is written last and is the commit point, so a killed save leaves no checkpoint
 that looks whole. Loading uses ``torch.load(weights_only=True)``: no arbitrary unpickling.
 
@@ -48,6 +53,7 @@ import logging
 import os
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,6 +91,45 @@ class CheckpointInfo:
     fingerprint: str
     clean_through: int | None
     saved_at: float
+
+
+def _extra_states(extra: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
+    """``extra``'s objects checked (a name, ``state_dict`` and ``load_state_dict``); on
+    ``save`` (``where``), their states, each checked to load with ``weights_only=True``."""
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise ValueError(f"CheckpointManager.{where}(extra=...) must map names to objects "
+                         f"with state_dict() and load_state_dict(), got {type(extra).__name__}")
+    out: dict[str, Any] = {}
+    for name, obj in extra.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"CheckpointManager.{where}(extra=...): the key {name!r} must be "
+                             "a non-empty str (the name the state is saved under)")
+        if not (callable(getattr(obj, "state_dict", None))
+                and callable(getattr(obj, "load_state_dict", None))):
+            raise ValueError(
+                f"CheckpointManager.{where}(extra={{{name!r}: ...}}): a "
+                f"{type(obj).__name__} has no state_dict() and load_state_dict(); pass the "
+                "object that owns the state (the LR scheduler, the GradScaler, the loader)")
+        if where != "save":
+            continue
+        state = obj.state_dict()
+        import io
+
+        buf = io.BytesIO()
+        try:
+            torch.save(state, buf)
+            buf.seek(0)
+            torch.load(buf, map_location="cpu", weights_only=True)
+        except Exception as e:  # a state that restore could not load safely
+            raise ValueError(
+                f"CheckpointManager.save(extra={{{name!r}: ...}}): the state_dict() of this "
+                f"{type(obj).__name__} does not load with torch.load(weights_only=True), as "
+                f"restore loads it ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                "make it hold tensors and plain Python values only") from e
+        out[name] = state
+    return out
 
 
 def _module(model: torch.nn.Module) -> torch.nn.Module:
@@ -180,16 +225,20 @@ class CheckpointManager:
         self._cached = state
 
     # -- saving ----------------------------------------------------------------------------
-    def save(self, step: int, model: torch.nn.Module,
-             optimizer: torch.optim.Optimizer) -> CheckpointInfo | None:
-        """Checkpoint the state after ``step``. Collective (the ranks' RNG states are gathered);
-        rank 0 writes. Returns the manifest on rank 0, None elsewhere and when refused (an
-        open suspect window: the state is suspect until a restore)."""
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+             extra: Mapping[str, Any] | None = None) -> CheckpointInfo | None:
+        """Checkpoint the state after ``step``. Collective (the ranks' RNG states and
+        ``extra`` states are gathered); rank 0 writes. ``extra``: named objects with
+        ``state_dict`` and ``load_state_dict`` (an LR scheduler, a ``GradScaler``) saved
+        with it, every rank's. Returns the manifest on rank 0, None elsewhere and when
+        refused (an open suspect window: the state is suspect until a restore)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"CheckpointManager.save(step): an int >= 0, got {step!r}.")
+        local_extra = _extra_states(extra, "save")
         device = next(model.parameters()).device
-        rngs: list[Any] = [None] * self._world()
-        dist.all_gather_object(rngs, rng_state(device), group=self.group)
+        gathered: list[Any] = [None] * self._world()
+        dist.all_gather_object(gathered, (rng_state(device), local_extra), group=self.group)
+        rngs = [g[0] for g in gathered]
         state = self._state()
         opened = [w for w in state["windows"] if w["open"]]
         if opened:
@@ -205,7 +254,7 @@ class CheckpointManager:
         payload = {
             "format": FORMAT, "step": step, "generation": state["generation"],
             "model": _module(model).state_dict(), "optimizer": optimizer.state_dict(),
-            "rng": rngs, "world_size": self._world(),
+            "rng": rngs, "world_size": self._world(), "extra": [g[1] for g in gathered],
             "guard": None if guard is None else {
                 "clean_through": guard.clean_through,
                 "checks": {c.name: c.clean_through for c in guard.checks}},
@@ -255,11 +304,15 @@ class CheckpointManager:
                 return dict(w)
         return None
 
-    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                extra: Mapping[str, Any] | None = None) -> int:
         """Load the newest usable checkpoint before every suspect window; the step to train
-        next. 0: none is usable, and the model and optimizer are left as they are: start from
-        scratch (re-initialise them, or save a checkpoint of the initial state first).
-        Collective; every rank reads the files."""
+        next. 0: none is usable, and the model and optimizer (and ``extra``) are left as they
+        are: start from scratch (re-initialise them, or save a checkpoint of the initial
+        state first). ``extra``: the objects ``save`` was given, by the same names; each
+        loads this rank's saved state after the model and the optimizer. Collective; every
+        rank reads the files."""
+        _extra_states(extra, "restore")
         device = next(model.parameters()).device
         chosen = None
         for info in self.checkpoints():
@@ -271,6 +324,7 @@ class CheckpointManager:
                 continue
             try:
                 payload = self._load(info)
+                self._extra_held(info, payload, extra)
                 _module(model).load_state_dict(payload["model"])
                 optimizer.load_state_dict(payload["optimizer"])
                 got = f"{fingerprint(state_tensors(_module(model), optimizer, every=True)):016x}"
@@ -310,12 +364,53 @@ class CheckpointManager:
         else:
             log.warning("sdc-guard: %s was saved by %d ranks, this job has %d; RNG states not "
                         "restored", info.file, len(rngs), self._world())
+        self._load_extra(info, payload, extra)
         if self.guard is not None:
             self.guard.rewind(info.step)
         if self._rank() == 0:
             log.warning("sdc-guard: restored %s (step %d); training resumes at step %d",
                         info.file, info.step, info.step + 1)
         return info.step + 1
+
+    @staticmethod
+    def _extra_held(info: CheckpointInfo, payload: dict[str, Any],
+                    extra: Mapping[str, Any] | None) -> None:
+        """Refuse (before anything is loaded) a restore whose ``extra`` names a state the
+        checkpoint does not hold: resuming with it left as it is would be silently wrong."""
+        held = (payload.get("extra") or [{}])[0]
+        missing = sorted(set(extra or {}) - set(held))
+        if missing:
+            raise ValueError(
+                f"CheckpointManager.restore(extra=...): checkpoint {info.file} holds no state "
+                f"for {missing} (it holds {sorted(held)}); it was saved without them. Pass "
+                "save(..., extra=...) the same names, or restore this one without them and "
+                "set their state yourself")
+
+    def _load_extra(self, info: CheckpointInfo, payload: dict[str, Any],
+                    extra: Mapping[str, Any] | None) -> None:
+        states = payload.get("extra") or [{}]
+        rank = self._rank()
+        if len(states) == self._world():
+            mine = states[rank]
+        else:
+            mine = states[0]
+            if extra:
+                log.warning("sdc-guard: %s was saved by %d ranks, this job has %d; every rank "
+                            "restores the writer's extra states %s", info.file, len(states),
+                            self._world(), sorted(extra))
+        for name, obj in (extra or {}).items():
+            try:
+                obj.load_state_dict(mine[name])
+            except Exception as e:
+                raise ValueError(
+                    f"CheckpointManager.restore(extra={{{name!r}: ...}}): this "
+                    f"{type(obj).__name__}'s load_state_dict refused the state saved in "
+                    f"{info.file} ({type(e).__name__}: {e}); pass the same kind of object "
+                    "save was given") from e
+        unused = sorted(set(mine) - set(extra or {}))
+        if unused and rank == 0:
+            log.warning("sdc-guard: %s also holds the states %s, which restore(extra=...) was "
+                        "not given: they are left as they are", info.file, unused)
 
     def _load(self, info: CheckpointInfo) -> dict[str, Any]:
         try:

@@ -618,13 +618,33 @@ def arm_errors(rank: int, world: int, faults: list[Fault]) -> list[str]:
     return out
 
 
+class Position:
+    """A per-rank state beside the model (a data loader's position): its rank and step."""
+
+    def __init__(self, rank: int) -> None:
+        self.state = {"rank": rank, "step": -1}
+
+    def state_dict(self) -> dict[str, int]:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.state = dict(state)
+
+
 def recovery_run(rank: int, world: int, steps: int, ckpt_dir: str, *, every: int,
-                 fault: dict[str, Any] | None, cfg: dict[str, Any]) -> dict[str, Any]:
+                 fault: dict[str, Any] | None, cfg: dict[str, Any],
+                 schedule: bool = False) -> dict[str, Any]:
     """Train with a checkpoint every ``every`` steps; on the first unrepaired detection the
     faulty rank's fault is removed (its node replaced) and the run is restored from the last
-    clean checkpoint, then trained to the end."""
+    clean checkpoint, then trained to the end. ``schedule``: an LR schedule and a per-rank
+    ``Position`` go into the checkpoints as ``extra`` states (``positions``: each rank's
+    restored one)."""
     model = DDP(make_mlp())
     optimizer = make_optimizer(model, "adamw")
+    extra: dict[str, Any] = {}
+    if schedule:
+        extra = {"lr": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.8 ** s),
+                 "position": Position(rank)}
     ckpt = CheckpointManager(ckpt_dir, keep=2)
     guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for,
                      config=GuardConfig(**cfg), checkpoints=ckpt)
@@ -645,20 +665,26 @@ def recovery_run(rank: int, world: int, steps: int, ckpt_dir: str, *, every: int
         guard.before_step.append(lambda step: flip() if fires(step) else None)
     detections: list[tuple[str, int, tuple[int, ...], bool]] = []
     restored: list[tuple[int, int]] = []
+    positions: list[dict[str, int]] = []
     step = 0
     while step < steps:
         rep = guard.step(step)
         detections += [(d.check, d.step, d.suspect_ranks, d.repaired) for d in rep.detections]
         if any(not d.repaired for d in rep.detections) and not restored:
             armed["on"] = False  # the faulty node is replaced
-            resume = ckpt.restore(model, optimizer)
+            resume = ckpt.restore(model, optimizer, extra=extra)
             restored.append((step, resume))
+            if schedule:
+                positions.append(extra["position"].state_dict())
             step = resume
             continue
+        if schedule:
+            extra["lr"].step()
+            extra["position"].state["step"] = step
         if step % every == 0:
-            ckpt.save(step, model, optimizer)
+            ckpt.save(step, model, optimizer, extra=extra)
         step += 1
     guard.flush()
     dist.barrier()
-    return {"detections": detections, "restored": restored,
+    return {"detections": detections, "restored": restored, "positions": positions,
             "final": sdc_guard.fingerprint(sdc_guard.state_tensors(model.module, optimizer))}

@@ -159,3 +159,61 @@ def test_keep_never_deletes_the_newest_checkpoint_verified_clean(one_rank: None,
         ckpt.save(s, model, opt)
     assert guard.clean_through == 4
     assert [c.step for c in ckpt.checkpoints()] == [6, 4]
+
+
+def _scheduled(model: DDP, opt: torch.optim.Optimizer, sched: Any, steps: range) -> None:
+    for s in steps:
+        _train(model, opt, range(s, s + 1))
+        sched.step()
+
+
+def test_extra_states_resume_the_schedule_where_it_was_saved(setup: Any) -> None:
+    """An LR scheduler and a GradScaler saved beside the model: after a rollback, training
+    from the restored step on reproduces the uninterrupted run bit for bit. Restored
+    without them, the schedule stays where the run had got to and the run diverges."""
+    model, opt, ckpt = setup
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler.scale(torch.ones(()))  # its scale tensor exists from the first scaled loss on
+    extra = {"lr": sched, "scaler": scaler}
+    _scheduled(model, opt, sched, range(3))
+    ckpt.save(2, model, opt, extra=extra)
+    _scheduled(model, opt, sched, range(3, 7))
+    scaler.update(new_scale=3.0)
+    uninterrupted = _state(model, opt)
+    assert ckpt.restore(model, opt, extra=extra) == 3
+    assert (sched.last_epoch, scaler.get_scale()) == (3, 2.0 ** 10)
+    assert sched.get_last_lr() == [g["lr"] for g in opt.param_groups] == [1e-2 * 0.5 ** 3]
+    _scheduled(model, opt, sched, range(3, 7))
+    assert _state(model, opt) == uninterrupted
+    assert ckpt.restore(model, opt) == 3  # the schedule left at step 7: another run
+    _scheduled(model, opt, sched, range(3, 7))
+    assert _state(model, opt) != uninterrupted
+
+
+class _NoState:
+    def state_dict(self) -> dict[str, Any]:
+        return {"f": print}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def test_extra_states_are_checked_by_name_before_anything_is_written(setup: Any) -> None:
+    model, opt, ckpt = setup
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    with pytest.raises(ValueError, match=r"extra=\{'lr': \.\.\.\}\): a int has no state_dict"):
+        ckpt.save(0, model, opt, extra={"lr": 3})
+    with pytest.raises(ValueError, match=r"extra=\{'f': \.\.\.\}\).*_NoState does not load "
+                                         r"with torch.load\(weights_only=True\)"):
+        ckpt.save(0, model, opt, extra={"f": _NoState()})
+    with pytest.raises(ValueError, match=r"the key 0 must be a non-empty str"):
+        ckpt.save(0, model, opt, extra={0: sched})
+    assert ckpt.checkpoints() == []
+    ckpt.save(0, model, opt)
+    with pytest.raises(ValueError, match=r"holds no state for \['lr'\] \(it holds \[\]\)"):
+        ckpt.restore(model, opt, extra={"lr": sched})
+    ckpt.save(1, model, opt, extra={"lr": sched})
+    with pytest.raises(ValueError, match=r"extra=\{'lr': \.\.\.\}\): this GradScaler's "
+                                         r"load_state_dict refused"):
+        ckpt.restore(model, opt, extra={"lr": torch.amp.GradScaler("cpu")})
