@@ -15,7 +15,18 @@ breaker tripped, the API refused), it exits 1 instead, which ``ExitCode`` treats
 permanent: a human should look. Without ``--act`` (the default, a dry run) training goes on.
 
     python examples/train_guarded.py --steps 200 [--act] [--kubeconfig PATH] [--plant-fault STEP]
+        [--checkpoint-dir DIR [--checkpoint-every N] [--keep-checkpoints K]]
     torchrun --standalone --nproc-per-node 3 examples/train_guarded.py --no-quarantine --plant-fault 20
+
+With ``--checkpoint-dir`` (``deploy/pytorchjob.yaml`` gives the shared volume), every rank
+starts by restoring the newest checkpoint before any suspect window (none on a fresh run: step
+0) and saves one every ``--checkpoint-every`` steps, the LR schedule with it: the restarted job
+resumes from the last clean state, away from the cordoned node, on the schedule the
+fault-free run would have followed. (Bit for bit it resumes as a fault-free job restarted at
+the same step does: DDP orders its gradient buckets anew after a process's first iteration,
+and a ring all-reduce rounds each element's sum in an order set by its place in the bucket,
+so a job restarted from a checkpoint and one that never stopped round their first step after
+the restart differently; docs/recovery.md.)
 
 Without Kubernetes credentials (in-cluster, or ``--kubeconfig``) it exits with code 2 at once
 and says so; ``--no-quarantine`` detects and repairs without a cluster.
@@ -83,7 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plant-fault", type=int, default=None, metavar="STEP",
                     help="a stuck bit in a weight of rank 1 from STEP on (a demonstration)")
     ap.add_argument("--event-log", default=None, help="JSON-lines file for detections")
+    ap.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                    help="shared storage every rank and replacement pod reads: restore from "
+                         "it at the start, save to it (default: no checkpoints)")
+    ap.add_argument("--checkpoint-every", type=int, default=50, metavar="N",
+                    help="save a checkpoint every N steps (default 50)")
+    ap.add_argument("--keep-checkpoints", type=int, default=3, metavar="K",
+                    help="checkpoints kept, besides the newest verified clean (default 3)")
     args = ap.parse_args(argv)
+    if args.checkpoint_every < 1:
+        ap.error(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     try:  # before the process group: a rank that cannot start leaves no peer waiting
@@ -101,16 +121,22 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     model = DDP(make_model().to(device), device_ids=[device.index] if cuda else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
+    ckpt = None if args.checkpoint_dir is None else \
+        sdc_guard.CheckpointManager(args.checkpoint_dir, keep=args.keep_checkpoints)
     config = sdc_guard.GuardConfig(replay_interval=4, deterministic=True,
                                    event_log=args.event_log)
     guard = sdc_guard.SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for(device),
-                               config=config, remediation=quarantine)
+                               config=config, remediation=quarantine, checkpoints=ckpt)
     if args.plant_fault is not None and rank == 1:
         guard.before_step.append(_stuck_bit(next(model.module.parameters()), args.plant_fault))
+    extra = {"lr": schedule}  # state that belongs to the step, rolled back with the model
+    start = 0 if ckpt is None else ckpt.restore(model, optimizer, extra=extra)
 
     code = 0
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         report = guard.step(step)
+        schedule.step()
         if quarantine is not None and quarantine.restart_code(report.detections) is not None:
             guard.flush()  # collective: every rank is here, at the same step; waits for the cordon
             code = quarantine.restart_code(report.detections) or 0
@@ -118,8 +144,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rank {rank}: {d.check} detection at step {d.step}, suspects "
                   f"{list(d.suspect_nodes)}; exiting {code}", flush=True)
             break
+        if ckpt is not None and (step + 1) % args.checkpoint_every == 0:
+            ckpt.save(step, model, optimizer, extra=extra)  # collective; refused while suspect
     else:
         guard.flush()
+        state = sdc_guard.fingerprint(sdc_guard.state_tensors(model.module, optimizer))
+        print(f"rank {rank}: trained steps {start} to {args.steps - 1}; state fingerprint "
+              f"{state:016x}", flush=True)
     if quarantine is not None:
         quarantine.close()  # evidence held back by the rate limit goes out now
     # Tear down in this order: the DDP reducer's destructor joins a gloo thread that waits for

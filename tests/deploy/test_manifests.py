@@ -416,6 +416,10 @@ def job_problems(job: Doc, service_account: Doc, pvcs: list[Doc]) -> list[str]:
             problems.append(f"{where} no image")
         if main.get("command") != COMMAND:
             problems.append(f"{where} command {main.get('command')!r}")
+        args = [str(a) for a in main.get("args", [])]
+        if "--checkpoint-dir" not in args or args[args.index("--checkpoint-dir") + 1:][:1] != [
+                CHECKPOINTS_PATH]:
+            problems.append(f"{where} args {args!r} do not give --checkpoint-dir {CHECKPOINTS_PATH}")
         env = _env_sources(main)
         for name, field_path in DOWNWARD_ENV.items():
             if env.get(name) != field_path:
