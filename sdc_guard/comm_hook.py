@@ -121,12 +121,19 @@ class GuardCommHook:
         *,
         inner_hook: CommHook | None = None,
         inner_state: Any = None,
+        sparse_gradients: bool = False,
     ) -> None:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.inner_hook = inner_hook
         self.inner_state = inner_state
+        self.carries_veto = inner_hook is None and not sparse_gradients
+        """Can the veto sentinel ride the step's last bucket (``_veto``)? Not under a user's
+        hook (it may compress or keep state), and not where a gradient is sparse
+        (``nn.Embedding(sparse=True)``: DDP gives it a bucket of its own, the last when the
+        embedding is the model's first layer, with no dense slot to write). Listeners then
+        withhold the step by a word of their own."""
         self.before: list[BucketCallback] = []
         """Fault injectors' callbacks on the local bucket (may modify it)."""
         self.after: list[ReducedCallback] = []
@@ -162,7 +169,7 @@ class GuardCommHook:
         reduction, and a ``GradScaler`` as an overflow). Only with our own all-reduce: a
         user's hook may compress or keep state, and its listeners veto by a word of their
         own instead."""
-        if self.inner_hook is not None:
+        if not self.carries_veto:
             for lst in self.listeners:
                 if lst.wants_veto:
                     lst.veto()
@@ -171,6 +178,12 @@ class GuardCommHook:
                  if (f := lst.veto()) is not None and f is not False]
         if not flags:
             return
+        if bucket.buffer().layout != torch.strided:
+            raise RuntimeError(
+                "sdc-guard: the step's last gradient bucket holds a sparse gradient that the "
+                "guard did not foresee (it looks for nn.Embedding and nn.EmbeddingBag with "
+                "sparse=True), so it cannot carry the checks' veto. Make that gradient "
+                "dense, or build the guard with the replay audit and the checksum check off")
         flat = bucket.buffer().view(-1)
         slot = self.rank % flat.numel()  # a bucket smaller than the world shares its slots
         mine = flat[slot:slot + 1]
@@ -263,7 +276,7 @@ class GuardCommHook:
             out: torch.Tensor = value[0] if isinstance(value, list) else value
             for cb in state.after:
                 cb(bucket, out)
-            if last and state.inner_hook is None and any(
+            if last and state.carries_veto and any(
                     lst.wants_veto for lst in state.listeners):
                 state.sentinel = out.view(-1)[:state.world_size]
             for lst in state.listeners:

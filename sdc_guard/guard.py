@@ -27,6 +27,13 @@ from sdc_guard.types import BatchFor, LossFn, StepHook, fetch_micro_batches, sca
 log = logging.getLogger(__name__)
 
 
+def _sparse_gradients(model: torch.nn.Module) -> bool:
+    """Does a trained parameter get a sparse gradient (``nn.Embedding`` or
+    ``nn.EmbeddingBag`` with ``sparse=True``)?"""
+    return any(isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag) and m.sparse
+               and m.weight.requires_grad for m in model.modules())
+
+
 class SDCGuard:
     """Runs forward, backward, the checks and the optimizer step of a DDP model.
 
@@ -113,7 +120,8 @@ class SDCGuard:
                 "per model: build the DDP model without it and pass it to the guard instead, "
                 "SDCGuard(..., comm_hook=my_hook, comm_hook_state=my_state).")
         self.comm = GuardCommHook(process_group, inner_hook=comm_hook,
-                                  inner_state=comm_hook_state)
+                                  inner_state=comm_hook_state,
+                                  sparse_gradients=_sparse_gradients(model))
         self._hooked = False
         self.checks: list[Check] = []
         self.events: EventLog | None = None

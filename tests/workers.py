@@ -370,6 +370,53 @@ def ignored_params_run(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+class SparseEmbedding(nn.Module):
+    """Token ids from the batch's features into ``nn.Embedding(sparse=True)`` (a sparse COO
+    gradient, in a DDP bucket of its own: the step's last, the embedding coming first), then
+    a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(40, 16, sparse=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = (x.abs() * 8).long().clamp(max=39)[:, :3]
+        return self.head(self.emb(ids).mean(dim=1))  # type: ignore[no-any-return]
+
+
+def sparse_embedding_run(rank: int, world: int, steps: int,
+                         fault: dict[str, Any] | None) -> dict[str, Any]:
+    """Every check on a model with a sparse embedding gradient; ``fault``: on ``rank`` at
+    ``step``, one element of the local embedding gradient multiplied by ``factor`` (finite:
+    the replay's to find), by a hook on the parameter (which the replay's recomputation of
+    the neighbour's batch on that rank passes through too)."""
+    model = DDP(SparseEmbedding())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = GuardConfig(replay_interval=1, deterministic=True, weights_interval=1, checksum=True)
+    guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for, config=cfg)
+    now = {"step": -1}
+    if fault is not None and fault["rank"] == rank:
+        def corrupt(g: torch.Tensor) -> torch.Tensor:
+            if now["step"] != fault["step"]:
+                return g
+            c = g.coalesce()
+            values = c.values().clone()
+            values.view(-1)[0] *= fault["factor"]
+            return torch.sparse_coo_tensor(c.indices(), values, c.shape)
+        model.module.emb.weight.register_hook(corrupt)
+    found: list[tuple[str, int, tuple[int, ...], bool]] = []
+    for step in range(steps):
+        now["step"] = step
+        rep = guard.step(step)
+        found += [(d.check, d.step, d.suspect_ranks, rep.skipped) for d in rep.detections]
+    found += [(d.check, d.step, d.suspect_ranks, False) for d in guard.flush()]
+    dist.barrier()
+    return {"detections": found,
+            "state": sdc_guard.fingerprint(sdc_guard.state_tensors(model.module, optimizer))}
+
+
 def zero_checkpoint_run(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     """``ZeroRedundancyOptimizer`` (each rank holds a shard of the optimizer state) under the
     guard, saved after step 2 and restored after step 4: this rank's shard and the weights

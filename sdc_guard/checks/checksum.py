@@ -938,6 +938,8 @@ class ChecksumCheck(Check, BucketListener):
         """The checked layers' weight gradients in the bucket: views of its buffer, found once
         per buffer (DDP keeps a bucket's buffer from step to step; it may rebuild them once)."""
         buf = bucket.buffer()
+        if buf.layout != torch.strided:  # a sparse gradient's own bucket: no linear weight
+            return []
         index = bucket.index()
         key = (buf.data_ptr(), buf.numel())
         known = self._bucket_weights.get(index)
@@ -1012,7 +1014,7 @@ class ChecksumCheck(Check, BucketListener):
         if not self.contain:
             return None
         flag, _ = self._flags()
-        if self.comm.inner_hook is not None:  # the sentinel could not survive a user's hook
+        if not self.comm.carries_veto:  # a user's hook, or a sparse bucket: no sentinel
             word = torch.as_tensor(flag, device=self.device).to(torch.int64).reshape(1)
             self._veto_word = PendingSum(word, self.group)
             return None

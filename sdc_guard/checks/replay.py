@@ -232,6 +232,30 @@ def grads_digest(grads: Sequence[torch.Tensor], offsets: Sequence[int],
     return concat_digest(parts, torch.tensor(list(offsets), dtype=torch.int64, device=device))
 
 
+def _strided_pieces(grads: Sequence[torch.Tensor], offsets: Sequence[int],
+                    names: Sequence[str]) -> tuple[list[torch.Tensor], list[int]]:
+    """Sparse COO gradients (``nn.Embedding(sparse=True)``) as two dense pieces at their
+    parameter's offset: the coalesced indices, then the coalesced values. Both sides of
+    the audit coalesce the same uncoalesced gradient, so the pieces agree bit for bit when
+    the computations did; only the rows a batch touched are read."""
+    out: list[torch.Tensor] = []
+    at: list[int] = []
+    for g, o, name in zip(grads, offsets, names, strict=True):
+        if g.layout == torch.strided:
+            out.append(g)
+            at.append(o)
+        elif g.layout == torch.sparse_coo:
+            c = g.coalesce()
+            rows = c.indices().contiguous()
+            out += [rows, c.values().contiguous()]
+            at += [o, o + word_count(rows)]
+        else:
+            raise ValueError(f"the replay audit digests dense and sparse COO gradients; "
+                             f"{name}'s gradient is {g.layout}: make it dense or COO, or "
+                             "turn the audit off (replay_interval=0)")
+    return out, at
+
+
 _PROBED: weakref.WeakSet[Any] = weakref.WeakSet()
 """The ``batch_for`` callables ``ReplayAudit._probe`` has found deterministic: a guard that
 switches its checks (``SDCGuard.reconfigure``) builds a new audit and does not ask again."""
@@ -415,6 +439,7 @@ class ReplayAudit(Check, BucketListener):
         named = [(n, p) for n, p in self.module.named_parameters()
                  if p.requires_grad and id(p) not in ignored]
         self.params = [p for _, p in named]
+        self.names = [n for n, _ in named]
         self.index = {id(p): i for i, (_, p) in enumerate(named)}
         # The gradient word is the digest D of every gradient laid end to end in
         # parameter order (each padded to whole 64-bit words), wherever it is computed.
@@ -431,7 +456,7 @@ class ReplayAudit(Check, BucketListener):
         self.comm = comm
         # The fast path (module doc): the replayed words go to their owner point to point,
         # the owner compares and vetoes; it needs our own all-reduce to carry the veto.
-        self.wants_veto = contain and comm.inner_hook is None and self.world > 1
+        self.wants_veto = contain and comm.carries_veto and self.world > 1
         self._exchange: list[Any] = []
         self._peer = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._sent: torch.Tensor | None = None
@@ -469,7 +494,10 @@ class ReplayAudit(Check, BucketListener):
         self._own_params += sum(i >= 0 for i in idx)
         plan = self._plan(bucket, idx)
         if plan is None:
-            kept = [(i, g) for i, g in zip(idx, bucket.gradients(), strict=True) if i >= 0]
+            grads = bucket.gradients()
+            if bucket.buffer().layout != torch.strided and len(idx) == 1:
+                grads = [bucket.buffer()]  # DDP gives a sparse gradient a bucket of its own
+            kept = [(i, g) for i, g in zip(idx, grads, strict=True) if i >= 0]
             self._add_own(self._digest([g for _, g in kept], [i for i, _ in kept]))
         return plan
 
@@ -490,6 +518,8 @@ class ReplayAudit(Check, BucketListener):
         path (``grads_digest``); the value is the same.
         """
         buf = bucket.buffer()
+        if buf.layout != torch.strided:  # a sparse gradient's bucket: digested per gradient
+            return None
         key = (bucket.index(), buf.data_ptr(), buf.numel(), *idx)
         if key not in self._plans:
             if len(self._plans) > 64:
@@ -500,6 +530,8 @@ class ReplayAudit(Check, BucketListener):
     def _digest(self, grads: Sequence[torch.Tensor], indices: Sequence[int]) -> Word:
         """Gradient word of separate gradients (of the parameters at ``indices``)."""
         offsets = [self.offsets[i] for i in indices]
+        if any(g.layout != torch.strided for g in grads):
+            grads, offsets = _strided_pieces(grads, offsets, [self.names[i] for i in indices])
         if self.device.type == "cpu" and grads:
             host = host_concat_digest(zip(grads, offsets, strict=True))
             if host is not None:

@@ -228,3 +228,17 @@ def test_gradient_word_is_the_same_from_flat_buckets_and_separate_gradients(
         assert any(r["flat_buckets"]) is flat
         # Flat float32 buckets on the CPU: the scaling pass computes their share.
         assert (r["fused"] > 0) is (flat and r["native"])
+
+
+def test_a_sparse_embedding_gradient_is_audited_and_its_fault_contained() -> None:
+    # nn.Embedding(sparse=True): its COO gradient broke the audit's digest (a reshape of a
+    # sparse tensor) and, in the step's last bucket, left the veto no dense slot. The audit
+    # digests the coalesced indices and values; the veto goes by a word of its own there.
+    clean = run_ranks(workers.sparse_embedding_run, 3, 4, None)
+    assert all(r["detections"] == [] for r in clean), clean
+    assert len({r["state"] for r in clean}) == 1
+    fault = {"rank": 1, "step": 2, "factor": 3.0}
+    res = run_ranks(workers.sparse_embedding_run, 3, 4, fault)
+    for r in res:
+        assert r["detections"] == [("replay", 2, (1,), True)], r["detections"]
+    assert len({r["state"] for r in res}) == 1  # withheld on every rank: no replica diverged
