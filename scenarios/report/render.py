@@ -280,8 +280,17 @@ def summary_text(s: dict[str, Any], out: Path) -> str:
                      f"crashed {g['crashed']}, hung {g['hung']})")
     rec = (s.get("cost") or {}).get("recommendation")
     if rec:
-        lines.append(f"least expected loss: {rec['name']}, {rec['gpu_hours_per_day']:,.0f} "
-                     "GPU-hours/day (cost model)")
-    lines.append(f"recommended replay interval: {s.get('recommended_replay_interval')}")
+        low, high = rec["band"]
+        near = len(rec.get("within_uncertainty") or [])
+        lines.append(f"least expected loss (cost model): {rec['name']}, "
+                     f"{rec['gpu_hours_per_day']:,.0f} GPU-hours/day (band {low:,.0f} to "
+                     f"{high:,.0f}; {near} other configuration{'' if near == 1 else 's'} "
+                     "within it)")
+    budget = s.get("overhead_budget")
+    agree = s.get("recommendation_agreement")
+    rule = ("" if budget is None else
+            f" (the smallest within the {budget:.0%} overhead budget"
+            + ("" if agree is None else f"; {agree:.0%} of bootstrap resamples agree") + ")")
+    lines.append(f"recommended replay interval{rule}: {s.get('recommended_replay_interval')}")
     lines.append(f"report: {out / 'report.html'}")
     return "\n".join(lines)

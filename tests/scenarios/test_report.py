@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from scenarios.report.render import summary_text
 from scenarios.report.summary import recommendation_agreement, summarize, wilson
 
 DATA = Path(__file__).resolve().parent / "test_report_data"
@@ -127,3 +128,20 @@ def test_intervals_sort_as_numbers_in_every_table(tmp_path: Path) -> None:
     escape = md[md.index("## Escape rate by replay interval"):]
     at = [escape.index(f"\n| {k} |") for k in ("off", "1", "2", "4", "8")]
     assert at == sorted(at)
+
+
+def test_the_terminal_lines_say_which_rule_recommends_and_how_firmly(tmp_path: Path) -> None:
+    # Two recommendations of different rules (least expected loss; the smallest interval
+    # within the overhead budget) were printed bare, and both move with the overhead timed
+    # in each run: each now carries its rule and its uncertainty.
+    s = summarize(_campaign(tmp_path, "full"))
+    text = summary_text(s, tmp_path)
+    rec = s["cost"]["recommendation"]
+    low, high = rec["band"]
+    assert (f"least expected loss (cost model): {rec['name']}, "
+            f"{rec['gpu_hours_per_day']:,.0f} GPU-hours/day (band {low:,.0f} to {high:,.0f}; "
+            f"{len(rec['within_uncertainty'])} other") in text
+    assert (f"recommended replay interval (the smallest within the "
+            f"{s['overhead_budget']:.0%} overhead budget; "
+            f"{s['recommendation_agreement']:.0%} of bootstrap resamples agree): "
+            f"{s['recommended_replay_interval']}") in text
