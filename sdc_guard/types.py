@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,7 +26,30 @@ def micro_batches(batch: Any, count: int) -> Sequence[Any]:
             + (f" of length {len(batch)}" if isinstance(batch, Sequence) else "")
             + "."
         )
+    shapes = [_structure(mb) for mb in batch]
+    if len(set(shapes)) > 1:
+        raise ValueError(
+            f"GuardConfig.micro_batches={count}: batch_for(rank, step) returned {count} items "
+            f"of different forms ({'; '.join(shapes)}), but the micro-batches of one step "
+            "share one form: this is most likely one batch, such as (inputs, targets). "
+            f"Return a list of {count} micro-batches, e.g. [(x0, y0), (x1, y1)], or set "
+            "micro_batches=1.")
     return batch
+
+
+def _structure(item: Any, depth: int = 0) -> str:
+    """A micro-batch's form: its containers, and each tensor's dimensions and dtype (not its
+    sizes: micro-batches of one step may differ in length)."""
+    if isinstance(item, torch.Tensor):
+        return f"{item.dim()}-d {str(item.dtype).removeprefix('torch.')} tensor"
+    if depth < 4 and isinstance(item, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_structure(v, depth + 1)}"
+                               for k, v in sorted(item.items(), key=lambda kv: repr(kv[0]))) + "}"
+    if depth < 4 and isinstance(item, tuple):
+        return "(" + ", ".join(_structure(v, depth + 1) for v in item) + ")"
+    if depth < 4 and isinstance(item, list):  # any number of items (ragged): their forms
+        return "[" + " | ".join(sorted({_structure(v, depth + 1) for v in item})) + "]"
+    return type(item).__name__
 
 
 def fetch_micro_batches(batch_for: BatchFor, rank: int, step: int, count: int) -> Sequence[Any]:

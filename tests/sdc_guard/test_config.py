@@ -268,3 +268,34 @@ def test_checksum_names_the_layers_whose_forward_never_ran(
     plain = _one_rank_guard(config=GuardConfig(checksum=True))
     plain.step(0)
     assert next(c for c in plain.checks if isinstance(c, ChecksumCheck)).uncalled == []
+
+
+def test_one_batch_taken_for_micro_batches_is_named(one_rank: None) -> None:
+    # With micro_batches=2, a batch_for that returns one (x, y) batch was taken as the two
+    # micro-batches x and y, and the user's loss_fn failed on x ("too many values to
+    # unpack"). Micro-batches of one step share one form; x and y do not.
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from sdc_guard.types import micro_batches
+
+    ddp = DDP(torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+    def loss_fn(m: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = b
+        return torch.nn.functional.cross_entropy(m(x), y)
+
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    guard = SDCGuard(ddp, opt, loss_fn=loss_fn, batch_for=lambda r, s: (x, y),
+                     config=GuardConfig(micro_batches=2, replay_interval=0))
+    with pytest.raises(ValueError, match=r"micro_batches=2: batch_for\(rank, step\) returned 2 "
+                                         r"items of different forms \(2-d float32 tensor; 1-d "
+                                         r"int64 tensor\).*one batch.*\[\(x0, y0\), \(x1, y1\)\]"):
+        guard.step(0)
+    # what micro-batches of one step look like: same form, any lengths, ragged lists
+    assert len(micro_batches([(x, y), (x[:3], y[:3])], 2)) == 2
+    assert len(micro_batches([[x, x[:2]], [x]], 2)) == 2
+    assert len(micro_batches([{"x": x, "y": y}, {"y": y[:1], "x": x[:1]}], 2)) == 2
+    guard.reconfigure(GuardConfig(micro_batches=2, replay_interval=0))
+    guard.batch_for = lambda r, s: [(x[:3], y[:3]), (x[3:], y[3:])]
+    assert not guard.step(0).skipped
