@@ -20,6 +20,7 @@ class EventLog:
         self.path = Path(path)
         self.rank = rank
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))  # writable?
 
     def write(self, record: dict[str, Any]) -> None:
         if self.rank is not None and "rank" not in record:

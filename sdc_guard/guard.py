@@ -182,6 +182,15 @@ class SDCGuard:
                 "longer all-reduced: pytorch/pytorch#143580). Build DDP without static_graph, "
                 "or set micro_batches=1."
             )
+        events = None
+        if config.event_log is not None:
+            try:  # now, not at the first detection, where it would stop the remediation
+                events = EventLog(config.event_log, rank=self.rank)
+            except OSError as e:
+                raise ValueError(
+                    f"GuardConfig.event_log={str(config.event_log)!r} cannot be written "
+                    f"({e.strerror or e}): give a path in a writable directory, or "
+                    "event_log=None") from e
         if config.deterministic:
             enable_determinism(config.seed)
         for check in self.checks:
@@ -193,8 +202,7 @@ class SDCGuard:
             config, model=self.model, optimizer=self.optimizer, comm=self.comm,
             loss_fn=self.loss_fn, batch_for=self.batch_for, grad_scaler=self.grad_scaler,
             group=self.group)
-        self.events = (EventLog(config.event_log, rank=self.rank)
-                       if config.event_log is not None else None)
+        self.events = events
         self._hook_if_needed()
 
     @property
@@ -311,7 +319,12 @@ class SDCGuard:
         log.warning("SDC detection at step %d by %s: suspects %s on %s (%s)", d.step, d.check,
                     list(d.suspect_ranks), list(d.suspect_nodes), d.detail)
         if self.events is not None:
-            self.events.write({**d.to_json(), "optimizer_step_skipped": skipped})
+            try:
+                self.events.write({**d.to_json(), "optimizer_step_skipped": skipped})
+            except OSError as e:  # a full disk must not keep the node in service
+                log.error("sdc-guard: the event log %s could not be written (%s); the "
+                          "detection at step %d is acted on all the same", self.events.path,
+                          e, d.step)
         if not d.repaired:  # a repaired detection neither quarantines nor opens a window
             if self.checkpoints is not None:
                 through = self.clean_through

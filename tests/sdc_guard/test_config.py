@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -299,3 +301,26 @@ def test_one_batch_taken_for_micro_batches_is_named(one_rank: None) -> None:
     guard.reconfigure(GuardConfig(micro_batches=2, replay_interval=0))
     guard.batch_for = lambda r, s: [(x[:3], y[:3]), (x[3:], y[3:])]
     assert not guard.step(0).skipped
+
+
+def test_an_unwritable_event_log_is_named_at_once_and_never_stops_a_detection(
+        one_rank: None, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # The log was first opened at the first detection: an unwritable path raised there, from
+    # inside the step, before the detection reached the remediation and the checkpoints.
+    import logging
+    import shutil
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=r"GuardConfig.event_log='.*file/events.jsonl' cannot "
+                                         r"be written .*writable directory, or event_log=None"):
+        _one_rank_guard(config=GuardConfig(event_log=str(blocker / "events.jsonl")))
+    log = tmp_path / "logs" / "events.jsonl"
+    guard = _one_rank_guard(config=GuardConfig(event_log=str(log)),
+                            batch_for=lambda r, s: torch.full((3, 4), float("nan")))
+    assert log.exists()
+    shutil.rmtree(tmp_path / "logs")  # the volume went away mid-run
+    with caplog.at_level(logging.ERROR, logger="sdc_guard.guard"):
+        found = guard.step(0).detections + guard.flush()
+    assert [d.check for d in found] == ["nonfinite"]
+    assert any("could not be written" in r.getMessage() for r in caplog.records)
