@@ -318,23 +318,19 @@ class SDCGuard:
     def _record(self, d: Detection, skipped: bool) -> None:
         log.warning("SDC detection at step %d by %s: suspects %s on %s (%s)", d.step, d.check,
                     list(d.suspect_ranks), list(d.suspect_nodes), d.detail)
-        if self.events is not None:
-            try:
-                self.events.write({**d.to_json(), "optimizer_step_skipped": skipped})
-            except OSError as e:  # a full disk must not keep the node in service
-                log.error("sdc-guard: the event log %s could not be written (%s); the "
-                          "detection at step %d is acted on all the same", self.events.path,
-                          e, d.step)
+        self.log_event({**d.to_json(), "optimizer_step_skipped": skipped})
         if not d.repaired:  # a repaired detection neither quarantines nor opens a window
-            if self.checkpoints is not None:
-                through = self.clean_through
-                start = d.step if through is None else min(d.step, through + 1)
-                since = (d.evidence.get("repair") or {}).get("since")
-                if since is not None:  # a permanent fault, repaired before: from its first sign
-                    start = min(start, since)
-                self.checkpoints.record_detection(d, start)
-            if self.remediation is not None:
-                self.remediation.act(d)
+            try:
+                if self.checkpoints is not None:
+                    through = self.clean_through
+                    start = d.step if through is None else min(d.step, through + 1)
+                    since = (d.evidence.get("repair") or {}).get("since")
+                    if since is not None:  # a permanent fault, repaired before: its first sign
+                        start = min(start, since)
+                    self.checkpoints.record_detection(d, start)
+            finally:  # a window that could not be recorded still quarantines, then raises
+                if self.remediation is not None:
+                    self.remediation.act(d)
         if self.on_detection is not None:
             self.on_detection(d)
 
@@ -344,6 +340,13 @@ class SDCGuard:
         return next((c.phase for c in self.checks if c.phase != "train"), "train")
 
     def log_event(self, record: dict[str, Any]) -> None:
-        """Append a record to the event log (no-op without one). Injectors write here."""
-        if self.events is not None:
+        """Append a record to the event log (no-op without one). Injectors write here. A
+        write that fails (a full disk, a vanished volume) is logged at ERROR, never raised:
+        the detection it records is acted on all the same."""
+        if self.events is None:
+            return
+        try:
             self.events.write(record)
+        except OSError as e:
+            log.error("sdc-guard: the event log %s could not be written (%s); record %s",
+                      self.events.path, e, record.get("check", record.get("event", "?")))

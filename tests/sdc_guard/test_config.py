@@ -324,3 +324,37 @@ def test_an_unwritable_event_log_is_named_at_once_and_never_stops_a_detection(
         found = guard.step(0).detections + guard.flush()
     assert [d.check for d in found] == ["nonfinite"]
     assert any("could not be written" in r.getMessage() for r in caplog.records)
+
+
+class _Recorder:
+    """A remediation that records what it was asked to act on."""
+
+    def __init__(self) -> None:
+        self.acted: list[tuple[str, int]] = []
+
+    def bind(self, **kwargs: object) -> None:
+        pass
+
+    def act(self, detection: object) -> None:
+        self.acted.append((detection.check, detection.step))  # type: ignore[attr-defined]
+
+    def drain(self, timeout: float | None = None) -> bool:
+        return True
+
+
+def test_a_suspect_window_that_cannot_be_recorded_still_quarantines(
+        one_rank: None, tmp_path: Path) -> None:
+    # The window was recorded first and a failure there (windows.json unwritable) raised
+    # before the remediation ran: the suspect node stayed in service. Now it acts, then raises.
+    from sdc_guard import CheckpointManager
+    from sdc_guard.checkpoint import CheckpointError
+
+    ckpt = CheckpointManager(tmp_path / "ckpt")
+    (ckpt.directory / "windows.json").mkdir()  # cannot be read or replaced by a file
+    quarantine = _Recorder()
+    guard = _one_rank_guard(checkpoints=ckpt, remediation=quarantine,
+                            batch_for=lambda r, s: torch.full((3, 4), float("nan")))
+    with pytest.raises(CheckpointError, match=r"windows\.json"):
+        guard.step(0)
+        guard.flush()
+    assert quarantine.acted == [("nonfinite", 0)]
