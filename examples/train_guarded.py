@@ -23,10 +23,9 @@ starts by restoring the newest checkpoint before any suspect window (none on a f
 0) and saves one every ``--checkpoint-every`` steps, the LR schedule with it: the restarted job
 resumes from the last clean state, away from the cordoned node, on the schedule the
 fault-free run would have followed. (Bit for bit it resumes as a fault-free job restarted at
-the same step does: DDP orders its gradient buckets anew after a process's first iteration,
-and a ring all-reduce rounds each element's sum in an order set by its place in the bucket,
-so a job restarted from a checkpoint and one that never stopped round their first step after
-the restart differently; docs/recovery.md.)
+the same step does: DDP lays out its gradient buckets anew after a process's first iteration,
+so the first step after any restart rounds its all-reduce differently from a job that never
+stopped; docs/recovery.md.)
 
 Without Kubernetes credentials (in-cluster, or ``--kubeconfig``) it exits with code 2 at once
 and says so; ``--no-quarantine`` detects and repairs without a cluster.
