@@ -144,12 +144,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"{list(d.suspect_nodes)}; exiting {code}", flush=True)
             break
         if ckpt is not None and (step + 1) % args.checkpoint_every == 0:
-            ckpt.save(step, model, optimizer, extra=extra)  # collective; refused while suspect
+            # collective; refused while suspect; written and fsynced on a thread
+            ckpt.save(step, model, optimizer, extra=extra, background=True)
     else:
         guard.flush()
         state = sdc_guard.fingerprint(sdc_guard.state_tensors(model.module, optimizer))
         print(f"rank {rank}: trained steps {start} to {args.steps - 1}; state fingerprint "
               f"{state:016x}", flush=True)
+    if ckpt is not None:
+        ckpt.wait()  # the last checkpoint committed before the process leaves
     if quarantine is not None:
         quarantine.close()  # evidence held back by the rate limit goes out now
     # Tear down in this order: the DDP reducer's destructor joins a gloo thread that waits for

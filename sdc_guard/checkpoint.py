@@ -8,6 +8,7 @@
     start = ckpt.restore(model, optimizer)                # the step to train next
     ckpt.save(step, model, optimizer, extra={"lr": scheduler, "scaler": scaler})
     start = ckpt.restore(model, optimizer, extra={"lr": scheduler, "scaler": scaler})
+    ckpt.save(step, model, optimizer, background=True)   # written on a thread; ckpt.wait()
 
 **What a checkpoint holds.** The model's and the optimizer's ``state_dict``, every rank's
 random-number-generator states (torch CPU and CUDA, Python's ``random``, NumPy's when it is
@@ -52,6 +53,7 @@ import json
 import logging
 import os
 import random
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -195,6 +197,8 @@ class CheckpointManager:
         self.group = group
         self.guard: SDCGuard | None = None
         self._cached: dict[str, Any] | None = None
+        self._writer: threading.Thread | None = None
+        self._write_error: tuple[Path, BaseException] | None = None
         self.directory.mkdir(parents=True, exist_ok=True)
 
     # -- the guard's side ------------------------------------------------------------------
@@ -226,14 +230,22 @@ class CheckpointManager:
 
     # -- saving ----------------------------------------------------------------------------
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-             extra: Mapping[str, Any] | None = None) -> CheckpointInfo | None:
+             extra: Mapping[str, Any] | None = None,
+             background: bool = False) -> CheckpointInfo | None:
         """Checkpoint the state after ``step``. Collective (the ranks' RNG states and
         ``extra`` states are gathered); rank 0 writes. ``extra``: named objects with
         ``state_dict`` and ``load_state_dict`` (an LR scheduler, a ``GradScaler``) saved
-        with it, every rank's. Returns the manifest on rank 0, None elsewhere and when
-        refused (an open suspect window: the state is suspect until a restore)."""
+        with it, every rank's. ``background``: the state is serialized now, and the files
+        are written, fsynced and committed on a thread while training goes on (``wait``;
+        the next ``save`` and ``restore`` wait for it). Returns the manifest on rank 0 (with
+        ``background``, the one about to be committed), None elsewhere and when refused (an
+        open suspect window: the state is suspect until a restore)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"CheckpointManager.save(step): an int >= 0, got {step!r}.")
+        if not isinstance(background, bool):
+            raise ValueError(f"CheckpointManager.save(background=...): a bool, got "
+                             f"{background!r}.")
+        self.wait()  # one write at a time; a failed background write raises here
         local_extra = _extra_states(extra, "save")
         device = next(model.parameters()).device
         gathered: list[Any] = [None] * self._world()
@@ -268,18 +280,48 @@ class CheckpointManager:
         name = f"step-{step:09d}-g{state['generation']}"
         file = self.directory / f"{name}.pt"
         manifest = self.directory / f"{name}.json"
-        _write_atomic(file, data)
         info = CheckpointInfo(step=step, generation=state["generation"], file=file,
                               manifest=manifest, size=len(data),
                               sha256=hashlib.sha256(data).hexdigest(), fingerprint=fp,
                               clean_through=None if guard is None else guard.clean_through,
                               saved_at=time.time())
-        _write_atomic(manifest, json.dumps({
+        record = json.dumps({
             "format": FORMAT, "step": step, "generation": info.generation, "file": file.name,
             "size": info.size, "sha256": info.sha256, "fingerprint": fp,
-            "clean_through": info.clean_through, "saved_at": info.saved_at}, indent=1).encode())
-        self._prune()
+            "clean_through": info.clean_through, "saved_at": info.saved_at}, indent=1).encode()
+
+        def commit() -> None:  # the data, then the manifest: the commit point
+            _write_atomic(file, data)
+            _write_atomic(manifest, record)
+            self._prune()
+
+        if not background:
+            commit()
+            return info
+
+        def write() -> None:
+            try:
+                commit()
+            except BaseException as e:  # raised by wait(), on this thread's behalf
+                log.error("sdc-guard: the background write of checkpoint %s failed: %s",
+                          file, e)
+                self._write_error = (file, e)
+
+        # Not a daemon: an interpreter that exits waits for the write to be committed.
+        self._writer = threading.Thread(target=write, name=f"sdc-guard-checkpoint-{step}")
+        self._writer.start()
         return info
+
+    def wait(self) -> None:
+        """Wait for a background write (``save(background=True)``) to be committed; raise
+        ``CheckpointError`` if it failed. A no-op on the ranks that do not write."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.join()
+        failed, self._write_error = self._write_error, None
+        if failed is not None:
+            raise CheckpointError(f"the background write of checkpoint {failed[0]} failed: "
+                                  f"{failed[1]}") from failed[1]
 
     # -- restoring -------------------------------------------------------------------------
     def checkpoints(self) -> list[CheckpointInfo]:
@@ -313,6 +355,10 @@ class CheckpointManager:
         loads this rank's saved state after the model and the optimizer. Collective; every
         rank reads the files."""
         _extra_states(extra, "restore")
+        try:  # a checkpoint still being written is committed first
+            self.wait()
+        except CheckpointError as e:  # restore what is there: the next older one
+            log.error("sdc-guard: %s", e)
         device = next(model.parameters()).device
         chosen = None
         for info in self.checkpoints():

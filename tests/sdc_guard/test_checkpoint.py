@@ -217,3 +217,39 @@ def test_extra_states_are_checked_by_name_before_anything_is_written(setup: Any)
     with pytest.raises(ValueError, match=r"extra=\{'lr': \.\.\.\}\): this GradScaler's "
                                          r"load_state_dict refused"):
         ckpt.restore(model, opt, extra={"lr": torch.amp.GradScaler("cpu")})
+
+
+def test_a_background_save_holds_the_state_of_its_step_and_commits_on_a_thread(
+        setup: Any) -> None:
+    model, opt, ckpt = setup
+    _train(model, opt, range(2))
+    info = ckpt.save(1, model, opt, background=True)
+    saved = _state(model, opt)
+    _train(model, opt, range(2, 4))  # the parameters change in place while it writes
+    ckpt.wait()
+    assert [c.step for c in ckpt.checkpoints()] == [1]
+    assert ckpt.checkpoints()[0].sha256 == info.sha256
+    assert ckpt.restore(model, opt) == 2  # waits for any write in flight first
+    assert _state(model, opt) == saved
+    _train(model, opt, range(2, 3))
+    ckpt.save(2, model, opt, background=True)
+    assert ckpt.restore(model, opt) == 3  # the write in flight was committed first
+
+
+def test_a_failed_background_write_is_raised_by_wait_and_leaves_no_manifest(
+        setup: Any, caplog: Any) -> None:
+    model, opt, ckpt = setup
+    ckpt.save(0, model, opt)
+    (ckpt.directory / "step-000000001-g0.pt").mkdir()  # the data file cannot be renamed there
+    ckpt.save(1, model, opt, background=True)
+    with pytest.raises(sdc_guard.checkpoint.CheckpointError,
+                       match=r"background write of checkpoint .*step-000000001-g0\.pt failed"):
+        ckpt.wait()
+    assert [c.step for c in ckpt.checkpoints()] == [0]
+    (ckpt.directory / "step-000000002-g0.pt").mkdir()
+    ckpt.save(2, model, opt, background=True)
+    with caplog.at_level(logging.ERROR):  # restore logs the failure and uses what is there
+        assert ckpt.restore(model, opt) == 1
+    assert any("step-000000002-g0.pt failed" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match=r"save\(background=...\): a bool, got 'yes'"):
+        ckpt.save(3, model, opt, background="yes")
