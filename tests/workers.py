@@ -680,12 +680,12 @@ class Position:
 
 def recovery_run(rank: int, world: int, steps: int, ckpt_dir: str, *, every: int,
                  fault: dict[str, Any] | None, cfg: dict[str, Any],
-                 schedule: bool = False) -> dict[str, Any]:
+                 schedule: bool = False, background: bool = False) -> dict[str, Any]:
     """Train with a checkpoint every ``every`` steps; on the first unrepaired detection the
     faulty rank's fault is removed (its node replaced) and the run is restored from the last
     clean checkpoint, then trained to the end. ``schedule``: an LR schedule and a per-rank
     ``Position`` go into the checkpoints as ``extra`` states (``positions``: each rank's
-    restored one)."""
+    restored one). ``background``: saved on a thread."""
     model = DDP(make_mlp())
     optimizer = make_optimizer(model, "adamw")
     extra: dict[str, Any] = {}
@@ -729,9 +729,10 @@ def recovery_run(rank: int, world: int, steps: int, ckpt_dir: str, *, every: int
             extra["lr"].step()
             extra["position"].state["step"] = step
         if step % every == 0:
-            ckpt.save(step, model, optimizer, extra=extra)
+            ckpt.save(step, model, optimizer, extra=extra, background=background)
         step += 1
     guard.flush()
+    ckpt.wait()
     dist.barrier()
     return {"detections": detections, "restored": restored, "positions": positions,
             "final": sdc_guard.fingerprint(sdc_guard.state_tensors(model.module, optimizer))}

@@ -37,13 +37,14 @@ def test_a_rollback_restores_the_lr_schedule_and_each_ranks_own_extra_state(
         tmp_path: Path) -> None:
     # An LR schedule beside the model: restored with the checkpoint, the recovered run ends
     # bit-identical to the fault-free one (left where the detection found it, it would not),
-    # and a per-rank state (a loader's position) comes back to its own rank as saved.
+    # and a per-rank state (a loader's position) comes back to its own rank as saved. The
+    # recovered run saves in the background: the restore commits the write in flight first.
     golden = run_ranks(workers.recovery_run, 3, 10, str(tmp_path / "golden"), every=4,
                        fault=None, cfg=CFG, schedule=True)
     assert all(r["restored"] == [] for r in golden)
     fault = {"rank": 1, "step": 6, "permanent": True, "bit": 0}
     res = run_ranks(workers.recovery_run, 3, 10, str(tmp_path / "c"), every=4, fault=fault,
-                    cfg={**CFG, "repair_by_majority": False}, schedule=True)
+                    cfg={**CFG, "repair_by_majority": False}, schedule=True, background=True)
     for rank, r in enumerate(res):
         assert r["restored"] == [(6, 5)]  # the checkpoint of step 4: resume at 5
         assert r["positions"] == [{"rank": rank, "step": 4}]
