@@ -12,13 +12,20 @@ every time it is called with the same arguments (no iterator state, no
 data-dependent host randomness), and the loss function draws randomness only
 from torch's generators. The guard refuses to build a replay audit without
 ``GuardConfig(deterministic=True)``.
+
+Determinism within a rank is not enough for the audit: a neighbour recomputes the batch with
+its own kernels. ``compute_signature(device)`` names what decides their bits beside the
+model, the batch and the seed (the torch build; on the CPU the instruction set torch's
+kernels use and their thread count; on a GPU its model and libraries); the guard gathers
+every rank's once, with its place (``sdc_guard.topology``), and refuses the replay when they
+differ (``signature_mismatch``): a healthy rank would be convicted at every audit step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -32,6 +39,60 @@ def enable_determinism(seed: int = 0) -> None:
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True
     torch.manual_seed(seed)
+
+
+SIGNATURE_FIXES = {
+    "torch build": "one container image (the same torch build) on every rank",
+    "float32 matmul precision": "the same torch.set_float32_matmul_precision(...) on every rank",
+    "CPU instruction set": "every rank on one CPU class (a node selector)",
+    "CPU threads": ("the same thread count on every rank: torch.set_num_threads(n) before the "
+                    "guard is built, or OMP_NUM_THREADS=n in every rank's environment"),
+    "oneDNN": "the same torch.backends.mkldnn.enabled on every rank",
+    "GPU": "every rank on one GPU type (a node selector)",
+    "CUDA": "one container image (the same CUDA build of torch) on every rank",
+    "cuDNN": "one container image (the same cuDNN) on every rank",
+    "TF32 matmul": "the same torch.backends.cuda.matmul.allow_tf32 on every rank",
+    "TF32 cuDNN": "the same torch.backends.cudnn.allow_tf32 on every rank",
+}
+"""What each entry of ``compute_signature`` is, and how a job makes it the same everywhere."""
+
+
+def compute_signature(device: torch.device) -> dict[str, str]:
+    """What decides the bits of this rank's forward and backward, beside the model, the batch
+    and the seed. On the CPU torch's own kernels split reductions by thread and vectorise by
+    instruction set: the same batch gives other gradient bits with 1 thread than with 2, and
+    with AVX2 kernels than with AVX-512 ones (seen on the reference MLP's bias gradients);
+    on a GPU the kernels follow its model and the CUDA libraries."""
+    sig = {"torch build": torch.__version__,
+           "float32 matmul precision": torch.get_float32_matmul_precision()}
+    if device.type == "cpu":
+        sig["CPU instruction set"] = torch.backends.cpu.get_cpu_capability()
+        sig["CPU threads"] = str(torch.get_num_threads())
+        sig["oneDNN"] = str(bool(torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+                                 and torch.backends.mkldnn.enabled))
+    elif device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        sig["GPU"] = f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
+        sig["CUDA"] = str(torch.version.cuda)
+        sig["cuDNN"] = str(torch.backends.cudnn.version())  # type: ignore[no-untyped-call]
+        sig["TF32 matmul"] = str(torch.backends.cuda.matmul.allow_tf32)
+        sig["TF32 cuDNN"] = str(torch.backends.cudnn.allow_tf32)
+    return sig
+
+
+def signature_mismatch(signatures: Sequence[Mapping[str, str]]) -> str | None:
+    """Where the ranks' ``compute_signature`` differ, in words (each value with its ranks,
+    and the fix), or None when every rank computes alike."""
+    parts = []
+    for key in dict.fromkeys(k for sig in signatures for k in sig):
+        by_value: dict[str, list[int]] = {}
+        for rank, sig in enumerate(signatures):
+            by_value.setdefault(sig.get(key, "unknown"), []).append(rank)
+        if len(by_value) > 1:
+            where = " vs ".join(f"{v} (rank{'s' if len(r) > 1 else ''} "
+                                f"{', '.join(map(str, r))})" for v, r in by_value.items())
+            parts.append(f"{key}: {where}; fix: {SIGNATURE_FIXES.get(key, 'make it alike')}")
+    return "; ".join(parts) or None
 
 
 def derive_seed(*parts: int) -> int:

@@ -109,8 +109,17 @@ class SDCGuard:
         self.world_size = dist.get_world_size(process_group)
         self.device = next(model.parameters()).device
         self.topology: Topology = gather_topology(
-            process_group, node_env=config.node_name_env, pod_env=config.pod_name_env)
-        """Every rank's hostname, pod and node, gathered once here (``sdc_guard.topology``)."""
+            process_group, node_env=config.node_name_env, pod_env=config.pod_name_env,
+            device=self.device)
+        """Every rank's hostname, pod and node, and what decides its kernels' bits (its compute
+        signature), gathered once here (``sdc_guard.topology``)."""
+        mismatch = self.topology.compute_mismatch()
+        if mismatch is not None:
+            log.warning(
+                "sdc-guard: the ranks do not compute alike (%s). The replay audit is refused "
+                "while they differ, and the weights check assumes every rank applies the "
+                "optimizer's update alike, which kernels of another instruction set need not do.",
+                mismatch)
         self.remediation: Remediation | None = None
         self.before_step: list[StepHook] = []
         """Callables run with the step number at the start of ``step`` (fault injectors use it)."""
@@ -173,6 +182,15 @@ class SDCGuard:
                 "replay audit recomputes a neighbour's micro-batch, so pass "
                 "SDCGuard(..., batch_for=lambda rank, step: ...) or set replay_interval=0."
             )
+        mismatch = self.topology.compute_mismatch()
+        if config.replay_interval and mismatch is not None:
+            raise ValueError(
+                f"GuardConfig.replay_interval={config.replay_interval}: the replay audit "
+                "compares each rank's loss and gradients with its neighbour's recomputation bit "
+                "for bit, so every rank must compute alike, but these do not (as the guard was "
+                f"built): {mismatch}. A healthy rank would be convicted at every audit step. "
+                "Make them alike, or set replay_interval=0 (the other checks compare no "
+                "computation across ranks).")
         if config.micro_batches > 1 and getattr(self.model, "static_graph", False):
             raise ValueError(
                 f"GuardConfig.micro_batches={config.micro_batches} with "

@@ -8,6 +8,9 @@ The node name comes from the downward API (``NODE_NAME`` from ``spec.nodeName``)
 name from ``POD_NAME`` (``metadata.name``), as ``deploy/pytorchjob.yaml`` sets them; the
 variable names are configurable. Without a node name (a bare-metal ``torchrun``), the
 hostname stands in for the node.
+
+The same gather carries each rank's compute signature (``sdc_guard.determinism``): what
+decides the bits of its kernels, which the replay audit needs alike on every rank.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
+
+from sdc_guard.determinism import compute_signature, signature_mismatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +59,12 @@ class Topology:
     """Every rank's place, indexed by rank in the guard's process group."""
 
     places: tuple[RankPlace, ...]
+    compute: tuple[dict[str, str], ...] = ()
+    """Every rank's ``compute_signature`` when the guard was built (empty: not gathered)."""
+
+    def compute_mismatch(self) -> str | None:
+        """Where the ranks' compute signatures differ, in words; None if they agree."""
+        return signature_mismatch(self.compute)
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -71,18 +83,25 @@ class Topology:
 
 
 def gather_topology(group: dist.ProcessGroup | None = None, *, node_env: str = "NODE_NAME",
-                    pod_env: str = "POD_NAME", namespace_env: str = "POD_NAMESPACE") -> Topology:
-    """Every rank's place. Collective (one ``all_gather_object``): call on every rank."""
+                    pod_env: str = "POD_NAME", namespace_env: str = "POD_NAMESPACE",
+                    device: torch.device | None = None) -> Topology:
+    """Every rank's place and, given the model's ``device``, its compute signature.
+    Collective (one ``all_gather_object``): call on every rank."""
     rank = dist.get_rank(group)
     mine = local_place(rank, node_env=node_env, pod_env=pod_env, namespace_env=namespace_env)
+    sent = {**mine.to_json(),
+            "compute": None if device is None else compute_signature(device)}
     out: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, mine.to_json(), group=group)
+    dist.all_gather_object(out, sent, group=group)
     places = []
+    compute = []
     for r, rec in enumerate(out):
         if not isinstance(rec, dict):  # pragma: no cover - all_gather_object fills every slot
             raise RuntimeError(f"gather_topology: rank {r} sent {rec!r}, not its place")
+        if rec["compute"] is not None:
+            compute.append({str(k): str(v) for k, v in rec["compute"].items()})
         places.append(RankPlace(rank=r, hostname=str(rec["hostname"]), node=str(rec["node"]),
                                 pod=rec["pod"] if rec["pod"] is None else str(rec["pod"]),
                                 namespace=(None if rec["namespace"] is None
                                            else str(rec["namespace"]))))
-    return Topology(tuple(places))
+    return Topology(tuple(places), tuple(compute))

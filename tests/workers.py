@@ -335,6 +335,34 @@ def unused_without_find_run(rank: int, world: int) -> dict[str, Any]:
     return {"error": None, "detections": found}
 
 
+def mixed_threads_run(rank: int, world: int, threads: list[int]) -> dict[str, Any]:
+    """Ranks with other torch thread counts (``threads[rank]``): the replay refused when the
+    guard is built and when switched on later; the other checks train on."""
+    torch.set_num_threads(threads[rank])
+    torch.manual_seed(0)
+    model = DDP(make_mlp())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    kw: dict[str, Any] = {"loss_fn": loss_fn, "batch_for": batch_for}
+    out: dict[str, Any] = {}
+    try:  # a model of its own: where it is built, it keeps its comm hook
+        first = DDP(make_mlp())
+        SDCGuard(first, torch.optim.AdamW(first.parameters(), lr=1e-2),
+                 config=GuardConfig(replay_interval=2, deterministic=True), **kw)
+        out["built"] = None
+    except ValueError as e:
+        out["built"] = str(e)
+    guard = SDCGuard(model, optimizer, config=GuardConfig(checksum=True), **kw)
+    out["mismatch"] = guard.topology.compute_mismatch()
+    try:
+        guard.reconfigure(GuardConfig(replay_interval=1, deterministic=True))
+        out["reconfigured"] = None
+    except ValueError as e:
+        out["reconfigured"] = str(e)
+    out["detections"] = _summary([guard.step(s) for s in range(3)]) + _flushed(guard.flush())
+    out["checks"] = [c.name for c in guard.checks]
+    return out
+
+
 def ignored_params_run(rank: int, world: int) -> dict[str, Any]:
     """Parameters DDP ignores (``_ddp_params_and_buffers_to_ignore``): trained, each rank its
     own (the replay refuses them; the weights check leaves them out), and frozen, equal on

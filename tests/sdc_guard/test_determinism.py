@@ -42,3 +42,36 @@ def test_the_callers_state_comes_back_even_when_the_block_raises() -> None:
             torch.rand(3)
         torch.rand(3)
     assert torch.equal(torch.rand(16), expected)
+
+
+def test_the_compute_signature_names_what_decides_a_cpu_ranks_bits() -> None:
+    from sdc_guard.determinism import compute_signature
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = compute_signature(CPU)
+        torch.set_num_threads(2)
+        two = compute_signature(CPU)
+    finally:
+        torch.set_num_threads(before)
+    assert one["CPU threads"] == "1" and two["CPU threads"] == "2"
+    assert one["torch build"] == torch.__version__
+    assert one["CPU instruction set"] == torch.backends.cpu.get_cpu_capability()
+    assert {k: v for k, v in one.items() if k != "CPU threads"} == {
+        k: v for k, v in two.items() if k != "CPU threads"}
+
+
+def test_a_signature_mismatch_names_each_value_its_ranks_and_the_fix() -> None:
+    from sdc_guard.determinism import signature_mismatch
+
+    alike = {"torch build": "2.13.0+cpu", "CPU threads": "4"}
+    assert signature_mismatch([alike] * 3) is None
+    assert signature_mismatch([]) is None
+    got = signature_mismatch([alike, {**alike, "CPU threads": "8"}, alike,
+                              {**alike, "torch build": "2.12.1+cpu"}])
+    assert got is not None
+    assert ("CPU threads: 4 (ranks 0, 2, 3) vs 8 (rank 1); fix: the same thread count on "
+            "every rank") in got, got
+    assert "torch build: 2.13.0+cpu (ranks 0, 1, 2) vs 2.12.1+cpu (rank 3); fix: one " in got
+    assert "CPU instruction set" not in got  # only what differs

@@ -119,6 +119,23 @@ def test_a_parameter_without_gradient_is_an_error_naming_the_fix_not_a_detection
         assert "held 0 of the 6 parameters" in r["error"], r["error"]  # one bucket, never ready
 
 
+def test_ranks_that_compute_otherwise_are_refused_by_the_replay_never_convicted() -> None:
+    # Torch's CPU kernels split reductions by thread: a rank with 2 threads among ranks with
+    # 1 computes the same batch to other gradient bits, and every audit step convicted it
+    # (both its ring edges disagree), a healthy node cordoned. The guard gathers each rank's
+    # compute signature with its place and refuses the replay, on every rank alike.
+    for r in run_ranks(workers.mixed_threads_run, 3, [1, 2, 1]):
+        for refusal in (r["built"], r["reconfigured"]):
+            assert refusal is not None and "CPU threads: 1 (ranks 0, 2) vs 2 (rank 1)" in refusal
+            assert "torch.set_num_threads(n)" in refusal and "replay_interval=0" in refusal
+        assert r["mismatch"].startswith("CPU threads: 1 (ranks 0, 2) vs 2 (rank 1)")
+        assert r["checks"] == ["nonfinite", "weights", "checksum"]  # the refused config not built
+        assert r["detections"] == []
+    for r in run_ranks(workers.mixed_threads_run, 3, [1, 1, 1]):
+        assert r["built"] is None and r["reconfigured"] is None and r["mismatch"] is None
+        assert r["checks"] == ["nonfinite", "replay", "weights"] and r["detections"] == []
+
+
 def test_parameters_ddp_ignores_are_left_out_or_refused_never_a_detection() -> None:
     # DDP neither broadcasts nor all-reduces them: trained, each rank's drift apart. The
     # weights check convicted at every step, and the replay every rank at every audit step.
