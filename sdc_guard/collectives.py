@@ -23,6 +23,26 @@ def majority_outliers(values: Sequence[Hashable]) -> tuple[int, ...] | None:
     return tuple(r for r, v in enumerate(values) if v != value)
 
 
+def steps_disagree(steps: Sequence[int]) -> str | None:
+    """``steps`` (one per rank) in words when they are not all one step, else None:
+    ``"step 5 on ranks 0, 2; step 6 on rank 1"``."""
+    by_step: dict[int, list[int]] = {}
+    for rank, s in enumerate(steps):
+        by_step.setdefault(int(s), []).append(rank)
+    if len(by_step) < 2:
+        return None
+    return "; ".join(f"step {s} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
+                     for s, r in by_step.items())
+
+
+STEPS_FIX = ("every rank must call SDCGuard.step with the same step number: the checks compare "
+             "the ranks' work step by step, and the replay audit recomputes a neighbour's batch "
+             "of that step, so a rank at another step would be convicted, healthy. Take the "
+             "step to resume from from one source on every rank (CheckpointManager.restore, "
+             "or a broadcast from rank 0).")
+"""What ``steps_disagree``'s callers tell the user to do."""
+
+
 def all_gather_rows(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Gather a small 1-D tensor from every rank into a ``(world, len)`` tensor (one collective)."""
     world = dist.get_world_size(group)

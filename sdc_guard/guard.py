@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.checkpoint import CheckpointManager
 from sdc_guard.checks import Check, build_checks
+from sdc_guard.collectives import STEPS_FIX, all_gather_rows, steps_disagree
 from sdc_guard.comm_hook import CommHook, GuardCommHook
 from sdc_guard.config import GuardConfig
 from sdc_guard.determinism import enable_determinism, rng_stream
@@ -132,6 +133,8 @@ class SDCGuard:
                                   inner_state=comm_hook_state,
                                   sparse_gradients=_sparse_gradients(model))
         self._hooked = False
+        self._step_agreed = False
+        """Have the ranks been seen at one step (``_agree_on_step``) since the last restore?"""
         self.checks: list[Check] = []
         self.events: EventLog | None = None
         # Bound before the checks are built and the comm hook registered with DDP: a bad
@@ -250,6 +253,8 @@ class SDCGuard:
                 "SDCGuard.step needs batch_for(rank, step) to fetch the batch; pass it to "
                 "SDCGuard(..., batch_for=...)."
             )
+        if not self._step_agreed:
+            self._agree_on_step(step)
         for hook in self.before_step:
             hook(step)
         if not self._hooked:  # a fault injector may have joined the comm hook's lists
@@ -298,6 +303,19 @@ class SDCGuard:
             self._record(d, skipped)
         return report
 
+    def _agree_on_step(self, step: int) -> None:
+        """Are all ranks at ``step``? Asked at the first step and at the first after a restore
+        (one all-gather of a word), where a start step read per rank (a per-rank checkpoint
+        that one rank failed to write) would put a rank at another step: DDP trains on
+        unaware, and the replay audit would convict that rank at every audit step."""
+        steps = all_gather_rows(torch.tensor([step], dtype=torch.int64, device=self.device),
+                                self.group)[:, 0].tolist()
+        differ = steps_disagree(steps)
+        if differ is not None:
+            raise ValueError(f"SDCGuard.step: the ranks are not at one step ({differ}); "
+                             f"{STEPS_FIX}")
+        self._step_agreed = True
+
     def flush(self) -> list[Detection]:
         """Detections still due after the last ``step``. Collective: call once on every rank.
 
@@ -330,6 +348,7 @@ class SDCGuard:
     def rewind(self, step: int) -> None:
         """The run was restored to the state after ``step``: every check counts it verified
         (``CheckpointManager.restore`` calls this)."""
+        self._step_agreed = False
         for c in self.checks:
             c.rewind(step)
 

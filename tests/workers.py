@@ -363,6 +363,24 @@ def mixed_threads_run(rank: int, world: int, threads: list[int]) -> dict[str, An
     return out
 
 
+def step_offset_run(rank: int, world: int, offsets: list[int], since: int) -> dict[str, Any]:
+    """Rank r calls ``guard.step(s + offsets[r])`` from step ``since`` on (before: ``s``),
+    replay every step: the error each rank gets, and the detections before it."""
+    torch.manual_seed(0)
+    model = DDP(make_mlp())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    found: list[sdc_guard.Detection] = []
+    guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for,
+                     config=GuardConfig(replay_interval=1, deterministic=True),
+                     on_detection=found.append)
+    try:
+        for s in range(4):
+            guard.step(s + (offsets[rank] if s >= since else 0))
+    except ValueError as e:
+        return {"error": str(e), "at": s, "detections": _flushed(found)}
+    return {"error": None, "at": None, "detections": _flushed(found)}
+
+
 def ignored_params_run(rank: int, world: int) -> dict[str, Any]:
     """Parameters DDP ignores (``_ddp_params_and_buffers_to_ignore``): trained, each rank its
     own (the replay refuses them; the weights check leaves them out), and frozen, equal on

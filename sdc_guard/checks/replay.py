@@ -81,7 +81,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.checks.base import Check, Verdict
 from sdc_guard.checks.weights import ddp_ignored
-from sdc_guard.collectives import PendingSum, all_gather_rows, gather_if_different
+from sdc_guard.collectives import (
+    STEPS_FIX,
+    PendingSum,
+    all_gather_rows,
+    gather_if_different,
+    steps_disagree,
+)
 from sdc_guard.comm_hook import BucketListener, GuardCommHook
 from sdc_guard.determinism import rng_stream
 from sdc_guard.fingerprints.digest import (
@@ -719,7 +725,7 @@ class ReplayAudit(Check, BucketListener):
                 if pending is None or pending.wait() == 0:  # every edge agrees
                     self.verified(step)
                     return Verdict()
-            found = self.judge(step, all_gather_rows(self.row(), self.group).tolist())
+            found = self.judge(step, self._gather_rows(step))
         finally:
             self._observing = False
             self._veto_asked = False
@@ -730,6 +736,19 @@ class ReplayAudit(Check, BucketListener):
         else:
             self.verified(step)
         return Verdict(found, withhold=bool(found))
+
+    def _gather_rows(self, step: int) -> list[list[int]]:
+        """Every rank's ``row()`` (row r: rank r), gathered with its step: ranks at other
+        steps (a drift the first step's agreement did not see) disagree on every edge of
+        theirs, and that is an error of the loop, not a fault to convict."""
+        mine = torch.cat([self.row(), torch.tensor([step], dtype=torch.int64,
+                                                   device=self.device)])
+        rows = all_gather_rows(mine, self.group).tolist()
+        differ = steps_disagree([row[4] for row in rows])
+        if differ is not None:
+            raise ValueError(f"replay audit: the ranks are not at one step ({differ}); "
+                             f"{STEPS_FIX}")
+        return [row[:4] for row in rows]
 
     def _check_complete(self, step: int) -> None:
         """Refuse to compare an own gradient word that misses parameters.

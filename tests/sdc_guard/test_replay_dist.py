@@ -136,6 +136,21 @@ def test_ranks_that_compute_otherwise_are_refused_by_the_replay_never_convicted(
         assert r["checks"] == ["nonfinite", "replay", "weights"] and r["detections"] == []
 
 
+def test_ranks_at_other_steps_are_an_error_of_the_loop_never_a_conviction() -> None:
+    # A rank that resumed from another step (a per-rank checkpoint one rank failed to write)
+    # trains on in lockstep under DDP; every audit step convicted it, healthy. The first
+    # step asks every rank's step (once), and the audit's gather carries it.
+    for r in run_ranks(workers.step_offset_run, 3, [0, 1, 0], 0):
+        assert r["at"] == 0 and r["detections"] == [], r
+        assert r["error"].startswith("SDCGuard.step: the ranks are not at one step (step 0 on "
+                                     "ranks 0, 2; step 1 on rank 1); every rank must call")
+    for r in run_ranks(workers.step_offset_run, 3, [0, 1, 0], 2):  # drifts later
+        assert r["at"] == 2 and r["detections"] == [], r
+        assert r["error"].startswith("replay audit: the ranks are not at one step (step 2 on "
+                                     "ranks 0, 2; step 3 on rank 1)")
+    assert all(r["error"] is None for r in run_ranks(workers.step_offset_run, 3, [5, 5, 5], 0))
+
+
 def test_parameters_ddp_ignores_are_left_out_or_refused_never_a_detection() -> None:
     # DDP neither broadcasts nor all-reduces them: trained, each rank's drift apart. The
     # weights check convicted at every step, and the replay every rank at every audit step.
