@@ -381,6 +381,25 @@ def step_offset_run(rank: int, world: int, offsets: list[int], since: int) -> di
     return {"error": None, "at": None, "detections": _flushed(found)}
 
 
+def own_batch_run(rank: int, world: int) -> dict[str, Any]:
+    """A ``batch_for`` that builds this process's batch whatever rank it is given (it asks
+    ``dist.get_rank()``): the first audit step's error, and the detections before it."""
+    torch.manual_seed(0)
+    model = DDP(make_mlp())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    found: list[sdc_guard.Detection] = []
+    guard = SDCGuard(model, optimizer, loss_fn=loss_fn,
+                     batch_for=lambda r, step: batch_for(dist.get_rank(), step),
+                     config=GuardConfig(replay_interval=2, deterministic=True),
+                     on_detection=found.append)
+    try:
+        for s in range(3):
+            guard.step(s)
+    except ValueError as e:
+        return {"error": str(e), "at": s, "detections": _flushed(found)}
+    return {"error": None, "at": None, "detections": _flushed(found)}
+
+
 def ignored_params_run(rank: int, world: int) -> dict[str, Any]:
     """Parameters DDP ignores (``_ddp_params_and_buffers_to_ignore``): trained, each rank its
     own (the replay refuses them; the weights check leaves them out), and frozen, equal on

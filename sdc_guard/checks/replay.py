@@ -748,7 +748,19 @@ class ReplayAudit(Check, BucketListener):
         if differ is not None:
             raise ValueError(f"replay audit: the ranks are not at one step ({differ}); "
                              f"{STEPS_FIX}")
-        return [row[:4] for row in rows]
+        words = [row[:4] for row in rows]
+        if all(w[2:] == w[:2] for w in words) and len({tuple(w[:2]) for w in words}) > 1:
+            # Every rank's replay of its neighbour's batch came out as its own step did, and
+            # the ranks' own steps differ: each rank recomputed its own batch. A fault cannot
+            # do that; a batch_for that ignores its rank argument does (every edge would
+            # disagree, every rank a suspect).
+            raise ValueError(
+                f"replay audit, step {step}: every rank's recomputation of its neighbour's "
+                "batch came out exactly as its own step did: batch_for(rank, step) returns this "
+                "process's batch whatever rank it is given (it must build the batch of its "
+                "rank argument, not of dist.get_rank()), or the loss depends on the process's "
+                "rank. Fix batch_for (or the loss), or set replay_interval=0.")
+        return words
 
     def _check_complete(self, step: int) -> None:
         """Refuse to compare an own gradient word that misses parameters.

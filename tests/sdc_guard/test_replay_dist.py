@@ -151,6 +151,15 @@ def test_ranks_at_other_steps_are_an_error_of_the_loop_never_a_conviction() -> N
     assert all(r["error"] is None for r in run_ranks(workers.step_offset_run, 3, [5, 5, 5], 0))
 
 
+def test_a_batch_for_that_ignores_its_rank_is_named_not_every_rank_convicted() -> None:
+    # batch_for(rank, step) built from dist.get_rank(): each rank "replays" its own batch,
+    # every edge disagrees, and every audit step convicted every rank. The gathered words
+    # show each replay equal to its own rank's step: an error naming batch_for instead.
+    for r in run_ranks(workers.own_batch_run, 3):
+        assert r["at"] == 0 and r["detections"] == [], r
+        assert "batch_for(rank, step) returns this process's batch whatever rank" in r["error"]
+
+
 def test_parameters_ddp_ignores_are_left_out_or_refused_never_a_detection() -> None:
     # DDP neither broadcasts nor all-reduces them: trained, each rank's drift apart. The
     # weights check convicted at every step, and the replay every rank at every audit step.
