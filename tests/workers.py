@@ -149,13 +149,34 @@ def plain_run(rank: int, world: int, steps: int, opt: str = "adamw") -> dict[str
 
 
 # -- replay audit ----------------------------------------------------------------------------
-class DropMLP(nn.Module):
-    """An MLP with dropout (random ops must replay exactly) and optionally BatchNorm."""
+class RunningCenter(nn.Module):
+    """Subtracts a running mean that the training forward updates from its batch first: a
+    buffer the forward reads (an RL observation normaliser, an EMA codebook), unlike
+    BatchNorm's, which training ignores. Under DDP each rank's drifts from the others'
+    until DDP broadcasts rank 0's at the next forward."""
 
-    def __init__(self, batchnorm: bool = False) -> None:
+    mean: torch.Tensor
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return x - self.mean
+
+
+class DropMLP(nn.Module):
+    """An MLP with dropout (random ops must replay exactly) and optionally BatchNorm or a
+    ``RunningCenter``."""
+
+    def __init__(self, batchnorm: bool = False, running: bool = False) -> None:
         super().__init__()
         self.fc1 = nn.Linear(16, 32)
-        self.norm: nn.Module = nn.BatchNorm1d(32) if batchnorm else nn.Identity()
+        self.norm: nn.Module = (nn.BatchNorm1d(32) if batchnorm else
+                                RunningCenter(32) if running else nn.Identity())
         self.act1 = nn.ReLU()
         self.drop = nn.Dropout(0.1)
         self.fc2 = nn.Linear(32, 32)
@@ -186,6 +207,7 @@ def replay_run(rank: int, world: int, steps: int, *, native: bool = True,
 
 def _replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
                 fault: dict[str, Any] | None = None, batchnorm: bool = False,
+                running: bool = False,
                 micro: int = 1, skip_steps: tuple[int, ...] = (),
                 nonfinite: bool = True, user_hook: bool = False,
                 contain: bool = True, bucket_mb: float = 25.0,
@@ -219,7 +241,7 @@ def _replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
 
     names["PendingSum"], names["all_gather_rows"] = counted_sum, counted_gather
     torch.manual_seed(0)
-    model = DDP(DropMLP(batchnorm), bucket_cap_mb=bucket_mb)
+    model = DDP(DropMLP(batchnorm, running), bucket_cap_mb=bucket_mb)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     cfg = GuardConfig(replay_interval=interval, deterministic=True, micro_batches=micro,
                       weights_interval=1, nonfinite=nonfinite, skip_step_on_detection=contain)
@@ -392,6 +414,25 @@ def own_batch_run(rank: int, world: int) -> dict[str, Any]:
                      batch_for=lambda r, step: batch_for(dist.get_rank(), step),
                      config=GuardConfig(replay_interval=2, deterministic=True),
                      on_detection=found.append)
+    try:
+        for s in range(3):
+            guard.step(s)
+    except ValueError as e:
+        return {"error": str(e), "at": s, "detections": _flushed(found)}
+    return {"error": None, "at": None, "detections": _flushed(found)}
+
+
+def running_buffer_run(rank: int, world: int, micro: int,
+                       ddp_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``DropMLP(running=True)`` (a buffer the training forward reads and updates) with the
+    replay: the error of the first audit step, where no rank can recompute another's."""
+    torch.manual_seed(0)
+    model = DDP(DropMLP(running=True), **ddp_kwargs)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    found: list[sdc_guard.Detection] = []
+    guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=_micro_batches(micro),
+                     config=GuardConfig(replay_interval=1, deterministic=True,
+                                        micro_batches=micro), on_detection=found.append)
     try:
         for s in range(3):
             guard.step(s)

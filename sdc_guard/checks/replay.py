@@ -327,6 +327,19 @@ def replay_term_device(row: torch.Tensor) -> torch.Tensor:
     return h(row[2], row[3]) - h(row[0], row[1])
 
 
+def _buffers_synced_before_forward(model: DistributedDataParallel) -> bool:
+    """Does DDP's training forward (outside ``no_sync``) start by broadcasting the
+    authoritative rank's buffers (``broadcast_buffers=True``, the default, and buffers to
+    sync)? Then that forward computes with those buffers, not with the rank's own."""
+    if not getattr(model, "forward_sync_buffers", getattr(model, "broadcast_buffers", False)):
+        return False
+    if not len(getattr(model, "modules_buffers", ())):
+        return False
+    hook = getattr(model, "buffer_hook", None)
+    where = getattr(getattr(hook, "buffer_comm_hook_location", None), "name", "PRE_FORWARD")
+    return where == "PRE_FORWARD" and callable(getattr(model, "_sync_buffers", None))
+
+
 def _refuse_compiled_ddp(model: DistributedDataParallel) -> None:
     """Refuse a DDP that is itself compiled (``model.compile()``).
 
@@ -459,6 +472,18 @@ class ReplayAudit(Check, BucketListener):
         self._own_cache: tuple[Word, Word] | None = None
         self._row_cache: torch.Tensor | None = None
         self._pending: PendingSum | None = None
+        # Buffers a training forward may read: all but the norm layers' running statistics,
+        # which a training forward updates and never reads. One that the forward changes is
+        # checked once (``_check_buffers``).
+        norms = {id(b) for m in self.module.modules()
+                 if isinstance(m, nn.modules.batchnorm._NormBase) for b in m.buffers(False)}
+        self._watched = [(i, name) for i, (name, b) in enumerate(self.module.named_buffers())
+                         if id(b) not in norms]
+        self._buffers_checked = not self._watched
+        self._changed: list[str] = []
+        self._step_buffers: list[torch.Tensor] = []
+        """The module's buffers as this audit step began (after DDP's buffer broadcast, when
+        the owner's forward makes one): what every replay of the step starts from."""
         self.comm = comm
         # The fast path (module doc): the replayed words go to their owner point to point,
         # the owner compares and vetoes; it needs our own all-reduce to carry the veto.
@@ -563,12 +588,51 @@ class ReplayAudit(Check, BucketListener):
         self._own_params = 0
         self.phase = "train"
         self._observing = True
+        if self.micro == 1 and _buffers_synced_before_forward(self.model):
+            # The owner's forward will compute with the authoritative rank's buffers (DDP
+            # broadcasts them first); a buffer the training forward reads and updates (a
+            # running normaliser, an EMA codebook) differs on every other rank, so the
+            # replay starts from the same broadcast. The owner's own broadcast then sends
+            # the same values again.
+            self.model._sync_buffers()  # type: ignore[no-untyped-call]
+        self._step_buffers = [b.detach().clone() for b in self.module.buffers()]
         self._replayed = self._replay((self.rank + 1) % self.world, step, "replay")
+        if not self._buffers_checked:
+            self._check_buffers()
         if self.wants_veto:
             if self._many_buckets and self.exchange_with_first_bucket:
                 self._send_due = True
             else:
                 self._send_replayed()
+
+    def _check_buffers(self) -> None:
+        """On the first audit step of a model with buffers outside its norm layers: did the
+        training forward change any (a running normaliser, an EMA codebook)? Such a buffer is
+        each rank's own until DDP broadcasts rank 0's, at the start of a forward outside
+        ``no_sync``. With one micro-batch and that broadcast the replay starts from the same
+        buffers as the owner (``begin_step``); otherwise the owner computes with buffers no
+        other rank holds, and every audit would convict a healthy rank. Decided on every rank
+        alike: one small all-reduce, once."""
+        self._buffers_checked = True
+        changed = torch.tensor([int(bool(self._changed))], dtype=torch.int64,
+                               device=self.device)
+        dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.group)
+        if not int(changed.item()) or (self.micro == 1
+                                       and _buffers_synced_before_forward(self.model)):
+            return
+        why = ("with micro_batches > 1 the owner's first micro-batches run under no_sync() "
+               "with its own buffers and its last with rank 0's after rank 0's first "
+               "micro-batches" if self.micro > 1 else
+               "DDP does not broadcast them before the forward (broadcast_buffers=False or "
+               "forward_sync_buffers=False)")
+        names = self._changed or "(on another rank)"
+        raise ValueError(
+            f"replay audit: the training forward updates buffers {names} outside the norm "
+            f"layers, and {why}: no other rank can recompute "
+            "the owner's step. Use micro_batches=1 with DDP's buffer broadcast before each "
+            "forward (the default: forward_sync_buffers=True, broadcast_buffers=True before "
+            "torch 2.13; the replay then starts from the broadcast buffers), or set "
+            "replay_interval=0.")
 
     def _send_replayed(self) -> None:
         """Send the replayed words to their owner (the next rank) and receive this rank's
@@ -665,6 +729,11 @@ class ReplayAudit(Check, BucketListener):
         grads: list[torch.Tensor | None] = [None] * len(self.params)
         losses = []
         try:
+            # From the buffers as the step began: an arbitration runs after the forward,
+            # which may have updated them.
+            with torch.no_grad():
+                for b, start in zip(self.module.buffers(), self._step_buffers, strict=True):
+                    b.copy_(start)
             batches = fetch_micro_batches(self.batch_for, rank, step, self.micro)
             if not _probed(self.batch_for):
                 self._probe(batches, rank, step)
@@ -679,6 +748,9 @@ class ReplayAudit(Check, BucketListener):
                     for acc, g in zip(grads, new, strict=True)
                 ]
         finally:
+            if not self._buffers_checked:
+                now = list(self.module.buffers())
+                self._changed = [n for i, n in self._watched if not torch.equal(now[i], buffers[i])]
             with torch.no_grad():
                 for b, saved in zip(self.module.buffers(), buffers, strict=True):
                     b.copy_(saved)

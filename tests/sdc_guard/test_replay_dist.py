@@ -195,8 +195,13 @@ def test_contained_detection_equals_run_that_never_saw_the_step() -> None:
     assert {r["final"] for r in faulty} == {oracle[0]["final"]}
 
 
-@pytest.mark.parametrize("variant", [{"batchnorm": True}, {"micro": 3}])
+@pytest.mark.parametrize("variant", [{"batchnorm": True}, {"micro": 3}, {"running": True}],
+                         ids=["batchnorm", "micro", "running-buffer"])
 def test_batchnorm_and_gradient_accumulation(variant: dict[str, Any]) -> None:
+    # running-buffer: a buffer the training forward reads. The owner's forward computes with
+    # rank 0's (DDP broadcasts them first); the replay computed with its own rank's, and
+    # every audit step convicted rank 2 (healthy). The arbitration (the fault below: one bad
+    # edge) ran with buffers its own forward had updated.
     clean = run_ranks(workers.replay_run, 3, 10, **variant)
     assert all(r["detections"] == [] for r in clean)
     fault = {"rank": 1, "step": 5, "phase": "replay", "bit": 2}
@@ -205,6 +210,23 @@ def test_batchnorm_and_gradient_accumulation(variant: dict[str, Any]) -> None:
         assert ("replay", 5, (1,)) in r["detections"], r["detections"]
     off = run_ranks(workers.replay_run, 3, 10, interval=0, **variant)
     assert clean[0]["final"] == off[0]["final"]
+
+
+@pytest.mark.parametrize(("micro", "ddp_kwargs", "why"), [
+    (3, {}, "with micro_batches > 1 the owner's first micro-batches run under no_sync()"),
+    (1, {"broadcast_buffers": False}, "DDP does not broadcast them before the forward"),
+], ids=["micro", "no-broadcast"])
+def test_a_forward_read_buffer_no_rank_can_recompute_is_refused_not_convicted(
+        micro: int, ddp_kwargs: dict[str, Any], why: str) -> None:
+    # The owner computes with buffers no other rank holds (its own, or rank 0's after rank 0's
+    # first micro-batches): every audit step convicted a healthy rank. The first audit step
+    # sees the training forward change a buffer outside the norm layers and refuses, on every
+    # rank alike (one all-reduce, once); with one micro-batch and the broadcast it audits
+    # (test_batchnorm_and_gradient_accumulation[running-buffer]).
+    for r in run_ranks(workers.running_buffer_run, 3, micro, ddp_kwargs):
+        assert r["at"] == 0 and r["detections"] == [], r
+        assert "the training forward updates buffers ['norm.mean'] outside the norm" in r["error"]
+        assert why in r["error"] and "replay_interval=0" in r["error"]
 
 
 def test_with_several_buckets_the_exchange_rides_the_first_and_still_contains() -> None:
