@@ -10,7 +10,8 @@ dropout and other random ops replay exactly on another rank.
 What the user must guarantee: ``batch_for(rank, step)`` returns the same batch
 every time it is called with the same arguments (no iterator state, no
 data-dependent host randomness), and the loss function draws randomness only
-from torch's generators. The guard refuses to build a replay audit without
+from torch's generators, Python's ``random`` module or NumPy's global generator, which
+``rng_stream`` seeds per (rank, step, micro-batch). The guard refuses to build a replay audit without
 ``GuardConfig(deterministic=True)``.
 
 Determinism within a rank is not enough for the audit: a neighbour recomputes the batch with
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
@@ -122,19 +125,34 @@ def rng_stream(
     ``device``'s, on CUDA), without its accelerator lookup: this runs every training step
     in deterministic mode and again in every replay, where that lookup cost more than the
     generator's state (about 0.1 ms a call, with the caches cold after a step).
+
+    Python's ``random`` module and NumPy's global generator (``np.random.*``, when NumPy's
+    random module is loaded) get the stream too: a layer that draws from them (a LayerDrop
+    written with ``random.uniform``, as some models do) would otherwise compute another
+    rank's batch differently in the replay, and every audit would convict a healthy rank.
+    Their states come back afterwards as well (about 0.1 ms together).
     """
     cpu = torch.default_generator
     s = stream_seed(seed, rank, step, micro)
     cpu_state = cpu.get_state()
     cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    py_state = random.getstate()
+    np_random = sys.modules.get("numpy.random")
+    np_state = np_random.get_state() if np_random is not None else None
     # Not torch.manual_seed: on CPU-only builds its lazy CUDA seeding costs ~0.4 ms a call.
     cpu.manual_seed(s)
     try:
+        random.seed(s)
+        if np_random is not None:
+            np_random.seed([s & 0xFFFFFFFF, s >> 32])  # its seeds are 32-bit words
         if cuda_state is not None:
             with torch.cuda.device(device):
                 torch.cuda.manual_seed(s)
         yield
     finally:
         cpu.set_state(cpu_state)
+        random.setstate(py_state)
+        if np_random is not None:
+            np_random.set_state(np_state)
         if cuda_state is not None:
             torch.cuda.set_rng_state(cuda_state, device)

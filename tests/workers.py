@@ -168,15 +168,31 @@ class RunningCenter(nn.Module):
         return x - self.mean
 
 
+class HostRandomSkip(nn.Module):
+    """Skips (zeroes) its input at random, deciding with Python's ``random`` and NumPy's
+    global generator, as LayerDrop was written in some models (not with torch's)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import random
+
+        import numpy as np
+
+        if self.training and (random.random() < 0.5) != (np.random.uniform() < 0.5):
+            return x * 0.5
+        return x
+
+
 class DropMLP(nn.Module):
     """An MLP with dropout (random ops must replay exactly) and optionally BatchNorm or a
     ``RunningCenter``."""
 
-    def __init__(self, batchnorm: bool = False, running: bool = False) -> None:
+    def __init__(self, batchnorm: bool = False, running: bool = False,
+                 host_random: bool = False) -> None:
         super().__init__()
         self.fc1 = nn.Linear(16, 32)
         self.norm: nn.Module = (nn.BatchNorm1d(32) if batchnorm else
-                                RunningCenter(32) if running else nn.Identity())
+                                RunningCenter(32) if running else
+                                HostRandomSkip() if host_random else nn.Identity())
         self.act1 = nn.ReLU()
         self.drop = nn.Dropout(0.1)
         self.fc2 = nn.Linear(32, 32)
@@ -207,7 +223,7 @@ def replay_run(rank: int, world: int, steps: int, *, native: bool = True,
 
 def _replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
                 fault: dict[str, Any] | None = None, batchnorm: bool = False,
-                running: bool = False,
+                running: bool = False, host_random: bool = False,
                 micro: int = 1, skip_steps: tuple[int, ...] = (),
                 nonfinite: bool = True, user_hook: bool = False,
                 contain: bool = True, bucket_mb: float = 25.0,
@@ -241,7 +257,7 @@ def _replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
 
     names["PendingSum"], names["all_gather_rows"] = counted_sum, counted_gather
     torch.manual_seed(0)
-    model = DDP(DropMLP(batchnorm, running), bucket_cap_mb=bucket_mb)
+    model = DDP(DropMLP(batchnorm, running, host_random), bucket_cap_mb=bucket_mb)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     cfg = GuardConfig(replay_interval=interval, deterministic=True, micro_batches=micro,
                       weights_interval=1, nonfinite=nonfinite, skip_step_on_detection=contain)

@@ -75,3 +75,21 @@ def test_a_signature_mismatch_names_each_value_its_ranks_and_the_fix() -> None:
             "every rank") in got, got
     assert "torch build: 2.13.0+cpu (ranks 0, 1, 2) vs 2.12.1+cpu (rank 3); fix: one " in got
     assert "CPU instruction set" not in got  # only what differs
+
+
+def test_python_and_numpy_global_generators_get_the_stream_and_come_back() -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(5)
+    np.random.seed(5)
+    before = (random.random(), float(np.random.uniform()))
+    random.seed(5)
+    np.random.seed(5)
+    draws = []
+    for key in ((7, 1, 3, 0), (7, 1, 3, 0), (7, 2, 3, 0)):
+        with rng_stream(*key, CPU):
+            draws.append((random.random(), float(np.random.uniform())))
+    assert draws[0] == draws[1] != draws[2]  # per key, not the caller's
+    assert (random.random(), float(np.random.uniform())) == before  # the caller's, untouched

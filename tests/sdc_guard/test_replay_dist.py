@@ -195,13 +195,16 @@ def test_contained_detection_equals_run_that_never_saw_the_step() -> None:
     assert {r["final"] for r in faulty} == {oracle[0]["final"]}
 
 
-@pytest.mark.parametrize("variant", [{"batchnorm": True}, {"micro": 3}, {"running": True}],
-                         ids=["batchnorm", "micro", "running-buffer"])
+@pytest.mark.parametrize("variant", [{"batchnorm": True}, {"micro": 3}, {"running": True},
+                                     {"host_random": True, "micro": 2}],
+                         ids=["batchnorm", "micro", "running-buffer", "host-random"])
 def test_batchnorm_and_gradient_accumulation(variant: dict[str, Any]) -> None:
     # running-buffer: a buffer the training forward reads. The owner's forward computes with
     # rank 0's (DDP broadcasts them first); the replay computed with its own rank's, and
     # every audit step convicted rank 2 (healthy). The arbitration (the fault below: one bad
-    # edge) ran with buffers its own forward had updated.
+    # edge) ran with buffers its own forward had updated. host-random: a layer that draws
+    # from Python's random and NumPy's global generator, which the replay drew anew: healthy
+    # ranks convicted; deterministic mode gives them the (rank, step, micro-batch) stream.
     clean = run_ranks(workers.replay_run, 3, 10, **variant)
     assert all(r["detections"] == [] for r in clean)
     fault = {"rank": 1, "step": 5, "phase": "replay", "bit": 2}
