@@ -457,6 +457,34 @@ def running_buffer_run(rank: int, world: int, micro: int,
     return {"error": None, "at": None, "detections": _flushed(found)}
 
 
+def nonfinite_origin_run(rank: int, world: int, origin: str) -> dict[str, Any]:
+    """A NaN on rank 1 at step 2, from its batch (``origin="data"``: an Inf in its input, the
+    same wherever the batch is computed) or from its hardware (``"hardware"``: a NaN written
+    into its local gradient bucket), under the guard's default checks: the detections
+    (with their suspects) and the withheld steps."""
+    torch.manual_seed(0)
+    model = DDP(make_mlp())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def data(r: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch_for(r, step)
+        if origin == "data" and (r, step) == (1, 2):
+            x = x.clone()
+            x[0, 0] = float("inf")
+        return x, y
+
+    guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=data, config=GuardConfig())
+    if origin == "hardware" and rank == 1:
+        def nan(bucket: Any) -> None:
+            if guard.comm.step == 2:
+                bucket.buffer()[0] = float("nan")
+        guard.comm.before.append(nan)
+    reports = [guard.step(s) for s in range(5)]
+    found = [(d.check, d.step, d.suspect_ranks, d.detail)
+             for d in [d for r in reports for d in r.detections] + guard.flush()]
+    return {"detections": found, "skipped": [r.step for r in reports if r.skipped]}
+
+
 def ignored_params_run(rank: int, world: int) -> dict[str, Any]:
     """Parameters DDP ignores (``_ddp_params_and_buffers_to_ignore``): trained, each rank its
     own (the replay refuses them; the weights check leaves them out), and frozen, equal on

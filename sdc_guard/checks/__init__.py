@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.checks.base import Check, Verdict
 from sdc_guard.checks.checksum import ChecksumCheck
-from sdc_guard.checks.nonfinite import NonFiniteCheck
+from sdc_guard.checks.nonfinite import NeighbourRecompute, NonFiniteCheck
 from sdc_guard.checks.replay import ReplayAudit
 from sdc_guard.checks.weights import WeightsCheck, state_tensors
 from sdc_guard.comm_hook import GuardCommHook
@@ -53,9 +53,13 @@ def build_checks(
     device = next(model.parameters()).device
     checks: list[Check] = []
     if config.nonfinite:
+        recompute = None if batch_for is None else NeighbourRecompute(
+            model.module, loss_fn=loss_fn, batch_for=batch_for,
+            micro_batches=config.micro_batches,
+            seed=config.seed if config.deterministic else None, device=device)
         checks.append(NonFiniteCheck(
             comm, device=device, group=group, expect_overflow=grad_scaler is not None,
-            exchange_interval=config.nonfinite_exchange_interval))
+            exchange_interval=config.nonfinite_exchange_interval, recompute=recompute))
     if config.replay_interval:
         if batch_for is None:
             raise ValueError("GuardConfig.replay_interval needs batch_for.")

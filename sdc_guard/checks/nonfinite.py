@@ -31,7 +31,13 @@ the checksum check).
 
 Suspects:
 
-* ranks whose *local* gradients were non-finite;
+* ranks whose *local* gradients were non-finite, unless another rank reproduced them:
+  on a step whose reduced result is non-finite every rank recomputes its ring
+  neighbour's batch from the same weights (``NeighbourRecompute``; only then, and on
+  its own, no collective) and adds a third flag, "my recomputation of the next rank's
+  batch was non-finite too". A NaN that the batch or the model's numerics produce (a bad
+  sample, an overflow) comes back on other hardware: reported without a suspect, so no
+  healthy node is quarantined for it; one that does not come back names its rank;
 * if the reduced result is non-finite on some rank while every local gradient
   was finite, the fault is in the reduction or the link: a detection that names
   the ranks that saw it (a single rank's bad result is its own; all ranks alike
@@ -46,16 +52,57 @@ a non-finite *reduced* result while every local gradient was finite still is
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from typing import Any
+
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch._C._distributed_c10d import GradBucket
 
 from sdc_guard.checks.base import Check, Verdict
 from sdc_guard.checks.flagword import DeferredFlags
 from sdc_guard.comm_hook import BucketListener, GuardCommHook
+from sdc_guard.determinism import rng_stream
 from sdc_guard.fingerprints.native import active_kernel
 from sdc_guard.report import Detection
 from sdc_guard.scaling import Flag, check_nonfinite, host_words
+from sdc_guard.types import BatchFor, LossFn, fetch_micro_batches, scalar_loss
+
+log = logging.getLogger(__name__)
+
+
+class NeighbourRecompute:
+    """Recomputes a rank's micro-batches of a step through the module (not DDP: no
+    communication) and says whether its loss or gradients come out non-finite. ``seed`` is
+    the deterministic mode's (None: off), so the recomputation draws the owner's random
+    stream; the module's buffers come back afterwards; ``.grad`` is not touched."""
+
+    def __init__(self, module: nn.Module, *, loss_fn: LossFn, batch_for: BatchFor,
+                 micro_batches: int, seed: int | None, device: torch.device) -> None:
+        self.module, self.loss_fn, self.batch_for = module, loss_fn, batch_for
+        self.micro, self.seed, self.device = micro_batches, seed, device
+        self.params = [p for p in module.parameters() if p.requires_grad]
+
+    def nonfinite(self, rank: int, step: int) -> bool:
+        buffers = [b.detach().clone() for b in self.module.buffers()]
+        try:
+            for i, mb in enumerate(fetch_micro_batches(self.batch_for, rank, step, self.micro)):
+                with (rng_stream(self.seed, rank, step, i, self.device) if self.seed is not None
+                      else contextlib.nullcontext()):
+                    loss = scalar_loss(self.loss_fn(self.module, mb))
+                if not bool(torch.isfinite(loss.detach()).all()):
+                    return True
+                grads = torch.autograd.grad(loss, self.params, allow_unused=True)
+                if any(g is not None and not bool(torch.isfinite(
+                        g.coalesce().values() if g.is_sparse else g).all()) for g in grads):
+                    return True
+            return False
+        finally:
+            with torch.no_grad():
+                for b, saved in zip(self.module.buffers(), buffers, strict=True):
+                    b.copy_(saved)
 
 
 class NonFiniteCheck(Check, BucketListener):
@@ -72,13 +119,19 @@ class NonFiniteCheck(Check, BucketListener):
         group: dist.ProcessGroup | None = None,
         expect_overflow: bool = False,
         exchange_interval: int = 1,
+        recompute: NeighbourRecompute | None = None,
     ) -> None:
         self.device = device
         self.group = group
         self.expect_overflow = expect_overflow
         self.exchange_interval = exchange_interval
-        self._deferred = DeferredFlags(2, exchange_interval, device=device, group=group)
-        """Every rank's ``(local, reduced)`` flags per step, judged a step after they travel."""
+        self.recompute = recompute
+        """Recomputes the next rank's batch on a step with a non-finite reduced result."""
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self._deferred = DeferredFlags(3, exchange_interval, device=device, group=group)
+        """Every rank's ``(local, reduced, reproduced)`` flags per step, judged a step after
+        they travel; ``reproduced``: this rank's recomputation of the next rank's batch was
+        non-finite."""
         self._local: Flag | None = None
         self._reduced_host: list[bool] = []
         """Host flags of this step's reduced buckets, appended by the all-reduce callbacks
@@ -139,9 +192,28 @@ class NonFiniteCheck(Check, BucketListener):
         each with its own). Withholds this rank's step when its reduced gradients are
         non-finite (not with a ``GradScaler``, which must see the overflow and skips itself)."""
         local, reduced = self.host_flags()
+        reproduced = False
+        if reduced and not self.expect_overflow and self.recompute is not None and self.world > 1:
+            reproduced = self._recompute((self.rank + 1) % self.world, step)
         found = self._deferred.collect(self)  # the word sent at the end of the previous window
-        self._deferred.add(step, (local, reduced))
+        self._deferred.add(step, (local, reduced, reproduced))
         return Verdict(found, withhold=reduced and not self.expect_overflow)
+
+    def _recompute(self, rank: int, step: int) -> bool:
+        """Does ``rank``'s batch of ``step`` come out non-finite here too? The optimizer step
+        is withheld, so the weights are the step's own. A recomputation that fails says no
+        (the owner stays the suspect), never stops the training."""
+        assert self.recompute is not None
+        self.phase = "recompute"
+        try:
+            return self.recompute.nonfinite(rank, step)
+        except Exception as e:  # a diagnostic, not the training's own work
+            log.warning("sdc-guard: recomputing rank %d's batch of step %d failed (%s: %s); "
+                        "its non-finite gradients, if any, stay unexplained", rank, step,
+                        type(e).__name__, e)
+            return False
+        finally:
+            self.phase = "train"
 
     def flush(self) -> list[Detection]:
         """Send the partial window and judge everything outstanding. Collective when a
@@ -156,20 +228,23 @@ class NonFiniteCheck(Check, BucketListener):
 
     def judge(self, step: int, rows: list[list[int]]) -> list[Detection]:
         """The detection, if any, from every rank's ``[local, reduced]`` flags (row r: rank r)."""
+        n = len(rows)
         local = tuple(r for r, row in enumerate(rows) if row[0])
         reduced = tuple(r for r, row in enumerate(rows) if row[1])
-        evidence = {"local_nonfinite": list(local), "reduced_nonfinite": list(reduced)}
+        evidence: dict[str, Any] = {"local_nonfinite": list(local),
+                                    "reduced_nonfinite": list(reduced)}
         if local and not self.expect_overflow:
-            return [
-                Detection(
-                    "nonfinite",
-                    step,
-                    local,
-                    detail=f"non-finite local gradients on rank(s) {list(local)} "
-                    "before the all-reduce",
-                    evidence=evidence,
-                )
-            ]
+            # rank r's batch, recomputed by rank r - 1 (a third flag of that rank's row)
+            again = {r: (r - 1) % n for r in local if n > 1 and rows[(r - 1) % n][2]}
+            suspects = tuple(r for r in local if r not in again)
+            detail = f"non-finite local gradients on rank(s) {list(local)} before the all-reduce"
+            if again:
+                evidence["reproduced_by"] = {str(r): t for r, t in again.items()}
+                detail += (f"; rank(s) {sorted(again.values())} recomputing the batch of "
+                           f"rank(s) {sorted(again)} from the same weights got them too: the "
+                           "batch or the model's numerics (a bad sample, an overflow), not "
+                           "that hardware")
+            return [Detection("nonfinite", step, suspects, detail=detail, evidence=evidence)]
         if reduced and not local:
             world = len(rows)
             suspects = reduced if len(reduced) < world else ()

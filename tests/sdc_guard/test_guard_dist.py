@@ -44,6 +44,22 @@ def test_nan_gradient_names_rank_2_and_is_contained(
     assert len({r["final"] for r in res}) == 1
 
 
+def test_a_nan_the_batch_produces_is_reported_without_a_suspect_one_of_the_hardware_with_one(
+        ) -> None:
+    # A NaN from the data (a bad sample, an overflow) named the rank that drew it, and a
+    # quarantine cordoned that healthy node (then the next, after the restart, on the same
+    # batch). On a step with a non-finite reduced result every rank recomputes its
+    # neighbour's batch from the same weights: a NaN that comes back is the batch's.
+    for r in run_ranks(workers.nonfinite_origin_run, 3, "data"):
+        assert [d[:3] for d in r["detections"]] == [("nonfinite", 2, ())], r["detections"]
+        assert "rank(s) [0] recomputing the batch of rank(s) [1]" in r["detections"][0][3]
+        assert r["skipped"] == [2]
+    for r in run_ranks(workers.nonfinite_origin_run, 3, "hardware"):
+        assert [d[:3] for d in r["detections"]] == [("nonfinite", 2, (1,))], r["detections"]
+        assert "recomputing" not in r["detections"][0][3]
+        assert r["skipped"] == [2]
+
+
 def test_a_non_finite_reduction_on_every_rank_is_withheld_everywhere() -> None:
     fault = {"site": "reduced_nan", "ranks": (0, 1, 2), "step": 3}
     res = run_ranks(workers.guarded_run, 3, 5, fault, {"nonfinite_exchange_interval": 1})
