@@ -457,11 +457,18 @@ def running_buffer_run(rank: int, world: int, micro: int,
     return {"error": None, "at": None, "detections": _flushed(found)}
 
 
-def nonfinite_origin_run(rank: int, world: int, origin: str) -> dict[str, Any]:
+def nonfinite_origin_run(rank: int, world: int, origin: str, checksum: bool = False,
+                         native: bool = True) -> dict[str, Any]:
     """A NaN on rank 1 at step 2, from its batch (``origin="data"``: an Inf in its input, the
     same wherever the batch is computed) or from its hardware (``"hardware"``: a NaN written
-    into its local gradient bucket), under the guard's default checks: the detections
-    (with their suspects) and the withheld steps."""
+    into its local gradient bucket), under the guard's default checks (and the checksum
+    check, on the C passes or the torch path): the detections (with their suspects) and the
+    withheld steps."""
+    with contextlib.nullcontext() if native else sdc_guard.native_kernel(False):
+        return _nonfinite_origin_run(rank, origin, checksum)
+
+
+def _nonfinite_origin_run(rank: int, origin: str, checksum: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     model = DDP(make_mlp())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -473,7 +480,8 @@ def nonfinite_origin_run(rank: int, world: int, origin: str) -> dict[str, Any]:
             x[0, 0] = float("inf")
         return x, y
 
-    guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=data, config=GuardConfig())
+    guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=data,
+                     config=GuardConfig(checksum=checksum))
     if origin == "hardware" and rank == 1:
         def nan(bucket: Any) -> None:
             if guard.comm.step == 2:

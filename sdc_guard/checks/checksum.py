@@ -642,8 +642,11 @@ class ChecksumCheck(Check, BucketListener):
     def _record(self, layer: _Layer, product: str, micro_batch: int, lhs: torch.Tensor,
                 rhs: torch.Tensor, bound: torch.Tensor) -> None:
         diff = (lhs - rhs).abs()
-        # NaN and Inf fail, except with a GradScaler: an overflow is the scaler's business
-        bad = ((diff > bound) & torch.isfinite(diff)) if self.expect_overflow else ~(diff <= bound)
+        # Only an entry with a finite bound can fail: a non-finite bound means non-finite
+        # operands (a NaN in the data), whose product is non-finite without any fault in it.
+        # Then NaN and Inf fail, except with a GradScaler: an overflow is the scaler's business
+        bad = (((diff > bound) & torch.isfinite(diff)) if self.expect_overflow
+               else ~(diff <= bound) & torch.isfinite(bound))
         self._failures.append(_Failure(layer, product, micro_batch, bad.any(), diff, bound))
 
     def _forward(self, layer: _Layer, call: _Call, xf: torch.Tensor, xa: torch.Tensor) -> None:

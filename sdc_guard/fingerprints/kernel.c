@@ -543,8 +543,10 @@ int sdc_cs_rows(const float* A, int64_t n, int64_t cols, int64_t ld, const float
 }
 
 /* The entries i < n that fail |lhs[i] - (rhs[i] + rhs0)| <= (bound[i] + bound0) * tol,
-   in double: their count. A NaN fails; with finite_only, only a finite difference can
-   fail (a GradScaler's overflow is the scaler's business). */
+   in double: their count. Only an entry with a finite bound can fail: a non-finite bound
+   means non-finite operands (a NaN in the data), which make a non-finite product without
+   any fault in it. Then a NaN in the difference fails; with finite_only, only a finite
+   difference can fail (a GradScaler's overflow is the scaler's business). */
 int64_t sdc_cs_compare(const float* lhs, const float* rhs, const float* bound, int64_t n,
                        double rhs0, double bound0, double tol, int finite_only) {
   int64_t bad = 0;
@@ -552,7 +554,7 @@ int64_t sdc_cs_compare(const float* lhs, const float* rhs, const float* bound, i
     const double d = __builtin_fabs((double)lhs[i] - ((double)rhs[i] + rhs0));
     const double t = ((double)bound[i] + bound0) * tol;
     if (finite_only) bad += d > t && d - d == 0.0;
-    else bad += !(d <= t);
+    else bad += !(d <= t) && t - t == 0.0;
   }
   return bad;
 }

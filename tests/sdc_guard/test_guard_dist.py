@@ -44,17 +44,21 @@ def test_nan_gradient_names_rank_2_and_is_contained(
     assert len({r["final"] for r in res}) == 1
 
 
+@pytest.mark.parametrize(("checksum", "native"), [(False, True), (True, True), (True, False)],
+                         ids=["default", "checksum-c", "checksum-torch"])
 def test_a_nan_the_batch_produces_is_reported_without_a_suspect_one_of_the_hardware_with_one(
-        ) -> None:
+        checksum: bool, native: bool) -> None:
     # A NaN from the data (a bad sample, an overflow) named the rank that drew it, and a
     # quarantine cordoned that healthy node (then the next, after the restart, on the same
     # batch). On a step with a non-finite reduced result every rank recomputes its
-    # neighbour's batch from the same weights: a NaN that comes back is the batch's.
-    for r in run_ranks(workers.nonfinite_origin_run, 3, "data"):
+    # neighbour's batch from the same weights: a NaN that comes back is the batch's. The
+    # checksum convicted it too (a product of non-finite operands is non-finite without a
+    # fault): an entry whose bound is not finite cannot fail.
+    for r in run_ranks(workers.nonfinite_origin_run, 3, "data", checksum, native):
         assert [d[:3] for d in r["detections"]] == [("nonfinite", 2, ())], r["detections"]
         assert "rank(s) [0] recomputing the batch of rank(s) [1]" in r["detections"][0][3]
         assert r["skipped"] == [2]
-    for r in run_ranks(workers.nonfinite_origin_run, 3, "hardware"):
+    for r in run_ranks(workers.nonfinite_origin_run, 3, "hardware", checksum, native):
         assert [d[:3] for d in r["detections"]] == [("nonfinite", 2, (1,))], r["detections"]
         assert "recomputing" not in r["detections"][0][3]
         assert r["skipped"] == [2]
