@@ -227,7 +227,9 @@ class NonFiniteCheck(Check, BucketListener):
         super().rewind(step)
 
     def judge(self, step: int, rows: list[list[int]]) -> list[Detection]:
-        """The detection, if any, from every rank's ``[local, reduced]`` flags (row r: rank r)."""
+        """The detection, if any, from every rank's ``[local, reduced, reproduced]`` flags (row
+        r: rank r; ``reproduced``: rank r's recomputation of rank r + 1's batch was
+        non-finite)."""
         n = len(rows)
         local = tuple(r for r, row in enumerate(rows) if row[0])
         reduced = tuple(r for r, row in enumerate(rows) if row[1])
