@@ -95,9 +95,11 @@ module (an embedding shared with the output layer: its gradient sums both uses; 
 other two products are still checked); a layer whose forward is not the stock
 ``nn.Linear.forward`` (a LoRA or quantised subclass computes something else
 than ``X W^T + b``) unless named in ``ChecksumConfig.layers``, which asserts
-the identity holds at its boundary; a module used by a functional call that
-bypasses its ``forward`` (``nn.MultiheadAttention``'s ``out_proj``); and faults
-outside the products (optimizer, all-reduce, storage): the other checks' work.
+the identity holds at its boundary; a layer whose weight is parametrized
+(``spectral_norm``, ``weight_norm``: reading it runs the parametrization again);
+a module used by a functional call that bypasses its ``forward``
+(``nn.MultiheadAttention``'s ``out_proj``); and faults outside the products
+(optimizer, all-reduce, storage): the other checks' work.
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._C._distributed_c10d import GradBucket
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.utils import parametrize
 
 from sdc_guard.checks.base import Check, Verdict
 from sdc_guard.checks.flagword import DeferredFlags
@@ -265,10 +268,18 @@ def _product_node(out: torch.Tensor, weight: torch.Tensor) -> tuple[Any, int] | 
 
 
 def linear_layers(model: nn.Module, patterns: tuple[str, ...] | None) -> list[tuple[str, nn.Linear]]:
-    """The layers a ``ChecksumConfig.layers`` selects, in ``named_modules`` order."""
+    """The layers a ``ChecksumConfig.layers`` selects, in ``named_modules`` order.
+
+    A layer whose weight or bias is parametrized (``torch.nn.utils.parametrizations``:
+    ``spectral_norm``, ``weight_norm``, ``orthogonal``) is never chosen: ``m.weight``
+    computes the tensor anew at each access, so the hooks would have to run the
+    parametrization again to read the weight the product used, and spectral_norm's
+    power iteration updates its buffers each time it runs (training would then differ from
+    the unguarded run, and from the replay's recomputation)."""
     chosen = []
     for name, m in model.named_modules():
-        if not isinstance(m, nn.Linear) or not m.weight.is_floating_point():
+        if (not isinstance(m, nn.Linear) or parametrize.is_parametrized(m)
+                or not m.weight.is_floating_point()):
             continue
         if patterns is None:
             if type(m).forward is nn.Linear.forward:
@@ -279,8 +290,14 @@ def linear_layers(model: nn.Module, patterns: tuple[str, ...] | None) -> list[tu
         for p in patterns:
             if not any(fnmatch.fnmatchcase(name, p) for name, _ in chosen):
                 linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+                parametrized = [n for n, m in model.named_modules()
+                                if isinstance(m, nn.Linear) and parametrize.is_parametrized(m)]
                 raise ValueError(f"ChecksumConfig.layers: {p!r} matches no floating-point "
-                                 f"nn.Linear of the model; its linear layers: {linears}.")
+                                 f"nn.Linear of the model that can be checked; its linear "
+                                 f"layers: {linears}" + (
+                                     f" ({parametrized} parametrized: not checkable, their "
+                                     "weight is computed anew at each access)"
+                                     if parametrized else "") + ".")
     return chosen
 
 
@@ -473,8 +490,9 @@ class ChecksumCheck(Check, BucketListener):
         """The checked layers, in ``named_modules`` order (a detection names their index)."""
         self.skipped = [n for n, m in inner.named_modules() if isinstance(m, nn.Linear)
                         and n not in {layer.name for layer in self.layers}]
-        """``nn.Linear`` modules left out: a forward of their own, a non-float weight, or
-        not named in ``ChecksumConfig.layers``."""
+        """``nn.Linear`` modules left out: a forward of their own, a non-float weight, a
+        parametrized weight or bias (``linear_layers``), or not named in
+        ``ChecksumConfig.layers``."""
         self._want = {p: p in config.products for p in PRODUCTS}
         holders: dict[int, int] = {}
         for mod in inner.modules():

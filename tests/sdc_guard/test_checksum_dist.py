@@ -157,3 +157,14 @@ def test_an_expert_without_tokens_a_vector_and_a_strided_input() -> None:
         assert r["faults"][:2] == [{"detections": [], "fired": 0}] * 2
         for i, (f, got) in enumerate(zip(faults[2:], r["faults"][2:], strict=True)):
             assert got["detections"][-1] == ("checksum", 5 + i, (1,)), (f, got)
+
+
+def test_parametrized_weights_are_left_out_and_training_is_unchanged() -> None:
+    # spectral_norm computes the weight anew at each access and runs its power iteration
+    # each time: the checksum's hooks, reading m.weight, ran it again in the training
+    # forward and not in the replay, and every audit step convicted every rank; the guarded
+    # run also trained differently from the plain one. Such layers are not checked.
+    for r in run_ranks(W.parametrized_run, 3, 4, timeout=300):
+        assert r["detections"] == [], r["detections"]
+        assert r["layers"] == ["4"], r["layers"]
+        assert all(r["same"].values()), r["same"]
