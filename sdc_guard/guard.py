@@ -35,6 +35,11 @@ def _sparse_gradients(model: torch.nn.Module) -> bool:
                and m.weight.requires_grad for m in model.modules())
 
 
+_COMPARE_REPLICAS = ("weights", "replay")
+"""The checks that compare the replicas' state or computation: a forward that writes its
+parameters makes them differ without a fault (``SDCGuard._refuse_written``)."""
+
+
 class SDCGuard:
     """Runs forward, backward, the checks and the optimizer step of a DDP model.
 
@@ -135,6 +140,9 @@ class SDCGuard:
         self._hooked = False
         self._step_agreed = False
         """Have the ranks been seen at one step (``_agree_on_step``) since the last restore?"""
+        self._writes_checked = False
+        """Has a step with the weights check or the replay audit on seen whether the model's
+        forward writes its parameters (``_refuse_written``)?"""
         self.checks: list[Check] = []
         self.events: EventLog | None = None
         # Bound before the checks are built and the comm hook registered with DDP: a bad
@@ -263,6 +271,9 @@ class SDCGuard:
         batches = fetch_micro_batches(self.batch_for, self.rank, step, cfg.micro_batches)
         due = [c for c in self.checks if c.due(step)]
         self.comm.begin_step(step)
+        versions = None
+        if not self._writes_checked and any(c.name in _COMPARE_REPLICAS for c in self.checks):
+            versions = [p._version for p in self.model.parameters()]
         for check in due:
             check.begin_step(step)
         self.optimizer.zero_grad(set_to_none=True)
@@ -280,6 +291,8 @@ class SDCGuard:
                 scaled.backward()
                 del loss, scaled  # the graph goes now, as in a plain loop, not after the step
         del batches, mb  # the batch too, before the optimizer allocates its temporaries
+        if versions is not None:
+            self._refuse_written(versions)
 
         verdicts = [check.pre_step(step) for check in due]
         detections = [d for v in verdicts for d in v.detections]
@@ -302,6 +315,34 @@ class SDCGuard:
         for d in detections:
             self._record(d, skipped)
         return report
+
+    def _refuse_written(self, versions: list[int]) -> None:
+        """Did this step's forwards (the replay's included) write a parameter in place? Asked
+        once, on every rank alike (one small all-reduce), when the weights check or the
+        replay audit is on.
+
+        An ``nn.Embedding`` with ``max_norm`` renormalises the rows it looks up, in place,
+        under ``no_grad``: under DDP each replica renormalises the rows of its own batch and
+        the replicas drift apart, which the weights check reports as corruption (a rank
+        whose batch alone touched such rows would be convicted, healthy), and the replay of
+        a neighbour's batch writes this rank's weights before its own step (every rank
+        convicted at every audit step)."""
+        self._writes_checked = True
+        named = list(self.model.named_parameters())
+        written = [n for (n, p), v in zip(named, versions, strict=True) if p._version != v]
+        flag = torch.tensor([int(bool(written))], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if int(flag.item()):
+            raise ValueError(
+                f"SDCGuard.step: the model's forward writes parameters "
+                f"{[n.removeprefix('module.') for n in written] or '(on another rank)'} in "
+                "place (an nn.Embedding with max_norm renormalises the rows it looks up). Under "
+                "DDP each replica then changes the rows of its own batch and the replicas drift "
+                "apart without any fault: the weights check would report healthy ranks, and the "
+                "replay audit's recomputation of a neighbour's batch would change this rank's "
+                "weights. Renormalise outside the forward, after the optimizer step and on every "
+                "rank alike (max_norm=None), or turn the weights check and the replay off "
+                "(weights_interval=0, replay_interval=0).")
 
     def _agree_on_step(self, step: int) -> None:
         """Are all ranks at ``step``? Asked at the first step and at the first after a restore

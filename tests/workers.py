@@ -457,6 +457,44 @@ def running_buffer_run(rank: int, world: int, micro: int,
     return {"error": None, "at": None, "detections": _flushed(found)}
 
 
+class MaxNormBag(nn.Module):
+    """Token embeddings with ``max_norm`` (the lookup renormalises the rows it reads, in
+    place), averaged, then a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(40, 16, max_norm=1.0)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.emb(tokens).mean(1))
+        return out
+
+
+def max_norm_run(rank: int, world: int, replay: bool) -> dict[str, Any]:
+    """``MaxNormBag`` (a forward that writes a parameter) under the default checks (the
+    weights check every step), with the replay or without: the error and its step, and the
+    detections before it."""
+    model = DDP(MaxNormBag())
+
+    def tokens_for(r: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * r + step)
+        return torch.randint(0, 40, (8, 5), generator=g), torch.randint(0, 4, (8,), generator=g)
+
+    found: list[sdc_guard.Detection] = []
+    guard = SDCGuard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn=loss_fn,
+                     batch_for=tokens_for, on_detection=found.append,
+                     config=GuardConfig(replay_interval=2 if replay else 0,
+                                        deterministic=replay))
+    try:
+        for s in range(5):
+            guard.step(s)
+    except ValueError as e:
+        return {"error": str(e), "at": s, "detections": _flushed(found)}
+    return {"error": None, "at": None, "detections": _flushed(found)}
+
+
 def nonfinite_origin_run(rank: int, world: int, origin: str, checksum: bool = False,
                          native: bool = True) -> dict[str, Any]:
     """A NaN on rank 1 at step 2, from its batch (``origin="data"``: an Inf in its input, the

@@ -232,6 +232,20 @@ def test_a_forward_read_buffer_no_rank_can_recompute_is_refused_not_convicted(
         assert why in r["error"] and "replay_interval=0" in r["error"]
 
 
+@pytest.mark.parametrize("replay", [True, False])
+def test_a_forward_that_writes_its_parameters_is_refused_not_convicted(replay: bool) -> None:
+    # nn.Embedding(max_norm=...) renormalises the rows it looks up, in place. The replay of
+    # the neighbour's batch changed this rank's weights before its own step, and every audit
+    # step convicted every rank; without the replay each replica renormalised the rows of its
+    # own batch and the weights check found replicas that differ at every step. The first
+    # step sees a parameter's version move during the forwards and refuses on every rank
+    # alike, naming it.
+    for r in run_ranks(workers.max_norm_run, 3, replay):
+        assert r["at"] == 0 and r["detections"] == [], r
+        assert "writes parameters ['emb.weight'] in place" in r["error"], r["error"]
+        assert "max_norm" in r["error"] and "weights_interval=0" in r["error"]
+
+
 def test_with_several_buckets_the_exchange_rides_the_first_and_still_contains() -> None:
     # A tiny bucket cap: several buckets. Until an audit step has seen them (DDP rebuilds its
     # buckets after its first step) the words go right after the replay; then the exchange is
