@@ -23,7 +23,14 @@ from sdc_guard.remediation import Remediation
 from sdc_guard.report import Detection, StepReport
 from sdc_guard.telemetry import gpu_snapshot
 from sdc_guard.topology import Topology, gather_topology
-from sdc_guard.types import BatchFor, LossFn, StepHook, fetch_micro_batches, scalar_loss
+from sdc_guard.types import (
+    BYPASS,
+    BatchFor,
+    LossFn,
+    StepHook,
+    fetch_micro_batches,
+    scalar_loss,
+)
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +147,11 @@ class SDCGuard:
         self._hooked = False
         self._step_agreed = False
         """Have the ranks been seen at one step (``_agree_on_step``) since the last restore?"""
+        self._forwards = [0]
+        """Calls of the DDP model, counted until a step has seen one (``_refuse_bypass``)."""
+        self._counting: Any = model.register_forward_pre_hook(self._count_forward)
+        """The hook that counts them (removed then: a hook on DDP itself would take every
+        call of the model off its fast path)."""
         self._writes_checked = False
         """Has a step with the weights check or the replay audit on seen whether the model's
         forward writes its parameters (``_refuse_written``)?"""
@@ -278,6 +290,7 @@ class SDCGuard:
             check.begin_step(step)
         self.optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
+        self._forwards[0] = 0
         for i, mb in enumerate(batches):
             last = i == len(batches) - 1
             with contextlib.nullcontext() if last else self.model.no_sync():
@@ -291,6 +304,8 @@ class SDCGuard:
                 scaled.backward()
                 del loss, scaled  # the graph goes now, as in a plain loop, not after the step
         del batches, mb  # the batch too, before the optimizer allocates its temporaries
+        if self._counting is not None:
+            self._refuse_bypass()
         if versions is not None:
             self._refuse_written(versions)
 
@@ -315,6 +330,19 @@ class SDCGuard:
         for d in detections:
             self._record(d, skipped)
         return report
+
+    def _count_forward(self, module: Any, args: Any) -> None:
+        self._forwards[0] += 1
+
+    def _refuse_bypass(self) -> None:
+        """Did ``loss_fn`` call the DDP model in the first step? Without that call DDP does not
+        all-reduce the gradients: the replicas train apart, and the weights check would
+        report them at every step. Every rank runs the same ``loss_fn``: they raise alike."""
+        if self._forwards[0] == 0:
+            raise ValueError(f"SDCGuard.step: loss_fn(model, batch) did not call the DDP model. "
+                             f"{BYPASS}")
+        self._counting.remove()
+        self._counting = None
 
     def _refuse_written(self, versions: list[int]) -> None:
         """Did this step's forwards (the replay's included) write a parameter in place? Asked

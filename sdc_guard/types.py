@@ -71,3 +71,27 @@ def scalar_loss(loss: Any) -> torch.Tensor:
         raise ValueError(f"loss_fn(model, batch) must return a scalar loss, got a tensor of shape "
                          f"{list(loss.shape)}: reduce it (e.g. loss.mean()).")
     return loss
+
+
+BYPASS = ("Call the model it is given, model(...), and nothing inside it: model.module(...) or "
+          "a method of it (model.module.compute_loss(batch)) bypasses DDP's forward, and DDP "
+          "then does not all-reduce the gradients (every replica trains on its own batch "
+          "alone, and the replicas drift apart). Put the loss in the module's forward, or call "
+          "model(batch) and compute the loss from its output.")
+"""The fix for a ``loss_fn`` that reaches into ``model.module``."""
+
+
+def recomputed_loss(loss_fn: LossFn, module: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """``loss_fn(module, batch)`` in a recomputation (the replay audit's, the non-finite
+    check's), which gives it the module inside DDP: a ``loss_fn`` that reaches for
+    ``model.module`` fails there with an AttributeError about this module, told apart and
+    named (``BYPASS``)."""
+    try:
+        return scalar_loss(loss_fn(module, batch))
+    except AttributeError as e:
+        if e.name == "module" and e.obj is module:
+            raise ValueError(
+                "loss_fn(model, batch) reached for model.module, which a recomputation of a "
+                "neighbour's batch (the replay audit, the non-finite check) cannot give: it "
+                f"passes the module inside DDP itself. {BYPASS}") from e
+        raise

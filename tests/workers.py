@@ -495,6 +495,32 @@ def max_norm_run(rank: int, world: int, replay: bool) -> dict[str, Any]:
     return {"error": None, "at": None, "detections": _flushed(found)}
 
 
+def bypass_run(rank: int, world: int, replay: bool) -> dict[str, Any]:
+    """A ``loss_fn`` that calls ``model.module`` (bypassing DDP's forward, so DDP does not
+    all-reduce the gradients) under the default checks, with the replay or without; the DDP
+    model is called once before the first step (an evaluation): the error and its step, and
+    the detections before it."""
+    torch.manual_seed(0)
+    model = DDP(make_mlp())
+    with torch.no_grad():
+        model(batch_for(rank, 0)[0])
+
+    def bypass(m: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return loss_fn(m.module, batch)
+
+    found: list[sdc_guard.Detection] = []
+    guard = SDCGuard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn=bypass,
+                     batch_for=batch_for, on_detection=found.append,
+                     config=GuardConfig(replay_interval=2 if replay else 0,
+                                        deterministic=replay))
+    try:
+        for s in range(4):
+            guard.step(s)
+    except (ValueError, AttributeError) as e:
+        return {"error": f"{type(e).__name__}: {e}", "at": s, "detections": _flushed(found)}
+    return {"error": None, "at": None, "detections": _flushed(found)}
+
+
 def nonfinite_origin_run(rank: int, world: int, origin: str, checksum: bool = False,
                          native: bool = True) -> dict[str, Any]:
     """A NaN on rank 1 at step 2, from its batch (``origin="data"``: an Inf in its input, the

@@ -68,7 +68,7 @@ from sdc_guard.determinism import rng_stream
 from sdc_guard.fingerprints.native import active_kernel
 from sdc_guard.report import Detection
 from sdc_guard.scaling import Flag, check_nonfinite, host_words
-from sdc_guard.types import BatchFor, LossFn, fetch_micro_batches, scalar_loss
+from sdc_guard.types import BatchFor, LossFn, fetch_micro_batches, recomputed_loss
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class NeighbourRecompute:
             for i, mb in enumerate(fetch_micro_batches(self.batch_for, rank, step, self.micro)):
                 with (rng_stream(self.seed, rank, step, i, self.device) if self.seed is not None
                       else contextlib.nullcontext()):
-                    loss = scalar_loss(self.loss_fn(self.module, mb))
+                    loss = recomputed_loss(self.loss_fn, self.module, mb)
                 if not bool(torch.isfinite(loss.detach()).all()):
                     return True
                 grads = torch.autograd.grad(loss, self.params, allow_unused=True)

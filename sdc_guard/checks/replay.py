@@ -103,7 +103,7 @@ from sdc_guard.fingerprints.public import fingerprint, fingerprint_tensor
 from sdc_guard.fingerprints.words import MASK64, mix64, mix64_int, to_signed64, to_unsigned64
 from sdc_guard.report import Detection
 from sdc_guard.scaling import Flag
-from sdc_guard.types import BatchFor, LossFn, fetch_micro_batches, scalar_loss
+from sdc_guard.types import BatchFor, LossFn, fetch_micro_batches, recomputed_loss
 
 _FEW_SPANS = 8
 """Up to this many gradients in a bucket, the device path sums each span on its own."""
@@ -739,7 +739,7 @@ class ReplayAudit(Check, BucketListener):
                 self._probe(batches, rank, step)
             for i, mb in enumerate(batches):
                 with rng_stream(self.seed, rank, step, i, self.device):
-                    loss = scalar_loss(self.loss_fn(self.module, mb))
+                    loss = recomputed_loss(self.loss_fn, self.module, mb)
                 losses.append(loss.detach())
                 scaled = self.scale(loss) if self.scale is not None else loss
                 new = _grads(scaled, self.params)

@@ -226,3 +226,17 @@ def test_gather_if_different_agrees_with_two_ranks(words: list[int]) -> None:
     res = run_ranks(workers.vote_run, 2, words)
     expected = None if len(set(words)) == 1 else words
     assert res == [expected] * 2
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_a_loss_fn_that_bypasses_ddp_is_named(replay: bool) -> None:
+    # loss_fn calling model.module(...) (as model.module.compute_loss(batch) does) bypasses
+    # DDP's forward: DDP did not all-reduce the gradients, the replicas trained apart and the
+    # weights check reported them at every step; the replay, which gives loss_fn the module
+    # inside DDP, failed with an AttributeError. Both are named at the first step now (an
+    # evaluation call of the DDP model before it does not hide the bypass).
+    for r in run_ranks(workers.bypass_run, 3, replay):
+        assert r["at"] == 0 and r["detections"] == [], r
+        assert r["error"].startswith("ValueError"), r["error"]
+        assert "model.module" in r["error"] and "does not all-reduce" in r["error"]
+        assert ("cannot give" in r["error"]) == replay, r["error"]
