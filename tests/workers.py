@@ -521,6 +521,27 @@ def bypass_run(rank: int, world: int, replay: bool) -> dict[str, Any]:
     return {"error": None, "at": None, "detections": _flushed(found)}
 
 
+def rank0_scheduler_run(rank: int, world: int, repair: bool) -> dict[str, Any]:
+    """A learning-rate scheduler stepped on rank 0 only, under the default checks (the
+    weights check every step, with repair by majority or without): the error and its step,
+    and the detections before it."""
+    torch.manual_seed(0)
+    model = DDP(make_mlp())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.9)
+    found: list[sdc_guard.Detection] = []
+    guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for,
+                     on_detection=found.append, config=GuardConfig(repair_by_majority=repair))
+    try:
+        for s in range(4):
+            guard.step(s)
+            if rank == 0:
+                scheduler.step()
+    except ValueError as e:
+        return {"error": str(e), "at": s, "detections": _flushed(found)}
+    return {"error": None, "at": None, "detections": _flushed(found)}
+
+
 def nonfinite_origin_run(rank: int, world: int, origin: str, checksum: bool = False,
                          native: bool = True) -> dict[str, Any]:
     """A NaN on rank 1 at step 2, from its batch (``origin="data"``: an Inf in its input, the

@@ -67,6 +67,38 @@ def state_tensors(
     return tensors
 
 
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's settings (learning rate, betas, weight decay, ...) as plain values:
+    numbers, strings, tuples of them, one-element tensors as numbers; the rest left out."""
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.item() if v.numel() == 1 else None
+        if isinstance(v, (bool, int, float, str)) or v is None:
+            return v
+        if isinstance(v, (tuple, list)):
+            items = [plain(x) for x in v]
+            return tuple(items) if all(x is not None for x in items) else None
+        return None
+
+    return [{k: pv for k, v in group.items() if k != "params" and (pv := plain(v)) is not None}
+            for group in optimizer.param_groups]
+
+
+def settings_differ(everyone: list[list[dict[str, Any]]]) -> list[str]:
+    """Where the ranks' ``hyperparameters`` differ: "group g key: rank r value, ..." each."""
+    out = []
+    groups = max(len(e) for e in everyone)
+    for g in range(groups):
+        keys = sorted({k for e in everyone if g < len(e) for k in e[g]})
+        for k in keys:
+            values = [e[g].get(k, "(none)") if g < len(e) else "(no group)" for e in everyone]
+            if any(v != values[0] for v in values):
+                out.append(f"param group {g} {k!r}: " + ", ".join(
+                    f"rank {r} {v!r}" for r, v in enumerate(values)))
+    return out
+
+
 class WeightsCheck(Check):
     """Replicas' weights (and optimizer state) compared after the step, every ``interval``."""
 
@@ -114,6 +146,7 @@ class WeightsCheck(Check):
         if outliers == ():
             self.verified(step)
             return []
+        self._refuse_settings_drift(step)
         evidence: dict[str, Any] = {"fingerprints": [f"{v:016x}" for v in values]}
         if outliers is None:
             self.tainted()
@@ -152,6 +185,24 @@ class WeightsCheck(Check):
             self.tainted()
         return [Detection("weights", step, outliers, detail=detail, evidence=evidence,
                           repaired=repaired)]
+
+    def _refuse_settings_drift(self, step: int) -> None:
+        """Before a rank is blamed for weights that differ: do the ranks' optimizers run with
+        the same settings? A learning-rate scheduler stepped on some ranks only (or a learning
+        rate set under ``if rank == 0``) makes a replica's update differ at every step without
+        any fault: the odd rank would be convicted (repaired, then a permanent fault). One
+        gather of every rank's settings, on a mismatch only; the error is raised on every
+        rank alike (they all hold the same gathered settings)."""
+        everyone: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, hyperparameters(self.optimizer), group=self.group)
+        differ = settings_differ(everyone)
+        if differ:
+            raise ValueError(
+                f"weights check, step {step}: the replicas' weights differ, and so do their "
+                f"optimizers' settings: {'; '.join(differ[:6])}. Every rank must run the "
+                "optimizer with the same settings: step the learning-rate scheduler (and set any "
+                "learning rate) on every rank alike, not under `if rank == 0`. Not a fault of "
+                "the hardware: no rank is blamed.")
 
     def _repair(self, outliers: tuple[int, ...]) -> bool:
         """Broadcast the majority's parameters and optimizer state; vote again. Collective."""

@@ -240,3 +240,15 @@ def test_a_loss_fn_that_bypasses_ddp_is_named(replay: bool) -> None:
         assert r["error"].startswith("ValueError"), r["error"]
         assert "model.module" in r["error"] and "does not all-reduce" in r["error"]
         assert ("cannot give" in r["error"]) == replay, r["error"]
+
+
+@pytest.mark.parametrize("repair", [True, False])
+def test_optimizer_settings_that_differ_are_named_not_a_rank_convicted(repair: bool) -> None:
+    # A scheduler stepped under `if rank == 0` gave rank 0 another learning rate: its weights
+    # left the majority's at every step and the weights check convicted it (repaired, then a
+    # permanent fault: a quarantine). On a mismatch the ranks' optimizer settings are
+    # gathered first; settings that differ are an error of the loop, raised on every rank.
+    for r in run_ranks(workers.rank0_scheduler_run, 3, repair):
+        assert r["at"] == 1 and r["detections"] == [], r
+        assert "param group 0 'lr': rank 0 0.009" in r["error"], r["error"]
+        assert "rank 1 0.01, rank 2 0.01" in r["error"] and "no rank is blamed" in r["error"]
