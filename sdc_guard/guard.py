@@ -14,11 +14,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.checkpoint import CheckpointManager
 from sdc_guard.checks import Check, build_checks
-from sdc_guard.collectives import STEPS_FIX, all_gather_rows, steps_disagree
+from sdc_guard.checks.weights import WeightsCheck, state_tensors
+from sdc_guard.collectives import STEPS_FIX, all_gather_rows, majority_outliers, steps_disagree
 from sdc_guard.comm_hook import CommHook, GuardCommHook
 from sdc_guard.config import GuardConfig
 from sdc_guard.determinism import enable_determinism, rng_stream
 from sdc_guard.events import EventLog
+from sdc_guard.fingerprints.public import fingerprint_tensor
 from sdc_guard.remediation import Remediation
 from sdc_guard.report import Detection, StepReport
 from sdc_guard.telemetry import gpu_snapshot
@@ -152,6 +154,9 @@ class SDCGuard:
         self._counting: Any = model.register_forward_pre_hook(self._count_forward)
         """The hook that counts them (removed then: a hook on DDP itself would take every
         call of the model off its fast path)."""
+        self._start_checked = False
+        """Has the first step with the weights check on seen every replica start from the same
+        state (``_refuse_divergent_start``)?"""
         self._writes_checked = False
         """Has a step with the weights check or the replay audit on seen whether the model's
         forward writes its parameters (``_refuse_written``)?"""
@@ -275,6 +280,8 @@ class SDCGuard:
             )
         if not self._step_agreed:
             self._agree_on_step(step)
+        if not self._start_checked:
+            self._refuse_divergent_start(step)
         for hook in self.before_step:
             hook(step)
         if not self._hooked:  # a fault injector may have joined the comm hook's lists
@@ -330,6 +337,41 @@ class SDCGuard:
         for d in detections:
             self._record(d, skipped)
         return report
+
+    def _refuse_divergent_start(self, step: int) -> None:
+        """Do the replicas start from the same state? Asked once, at the first step with the
+        weights check on, before anything of the step runs (one all-gather of two words).
+
+        DDP broadcasts rank 0's parameters when it is built and never again: a checkpoint
+        loaded after that on some ranks only (``if rank == 0: model.module.load_state_dict(...)``,
+        or the optimizer's state) leaves the replicas apart. The weights check would then
+        convict the ranks outside the majority at the first step, and repair by majority
+        would overwrite the loaded weights with the others'."""
+        weights = next((c for c in self.checks if isinstance(c, WeightsCheck)), None)
+        if weights is None:
+            return
+        self._start_checked = True
+        words = [fingerprint_tensor(state_tensors(self.model, None)),
+                 weights.local_fingerprint()]
+        rows = all_gather_rows(torch.stack([w.to(self.device).reshape(()) for w in words]),
+                               self.group).tolist()
+        if all(row == rows[0] for row in rows):
+            return
+        what = ("parameters" if any(row[0] != rows[0][0] for row in rows)
+                else "optimizer states")
+        column = 0 if what == "parameters" else 1
+        odd = majority_outliers([row[column] for row in rows])
+        where = (f"ranks {list(odd)} differ from the others" if odd
+                 else "no majority of the ranks agrees")
+        raise ValueError(
+            f"SDCGuard.step({step}): the replicas do not start from the same state: their "
+            f"{what} differ before the first step ({where}). DDP broadcasts rank 0's "
+            "parameters when it is built and never again, so state loaded afterwards on some "
+            "ranks only (if rank == 0: model.module.load_state_dict(...) or "
+            "optimizer.load_state_dict(...)) leaves the replicas apart, and the weights check "
+            "would convict a healthy rank (repair by majority would overwrite the loaded "
+            "state). Load it on every rank (sdc_guard.CheckpointManager.restore does), or load "
+            "the weights before wrapping the model in DDP.")
 
     def _count_forward(self, module: Any, args: Any) -> None:
         self._forwards[0] += 1

@@ -542,6 +542,35 @@ def rank0_scheduler_run(rank: int, world: int, repair: bool) -> dict[str, Any]:
     return {"error": None, "at": None, "detections": _flushed(found)}
 
 
+def divergent_start_run(rank: int, world: int, what: str) -> dict[str, Any]:
+    """A checkpoint's ``what`` ("parameters" or "optimizer") loaded on rank 0 only, after DDP
+    broadcast rank 0's parameters: the error and its step, and the detections before it."""
+    torch.manual_seed(0)
+    model = DDP(make_mlp())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if rank == 0:  # the checkpoint: another model's weights, or a few steps of an optimizer
+        other = make_mlp(seed=1)
+        if what == "parameters":
+            model.module.load_state_dict(other.state_dict())
+        else:
+            trained = torch.optim.AdamW(model.module.parameters(), lr=1e-2)
+            loss_fn(model.module, batch_for(0, 0)).backward()  # type: ignore[no-untyped-call]
+            saved = {k: v.clone() for k, v in model.module.state_dict().items()}
+            trained.step()
+            model.module.load_state_dict(saved)
+            optimizer.load_state_dict(trained.state_dict())
+            model.zero_grad(set_to_none=True)
+    found: list[sdc_guard.Detection] = []
+    guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for,
+                     on_detection=found.append)
+    try:
+        for s in range(3):
+            guard.step(s)
+    except ValueError as e:
+        return {"error": str(e), "at": s, "detections": _flushed(found)}
+    return {"error": None, "at": None, "detections": _flushed(found)}
+
+
 def nonfinite_origin_run(rank: int, world: int, origin: str, checksum: bool = False,
                          native: bool = True) -> dict[str, Any]:
     """A NaN on rank 1 at step 2, from its batch (``origin="data"``: an Inf in its input, the
