@@ -571,6 +571,48 @@ def divergent_start_run(rank: int, world: int, what: str) -> dict[str, Any]:
     return {"error": None, "at": None, "detections": _flushed(found)}
 
 
+class WarmUp(nn.Module):
+    """``make_mlp`` whose hidden activations ramp up over its first ten training calls, the
+    ramp kept as a call counter (a plain Python attribute the forward updates)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        net = make_mlp()
+        assert isinstance(net, nn.Sequential)
+        self.net = net
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+        h = torch.relu(self.net[0](x)) * min(1.0, self.calls / 10)
+        out: torch.Tensor = self.net[4](torch.relu(self.net[2](h)))
+        return out
+
+
+def warm_up_run(rank: int, world: int, interval: int) -> dict[str, Any]:
+    """``WarmUp`` with the replay every ``interval`` steps, beside a plain DDP loop: the
+    detections, the counters, and whether both runs end with the same state bit for bit."""
+    torch.manual_seed(0)
+    guarded = DDP(WarmUp())
+    torch.manual_seed(0)
+    plain = DDP(WarmUp())
+    guard = SDCGuard(guarded, torch.optim.AdamW(guarded.parameters(), lr=1e-2),
+                     loss_fn=loss_fn, batch_for=batch_for,
+                     config=GuardConfig(replay_interval=interval, deterministic=True))
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    found: list[sdc_guard.Detection] = []
+    for s in range(12):
+        found += guard.step(s).detections
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(plain, batch_for(rank, s)).backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+    found += guard.flush()
+    a, b = guarded.module.state_dict(), plain.module.state_dict()
+    return {"detections": _flushed(found), "calls": (guarded.module.calls, plain.module.calls),
+            "same": all(torch.equal(a[k], b[k]) for k in a)}
+
+
 def nonfinite_origin_run(rank: int, world: int, origin: str, checksum: bool = False,
                          native: bool = True) -> dict[str, Any]:
     """A NaN on rank 1 at step 2, from its batch (``origin="data"``: an Inf in its input, the

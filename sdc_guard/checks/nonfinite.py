@@ -64,7 +64,7 @@ from torch._C._distributed_c10d import GradBucket
 from sdc_guard.checks.base import Check, Verdict
 from sdc_guard.checks.flagword import DeferredFlags
 from sdc_guard.comm_hook import BucketListener, GuardCommHook
-from sdc_guard.determinism import rng_stream
+from sdc_guard.determinism import module_state_kept, rng_stream
 from sdc_guard.fingerprints.native import active_kernel
 from sdc_guard.report import Detection
 from sdc_guard.scaling import Flag, check_nonfinite, host_words
@@ -77,7 +77,8 @@ class NeighbourRecompute:
     """Recomputes a rank's micro-batches of a step through the module (not DDP: no
     communication) and says whether its loss or gradients come out non-finite. ``seed`` is
     the deterministic mode's (None: off), so the recomputation draws the owner's random
-    stream; the module's buffers come back afterwards; ``.grad`` is not touched."""
+    stream; the module's buffers and plain Python attributes come back afterwards
+    (``module_state_kept``); ``.grad`` is not touched."""
 
     def __init__(self, module: nn.Module, *, loss_fn: LossFn, batch_for: BatchFor,
                  micro_batches: int, seed: int | None, device: torch.device) -> None:
@@ -88,21 +89,25 @@ class NeighbourRecompute:
     def nonfinite(self, rank: int, step: int) -> bool:
         buffers = [b.detach().clone() for b in self.module.buffers()]
         try:
-            for i, mb in enumerate(fetch_micro_batches(self.batch_for, rank, step, self.micro)):
-                with (rng_stream(self.seed, rank, step, i, self.device) if self.seed is not None
-                      else contextlib.nullcontext()):
-                    loss = recomputed_loss(self.loss_fn, self.module, mb)
-                if not bool(torch.isfinite(loss.detach()).all()):
-                    return True
-                grads = torch.autograd.grad(loss, self.params, allow_unused=True)
-                if any(g is not None and not bool(torch.isfinite(
-                        g.coalesce().values() if g.is_sparse else g).all()) for g in grads):
-                    return True
-            return False
+            with module_state_kept(self.module):
+                return self._nonfinite(rank, step)
         finally:
             with torch.no_grad():
                 for b, saved in zip(self.module.buffers(), buffers, strict=True):
                     b.copy_(saved)
+
+    def _nonfinite(self, rank: int, step: int) -> bool:
+        for i, mb in enumerate(fetch_micro_batches(self.batch_for, rank, step, self.micro)):
+            with (rng_stream(self.seed, rank, step, i, self.device) if self.seed is not None
+                  else contextlib.nullcontext()):
+                loss = recomputed_loss(self.loss_fn, self.module, mb)
+            if not bool(torch.isfinite(loss.detach()).all()):
+                return True
+            grads = torch.autograd.grad(loss, self.params, allow_unused=True)
+            if any(g is not None and not bool(torch.isfinite(
+                    g.coalesce().values() if g.is_sparse else g).all()) for g in grads):
+                return True
+        return False
 
 
 class NonFiniteCheck(Check, BucketListener):

@@ -89,7 +89,7 @@ from sdc_guard.collectives import (
     steps_disagree,
 )
 from sdc_guard.comm_hook import BucketListener, GuardCommHook
-from sdc_guard.determinism import rng_stream
+from sdc_guard.determinism import module_state_kept, rng_stream
 from sdc_guard.fingerprints.digest import (
     concat_digest,
     digest_parts,
@@ -737,16 +737,17 @@ class ReplayAudit(Check, BucketListener):
             batches = fetch_micro_batches(self.batch_for, rank, step, self.micro)
             if not _probed(self.batch_for):
                 self._probe(batches, rank, step)
-            for i, mb in enumerate(batches):
-                with rng_stream(self.seed, rank, step, i, self.device):
-                    loss = recomputed_loss(self.loss_fn, self.module, mb)
-                losses.append(loss.detach())
-                scaled = self.scale(loss) if self.scale is not None else loss
-                new = _grads(scaled, self.params)
-                grads = [
-                    g if acc is None else (acc if g is None else acc + g)
-                    for acc, g in zip(grads, new, strict=True)
-                ]
+            with module_state_kept(self.module):  # a forward's call counter, and the like
+                for i, mb in enumerate(batches):
+                    with rng_stream(self.seed, rank, step, i, self.device):
+                        loss = recomputed_loss(self.loss_fn, self.module, mb)
+                    losses.append(loss.detach())
+                    scaled = self.scale(loss) if self.scale is not None else loss
+                    new = _grads(scaled, self.params)
+                    grads = [
+                        g if acc is None else (acc if g is None else acc + g)
+                        for acc, g in zip(grads, new, strict=True)
+                    ]
         finally:
             if not self._buffers_checked:
                 now = list(self.module.buffers())

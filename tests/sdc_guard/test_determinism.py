@@ -3,6 +3,8 @@ generator state back afterwards, whatever the block did."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -93,3 +95,25 @@ def test_python_and_numpy_global_generators_get_the_stream_and_come_back() -> No
             draws.append((random.random(), float(np.random.uniform())))
     assert draws[0] == draws[1] != draws[2]  # per key, not the caller's
     assert (random.random(), float(np.random.uniform())) == before  # the caller's, untouched
+
+
+def test_module_state_kept_puts_plain_attributes_back() -> None:
+    from torch import nn
+
+    from sdc_guard.determinism import module_state_kept
+
+    outer = nn.Sequential(nn.Linear(2, 2))
+    inner: Any = outer[0]
+    inner.calls, inner.phase, inner.cache = 3, "warm", torch.zeros(1)
+    with module_state_kept(outer):
+        inner.calls += 1
+        inner.phase = "hot"
+        inner.added = 7  # a plain attribute a forward adds: gone after
+        inner.cache = torch.ones(1)  # not plain: the caller's business
+        outer.train(False)  # `training` is plain too: back to True
+    assert (inner.calls, inner.phase, outer.training) == (3, "warm", True)
+    assert not hasattr(inner, "added") and float(inner.cache) == 1.0
+    inner.lazy = 1  # created by a training forward after the first recomputation
+    with module_state_kept(outer):
+        inner.lazy += 1
+    assert inner.lazy == 1

@@ -246,6 +246,17 @@ def test_a_forward_that_writes_its_parameters_is_refused_not_convicted(replay: b
         assert "max_norm" in r["error"] and "weights_interval=0" in r["error"]
 
 
+@pytest.mark.parametrize("interval", [1, 2])
+def test_a_forward_that_counts_its_calls_is_replayed_from_the_owners_count(interval: int) -> None:
+    # A warm-up kept as a call counter in the forward: the replay's forward advanced it, so the
+    # neighbour recomputed the step at another count than the owner (every rank convicted at
+    # every audit step of the warm-up), and training warmed up twice as fast as unguarded.
+    # The recomputation now leaves the module's plain attributes as it found them.
+    for r in run_ranks(workers.warm_up_run, 3, interval):
+        assert r["detections"] == [], r["detections"]
+        assert r["calls"] == (12, 12) and r["same"], r
+
+
 def test_with_several_buckets_the_exchange_rides_the_first_and_still_contains() -> None:
     # A tiny bucket cap: several buckets. Until an audit step has seen them (DDP rebuilds its
     # buckets after its first step) the words go right after the replay; then the exchange is
