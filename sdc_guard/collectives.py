@@ -130,3 +130,25 @@ def flag_rows(words: Sequence[int], k: int, world: int) -> list[list[int]]:
     def bit(pos: int) -> int:
         return (words[pos // _BITS] >> (pos % _BITS)) & 1
     return [[bit(i * world + r) for i in range(k)] for r in range(world)]
+
+
+def collectives_issued(group: dist.ProcessGroup | None) -> tuple[int, ...] | None:
+    """How many collectives the default process group and ``group`` have issued so far (the
+    sequence numbers torch's process groups keep for their desync debugging), or None where
+    torch does not say. Two readings that differ bracket a collective."""
+    groups = [dist.distributed_c10d._get_default_group()]
+    if group is not None and group is not groups[0]:
+        groups.append(group)
+    try:
+        return tuple(int(g._get_sequence_number_for_group())  # type: ignore[attr-defined]
+                     for g in groups)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+COMMUNICATING_LOSS = (
+    "loss_fn(model, batch) communicates with the other ranks (a collective on a process group, "
+    "such as the all_gather of embeddings in a contrastive loss, as CLIP and SimCLR train), so "
+    "a rank cannot recompute another rank's loss alone: the gathered values would come from "
+    "the other ranks' recomputations of other batches.")
+"""Why a recomputation refuses a loss that issues collectives."""

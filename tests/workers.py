@@ -613,6 +613,63 @@ def warm_up_run(rank: int, world: int, interval: int) -> dict[str, Any]:
             "same": all(torch.equal(a[k], b[k]) for k in a)}
 
 
+def contrastive_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A contrastive loss over every rank's embeddings (SimCLR's pattern): each rank's second
+    views are all-gathered (their gradient stays local) and its first views are scored
+    against all of them."""
+    x, y = batch
+    za, zb = F.normalize(model(x), dim=1), F.normalize(model(y), dim=1)
+    every = [torch.empty_like(zb) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, zb.detach())
+    every[dist.get_rank()] = zb
+    labels = torch.arange(za.shape[0]) + dist.get_rank() * za.shape[0]
+    return F.cross_entropy(za @ torch.cat(every).t() / 0.1, labels)
+
+
+def contrastive_run(rank: int, world: int, replay: bool) -> dict[str, Any]:
+    """``contrastive_loss`` under the default checks, with the replay or without: the error
+    and its step, and the detections."""
+    torch.manual_seed(0)
+    model = DDP(make_mlp())
+
+    def views(r: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = batch_for(r, step)[0]
+        return x, x.flip(1)
+
+    found: list[sdc_guard.Detection] = []
+    guard = SDCGuard(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                     loss_fn=contrastive_loss, batch_for=views, on_detection=found.append,
+                     config=GuardConfig(replay_interval=1 if replay else 0,
+                                        deterministic=replay))
+    try:
+        for s in range(4):
+            guard.step(s)
+        found += guard.flush()
+    except ValueError as e:
+        return {"error": str(e), "at": s, "detections": _flushed(found)}
+    return {"error": None, "at": None, "detections": _flushed(found)}
+
+
+def rank_loss_run(rank: int, world: int) -> dict[str, Any]:
+    """A loss that depends on the process's rank (its targets shifted by dist.get_rank()),
+    with the replay every step: the detections."""
+    torch.manual_seed(0)
+    model = DDP(make_mlp())
+
+    def shifted(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(m(x), (y + dist.get_rank()) % 4)
+
+    found: list[sdc_guard.Detection] = []
+    guard = SDCGuard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn=shifted,
+                     batch_for=batch_for, on_detection=found.append,
+                     config=GuardConfig(replay_interval=1, deterministic=True))
+    for s in range(3):
+        guard.step(s)
+    found += guard.flush()
+    return {"detections": _flushed(found), "details": [d.detail for d in found]}
+
+
 def nonfinite_origin_run(rank: int, world: int, origin: str, checksum: bool = False,
                          native: bool = True) -> dict[str, Any]:
     """A NaN on rank 1 at step 2, from its batch (``origin="data"``: an Inf in its input, the

@@ -56,7 +56,7 @@ def build_checks(
         recompute = None if batch_for is None else NeighbourRecompute(
             model.module, loss_fn=loss_fn, batch_for=batch_for,
             micro_batches=config.micro_batches,
-            seed=config.seed if config.deterministic else None, device=device)
+            seed=config.seed if config.deterministic else None, device=device, group=group)
         checks.append(NonFiniteCheck(
             comm, device=device, group=group, expect_overflow=grad_scaler is not None,
             exchange_interval=config.nonfinite_exchange_interval, recompute=recompute))

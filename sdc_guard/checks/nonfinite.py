@@ -63,6 +63,7 @@ from torch._C._distributed_c10d import GradBucket
 
 from sdc_guard.checks.base import Check, Verdict
 from sdc_guard.checks.flagword import DeferredFlags
+from sdc_guard.collectives import COMMUNICATING_LOSS, collectives_issued
 from sdc_guard.comm_hook import BucketListener, GuardCommHook
 from sdc_guard.determinism import module_state_kept, rng_stream
 from sdc_guard.fingerprints.native import active_kernel
@@ -81,16 +82,22 @@ class NeighbourRecompute:
     (``module_state_kept``); ``.grad`` is not touched."""
 
     def __init__(self, module: nn.Module, *, loss_fn: LossFn, batch_for: BatchFor,
-                 micro_batches: int, seed: int | None, device: torch.device) -> None:
+                 micro_batches: int, seed: int | None, device: torch.device,
+                 group: dist.ProcessGroup | None = None) -> None:
         self.module, self.loss_fn, self.batch_for = module, loss_fn, batch_for
-        self.micro, self.seed, self.device = micro_batches, seed, device
+        self.micro, self.seed, self.device, self.group = micro_batches, seed, device, group
         self.params = [p for p in module.parameters() if p.requires_grad]
 
     def nonfinite(self, rank: int, step: int) -> bool:
         buffers = [b.detach().clone() for b in self.module.buffers()]
+        issued = collectives_issued(self.group)
         try:
             with module_state_kept(self.module):
-                return self._nonfinite(rank, step)
+                found = self._nonfinite(rank, step)
+            if issued is not None and collectives_issued(self.group) != issued:
+                raise ValueError(f"{COMMUNICATING_LOSS} The rank whose gradients were "
+                                 "non-finite stays the suspect.")
+            return found
         finally:
             with torch.no_grad():
                 for b, saved in zip(self.module.buffers(), buffers, strict=True):

@@ -82,9 +82,11 @@ from torch.nn.parallel import DistributedDataParallel
 from sdc_guard.checks.base import Check, Verdict
 from sdc_guard.checks.weights import ddp_ignored
 from sdc_guard.collectives import (
+    COMMUNICATING_LOSS,
     STEPS_FIX,
     PendingSum,
     all_gather_rows,
+    collectives_issued,
     gather_if_different,
     steps_disagree,
 )
@@ -737,6 +739,7 @@ class ReplayAudit(Check, BucketListener):
             batches = fetch_micro_batches(self.batch_for, rank, step, self.micro)
             if not _probed(self.batch_for):
                 self._probe(batches, rank, step)
+            issued = collectives_issued(self.group)
             with module_state_kept(self.module):  # a forward's call counter, and the like
                 for i, mb in enumerate(batches):
                     with rng_stream(self.seed, rank, step, i, self.device):
@@ -748,6 +751,11 @@ class ReplayAudit(Check, BucketListener):
                         g if acc is None else (acc if g is None else acc + g)
                         for acc, g in zip(grads, new, strict=True)
                     ]
+            if issued is not None and collectives_issued(self.group) != issued:
+                # every rank's recomputation communicated alike: every rank raises here
+                raise ValueError(f"replay audit: {COMMUNICATING_LOSS} Every audit step would "
+                                 "convict every rank. Set replay_interval=0: the other checks "
+                                 "work with such a loss.")
         finally:
             if not self._buffers_checked:
                 now = list(self.module.buffers())
@@ -869,6 +877,17 @@ class ReplayAudit(Check, BucketListener):
             "replay_of_next": [f"{a:016x}/{b:016x}" for a, b in rep],
             "bad_edges": [[r, (r + 1) % n] for r in range(n) if bad[r]],
         }
+        if n > 2 and all(bad):
+            # A faulty rank breaks its own two edges; every edge at once takes faults on
+            # several ranks together, or (far likelier) a computation that depends on the
+            # process: naming every rank would quarantine the whole job.
+            return [Detection(
+                "replay", step, (), evidence=evidence,
+                detail="every ring edge disagrees: each rank's recomputation of its neighbour's "
+                "batch differs from the neighbour's own step, as when the loss or the model "
+                "depends on the process computing it (dist.get_rank() in loss_fn, state kept "
+                "outside the modules' parameters and buffers) rather than on the batch; a fault "
+                "breaks only its own rank's two edges. No rank is named; the step is withheld")]
         if n == 2:
             return [Detection("replay", step, (), evidence=evidence,
                               detail="replay mismatch between the two ranks; with world size 2 "

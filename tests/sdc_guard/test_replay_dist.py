@@ -257,6 +257,30 @@ def test_a_forward_that_counts_its_calls_is_replayed_from_the_owners_count(inter
         assert r["calls"] == (12, 12) and r["same"], r
 
 
+def test_a_loss_that_communicates_is_refused_by_the_replay_not_convicted() -> None:
+    # A contrastive loss all-gathers every rank's embeddings (SimCLR, CLIP): a recomputation
+    # of the neighbour's batch gathered the other ranks' recomputations, and every audit step
+    # convicted every rank. A collective issued during a recomputation (the process groups'
+    # sequence numbers move) is named instead, on every rank; without the replay the loss
+    # trains clean under the other checks.
+    for r in run_ranks(workers.contrastive_run, 3, True):
+        assert r["at"] == 0 and r["detections"] == [], r
+        assert "communicates with the other ranks" in r["error"], r["error"]
+        assert "replay_interval=0" in r["error"]
+    for r in run_ranks(workers.contrastive_run, 3, False):
+        assert r["error"] is None and r["detections"] == [], r
+
+
+def test_every_edge_disagreeing_names_no_rank() -> None:
+    # A loss that depends on the process (targets shifted by dist.get_rank()): every edge of
+    # the ring disagreed at every audit step and every rank was convicted (a quarantine of the
+    # whole job). A fault breaks only its own rank's two edges: with every edge bad the
+    # detection names no rank and says why; the step is still withheld.
+    for r in run_ranks(workers.rank_loss_run, 3):
+        assert r["detections"] == [("replay", s, ()) for s in range(3)], r["detections"]
+        assert all("every ring edge disagrees" in d for d in r["details"]), r["details"]
+
+
 def test_with_several_buckets_the_exchange_rides_the_first_and_still_contains() -> None:
     # A tiny bucket cap: several buckets. Until an audit step has seen them (DDP rebuilds its
     # buckets after its first step) the words go right after the replay; then the exchange is
