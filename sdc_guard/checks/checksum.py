@@ -92,7 +92,9 @@ What it cannot see: corruptions below the bound (above); layers that are not
 ``nn.Linear`` (convolutions, attention's batched products, embeddings, norms:
 the next step for this check); the weight gradient of a weight tied to another
 module (an embedding shared with the output layer: its gradient sums both uses; the
-other two products are still checked); a layer whose forward is not the stock
+other two products are still checked); weight gradients once a gradient is taken
+inside the loss (an input gradient with ``create_graph=True``: ``_inner_backward``); a
+layer whose forward is not the stock
 ``nn.Linear.forward`` (a LoRA or quantised subclass computes something else
 than ``X W^T + b``) unless named in ``ChecksumConfig.layers``, which asserts
 the identity holds at its boundary; a layer whose weight is parametrized
@@ -421,6 +423,12 @@ class _Layer:
     """The layer's forward ran in a checked step (``ChecksumCheck.uncalled``)."""
 
 
+def _in_backward() -> bool:
+    """Is a backward running (this forward call a recomputation inside it)?"""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
 def _recomputing() -> bool:
     """Is this forward call activation checkpointing's recomputation without reentry
     (``torch.utils.checkpoint(..., use_reentrant=False)``)? It runs inside the backward,
@@ -536,6 +544,10 @@ class ChecksumCheck(Check, BucketListener):
         """Per bucket index: (its buffer's address and size, the weight gradients in it)."""
         self.native_calls = 0
         """Layer calls whose products the C passes checked (the rest: torch operations)."""
+        self._forward_phase = False
+        """Between a checked layer's forward and ``on_loss``: a backward now is ``loss_fn``'s."""
+        self.inner_backward = False
+        """A backward ran inside ``loss_fn`` (``_inner_backward``): weight gradients unchecked."""
         self.unseen_input_grads = 0
         """Calls whose input gradient went unchecked: the pre-hook expected the product's
         node (as on the layer's last call, with the stock forward and a 2-D or contiguous
@@ -565,6 +577,8 @@ class ChecksumCheck(Check, BucketListener):
             if (not self._active or not args or not isinstance(args[0], torch.Tensor)
                     or args[0].numel() == 0 or _recomputing()):
                 return None  # an empty input (an expert no token was routed to): no product
+            if not _in_backward():  # (the reentrant checkpoint's recomputation runs in one)
+                self._forward_phase = True
             self._fresh(layer)
             x = args[0]
             # The product's node will be there (as on the last call): no tap needed. Only
@@ -633,6 +647,8 @@ class ChecksumCheck(Check, BucketListener):
         call's input gradient ``GX`` (both 2-D: the node multiplies the flattened input)."""
         if gy is None:
             return
+        if self._forward_phase and self._active:
+            self._inner_backward(layer)
         if (self._active and call.native and self._kernel is not None
                 and gy.dtype == torch.float32 and (gx is None or gx.dtype == torch.float32)):
             g = gy if _rows_ok(gy) else gy.contiguous()
@@ -792,6 +808,8 @@ class ChecksumCheck(Check, BucketListener):
     def _on_gy(self, layer: _Layer, call: _Call, gy: torch.Tensor) -> None:
         if not self._active:
             return
+        if self._forward_phase:
+            self._inner_backward(layer)
         if call.native and self._kernel is not None and gy.dtype == torch.float32:
             g = gy if gy.dim() == 2 else gy.reshape(-1, gy.shape[-1])  # pointers only: no detach
             self._gy_native(self._kernel, layer, call, g if _rows_ok(g) else g.contiguous())
@@ -1003,9 +1021,31 @@ class ChecksumCheck(Check, BucketListener):
     def on_loss(self, loss: torch.Tensor) -> None:
         """A micro-batch's forward is done: forwards from now on belong to the next one."""
         self._micro += 1
+        self._forward_phase = False
+
+    def _inner_backward(self, layer: _Layer) -> None:
+        """A layer's backward ran before ``loss_fn`` returned: a gradient taken inside the loss
+        (an input gradient, as a gradient penalty or a physics-informed loss takes, with
+        ``create_graph=True``). The layers' weight gradients then hold terms of that
+        gradient's own graph, which no identity of the layer's product covers, and the
+        products' backward runs more than once: the weight-gradient identity is not checked
+        from now on (the forward and input-gradient ones still are), and said so once."""
+        if self.inner_backward:
+            return
+        self.inner_backward = True
+        for each in self.layers:
+            each.gw_checked = False
+            each.gw_rhs = each.gw_bound = None
+            each.gw_rows = 0
+        log.warning("checksum: layer %r ran a backward inside loss_fn (a gradient taken in the "
+                    "loss, as a gradient penalty or a physics-informed loss takes): the weight "
+                    "gradients then hold terms no product identity covers, so the weight-"
+                    "gradient identity is no longer checked; the forward and input-gradient "
+                    "products still are", layer.name)
 
     def begin_step(self, step: int) -> None:
         self._active = True
+        self._forward_phase = False
         self._micro = 0
         self._generation += 1
         self._failures = []

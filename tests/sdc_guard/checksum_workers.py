@@ -496,3 +496,39 @@ def parametrized_run(rank: int, world: int, steps: int) -> dict[str, Any]:
     a, b = guarded.module.state_dict(), plain.module.state_dict()
     return {"detections": _dets(found), "layers": [x.name for x in _checksum(guard).layers],
             "same": {k: torch.equal(a[k], b[k]) for k in a}}
+
+
+def physics_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A physics-informed loss: the residual of du/dx0 + du/dx1 = sin(x0), with the input
+    gradient taken inside the loss (``create_graph=True``, so the weights get its terms)."""
+    x = x.clone().requires_grad_(True)
+    u: torch.Tensor = m(x)
+    du = torch.autograd.grad(u.sum(), x, create_graph=True)[0]
+    residual: torch.Tensor = du[:, 0] + du[:, 1] - torch.sin(x[:, 0])
+    return residual.square().mean() + u.square().mean()
+
+
+def physics_run(rank: int, world: int, native: bool,
+                fault: dict[str, Any] | None) -> dict[str, Any]:
+    """``physics_loss`` on a tanh MLP with the checksum on (the C passes or the torch path),
+    clean or with a fault in a product from step 2: the detections, the withheld steps, and
+    whether the check saw the backward inside the loss."""
+    if not native:
+        disable_native()
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(2, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                              nn.Linear(32, 1)))
+
+    def batch_for(r: int, step: int) -> torch.Tensor:
+        return torch.rand(16, 2, generator=torch.Generator().manual_seed(1000 * r + step))
+
+    guard = SDCGuard(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                     loss_fn=physics_loss, batch_for=batch_for,
+                     config=GuardConfig(checksum=True))
+    handle = None if fault is None else arm(Fault(**fault), guard=guard)
+    reports = [guard.step(s) for s in range(4)]
+    found = [d for r in reports for d in r.detections] + guard.flush()
+    if handle is not None:
+        handle.remove()
+    return {"detections": _dets(found), "skipped": [r.step for r in reports if r.skipped],
+            "inner_backward": _checksum(guard).inner_backward}

@@ -168,3 +168,19 @@ def test_parametrized_weights_are_left_out_and_training_is_unchanged() -> None:
         assert r["detections"] == [], r["detections"]
         assert r["layers"] == ["4"], r["layers"]
         assert all(r["same"].values()), r["same"]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_gradient_taken_inside_the_loss_turns_the_weight_identity_off(native: bool) -> None:
+    # A physics-informed loss takes du/dx with create_graph=True: the layers' backward ran
+    # inside loss_fn and their weight gradients got that gradient's terms, and the
+    # weight-gradient identity convicted every rank at every step. The check sees a backward
+    # before loss_fn returns and stops checking weight gradients; a flip in a forward or
+    # input-gradient product is still caught in its step.
+    for r in run_ranks(W.physics_run, 3, native, None):
+        assert r["detections"] == [] and r["skipped"] == [] and r["inner_backward"], r
+    for product in ("forward", "input_grad"):
+        fault = {"site": "linear_product", "product": product, "rank": 1, "target": "2",
+                 "bits": (30,), "step": 2}
+        for r in run_ranks(W.physics_run, 3, native, fault):
+            assert ("checksum", 2, (1,)) in r["detections"] and 2 in r["skipped"], (product, r)
