@@ -378,7 +378,7 @@ def _refuse_sync_batchnorm(module: nn.Module) -> None:
     batch, so a batch cannot be recomputed alone. In the replay each rank contributes its
     neighbour's statistics, the same set in another order, which the merge (a running
     combination, row by row) rounds differently: every edge would disagree in the last
-    bits, every rank a suspect. Derived from how the merge works; no GPU here to run it
+    bits, at every audit step. Derived from how the merge works; no GPU here to run it
     (DDP refuses SyncBatchNorm on the CPU)."""
     names = [n for n, m in module.named_modules() if isinstance(m, nn.SyncBatchNorm)]
     if names:
@@ -397,7 +397,7 @@ def _refuse_unshared(module: nn.Module, ignored: set[int],
     The replay recomputes a neighbour's batch with this rank's weights. DDP neither
     broadcasts nor all-reduces the parameters named in ``_ddp_params_and_buffers_to_ignore``:
     one that trains drifts apart between ranks, and one that differs makes every edge of
-    the ring disagree at every audit step, every rank a suspect. Collective when some
+    the ring disagree at every audit step (every step withheld). Collective when some
     parameter is ignored (alike on every rank: the module is the same)."""
     if not ignored:
         return
@@ -772,7 +772,7 @@ class ReplayAudit(Check, BucketListener):
 
         The audit rests on it (``sdc_guard.determinism``). A batch drawn from an iterator or
         from an unseeded generator differs on every call, and every edge of the ring would
-        disagree, every rank a suspect; the error names the cause instead. One extra call
+        disagree at every audit step; the error names the cause instead. One extra call
         of ``batch_for``, once per process for each ``batch_for`` (``_PROBED``)."""
         again = fetch_micro_batches(self.batch_for, rank, step, self.micro)
         if not _same_batch(list(batches), list(again)):
@@ -834,7 +834,7 @@ class ReplayAudit(Check, BucketListener):
             # Every rank's replay of its neighbour's batch came out as its own step did, and
             # the ranks' own steps differ: each rank recomputed its own batch. A fault cannot
             # do that; a batch_for that ignores its rank argument does (every edge would
-            # disagree, every rank a suspect).
+            # disagree at every audit step).
             raise ValueError(
                 f"replay audit, step {step}: every rank's recomputation of its neighbour's "
                 "batch came out exactly as its own step did: batch_for(rank, step) returns this "
@@ -850,7 +850,7 @@ class ReplayAudit(Check, BucketListener):
         is ready. A parameter the forward did not use, without
         ``find_unused_parameters=True``, never gets one: its bucket and every later one never
         reach the comm hook, the own word lacks their share, and every edge of the ring
-        would disagree on every rank, a detection with every rank a suspect (a quarantine).
+        would disagree on every rank, at every audit step.
         The error instead names the fix; DDP raises on the next step for the same reason.
         Every rank has the same parameters, so every rank raises here, before any collective
         of the verdict."""
