@@ -170,16 +170,18 @@ attributes it had when they were found (``_plain_names``)."""
 
 def _names_of(m: torch.nn.Module) -> list[Any]:
     d = vars(m)
-    return [m, [k for k, v in d.items() if k[0] != "_" and isinstance(v, _PLAIN)], len(d)]
+    return [m, [k for k, v in d.items() if k[0] != "_" and isinstance(v, _PLAIN)], len(d),
+            [k for k, v in d.items() if isinstance(v, torch.Generator)]]
 
 
 def _plain_names(module: torch.nn.Module) -> list[list[Any]]:
-    """``[module, plain attribute names, attribute count]`` for each module of ``module``,
-    found once and again for a module that has gained or lost attributes since."""
+    """``[module, plain attribute names, attribute count, generator attribute names]`` for
+    each module of ``module``, found once and again for a module that has gained or lost
+    attributes since."""
     known = _PLAIN_NAMES.get(module)
     if known is None:  # (a model's modules stay: one given new ones later keeps them unkept)
         known = _PLAIN_NAMES[module] = [_names_of(m) for m in module.modules()]
-    for i, (m, _, size) in enumerate(known):
+    for i, (m, _, size, _) in enumerate(known):
         if len(vars(m)) != size:
             known[i] = _names_of(m)
     return known
@@ -193,16 +195,23 @@ def module_state_kept(module: torch.nn.Module) -> Iterator[None]:
     back as they were, and ones it added go. The owner's training forward then starts from
     the values the recomputation started from, as it would without the recomputation: the
     neighbour's recomputation of the step and the owner's step see the same counter, and
-    training is the unguarded run's. (Buffers are the caller's: it restores them itself.)
+    training is the unguarded run's. A ``torch.Generator`` a module keeps (a masking layer
+    seeded once) gets its state back too, so the owner draws what the recomputation drew.
+    (Buffers are the caller's: it restores them itself.)
     Attributes whose names start with ``_`` are torch's own and left alone. Which attributes
     are plain is found once per model (``_plain_names``); then about 0.1 us per attribute."""
     saved = []
-    for m, names, _ in _plain_names(module):
+    generators = []
+    for m, names, _, gens in _plain_names(module):
         d = vars(m)
         saved.append((m, d, len(d), [(k, d.get(k, _ABSENT)) for k in names]))
+        generators += [(g, g.get_state()) for k in gens
+                       if isinstance(g := d.get(k), torch.Generator)]
     try:
         yield
     finally:
+        for g, state in generators:
+            g.set_state(state)
         for m, d, size, before in saved:
             for k, v in before:
                 if d.get(k, _ABSENT) is not v:

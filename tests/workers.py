@@ -590,13 +590,37 @@ class WarmUp(nn.Module):
         return out
 
 
-def warm_up_run(rank: int, world: int, interval: int) -> dict[str, Any]:
-    """``WarmUp`` with the replay every ``interval`` steps, beside a plain DDP loop: the
-    detections, the counters, and whether both runs end with the same state bit for bit."""
+class OwnGenerator(nn.Module):
+    """``make_mlp`` that masks its hidden activations in training from a generator of its
+    own, seeded once (not torch's global one, which deterministic mode streams)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        net = make_mlp()
+        assert isinstance(net, nn.Sequential)
+        self.net = net
+        self.gen = torch.Generator().manual_seed(7)
+        self.calls = 0  # (the worker reads it: counted as WarmUp counts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+        h = torch.relu(self.net[0](x))
+        if self.training:
+            h = h * (torch.rand(h.shape, generator=self.gen) > 0.2)
+        out: torch.Tensor = self.net[4](torch.relu(self.net[2](h)))
+        return out
+
+
+def warm_up_run(rank: int, world: int, interval: int, kind: str = "counter") -> dict[str, Any]:
+    """``WarmUp`` (``kind="counter"``) or ``OwnGenerator`` (``"generator"``) with the replay
+    every ``interval`` steps, beside a plain DDP loop: the detections, the call counters, and
+    whether both runs end with the same state bit for bit."""
+    make = WarmUp if kind == "counter" else OwnGenerator
     torch.manual_seed(0)
-    guarded = DDP(WarmUp())
+    guarded = DDP(make())
     torch.manual_seed(0)
-    plain = DDP(WarmUp())
+    plain = DDP(make())
     guard = SDCGuard(guarded, torch.optim.AdamW(guarded.parameters(), lr=1e-2),
                      loss_fn=loss_fn, batch_for=batch_for,
                      config=GuardConfig(replay_interval=interval, deterministic=True))

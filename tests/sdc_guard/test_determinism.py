@@ -117,3 +117,8 @@ def test_module_state_kept_puts_plain_attributes_back() -> None:
     with module_state_kept(outer):
         inner.lazy += 1
     assert inner.lazy == 1
+    inner.gen = torch.Generator().manual_seed(3)  # a generator of its own: its state back
+    first = torch.rand(4, generator=torch.Generator().manual_seed(3))
+    with module_state_kept(outer):
+        torch.rand(4, generator=inner.gen)
+    assert torch.equal(torch.rand(4, generator=inner.gen), first)
