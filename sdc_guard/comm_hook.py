@@ -58,6 +58,36 @@ ReducedCallback = Callable[[GradBucket, torch.Tensor], None]
 """Called with the bucket and the reduced tensor; may modify the tensor in place."""
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Does ``t`` fill its memory without gaps or overlaps, in some order of its dims?"""
+    expected = 1
+    for d in sorted(range(t.dim()), key=t.stride):
+        if t.size(d) != 1 and t.stride(d) != expected:
+            return False
+        expected *= t.size(d)
+    return True
+
+
+def bucket_gradients(bucket: GradBucket) -> list[torch.Tensor]:
+    """The bucket's gradients as views of its buffer with their parameters' strides.
+
+    ``GradBucket.gradients()`` views every gradient as contiguous, but DDP lays a gradient
+    out in its bucket with its parameter's strides when those are dense (a transposed
+    weight, a ``channels_last`` convolution): read through that view, the gradient's
+    elements come in another order than its parameter's (the replay audit's gradient word
+    then differed from every recomputation's, every edge of the ring disagreeing)."""
+    grads, params = bucket.gradients(), bucket.parameters()
+    if len(grads) != len(params):  # a sparse gradient's bucket lists no dense view
+        return grads
+    out = []
+    for p, g in zip(params, grads, strict=True):
+        if (g.layout == torch.strided and p.layout == torch.strided and p.dim() > 1
+                and p.stride() != g.stride() and _dense(p)):
+            g = g.as_strided(p.shape, p.stride())
+        out.append(g)
+    return out
+
+
 class DigestSpans(Protocol):
     """Which words of a bucket a listener wants digested, and how to digest them without
     the C kernel (the same value, by torch ops)."""

@@ -124,7 +124,7 @@ from sdc_guard.checks.base import Check, Verdict
 from sdc_guard.checks.flagword import DeferredFlags
 from sdc_guard.checks.weights import ddp_ignored
 from sdc_guard.collectives import PendingSum
-from sdc_guard.comm_hook import BucketListener, GuardCommHook
+from sdc_guard.comm_hook import BucketListener, GuardCommHook, bucket_gradients
 from sdc_guard.config import PRODUCTS, ChecksumConfig
 from sdc_guard.fingerprints.native import NativeKernel, active_kernel
 from sdc_guard.report import Detection
@@ -983,7 +983,7 @@ class ChecksumCheck(Check, BucketListener):
         key = (buf.data_ptr(), buf.numel())
         known = self._bucket_weights.get(index)
         if known is None or known[0] != key:
-            found = [(layer, g) for p, g in zip(bucket.parameters(), bucket.gradients(),
+            found = [(layer, g) for p, g in zip(bucket.parameters(), bucket_gradients(bucket),
                                                   strict=True)
                      if (layer := self._by_weight.get(id(p))) is not None and g.dim() == 2]
             known = self._bucket_weights[index] = (key, found)

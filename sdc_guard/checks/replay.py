@@ -90,7 +90,7 @@ from sdc_guard.collectives import (
     gather_if_different,
     steps_disagree,
 )
-from sdc_guard.comm_hook import BucketListener, GuardCommHook
+from sdc_guard.comm_hook import BucketListener, GuardCommHook, bucket_gradients
 from sdc_guard.determinism import module_state_kept, rng_stream
 from sdc_guard.fingerprints.digest import (
     concat_digest,
@@ -527,7 +527,7 @@ class ReplayAudit(Check, BucketListener):
         self._own_params += sum(i >= 0 for i in idx)
         plan = self._plan(bucket, idx)
         if plan is None:
-            grads = bucket.gradients()
+            grads = bucket_gradients(bucket)
             if bucket.buffer().layout != torch.strided and len(idx) == 1:
                 grads = [bucket.buffer()]  # DDP gives a sparse gradient a bucket of its own
             kept = [(i, g) for i, g in zip(idx, grads, strict=True) if i >= 0]
@@ -557,7 +557,7 @@ class ReplayAudit(Check, BucketListener):
         if key not in self._plans:
             if len(self._plans) > 64:
                 self._plans.clear()
-            self._plans[key] = BucketPlan.of(buf, bucket.gradients(), idx, self.offsets)
+            self._plans[key] = BucketPlan.of(buf, bucket_gradients(bucket), idx, self.offsets)
         return self._plans[key]
 
     def _digest(self, grads: Sequence[torch.Tensor], indices: Sequence[int]) -> Word:

@@ -532,3 +532,45 @@ def physics_run(rank: int, world: int, native: bool,
         handle.remove()
     return {"detections": _dets(found), "skipped": [r.step for r in reports if r.skipped],
             "inner_backward": _checksum(guard).inner_backward}
+
+
+class Strided(nn.Module):
+    """Parameters whose memory is not row-major: a linear layer with a column-major weight, a
+    channels_last convolution and a transposed matrix (DDP lays their gradients out in its
+    buckets with the parameters' strides)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(16, 16)
+        self.lin.weight = nn.Parameter(self.lin.weight.detach().t().contiguous().t())
+        self.w = nn.Parameter(torch.randn(4, 16).t())
+        self.conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        img = x[:, :48].reshape(-1, 3, 4, 4).contiguous(memory_format=torch.channels_last)
+        out: torch.Tensor = torch.relu(self.lin(x[:, :16])) @ self.w + self.conv(img).mean((2, 3))
+        return out
+
+
+def strided_run(rank: int, world: int, fault: dict[str, Any] | None) -> dict[str, Any]:
+    """``Strided`` with the checksum and the replay every step, clean or with ``fault``: the
+    detections and the withheld steps."""
+    model = DDP(Strided())
+
+    def batch_for(r: int, step: int) -> Any:
+        g = torch.Generator().manual_seed(1000 * r + step)
+        return torch.randn(8, 48, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
+        return F.cross_entropy(m(batch[0]), batch[1])
+
+    guard = SDCGuard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn=loss_fn,
+                     batch_for=batch_for,
+                     config=GuardConfig(checksum=True, replay_interval=1, deterministic=True))
+    handle = None if fault is None else arm(Fault(**fault), guard=guard)
+    reports = [guard.step(s) for s in range(4)]
+    found = [d for r in reports for d in r.detections] + guard.flush()
+    if handle is not None:
+        handle.remove()
+    return {"detections": _dets(found), "skipped": [r.step for r in reports if r.skipped]}

@@ -184,3 +184,18 @@ def test_a_gradient_taken_inside_the_loss_turns_the_weight_identity_off(native: 
                  "bits": (30,), "step": 2}
         for r in run_ranks(W.physics_run, 3, native, fault):
             assert ("checksum", 2, (1,)) in r["detections"] and 2 in r["skipped"], (product, r)
+
+
+def test_parameters_laid_out_otherwise_are_read_in_their_own_order() -> None:
+    # DDP lays a gradient out in its bucket with its parameter's strides (a column-major
+    # linear weight, a channels_last convolution, a transposed matrix), and the bucket's
+    # gradients() views it as row-major: the checksum's weight-gradient row sums and the
+    # replay's own gradient word read the elements in another order than the
+    # recomputation, and every rank was convicted at every step. Read with the parameters'
+    # strides, clean steps pass and a weight-gradient flip is still caught in its step.
+    for r in run_ranks(W.strided_run, 3, None):
+        assert r["detections"] == [] and r["skipped"] == [], r
+    fault = {"site": "linear_product", "product": "weight_grad", "rank": 1, "target": "lin",
+             "bits": (30,), "step": 2}
+    for r in run_ranks(W.strided_run, 3, fault):
+        assert ("checksum", 2, (1,)) in r["detections"] and 2 in r["skipped"], r
