@@ -60,6 +60,24 @@ def _flushed(found: list[sdc_guard.Detection]) -> list[tuple[str, int, tuple[int
     return [(d.check, d.step, d.suspect_ranks) for d in found]
 
 
+def _until_refused(guard: SDCGuard, found: list[sdc_guard.Detection], steps: int, *,
+                   step_of: Any = None, after: Any = None, flush: bool = False) -> dict[str, Any]:
+    """Train ``steps`` steps (step ``step_of(s)``, then ``after(s)``; then ``flush``) until
+    the guard refuses with a ValueError: the error and the loop index it came at (both None
+    when it never did), and the detections ``found`` holds by then (the guard's
+    ``on_detection``, which ``flush`` feeds too)."""
+    try:
+        for s in range(steps):
+            guard.step(s if step_of is None else step_of(s))
+            if after is not None:
+                after(s)
+        if flush:
+            guard.flush()
+    except ValueError as e:
+        return {"error": str(e), "at": s, "detections": _flushed(found)}
+    return {"error": None, "at": None, "detections": _flushed(found)}
+
+
 def guarded_run(rank: int, world: int, steps: int, fault: dict[str, Any] | None = None,
                 cfg: dict[str, Any] | None = None, opt: str = "adamw",
                 stop_on_detection: bool = False,
@@ -411,12 +429,8 @@ def step_offset_run(rank: int, world: int, offsets: list[int], since: int) -> di
     guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for,
                      config=GuardConfig(replay_interval=1, deterministic=True),
                      on_detection=found.append)
-    try:
-        for s in range(4):
-            guard.step(s + (offsets[rank] if s >= since else 0))
-    except ValueError as e:
-        return {"error": str(e), "at": s, "detections": _flushed(found)}
-    return {"error": None, "at": None, "detections": _flushed(found)}
+    return _until_refused(guard, found, 4,
+                          step_of=lambda s: s + (offsets[rank] if s >= since else 0))
 
 
 def own_batch_run(rank: int, world: int) -> dict[str, Any]:
@@ -430,12 +444,7 @@ def own_batch_run(rank: int, world: int) -> dict[str, Any]:
                      batch_for=lambda r, step: batch_for(dist.get_rank(), step),
                      config=GuardConfig(replay_interval=2, deterministic=True),
                      on_detection=found.append)
-    try:
-        for s in range(3):
-            guard.step(s)
-    except ValueError as e:
-        return {"error": str(e), "at": s, "detections": _flushed(found)}
-    return {"error": None, "at": None, "detections": _flushed(found)}
+    return _until_refused(guard, found, 3)
 
 
 def running_buffer_run(rank: int, world: int, micro: int,
@@ -449,12 +458,7 @@ def running_buffer_run(rank: int, world: int, micro: int,
     guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=_micro_batches(micro),
                      config=GuardConfig(replay_interval=1, deterministic=True,
                                         micro_batches=micro), on_detection=found.append)
-    try:
-        for s in range(3):
-            guard.step(s)
-    except ValueError as e:
-        return {"error": str(e), "at": s, "detections": _flushed(found)}
-    return {"error": None, "at": None, "detections": _flushed(found)}
+    return _until_refused(guard, found, 3)
 
 
 class MaxNormBag(nn.Module):
@@ -487,12 +491,7 @@ def max_norm_run(rank: int, world: int, replay: bool) -> dict[str, Any]:
                      batch_for=tokens_for, on_detection=found.append,
                      config=GuardConfig(replay_interval=2 if replay else 0,
                                         deterministic=replay))
-    try:
-        for s in range(5):
-            guard.step(s)
-    except ValueError as e:
-        return {"error": str(e), "at": s, "detections": _flushed(found)}
-    return {"error": None, "at": None, "detections": _flushed(found)}
+    return _until_refused(guard, found, 5)
 
 
 def bypass_run(rank: int, world: int, replay: bool) -> dict[str, Any]:
@@ -513,12 +512,7 @@ def bypass_run(rank: int, world: int, replay: bool) -> dict[str, Any]:
                      batch_for=batch_for, on_detection=found.append,
                      config=GuardConfig(replay_interval=2 if replay else 0,
                                         deterministic=replay))
-    try:
-        for s in range(4):
-            guard.step(s)
-    except (ValueError, AttributeError) as e:
-        return {"error": f"{type(e).__name__}: {e}", "at": s, "detections": _flushed(found)}
-    return {"error": None, "at": None, "detections": _flushed(found)}
+    return _until_refused(guard, found, 4)
 
 
 def rank0_scheduler_run(rank: int, world: int, repair: bool) -> dict[str, Any]:
@@ -532,14 +526,8 @@ def rank0_scheduler_run(rank: int, world: int, repair: bool) -> dict[str, Any]:
     found: list[sdc_guard.Detection] = []
     guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for,
                      on_detection=found.append, config=GuardConfig(repair_by_majority=repair))
-    try:
-        for s in range(4):
-            guard.step(s)
-            if rank == 0:
-                scheduler.step()
-    except ValueError as e:
-        return {"error": str(e), "at": s, "detections": _flushed(found)}
-    return {"error": None, "at": None, "detections": _flushed(found)}
+    return _until_refused(guard, found, 4,
+                          after=lambda s: scheduler.step() if rank == 0 else None)
 
 
 def divergent_start_run(rank: int, world: int, what: str) -> dict[str, Any]:
@@ -563,12 +551,7 @@ def divergent_start_run(rank: int, world: int, what: str) -> dict[str, Any]:
     found: list[sdc_guard.Detection] = []
     guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for,
                      on_detection=found.append)
-    try:
-        for s in range(3):
-            guard.step(s)
-    except ValueError as e:
-        return {"error": str(e), "at": s, "detections": _flushed(found)}
-    return {"error": None, "at": None, "detections": _flushed(found)}
+    return _until_refused(guard, found, 3)
 
 
 class WarmUp(nn.Module):
@@ -665,13 +648,7 @@ def contrastive_run(rank: int, world: int, replay: bool) -> dict[str, Any]:
                      loss_fn=contrastive_loss, batch_for=views, on_detection=found.append,
                      config=GuardConfig(replay_interval=1 if replay else 0,
                                         deterministic=replay))
-    try:
-        for s in range(4):
-            guard.step(s)
-        found += guard.flush()
-    except ValueError as e:
-        return {"error": str(e), "at": s, "detections": _flushed(found)}
-    return {"error": None, "at": None, "detections": _flushed(found)}
+    return _until_refused(guard, found, 4, flush=True)
 
 
 def rank_loss_run(rank: int, world: int) -> dict[str, Any]:

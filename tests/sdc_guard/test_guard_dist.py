@@ -236,9 +236,8 @@ def test_a_loss_fn_that_bypasses_ddp_is_named(replay: bool) -> None:
     # inside DDP, failed with an AttributeError. Both are named at the first step now (an
     # evaluation call of the DDP model before it does not hide the bypass).
     for r in run_ranks(workers.bypass_run, 3, replay):
-        assert r["at"] == 0 and r["detections"] == [], r
-        assert r["error"].startswith("ValueError"), r["error"]
-        assert "model.module" in r["error"] and "does not all-reduce" in r["error"]
+        assert r["at"] == 0 and r["detections"] == [], r  # a ValueError (an AttributeError
+        assert "model.module" in r["error"] and "does not all-reduce" in r["error"]  # fails)
         assert ("cannot give" in r["error"]) == replay, r["error"]
 
 
