@@ -25,6 +25,7 @@ differ (``signature_mismatch``): a healthy rank would be convicted at every audi
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import sys
@@ -166,25 +167,41 @@ _PLAIN_NAMES: weakref.WeakKeyDictionary[torch.nn.Module, list[list[Any]]] = (
     weakref.WeakKeyDictionary())
 """Per root module: each of its modules, the names of its plain attributes, and how many
 attributes it had when they were found (``_plain_names``)."""
+_log = logging.getLogger(__name__)
+
+
+def _is_state_tensor(v: Any) -> bool:
+    """A tensor a module keeps as a plain attribute (not a parameter: those are its own)."""
+    return isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)
 
 
 def _names_of(m: torch.nn.Module) -> list[Any]:
     d = vars(m)
     return [m, [k for k, v in d.items() if k[0] != "_" and isinstance(v, _PLAIN)], len(d),
-            [k for k, v in d.items() if isinstance(v, torch.Generator)]]
+            [k for k, v in d.items() if isinstance(v, torch.Generator)],
+            [k for k, v in d.items() if k[0] != "_" and _is_state_tensor(v)], None]
 
 
 def _plain_names(module: torch.nn.Module) -> list[list[Any]]:
-    """``[module, plain attribute names, attribute count, generator attribute names]`` for
-    each module of ``module``, found once and again for a module that has gained or lost
-    attributes since."""
+    """``[module, plain attribute names, attribute count, generator attribute names, tensor
+    attribute names, the tensor attributes a recomputation wrote in place (None: not known
+    yet)]`` for each module of ``module``, found once and again for a module that has gained
+    or lost attributes since."""
     known = _PLAIN_NAMES.get(module)
     if known is None:  # (a model's modules stay: one given new ones later keeps them unkept)
         known = _PLAIN_NAMES[module] = [_names_of(m) for m in module.modules()]
-    for i, (m, _, size, _) in enumerate(known):
+    for i, (m, _, size, _, _, _) in enumerate(known):
         if len(vars(m)) != size:
             known[i] = _names_of(m)
     return known
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (None for an inference tensor, which keeps none)."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return None
 
 
 @contextlib.contextmanager
@@ -197,30 +214,83 @@ def module_state_kept(module: torch.nn.Module) -> Iterator[None]:
     neighbour's recomputation of the step and the owner's step see the same counter, and
     training is the unguarded run's. A ``torch.Generator`` a module keeps (a masking layer
     seeded once) gets its state back too, so the owner draws what the recomputation drew.
-    (Buffers are the caller's: it restores them itself.)
+    So does a tensor a module keeps as a plain attribute rather than a buffer (a running
+    mean of a custom normalisation): one the forward rebinds gets its old tensor back, one it
+    updates in place its old values. Which tensors a forward writes in place is learned on
+    the first recomputation, which copies every tensor attribute and compares version
+    counters; later ones copy only those. (A tensor first written on a later recomputation,
+    its update depending on the data, keeps that update once, with a warning.)
+    (Buffers are the caller's: it restores them itself. Tensors inside lists and dicts are
+    not followed.)
     Attributes whose names start with ``_`` are torch's own and left alone. Which attributes
     are plain is found once per model (``_plain_names``); then about 0.1 us per attribute."""
     saved = []
     generators = []
-    for m, names, _, gens in _plain_names(module):
+    tensors: list[tuple[list[Any], str, torch.Tensor, int, torch.Tensor | None]] = []
+    known = _plain_names(module)
+    for entry in known:
+        m, names, _, gens, tensor_names, writers = entry
         d = vars(m)
-        saved.append((m, d, len(d), [(k, d.get(k, _ABSENT)) for k in names]))
+        saved.append((m, d, len(d), [(k, d.get(k, _ABSENT)) for k in (*names, *tensor_names)]))
         generators += [(g, g.get_state()) for k in gens
                        if isinstance(g := d.get(k), torch.Generator)]
+        for k in tensor_names:
+            t = d.get(k)
+            if _is_state_tensor(t) and (v := _version(t)) is not None:
+                copy = t.detach().clone() if writers is None or k in writers else None
+                tensors.append((entry, k, t, v, copy))
     try:
         yield
     finally:
         for g, state in generators:
             g.set_state(state)
+        for entry in known:
+            if entry[5] is None:
+                entry[5] = set()
+        for entry, k, t, v, copy in tensors:
+            if _version(t) == v:
+                continue
+            if copy is not None:
+                with torch.no_grad():
+                    t.copy_(copy)
+            elif k not in entry[5]:
+                _log.warning(
+                    "sdc_guard: %s.%s (a tensor kept as a plain attribute) was updated in "
+                    "place by a recomputation for the first time; it keeps that update once "
+                    "(from the next recomputation on it is restored). Register it as a buffer "
+                    "to have it kept with the model's state.", type(entry[0]).__name__, k)
+            entry[5].add(k)
         for m, d, size, before in saved:
             for k, v in before:
                 if d.get(k, _ABSENT) is not v:
+                    if _is_state_tensor(v):
+                        _written(known, m).add(k)
                     if v is _ABSENT:
                         delattr(m, k)
                     else:
                         setattr(m, k, v)
             if len(d) > size:  # attributes the recomputation added
-                known = {k for k, _ in before}
-                for k in [k for k, v in d.items() if k[0] != "_" and k not in known
-                          and isinstance(v, _PLAIN)]:
+                known_names = {k for k, _ in before}
+                for k in [k for k, v in d.items() if k[0] != "_" and k not in known_names
+                          and (isinstance(v, _PLAIN) or _is_state_tensor(v))]:
                     delattr(m, k)
+
+
+def _written(known: list[list[Any]], m: torch.nn.Module) -> set[str]:
+    entry = next(e for e in known if e[0] is m)
+    if entry[5] is None:
+        entry[5] = set()
+    written: set[str] = entry[5]
+    return written
+
+
+def state_tensors_written(module: torch.nn.Module) -> list[str]:
+    """The tensor attributes (qualified names) that ``module``'s recomputations have written,
+    in place or by rebinding: state kept outside the parameters and buffers, which DDP does
+    not keep equal across ranks (evidence when every replay edge disagrees)."""
+    known = _PLAIN_NAMES.get(module)
+    if not known:
+        return []
+    names = {id(m): n for n, m in module.named_modules()}
+    return sorted(f"{names.get(id(e[0]), '?')}.{k}".lstrip(".") for e in known
+                  if e[5] for k in e[5])

@@ -595,11 +595,60 @@ class OwnGenerator(nn.Module):
         return out
 
 
+class TensorState(nn.Module):
+    """``WarmUp`` with its call counter kept as a plain tensor attribute, not a buffer (as
+    custom schedules and EMA teachers often keep theirs), updated in place (``in_place``) or
+    rebound to a new tensor at each training call."""
+
+    def __init__(self, in_place: bool, per_rank: bool = False) -> None:
+        super().__init__()
+        net = make_mlp()
+        assert isinstance(net, nn.Sequential)
+        self.net = net
+        self.in_place = in_place
+        self.per_rank = per_rank  # counted by the batch's first input: each rank's its own
+        self.seen = torch.zeros(())
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            by = x[0, 0].detach().abs().clamp(max=1.0) if self.per_rank else 1
+            if self.in_place:
+                self.seen += by
+            else:
+                self.seen = self.seen + by
+        h = torch.relu(self.net[0](x)) * (self.seen / 10).clamp(max=1.0)
+        out: torch.Tensor = self.net[4](torch.relu(self.net[2](h)))
+        return out
+
+
+def rank_state_run(rank: int, world: int) -> dict[str, Any]:
+    """``TensorState`` counting by each rank's own batches (its state differs from rank to
+    rank), with the replay every step: the detections' suspects and their details."""
+    torch.manual_seed(0)
+    model = DDP(TensorState(in_place=True, per_rank=True))
+    found: list[sdc_guard.Detection] = []
+    guard = SDCGuard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn=loss_fn,
+                     batch_for=batch_for, on_detection=found.append,
+                     config=GuardConfig(replay_interval=1, deterministic=True))
+    for s in range(4):
+        guard.step(s)
+    guard.flush()
+    return {"suspects": [d.suspect_ranks for d in found], "details": [d.detail for d in found],
+            "kept": [d.evidence.get("state_tensors") for d in found]}
+
+
 def warm_up_run(rank: int, world: int, interval: int, kind: str = "counter") -> dict[str, Any]:
-    """``WarmUp`` (``kind="counter"``) or ``OwnGenerator`` (``"generator"``) with the replay
-    every ``interval`` steps, beside a plain DDP loop: the detections, the call counters, and
-    whether both runs end with the same state bit for bit."""
-    make = WarmUp if kind == "counter" else OwnGenerator
+    """``WarmUp`` (``kind="counter"``), ``OwnGenerator`` (``"generator"``) or
+    ``TensorState`` (``"tensor in place"``, ``"tensor rebound"``) with the replay every
+    ``interval`` steps, beside a plain DDP loop: the detections, the call counters, and
+    whether both runs end with the same state (their tensor attributes too) bit for bit."""
+    def make() -> nn.Module:
+        if kind.startswith("tensor"):
+            return TensorState(in_place=kind == "tensor in place")
+        return WarmUp() if kind == "counter" else OwnGenerator()
+
     torch.manual_seed(0)
     guarded = DDP(make())
     torch.manual_seed(0)
@@ -616,8 +665,11 @@ def warm_up_run(rank: int, world: int, interval: int, kind: str = "counter") -> 
         optimizer.step()
     found += guard.flush()
     a, b = guarded.module.state_dict(), plain.module.state_dict()
+    same = all(torch.equal(a[k], b[k]) for k in a)
+    if isinstance(guarded.module, TensorState) and isinstance(plain.module, TensorState):
+        same = same and torch.equal(guarded.module.seen, plain.module.seen)
     return {"detections": _flushed(found), "calls": (guarded.module.calls, plain.module.calls),
-            "same": all(torch.equal(a[k], b[k]) for k in a)}
+            "same": same}
 
 
 def contrastive_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

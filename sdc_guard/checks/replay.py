@@ -91,7 +91,7 @@ from sdc_guard.collectives import (
     steps_disagree,
 )
 from sdc_guard.comm_hook import BucketListener, GuardCommHook, bucket_gradients
-from sdc_guard.determinism import module_state_kept, rng_stream
+from sdc_guard.determinism import module_state_kept, rng_stream, state_tensors_written
 from sdc_guard.fingerprints.digest import (
     concat_digest,
     digest_parts,
@@ -881,13 +881,20 @@ class ReplayAudit(Check, BucketListener):
             # A faulty rank breaks its own two edges; every edge at once takes faults on
             # several ranks together, or (far likelier) a computation that depends on the
             # process: naming every rank would quarantine the whole job.
+            kept = state_tensors_written(self.module)
+            if kept:
+                evidence["state_tensors"] = kept
             return [Detection(
                 "replay", step, (), evidence=evidence,
                 detail="every ring edge disagrees: each rank's recomputation of its neighbour's "
                 "batch differs from the neighbour's own step, as when the loss or the model "
                 "depends on the process computing it (dist.get_rank() in loss_fn, state kept "
                 "outside the modules' parameters and buffers) rather than on the batch; a fault "
-                "breaks only its own rank's two edges. No rank is named; the step is withheld")]
+                "breaks only its own rank's two edges. No rank is named; the step is withheld"
+                + (f". The forward writes tensors kept as plain attributes, which DDP does not "
+                   f"keep equal across ranks: {kept} (register them as buffers, which DDP "
+                   f"broadcasts from rank 0, or compute them from the parameters)"
+                   if kept else ""))]
         if n == 2:
             return [Detection("replay", step, (), evidence=evidence,
                               detail="replay mismatch between the two ranks; with world size 2 "

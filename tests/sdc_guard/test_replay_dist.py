@@ -246,17 +246,29 @@ def test_a_forward_that_writes_its_parameters_is_refused_not_convicted(replay: b
         assert "max_norm" in r["error"] and "weights_interval=0" in r["error"]
 
 
-@pytest.mark.parametrize("kind", ["counter", "generator"])
+@pytest.mark.parametrize("kind", ["counter", "generator", "tensor in place", "tensor rebound"])
 @pytest.mark.parametrize("interval", [1, 2])
 def test_a_forward_that_keeps_state_is_replayed_from_the_owners(interval: int, kind: str) -> None:
     # A warm-up kept as a call counter in the forward: the replay's forward advanced it, so the
     # neighbour recomputed the step at another count than the owner (every rank convicted at
     # every audit step of the warm-up), and training warmed up twice as fast as unguarded. A
     # module's own torch.Generator likewise: the replay drew from it first. The recomputation
-    # now leaves the module's plain attributes and generators as it found them.
+    # now leaves the module's plain attributes and generators as it found them, and tensors
+    # kept as plain attributes (a step count as a tensor), rebound or updated in place.
     for r in run_ranks(workers.warm_up_run, 3, interval, kind):
         assert r["detections"] == [], r["detections"]
         assert r["calls"] == (12, 12) and r["same"], r
+
+
+def test_state_kept_per_rank_outside_buffers_is_named_when_every_edge_disagrees() -> None:
+    # A tensor attribute (not a buffer) that each rank updates from its own batches: no rank
+    # can recompute another's step, so every edge disagrees from the second step on. No rank
+    # is convicted, and the detection names the attribute and the fix.
+    for r in run_ranks(workers.rank_state_run, 3):
+        assert r["suspects"] and all(s == () for s in r["suspects"]), r
+        assert all(k == ["seen"] for k in r["kept"]), r["kept"]
+        assert all("['seen']" in d and "register them as buffers" in d
+                   for d in r["details"]), r["details"]
 
 
 def test_a_loss_that_communicates_is_refused_by_the_replay_not_convicted() -> None:
