@@ -179,18 +179,18 @@ def _names_of(m: torch.nn.Module) -> list[Any]:
     d = vars(m)
     return [m, [k for k, v in d.items() if k[0] != "_" and isinstance(v, _PLAIN)], len(d),
             [k for k, v in d.items() if isinstance(v, torch.Generator)],
-            [k for k, v in d.items() if k[0] != "_" and _is_state_tensor(v)], None]
+            [k for k, v in d.items() if k[0] != "_" and _is_state_tensor(v)], None, set()]
 
 
 def _plain_names(module: torch.nn.Module) -> list[list[Any]]:
     """``[module, plain attribute names, attribute count, generator attribute names, tensor
     attribute names, the tensor attributes a recomputation wrote in place (None: not known
-    yet)]`` for each module of ``module``, found once and again for a module that has gained
+    yet), those it rebound]`` for each module of ``module``, found once and again for a module that has gained
     or lost attributes since."""
     known = _PLAIN_NAMES.get(module)
     if known is None:  # (a model's modules stay: one given new ones later keeps them unkept)
         known = _PLAIN_NAMES[module] = [_names_of(m) for m in module.modules()]
-    for i, (m, _, size, _, _, _) in enumerate(known):
+    for i, (m, _, size, *_) in enumerate(known):
         if len(vars(m)) != size:
             known[i] = _names_of(m)
     return known
@@ -229,7 +229,7 @@ def module_state_kept(module: torch.nn.Module) -> Iterator[None]:
     tensors: list[tuple[list[Any], str, torch.Tensor, int, torch.Tensor | None]] = []
     known = _plain_names(module)
     for entry in known:
-        m, names, _, gens, tensor_names, writers = entry
+        m, names, _, gens, tensor_names, writers, _ = entry
         d = vars(m)
         saved.append((m, d, len(d), [(k, d.get(k, _ABSENT)) for k in (*names, *tensor_names)]))
         generators += [(g, g.get_state()) for k in gens
@@ -260,11 +260,12 @@ def module_state_kept(module: torch.nn.Module) -> Iterator[None]:
                     "(from the next recomputation on it is restored). Register it as a buffer "
                     "to have it kept with the model's state.", type(entry[0]).__name__, k)
             entry[5].add(k)
+        rebound = {id(e[0]): e[6] for e in known}
         for m, d, size, before in saved:
             for k, v in before:
                 if d.get(k, _ABSENT) is not v:
                     if _is_state_tensor(v):
-                        _written(known, m).add(k)
+                        rebound[id(m)].add(k)
                     if v is _ABSENT:
                         delattr(m, k)
                     else:
@@ -276,14 +277,6 @@ def module_state_kept(module: torch.nn.Module) -> Iterator[None]:
                     delattr(m, k)
 
 
-def _written(known: list[list[Any]], m: torch.nn.Module) -> set[str]:
-    entry = next(e for e in known if e[0] is m)
-    if entry[5] is None:
-        entry[5] = set()
-    written: set[str] = entry[5]
-    return written
-
-
 def state_tensors_written(module: torch.nn.Module) -> list[str]:
     """The tensor attributes (qualified names) that ``module``'s recomputations have written,
     in place or by rebinding: state kept outside the parameters and buffers, which DDP does
@@ -293,4 +286,4 @@ def state_tensors_written(module: torch.nn.Module) -> list[str]:
         return []
     names = {id(m): n for n, m in module.named_modules()}
     return sorted(f"{names.get(id(e[0]), '?')}.{k}".lstrip(".") for e in known
-                  if e[5] for k in e[5])
+                  for k in (e[5] or set()) | e[6])

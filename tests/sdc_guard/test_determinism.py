@@ -100,7 +100,7 @@ def test_python_and_numpy_global_generators_get_the_stream_and_come_back() -> No
 def test_module_state_kept_puts_plain_attributes_back() -> None:
     from torch import nn
 
-    from sdc_guard.determinism import module_state_kept
+    from sdc_guard.determinism import module_state_kept, state_tensors_written
 
     outer = nn.Sequential(nn.Linear(2, 2))
     inner: Any = outer[0]
@@ -109,10 +109,25 @@ def test_module_state_kept_puts_plain_attributes_back() -> None:
         inner.calls += 1
         inner.phase = "hot"
         inner.added = 7  # a plain attribute a forward adds: gone after
-        inner.cache = torch.ones(1)  # not plain: the caller's business
+        inner.cache = torch.ones(1)  # a tensor rebound: the old one back
         outer.train(False)  # `training` is plain too: back to True
     assert (inner.calls, inner.phase, outer.training) == (3, "warm", True)
-    assert not hasattr(inner, "added") and float(inner.cache) == 1.0
+    assert not hasattr(inner, "added") and float(inner.cache) == 0.0
+    kept = inner.cache
+    # Which tensors a forward writes in place is learned on the first recomputation (the one
+    # above, which rebound it): one first written in place later keeps that update once...
+    with module_state_kept(outer):
+        inner.cache += 5
+    assert inner.cache is kept and float(kept) == 5.0
+    with module_state_kept(outer):  # ... and is copied before the next ones, and put back
+        inner.cache.add_(2)
+    assert inner.cache is kept and float(kept) == 5.0
+    assert state_tensors_written(outer) == ["0.cache"]
+    fresh: Any = nn.Linear(2, 2)
+    fresh.count = torch.zeros(())
+    with module_state_kept(fresh):  # written in place on the first recomputation: put back
+        fresh.count += 1
+    assert float(fresh.count) == 0.0
     inner.lazy = 1  # created by a training forward after the first recomputation
     with module_state_kept(outer):
         inner.lazy += 1
