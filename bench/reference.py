@@ -107,7 +107,7 @@ def reference_runs(rank: int, batch: int) -> tuple[list[SDCGuard], Runner]:
 
     def plain_loop(guard: SDCGuard) -> Callable[[int], None]:
         assert not guard.comm_hook_registered  # else it would not be plain DDP
-        model, opt = guard.model, guard.optimizer
+        model, (opt,) = guard.model, guard.optimizers
 
         def plain(step: int) -> None:
             opt.zero_grad(set_to_none=True)

@@ -125,11 +125,11 @@ def resolve_target(fault: Fault, ctx: InjectionContext) -> Any:
     if fault.site != "optimizer_state":
         _check_fits(fault, param, what)
         return param
-    opt = ctx.optimizer
-    if opt is None:
+    if not ctx.optimizers:
         raise FaultError("site", "'optimizer_state' needs the optimizer: arm under an SDCGuard "
                          "or pass InjectionContext.plain(..., optimizer=opt).")
-    if not any(p is param for g in opt.param_groups for p in g["params"]):
+    opt = ctx.optimizer_of(param)
+    if opt is None:
         raise FaultError("target", f"{what} is not in the optimizer's param_groups.")
     state = opt.state.get(param)
     if state:  # optimizers create state lazily; before their first step it is checked on firing

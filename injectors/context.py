@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.comm_hook import GuardCommHook
 from sdc_guard.events import EventLog
+from sdc_guard.optimizers import Optimizers, as_optimizers
 
 if TYPE_CHECKING:
     from sdc_guard.guard import SDCGuard
@@ -69,7 +70,7 @@ class InjectionContext:
         self,
         model: torch.nn.Module,
         *,
-        optimizer: torch.optim.Optimizer | None,
+        optimizer: Optimizers | None,
         comm: GuardCommHook | None,
         rank: int,
         world_size: int,
@@ -82,11 +83,7 @@ class InjectionContext:
         context keeps its own step and hook list, driven by ``begin_step``."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                "optimizer must be a torch.optim.Optimizer or None, got "
-                f"{type(optimizer).__name__}."
-            )
+        optimizers = () if optimizer is None else as_optimizers(optimizer, "optimizer")
         if comm is not None and not isinstance(comm, GuardCommHook):
             raise TypeError(
                 "comm must be the sdc_guard.comm_hook.GuardCommHook registered on the DDP model "
@@ -101,6 +98,8 @@ class InjectionContext:
             )
         self.model = model.module if isinstance(model, DistributedDataParallel) else model
         self.optimizer = optimizer
+        self.optimizers = optimizers
+        """The optimizer, or each of several (``sdc_guard.optimizers``); () without one."""
         self.comm = comm
         self.rank = rank
         self.world_size = world_size
@@ -112,6 +111,11 @@ class InjectionContext:
         self.step_hooks: list[StepHook] = [] if step_hooks is None else step_hooks
         """Start-of-step callbacks (``guard.before_step`` under a guard)."""
         self._phase_source: Callable[[], str] = phase_source or (lambda: "train")
+
+    def optimizer_of(self, param: torch.Tensor) -> torch.optim.Optimizer | None:
+        """The optimizer (of several, the one) whose param groups hold ``param``."""
+        return next((opt for opt in self.optimizers for g in opt.param_groups
+                     if any(p is param for p in g["params"])), None)
 
     # -- constructors -----------------------------------------------------------------
     @classmethod
@@ -136,7 +140,7 @@ class InjectionContext:
         cls,
         model: torch.nn.Module,
         *,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: Optimizers | None = None,
         comm: GuardCommHook | None = None,
         events: EventSink = None,
         rank: int | None = None,

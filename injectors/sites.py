@@ -272,7 +272,7 @@ def install_gradient_after_allreduce(inj: Injector) -> list[Undo]:
 def install_optimizer_state(inj: Injector) -> list[Undo]:
     param: torch.Tensor = inj.target
     key = inj.fault.state_key
-    optimizer = inj.ctx.optimizer
+    optimizer = inj.ctx.optimizer_of(param)
     if optimizer is None:  # checked when arming
         raise FaultError("site", "optimizer_state needs an optimizer in the context.")
 

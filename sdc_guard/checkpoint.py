@@ -65,6 +65,7 @@ import torch.distributed as dist
 
 from sdc_guard.checks.weights import state_tensors
 from sdc_guard.fingerprints import fingerprint
+from sdc_guard.optimizers import Optimizers, as_optimizers, load_state_dict, state_dict
 
 if TYPE_CHECKING:
     from sdc_guard.guard import SDCGuard
@@ -229,7 +230,7 @@ class CheckpointManager:
         self._cached = state
 
     # -- saving ----------------------------------------------------------------------------
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+    def save(self, step: int, model: torch.nn.Module, optimizer: Optimizers, *,
              extra: Mapping[str, Any] | None = None,
              background: bool = False) -> CheckpointInfo | None:
         """Checkpoint the state after ``step``. Collective (the ranks' RNG states and
@@ -239,7 +240,8 @@ class CheckpointManager:
         are written, fsynced and committed on a thread while training goes on (``wait``;
         the next ``save`` and ``restore`` wait for it). Returns the manifest on rank 0 (with
         ``background``, the one about to be committed), None elsewhere and when refused (an
-        open suspect window: the state is suspect until a restore)."""
+        open suspect window: the state is suspect until a restore). ``optimizer``: one, or a
+        list of several (each one's ``state_dict``, in that order: ``sdc_guard.optimizers``)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"CheckpointManager.save(step): an int >= 0, got {step!r}.")
         if not isinstance(background, bool):
@@ -257,15 +259,16 @@ class CheckpointManager:
             log.warning("sdc-guard: not saving step %d: a suspect window is open since step %d "
                         "(restore a checkpoint first)", step, opened[0]["start"])
             return None
-        consolidate = getattr(optimizer, "consolidate_state_dict", None)
-        if callable(consolidate):  # ZeroRedundancyOptimizer: each rank holds a shard
-            consolidate(to=self._writer_in(getattr(optimizer, "process_group", None)))
+        for opt in as_optimizers(optimizer, "CheckpointManager.save(optimizer)"):
+            consolidate = getattr(opt, "consolidate_state_dict", None)
+            if callable(consolidate):  # ZeroRedundancyOptimizer: each rank holds a shard
+                consolidate(to=self._writer_in(getattr(opt, "process_group", None)))
         if self._rank() != 0:
             return None
         guard = self.guard
         payload = {
             "format": FORMAT, "step": step, "generation": state["generation"],
-            "model": _module(model).state_dict(), "optimizer": optimizer.state_dict(),
+            "model": _module(model).state_dict(), "optimizer": state_dict(optimizer),
             "rng": rngs, "world_size": self._world(), "extra": [g[1] for g in gathered],
             "guard": None if guard is None else {
                 "clean_through": guard.clean_through,
@@ -346,19 +349,23 @@ class CheckpointManager:
                 return dict(w)
         return None
 
-    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+    def restore(self, model: torch.nn.Module, optimizer: Optimizers, *,
                 extra: Mapping[str, Any] | None = None) -> int:
         """Load the newest usable checkpoint before every suspect window; the step to train
         next. 0: none is usable, and the model and optimizer (and ``extra``) are left as they
         are: start from scratch (re-initialise them, or save a checkpoint of the initial
         state first). ``extra``: the objects ``save`` was given, by the same names; each
         loads this rank's saved state after the model and the optimizer. Collective; every
-        rank reads the files."""
+        rank reads the files. ``optimizer``: what ``save`` was given (several: a list, in the
+        same order)."""
         _extra_states(extra, "restore")
+        as_optimizers(optimizer, "CheckpointManager.restore(optimizer)")
         try:  # a checkpoint still being written is committed first
             self.wait()
         except CheckpointError as e:  # restore what is there: the next older one
             log.error("sdc-guard: %s", e)
+        if self._world() > 1:  # and rank 0's last save is committed before any rank looks
+            dist.barrier(group=self.group)
         device = next(model.parameters()).device
         chosen = None
         for info in self.checkpoints():
@@ -371,8 +378,11 @@ class CheckpointManager:
             try:
                 payload = self._load(info)
                 self._extra_held(info, payload, extra)
+                # (the optimizers first: a checkpoint of another number of them is refused
+                # before anything is loaded)
+                load_state_dict(optimizer, payload["optimizer"],
+                                "CheckpointManager.restore(optimizer)")
                 _module(model).load_state_dict(payload["model"])
-                optimizer.load_state_dict(payload["optimizer"])
                 got = f"{fingerprint(state_tensors(_module(model), optimizer, every=True)):016x}"
                 if got != info.fingerprint:
                     raise CheckpointError(f"checkpoint {info.file}: the loaded state's "

@@ -21,6 +21,7 @@ from sdc_guard.config import GuardConfig
 from sdc_guard.determinism import enable_determinism, rng_stream
 from sdc_guard.events import EventLog
 from sdc_guard.fingerprints.public import fingerprint_tensor
+from sdc_guard.optimizers import Optimizers, as_optimizers
 from sdc_guard.remediation import Remediation
 from sdc_guard.report import Detection, StepReport
 from sdc_guard.telemetry import gpu_snapshot
@@ -66,7 +67,7 @@ class SDCGuard:
     def __init__(
         self,
         model: DistributedDataParallel,
-        optimizer: torch.optim.Optimizer,
+        optimizer: Optimizers,
         *,
         loss_fn: LossFn,
         batch_for: BatchFor | None = None,
@@ -97,11 +98,7 @@ class SDCGuard:
                 f"SDCGuard(model=...) must be a torch.nn.parallel.DistributedDataParallel, got "
                 f"{type(model).__name__}. Wrap it first: DistributedDataParallel(model)."
             )
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"SDCGuard(optimizer=...) must be a torch.optim.Optimizer, got "
-                f"{type(optimizer).__name__}."
-            )
+        optimizers = as_optimizers(optimizer, "SDCGuard(optimizer=...)")
         if not callable(loss_fn):
             raise TypeError("SDCGuard(loss_fn=...) must be callable: loss_fn(model, batch) -> loss.")
         if batch_for is not None and not callable(batch_for):
@@ -113,6 +110,8 @@ class SDCGuard:
             )
         self.model = model
         self.optimizer = optimizer
+        self.optimizers = optimizers
+        """``optimizer`` as a tuple: the one, or each of several, stepped in that order."""
         self.loss_fn = loss_fn
         self.batch_for = batch_for
         self.config = config
@@ -295,7 +294,8 @@ class SDCGuard:
             versions = [p._version for p in self.model.parameters()]
         for check in due:
             check.begin_step(step)
-        self.optimizer.zero_grad(set_to_none=True)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         self._forwards[0] = 0
         for i, mb in enumerate(batches):
@@ -323,10 +323,12 @@ class SDCGuard:
             if self.before_optimizer_step is not None:
                 self.before_optimizer_step(self)
             if self.grad_scaler is not None:
-                self.grad_scaler.step(self.optimizer)
+                for opt in self.optimizers:
+                    self.grad_scaler.step(opt)
                 self.grad_scaler.update()
             else:
-                self.optimizer.step()
+                for opt in self.optimizers:
+                    opt.step()
         for check in due:
             detections += check.post_step(step)
 

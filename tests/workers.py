@@ -1160,3 +1160,71 @@ def recovery_run(rank: int, world: int, steps: int, ckpt_dir: str, *, every: int
     dist.barrier()
     return {"detections": detections, "restored": restored, "positions": positions,
             "final": sdc_guard.fingerprint(sdc_guard.state_tensors(model.module, optimizer))}
+
+
+# -- several optimizers ----------------------------------------------------------------------
+def _muon_adamw(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """Muon for the 2-D weights, AdamW for the biases (Muon updates matrices only)."""
+    mats = [p for p in model.parameters() if p.dim() == 2]
+    rest = [p for p in model.parameters() if p.dim() != 2]
+    return [torch.optim.Muon(mats, lr=1e-2), torch.optim.AdamW(rest, lr=1e-2)]
+
+
+def two_optimizers_run(rank: int, world: int, corrupt_at: int | None,
+                       directory: str) -> dict[str, Any]:
+    """The MLP trained by Muon and AdamW together under every check (the replay every 2
+    steps, the checksum, the weights with both optimizers' states), beside a plain DDP loop
+    with the same two optimizers. ``corrupt_at``: at that step, the injector flips a bit of
+    rank 1's AdamW ``exp_avg`` of ``2.bias`` (the second optimizer's state). Then a
+    checkpoint of both saved, and restored into fresh optimizers (and, refused, into the Muon
+    alone)."""
+    torch.manual_seed(0)
+    guarded = DDP(make_mlp())
+    torch.manual_seed(0)
+    plain = DDP(make_mlp())
+    opts, plain_opts = _muon_adamw(guarded), _muon_adamw(plain)
+    found: list[sdc_guard.Detection] = []
+    guard = SDCGuard(guarded, opts, loss_fn=loss_fn, batch_for=batch_for,
+                     on_detection=found.append,
+                     config=GuardConfig(replay_interval=2, deterministic=True, checksum=True,
+                                        include_optimizer_state=True))
+    if corrupt_at is not None:
+        arm(Fault(site="optimizer_state", rank=1, step=corrupt_at, target="2.bias",
+                  state_key="exp_avg", index=3, bits=(20,)), guard=guard)
+    for s in range(6):
+        guard.step(s)
+        for opt in plain_opts:
+            opt.zero_grad(set_to_none=True)
+        loss_fn(plain, batch_for(rank, s)).backward()  # type: ignore[no-untyped-call]
+        for opt in plain_opts:
+            opt.step()
+    found += guard.flush()
+    same = all(torch.equal(a, b) for a, b in zip(
+        sdc_guard.state_tensors(guarded.module, opts),
+        sdc_guard.state_tensors(plain.module, plain_opts), strict=True))
+    ckpt = CheckpointManager(directory)
+    ckpt.save(5, guarded, opts)
+    fresh = _muon_adamw(guarded)
+    start = ckpt.restore(guarded, fresh)
+    restored = all(torch.equal(a, b) for a, b in zip(
+        sdc_guard.state_tensors(guarded.module, opts),
+        sdc_guard.state_tensors(guarded.module, fresh), strict=True))
+    try:
+        ckpt.restore(guarded, fresh[0])
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return {"detections": _flushed(found), "same": same, "start": start,
+            "restored": restored, "refused": refused,
+            "states": len(sdc_guard.state_tensors(guarded.module, opts))}
+
+
+def save_then_restore_run(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """A checkpoint saved and at once restored, no collective between: the step each rank
+    resumes from (rank 0 writes while the others go on to restore)."""
+    torch.manual_seed(0)
+    model = DDP(make_mlp())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = CheckpointManager(directory)
+    ckpt.save(3, model, opt)
+    return {"start": ckpt.restore(model, opt)}

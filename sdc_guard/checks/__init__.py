@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
@@ -19,6 +18,7 @@ from sdc_guard.checks.replay import ReplayAudit
 from sdc_guard.checks.weights import WeightsCheck, state_tensors
 from sdc_guard.comm_hook import GuardCommHook
 from sdc_guard.config import ChecksumConfig, GuardConfig
+from sdc_guard.optimizers import Optimizers
 from sdc_guard.types import BatchFor, LossFn
 
 __all__ = [
@@ -38,7 +38,7 @@ def build_checks(
     config: GuardConfig,
     *,
     model: DistributedDataParallel,
-    optimizer: torch.optim.Optimizer,
+    optimizer: Optimizers,
     comm: GuardCommHook,
     loss_fn: LossFn,
     batch_for: BatchFor | None,

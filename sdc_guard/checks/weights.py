@@ -29,6 +29,7 @@ from sdc_guard.checks.base import Check
 from sdc_guard.collectives import gather_if_different, majority_outliers
 from sdc_guard.fingerprints.public import fingerprint_tensor
 from sdc_guard.fingerprints.words import to_unsigned64
+from sdc_guard.optimizers import Optimizers, as_optimizers, param_groups
 from sdc_guard.report import Detection
 
 
@@ -44,9 +45,10 @@ def ddp_ignored(model: torch.nn.Module) -> set[int]:
 
 
 def state_tensors(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, every: bool = False
+    model: torch.nn.Module, optimizer: Optimizers | None, *, every: bool = False
 ) -> list[torch.Tensor]:
-    """The replicated state in canonical order: parameters, then optimizer state tensors.
+    """The replicated state in canonical order: parameters, then optimizer state tensors
+    (of each optimizer in turn, when several are given).
 
     Parameters that DDP ignores (``ddp_ignored``), and their optimizer state, are not
     replicated and are left out, unless ``every`` (a checkpoint's own fingerprint). So is
@@ -54,12 +56,14 @@ def state_tensors(
     known by its ``consolidate_state_dict``): each rank holds another part."""
     skip = set() if every else ddp_ignored(model)
     tensors = [p.detach() for _, p in model.named_parameters() if id(p) not in skip]
-    if optimizer is not None and not callable(getattr(optimizer, "consolidate_state_dict", None)):
-        for group in optimizer.param_groups:
+    for opt in () if optimizer is None else as_optimizers(optimizer, "optimizer"):
+        if callable(getattr(opt, "consolidate_state_dict", None)):
+            continue
+        for group in opt.param_groups:
             for p in group["params"]:
                 if id(p) in skip:
                     continue
-                st = optimizer.state.get(p) or {}
+                st = opt.state.get(p) or {}
                 for key in sorted(st, key=str):
                     v = st[key]
                     if isinstance(v, torch.Tensor):
@@ -67,9 +71,10 @@ def state_tensors(
     return tensors
 
 
-def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+def hyperparameters(optimizer: Optimizers) -> list[dict[str, Any]]:
     """Each param group's settings (learning rate, betas, weight decay, ...) as plain values:
-    numbers, strings, tuples of them, one-element tensors as numbers; the rest left out."""
+    numbers, strings, tuples of them, one-element tensors as numbers; the rest left out.
+    Several optimizers: their groups in turn."""
 
     def plain(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
@@ -82,7 +87,7 @@ def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
         return None
 
     return [{k: pv for k, v in group.items() if k != "params" and (pv := plain(v)) is not None}
-            for group in optimizer.param_groups]
+            for group in param_groups(optimizer)]
 
 
 def settings_differ(everyone: list[list[dict[str, Any]]]) -> list[str]:
@@ -107,7 +112,7 @@ class WeightsCheck(Check):
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: Optimizers,
         *,
         interval: int,
         include_optimizer_state: bool,

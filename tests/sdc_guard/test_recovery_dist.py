@@ -82,3 +82,12 @@ def test_a_sharded_optimizer_is_saved_and_restored_whole(tmp_path: Path) -> None
     for r in res:
         assert r["start"] == 3 and r["moved"] and r["restored_as_saved"], r
         assert r["detections"] == [], r["detections"]
+
+
+def test_a_checkpoint_restored_right_after_it_was_saved_is_found_by_every_rank(
+        tmp_path: Path) -> None:
+    # Rank 0 writes the checkpoint while the others return from save; restoring at once, they
+    # listed the directory before the manifest was there and chose none ("ranks chose
+    # different checkpoints"). Restore now waits for rank 0's last save on every rank.
+    for r in run_ranks(workers.save_then_restore_run, 3, str(tmp_path)):
+        assert r["start"] == 4, r
