@@ -168,6 +168,10 @@ _PLAIN_NAMES: weakref.WeakKeyDictionary[torch.nn.Module, list[list[Any]]] = (
 """Per root module: each of its modules, the names of its plain attributes, and how many
 attributes it had when they were found (``_plain_names``)."""
 _log = logging.getLogger(__name__)
+FIRST_COPY_LIMIT = 64 << 20
+"""Bytes: a tensor attribute larger than this is not copied on the first recomputation (a
+cached table on a GPU could not spare its size twice); if that recomputation writes it in
+place, it keeps that update once, with a warning, and is copied from then on."""
 
 
 def _is_state_tensor(v: Any) -> bool:
@@ -214,12 +218,13 @@ def module_state_kept(module: torch.nn.Module) -> Iterator[None]:
     neighbour's recomputation of the step and the owner's step see the same counter, and
     training is the unguarded run's. A ``torch.Generator`` a module keeps (a masking layer
     seeded once) gets its state back too, so the owner draws what the recomputation drew.
-    So does a tensor a module keeps as a plain attribute rather than a buffer (a running
-    mean of a custom normalisation): one the forward rebinds gets its old tensor back, one it
+    So does a tensor a module keeps as a plain attribute rather than a buffer (a step count
+    kept as a tensor, an EMA teacher's weights): one the forward rebinds gets its old tensor back, one it
     updates in place its old values. Which tensors a forward writes in place is learned on
-    the first recomputation, which copies every tensor attribute and compares version
-    counters; later ones copy only those. (A tensor first written on a later recomputation,
-    its update depending on the data, keeps that update once, with a warning.)
+    the first recomputation, which copies every tensor attribute (up to ``FIRST_COPY_LIMIT``
+    bytes each) and compares version counters; later ones copy only those. (A tensor first
+    written on a later recomputation, or a larger one on the first, keeps that update once,
+    with a warning.)
     (Buffers are the caller's: it restores them itself. Tensors inside lists and dicts are
     not followed.)
     Attributes whose names start with ``_`` are torch's own and left alone. Which attributes
@@ -237,7 +242,9 @@ def module_state_kept(module: torch.nn.Module) -> Iterator[None]:
         for k in tensor_names:
             t = d.get(k)
             if _is_state_tensor(t) and (v := _version(t)) is not None:
-                copy = t.detach().clone() if writers is None or k in writers else None
+                copy = t.detach().clone() if (
+                    k in writers if writers is not None
+                    else t.numel() * t.element_size() <= FIRST_COPY_LIMIT) else None
                 tensors.append((entry, k, t, v, copy))
     try:
         yield

@@ -128,6 +128,7 @@ def test_module_state_kept_puts_plain_attributes_back() -> None:
     with module_state_kept(fresh):  # written in place on the first recomputation: put back
         fresh.count += 1
     assert float(fresh.count) == 0.0
+
     inner.lazy = 1  # created by a training forward after the first recomputation
     with module_state_kept(outer):
         inner.lazy += 1
@@ -137,3 +138,23 @@ def test_module_state_kept_puts_plain_attributes_back() -> None:
     with module_state_kept(outer):
         torch.rand(4, generator=inner.gen)
     assert torch.equal(torch.rand(4, generator=inner.gen), first)
+
+
+def test_a_large_tensor_attribute_is_not_copied_before_it_is_known_to_be_written(
+        monkeypatch: Any, caplog: Any) -> None:
+    from torch import nn
+
+    from sdc_guard import determinism
+
+    monkeypatch.setattr(determinism, "FIRST_COPY_LIMIT", 16)
+    m: Any = nn.Linear(2, 2)
+    m.table = torch.zeros(8)  # 32 bytes: over the limit
+    m.small = torch.zeros(2)
+    with caplog.at_level("WARNING"), determinism.module_state_kept(m):
+        m.table += 1
+        m.small += 1
+    assert float(m.table[0]) == 1.0 and float(m.small[0]) == 0.0
+    assert "Linear.table" in caplog.text and "small" not in caplog.text
+    with determinism.module_state_kept(m):  # known now: copied, and put back
+        m.table += 1
+    assert float(m.table[0]) == 1.0
