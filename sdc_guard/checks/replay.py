@@ -66,10 +66,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import itertools
 import struct
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -277,7 +278,8 @@ def _probed(batch_for: BatchFor) -> bool:
 
 
 def _same_batch(a: Any, b: Any) -> bool:
-    """Are two batches the same, tensors bit for bit (nested lists, tuples and dicts)?"""
+    """Are two batches the same, tensors bit for bit (nested lists, tuples, mappings (a
+    ``UserDict`` too, as Hugging Face's ``BatchEncoding``) and dataclasses)?"""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
                 and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device):
@@ -289,8 +291,14 @@ def _same_batch(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return (type(a) is type(b) and len(a) == len(b)
                 and all(_same_batch(x, y) for x, y in zip(a, b, strict=True)))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same_batch(a[k], b[k]) for k in a)
+    if isinstance(a, Mapping) and isinstance(b, Mapping):  # (a UserDict: a BatchEncoding)
+        return (type(a) is type(b) and a.keys() == b.keys()
+                and all(_same_batch(a[k], b[k]) for k in a))
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        if type(a) is not type(b):
+            return False
+        return all(_same_batch(getattr(a, f.name), getattr(b, f.name))
+                   for f in dataclasses.fields(a))
     try:
         return bool(a == b)
     except Exception:  # an object whose == is not a plain answer: not ours to judge

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -109,6 +112,33 @@ def test_replay_refuses_a_batch_for_that_is_not_a_function_of_its_arguments(
     with pytest.raises(ValueError, match=r"batch_for\(0, 0\) returned a different batch"):
         guard.step(0)
     fine = _one_rank_guard(config=cfg)  # seeded by (rank, step): audited as before
+    assert [fine.step(s).detections for s in range(3)] == [[], [], []]
+
+
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+
+
+@pytest.mark.parametrize("wrap", ["userdict", "dataclass"])
+def test_a_batch_in_a_mapping_or_a_dataclass_is_compared_too(one_rank: None, wrap: str) -> None:
+    # Hugging Face tokenizers return a BatchEncoding (a UserDict, not a dict); others a
+    # dataclass. Their == compares tensors ambiguously, so the probe took any two as equal
+    # and let a batch_for that draws anew each call through.
+    def make(x: torch.Tensor) -> Any:
+        return collections.UserDict({"x": x}) if wrap == "userdict" else _Batch(x)
+
+    def loss(m: Any, b: Any) -> torch.Tensor:
+        out: torch.Tensor = m(b["x"] if wrap == "userdict" else b.x).pow(2).mean()
+        return out
+
+    cfg = GuardConfig(replay_interval=1, deterministic=True)
+    guard = _one_rank_guard(batch_for=lambda r, s: make(torch.randn(3, 4)), loss_fn=loss,
+                            config=cfg)
+    with pytest.raises(ValueError, match=r"batch_for\(0, 0\) returned a different batch"):
+        guard.step(0)
+    fine = _one_rank_guard(batch_for=lambda r, s: make(torch.full((3, 4), float(s))),
+                           loss_fn=loss, config=cfg)
     assert [fine.step(s).detections for s in range(3)] == [[], [], []]
 
 
