@@ -1228,3 +1228,40 @@ def save_then_restore_run(rank: int, world: int, directory: str) -> dict[str, An
     ckpt = CheckpointManager(directory)
     ckpt.save(3, model, opt)
     return {"start": ckpt.restore(model, opt)}
+
+
+def two_optimizers_scaler_run(rank: int, world: int) -> dict[str, Any]:
+    """Muon and AdamW under a ``GradScaler`` with gradient clipping in
+    ``before_optimizer_step`` (each optimizer unscaled), the replay and the checksum on,
+    beside the same plain loop: the detections, and whether both end alike bit for bit."""
+    torch.manual_seed(0)
+    guarded = DDP(make_mlp())
+    torch.manual_seed(0)
+    plain = DDP(make_mlp())
+    opts, plain_opts = _muon_adamw(guarded), _muon_adamw(plain)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    plain_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+
+    def clip(g: SDCGuard) -> None:
+        for opt in g.optimizers:
+            scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(g.model.parameters(), 1.0)
+
+    found: list[sdc_guard.Detection] = []
+    guard = SDCGuard(guarded, opts, loss_fn=loss_fn, batch_for=batch_for, grad_scaler=scaler,
+                     before_optimizer_step=clip, on_detection=found.append,
+                     config=GuardConfig(replay_interval=2, deterministic=True, checksum=True))
+    for s in range(6):
+        guard.step(s)
+        for opt in plain_opts:
+            opt.zero_grad(set_to_none=True)
+        plain_scaler.scale(loss_fn(plain, batch_for(rank, s))).backward()  # type: ignore[no-untyped-call]
+        for opt in plain_opts:
+            plain_scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+        for opt in plain_opts:
+            plain_scaler.step(opt)
+        plain_scaler.update()
+    found += guard.flush()
+    a, b = guarded.module.state_dict(), plain.module.state_dict()
+    return {"detections": _flushed(found), "same": all(torch.equal(a[k], b[k]) for k in a)}

@@ -54,3 +54,9 @@ def test_optimizers_are_checked_up_front() -> None:
         load_state_dict(sgd_a, saved, "restore")
     load_state_dict([sgd_b, sgd_a], saved, "restore")  # in the order given: lr swapped
     assert [sgd_b.param_groups[0]["lr"], sgd_a.param_groups[0]["lr"]] == [0.1, 0.2]
+
+
+def test_several_optimizers_under_a_grad_scaler() -> None:
+    # The scaler steps each optimizer (each unscaled for clipping first) and updates once.
+    for r in run_ranks(workers.two_optimizers_scaler_run, 3):
+        assert r["detections"] == [] and r["same"], r
