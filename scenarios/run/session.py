@@ -31,15 +31,26 @@ from scenarios.spec.models import DTYPES, build_model, scenario_loss, synthetic_
 from scenarios.spec.scenario import Scenario
 from scenarios.spec.seeds import seed_of
 from sdc_guard import BatchFor, GuardConfig, LossFn, SDCGuard, fingerprint, state_tensors
+from sdc_guard.optimizers import Optimizers, load_state_dict, state_dict
 
 _CONCAT_BYTES = 1 << 18
 
 
-def _optimizer(scenario: Scenario, params: Any) -> torch.optim.Optimizer:
+def _optimizer(scenario: Scenario, params: Any) -> list[torch.optim.Optimizer]:
+    """The scenario's optimizers: one, or for ``"muon"`` Muon for the 2-D parameters and
+    AdamW for the rest (``sdc_guard.optimizers``)."""
     o = scenario.optimizer
     if o.kind == "sgd":
-        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    return torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
+        return [torch.optim.SGD(params, lr=o.lr, momentum=o.momentum,
+                                weight_decay=o.weight_decay)]
+    if o.kind == "muon":
+        params = list(params)
+        mats = [p for p in params if p.dim() == 2]
+        rest = [p for p in params if p.dim() != 2]
+        return [torch.optim.Muon(mats, lr=o.lr, momentum=o.momentum,
+                                 weight_decay=o.weight_decay),
+                torch.optim.AdamW(rest, lr=o.lr, weight_decay=o.weight_decay)]
+    return [torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)]
 
 
 def batch_for(scenario: Scenario, device: torch.device, rank: int, step: int) -> Any:
@@ -76,14 +87,16 @@ class Session:
         ids = [device.index] if device.type == "cuda" else None
         self.ddp = DDP(module, device_ids=ids)
         self.module = module
-        self.optimizer = _optimizer(scenario, module.parameters())
+        optimizers = _optimizer(scenario, module.parameters())
+        self.optimizers = optimizers
+        self.optimizer: Optimizers = optimizers[0] if len(optimizers) == 1 else optimizers
         self.batch_for: BatchFor = functools.partial(batch_for, scenario, device)
         self.loss_fn: LossFn = functools.partial(loss_for, scenario.micro_batches)
         self.guard = None if config is None else SDCGuard(
             self.ddp, self.optimizer, loss_fn=self.loss_fn, batch_for=self.batch_for,
             config=config)
         self._model0 = copy.deepcopy(module.state_dict())
-        self._opt0 = copy.deepcopy(self.optimizer.state_dict())
+        self._opt0 = copy.deepcopy(state_dict(self.optimizer))
         for step in range(2):  # DDP rebuilds its buckets at the second iteration
             self.ddp.zero_grad(set_to_none=True)
             batch = self.batch_for(rank, step)
@@ -94,8 +107,9 @@ class Session:
     def reset(self) -> None:
         """Back to step 0: the snapshot's weights and buffers, an empty optimizer state."""
         self.module.load_state_dict(self._model0)
-        self.optimizer.load_state_dict(copy.deepcopy(self._opt0))
-        self.optimizer.zero_grad(set_to_none=True)
+        load_state_dict(self.optimizer, copy.deepcopy(self._opt0), "Session.reset")
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
         # The CPU generator directly: torch.manual_seed also queues a lazy CUDA seeding
         # that formats a stack trace on CPU-only builds (about 1 ms a call).
         seed = seed_of(self.scenario.seed, "torch", self.rank)
@@ -105,7 +119,8 @@ class Session:
 
     def plain_step(self, step: int) -> float:
         """A training step without the guard (the overhead baseline)."""
-        self.optimizer.zero_grad(set_to_none=True)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
         batch = self.batch_for(self.rank, step)
         batches = batch if self.scenario.micro_batches > 1 else [batch]
         for i, mb in enumerate(batches):
@@ -113,7 +128,8 @@ class Session:
             with contextlib.nullcontext() if last else self.ddp.no_sync():
                 loss = self.loss_fn(self.ddp, mb)
                 loss.backward()  # type: ignore[no-untyped-call]
-        self.optimizer.step()
+        for opt in self.optimizers:
+            opt.step()
         return float(loss.detach())
 
     def state_fingerprint(self) -> int:
@@ -135,4 +151,4 @@ class Session:
 
     def close(self) -> None:
         self.guard = None
-        del self.ddp, self.optimizer
+        del self.ddp, self.optimizer, self.optimizers

@@ -25,8 +25,19 @@ FIELDS: Final = ("sign", "exponent", "mantissa", "any", "nan", "inf")
 """Bit fields of a campaign: one random bit of the sign / exponent / mantissa / any field
 (a bit flip), or the whole element set to NaN / +Inf (a value fault)."""
 MODES: Final = ("matrix", "sample")
-STATE_KEYS: Final = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
-"""The optimizer state tensors of each optimizer kind (targets of ``optimizer_state`` faults)."""
+STATE_KEYS: Final = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",),
+                     "muon": ("momentum_buffer", "exp_avg", "exp_avg_sq")}
+"""The optimizer state tensors of each optimizer kind (targets of ``optimizer_state`` faults).
+``"muon"``: Muon's momentum for the 2-D parameters, AdamW's moments for the rest
+(``state_keys``)."""
+
+
+def state_keys(kind: str, dims: int) -> tuple[str, ...]:
+    """The state tensors an optimizer of ``kind`` keeps for a parameter of ``dims``
+    dimensions (Muon updates only matrices; AdamW beside it the rest)."""
+    if kind == "muon":
+        return ("momentum_buffer",) if dims == 2 else ("exp_avg", "exp_avg_sq")
+    return STATE_KEYS[kind]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

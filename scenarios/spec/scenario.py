@@ -18,7 +18,7 @@ faults to inject into it::
     depth = 2
 
     [optimizer]
-    kind = "adamw"               # adamw | sgd (with momentum)
+    kind = "adamw"               # adamw | sgd (with momentum) | muon (2-D) + adamw
     lr = 0.01
 
     [guard]                      # a sdc_guard.GuardConfig: any of its fields but seed and
@@ -63,7 +63,7 @@ from typing import Any, Final
 
 from injectors import Fault, FaultError
 from scenarios.spec.errors import ScenarioError, need_bool, need_choice, need_int, need_number
-from scenarios.spec.faults import STATE_KEYS, FaultSpace, space_of
+from scenarios.spec.faults import STATE_KEYS, FaultSpace, space_of, state_keys
 from scenarios.spec.models import (
     DTYPES,
     MODEL_KINDS,
@@ -78,6 +78,13 @@ from sdc_guard import ChecksumConfig, GuardConfig
 
 BACKENDS: Final = ("auto", "gloo", "nccl")
 OPTIMIZERS: Final = tuple(STATE_KEYS)
+
+
+@functools.lru_cache(maxsize=64)
+def _param_dims(kind: str, width: int, depth: int, seed: int) -> dict[str, int]:
+    """Each parameter's number of dimensions in a scenario model (built once per shape)."""
+    model = build_model(kind, width=width, depth=depth, seed=seed)
+    return {n: p.dim() for n, p in model.named_parameters()}
 FROM_SCENARIO: Final = ("seed", "micro_batches")
 """``GuardConfig`` fields the scenario sets itself (its data and batches depend on them too)."""
 TRAINING_CODE: Final = ("spec/models.py", "run/session.py", "run/rank.py")
@@ -107,14 +114,15 @@ class ModelSpec:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class OptimizerSpec:
-    """The optimizer: SGD with momentum or AdamW."""
+    """The optimizer: SGD with momentum, AdamW, or Muon (every 2-D parameter) with AdamW
+    (the rest) beside it."""
 
     kind: str = "adamw"
-    """``"adamw"`` or ``"sgd"``."""
+    """``"adamw"``, ``"sgd"`` or ``"muon"``."""
     lr: float = 0.01
     """Learning rate."""
     momentum: float = 0.9
-    """SGD only: momentum (> 0, so there is a momentum buffer to corrupt)."""
+    """SGD and Muon: momentum (> 0, so there is a momentum buffer to corrupt)."""
     weight_decay: float = 0.0
     """Decoupled (AdamW) or L2 (SGD) weight decay."""
 
@@ -272,10 +280,10 @@ class Scenario:
         if name not in targets:
             raise ScenarioError(f"{where}.target", f.target, f"one of {targets}")
         if f.site == "optimizer_state":
-            keys = STATE_KEYS[self.optimizer.kind]
+            keys = self.state_keys(name)
             if f.state_key not in keys:
                 raise ScenarioError(f"{where}.state_key", f.state_key, f"one of {list(keys)} "
-                                    f"for optimizer {self.optimizer.kind!r}")
+                                    f"for optimizer {self.optimizer.kind!r} on {name!r}")
             if f.step == 0:
                 raise ScenarioError(f"{where}.step", 0, "a step >= 1 for optimizer_state",
                                     reason="optimizers create their state in the first step")
@@ -291,6 +299,13 @@ class Scenario:
                                     f"({f.target!r} has {n} element(s), burst {f.burst})")
 
     # -- derived ------------------------------------------------------------------------------
+    def state_keys(self, target: str) -> tuple[str, ...]:
+        """The optimizer state tensors of the parameter ``target`` (``faults.state_keys``)."""
+        if self.optimizer.kind != "muon":
+            return STATE_KEYS[self.optimizer.kind]
+        dims = _param_dims(self.model.kind, self.model.width, self.model.depth, self.seed)
+        return state_keys(self.optimizer.kind, dims.get(target.removeprefix("module."), 2))
+
     def targets(self, site: str) -> list[str]:
         """The names a fault at ``site`` may target in this scenario's model."""
         model = build_model(self.model.kind, width=self.model.width, depth=self.model.depth,

@@ -23,7 +23,7 @@ from injectors import Fault
 from injectors.fault import PRODUCTS
 from scenarios.spec.campaign import CampaignSpec
 from scenarios.spec.errors import ScenarioError, need_int
-from scenarios.spec.faults import STATE_KEYS, FaultSpace
+from scenarios.spec.faults import FaultSpace
 from scenarios.spec.scenario import Scenario
 from scenarios.spec.seeds import seed_of
 
@@ -111,7 +111,7 @@ def make_fault(scenario: Scenario, *, site: str, field_name: str, model: str, st
     else:
         kw.update(kind="bitflip", field=field_name, count=1)
     if site == "optimizer_state":
-        kw["state_key"] = rng.choice(STATE_KEYS[scenario.optimizer.kind])
+        kw["state_key"] = rng.choice(scenario.state_keys(target))
     if model == "intermittent":
         kw["p"] = p
     if site == "linear_product":

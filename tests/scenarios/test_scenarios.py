@@ -102,7 +102,7 @@ def test_cli_prints_one_line_and_exits_2(tmp_path: Path, capsys: pytest.CaptureF
     p = _write(tmp_path, '[optimizer]\nkind = "lion"\n')
     assert main(["run", str(p)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "optimizer.kind = 'lion'" in err and "['adamw', 'sgd']" in err
+    assert err.count("\n") == 0 and "optimizer.kind = 'lion'" in err and "['adamw', 'sgd', 'muon']" in err
     camp = _write(tmp_path, 'scenarios = ["missing.toml"]\n[sample]\n', "c.toml")
     assert main(["campaign", str(camp)]) == 2
     assert "missing.toml" in capsys.readouterr().err
@@ -461,3 +461,16 @@ def test_checksum_axis_and_linear_product_site() -> None:
     assert len([t for t in b if not t.faults]) == 2 * len([t for t in a if not t.faults])
     with pytest.raises(ScenarioError, match="checksum"):
         FaultSpace(mode="sample", checksum=(True, True))
+
+
+def test_muon_state_keys_follow_the_parameter(tmp_path: Path) -> None:
+    # Muon keeps a momentum buffer for each matrix; AdamW beside it the moments of the rest.
+    sc = scenario_from_dict({"optimizer": {"kind": "muon"}}, name="m")
+    assert sc.state_keys("net.0.weight") == ("momentum_buffer",)
+    assert sc.state_keys("net.0.bias") == ("exp_avg", "exp_avg_sq")
+    p = _write(tmp_path, '[optimizer]\nkind = "muon"\n[[faults]]\nsite = "optimizer_state"\n'
+               'rank = 1\nstep = 1\ntarget = "net.0.bias"\nstate_key = "momentum_buffer"\n'
+               'bits = [3]\n')
+    with pytest.raises(ScenarioError, match=r"one of \['exp_avg', 'exp_avg_sq'\] for optimizer "
+                       "'muon' on 'net.0.bias'"):
+        load_scenario(p)

@@ -117,6 +117,29 @@ def test_other_models_dtypes_and_accumulation(tmp_path: Path, variant: dict[str,
         executor.close()
 
 
+def test_muon_with_adamw_trains_clean_and_its_states_are_covered(tmp_path: Path) -> None:
+    # optimizer.kind = "muon": Muon for the matrices, AdamW for the rest, both under the
+    # guard; a flip in either one's state is caught on its rank.
+    sc = scenario_from_dict({"world_size": 3, "steps": 4, "batch": 8, "trial_timeout_s": 60,
+                             "model": {"kind": "mlp", "width": 16},
+                             "optimizer": {"kind": "muon", "lr": 0.02}}, name="tiny")
+    executor = PoolExecutor()
+    runner = CampaignRunner(campaign_for_scenario(sc), tmp_path, executor, progress=False)
+    try:
+        runner.goldens["tiny"] = golden = runner.golden(sc)
+        assert golden.ranks_agree and golden.detections == []
+        for k in (0, 2):
+            row = runner.trial(TrialSpec(id=f"c{k}", scenario="tiny", replay_interval=k))
+            assert row is not None and row["outcome"] == "masked", row
+        for target, key in (("net.0.weight", "momentum_buffer"), ("net.2.bias", "exp_avg")):
+            row = runner.trial(_fault(site="optimizer_state", rank=1, step=2, target=target,
+                                      state_key=key, field="exponent"))
+            assert row is not None
+            assert (row["outcome"], row["suspects"]) == ("detected", [1]), (target, row)
+    finally:
+        executor.close()
+
+
 def _descendants(pid: int) -> list[int]:
     """Every process below ``pid``: the ranks are the fork server's children, not the
     campaign's."""
