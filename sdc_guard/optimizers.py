@@ -44,16 +44,28 @@ def as_optimizers(optimizer: Any, where: str) -> tuple[torch.optim.Optimizer, ..
     return opts
 
 
+def each(optimizer: Optimizers) -> tuple[torch.optim.Optimizer, ...]:
+    """``optimizer`` as a tuple, its types checked but not its parameters (``as_optimizers``
+    checked those where it came in): what runs every step (the weights check's fingerprint)
+    skips the overlap check's walk over every parameter."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return (optimizer,)
+    if isinstance(optimizer, (list, tuple)) and all(
+            isinstance(o, torch.optim.Optimizer) for o in optimizer):
+        return tuple(optimizer)
+    return as_optimizers(optimizer, "optimizer")  # raises, naming what it got
+
+
 def param_groups(optimizer: Optimizers) -> list[dict[str, Any]]:
     """Every param group of every optimizer, in order."""
-    return [g for opt in as_optimizers(optimizer, "optimizer") for g in opt.param_groups]
+    return [g for opt in each(optimizer) for g in opt.param_groups]
 
 
 def state_dict(optimizer: Optimizers) -> Any:
     """The ``state_dict`` of one optimizer; of several, the list of theirs."""
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer.state_dict()
-    return [opt.state_dict() for opt in as_optimizers(optimizer, "optimizer")]
+    return [opt.state_dict() for opt in each(optimizer)]
 
 
 def load_state_dict(optimizer: Optimizers, saved: Any, where: str) -> None:

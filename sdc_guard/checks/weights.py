@@ -29,7 +29,7 @@ from sdc_guard.checks.base import Check
 from sdc_guard.collectives import gather_if_different, majority_outliers
 from sdc_guard.fingerprints.public import fingerprint_tensor
 from sdc_guard.fingerprints.words import to_unsigned64
-from sdc_guard.optimizers import Optimizers, as_optimizers, param_groups
+from sdc_guard.optimizers import Optimizers, each, param_groups
 from sdc_guard.report import Detection
 
 
@@ -56,7 +56,7 @@ def state_tensors(
     known by its ``consolidate_state_dict``): each rank holds another part."""
     skip = set() if every else ddp_ignored(model)
     tensors = [p.detach() for _, p in model.named_parameters() if id(p) not in skip]
-    for opt in () if optimizer is None else as_optimizers(optimizer, "optimizer"):
+    for opt in () if optimizer is None else each(optimizer):
         if callable(getattr(opt, "consolidate_state_dict", None)):
             continue
         for group in opt.param_groups:
