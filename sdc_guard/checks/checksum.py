@@ -349,6 +349,9 @@ class _Call:
     """Checked by the C passes (``_gy_native``): float32 on the CPU with the exact bound."""
     gx_ready: bool = False
     """The C passes left the input gradient's right-hand side and bound in ``sums``."""
+    via_node: bool = False
+    """Its backward is seen through the product's node (``ChecksumCheck._on_node``): a tap
+    the pre-hook installed on its input (not knowing yet) is ignored."""
 
     @property
     def x_rows(self) -> torch.Tensor:
@@ -419,6 +422,15 @@ class _Layer:
     gw_buf: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     """The C path's weight-gradient sides (right-hand side, bound) and ``GW e``, kept."""
     handles: list[Any] = field(default_factory=list)
+    weight_hook: int | None = None
+    """The id of this check's own hook on the weight (``_on_gw``), if it has one."""
+    gw_at_node: bool = False
+    """The weight has gradient hooks of the user's (``Tensor.register_hook``,
+    ``register_post_accumulate_grad_hook``: a clamp, a per-layer scale), which change its
+    gradient after the product made it: the weight-gradient identity is then checked at
+    the product's node, call by call, on the gradient the product passes on
+    (``ChecksumCheck._gw_node``), never on ``W.grad``; a call seen without the node leaves it
+    unchecked. Found at each checked step's start (``_gradient_hooked``)."""
     called: bool = False
     """The layer's forward ran in a checked step (``ChecksumCheck.uncalled``)."""
 
@@ -427,6 +439,24 @@ def _in_backward() -> bool:
     """Is a backward running (this forward call a recomputation inside it)?"""
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
+
+
+def _gradient_hooked(layer: _Layer) -> bool:
+    """Does anything but this check change the weight's gradient between the product and
+    ``W.grad`` (``_Layer.gw_at_node``)? DDP's own hooks are not the tensor's."""
+    w = layer.module.weight
+    hooks = w._backward_hooks
+    return bool(getattr(w, "_post_accumulate_grad_hooks", None)) or bool(
+        hooks and any(k != layer.weight_hook for k in hooks))
+
+
+def _full_backward_hooked(module: nn.Module) -> bool:
+    """Does a full backward hook (``register_full_backward_hook``, the module's or a global
+    one) see this module's input gradient? It may return another one, which then flows to
+    the input in place of the product's: a tap on the input would see that."""
+    return bool((module._backward_hooks and module._is_full_backward_hook)
+                or (nn.modules.module._global_backward_hooks
+                    and nn.modules.module._global_is_full_backward_hook))
 
 
 def _recomputing() -> bool:
@@ -590,10 +620,12 @@ class ChecksumCheck(Check, BucketListener):
                 return None
             if not (self._want["input_grad"] and x.requires_grad and torch.is_grad_enabled()):
                 return None
+            if _full_backward_hooked(mod):  # its GX may not be the product's: no tap
+                return None
             tap = x.view_as(x)  # consumed by this layer only: its hook sees this layer's GX
             call_index = len(layer.calls)
             tap.register_hook(  # type: ignore[no-untyped-call]
-                lambda gx: self._on_gx(layer, call_index, gx))
+                lambda gx: self._on_tap(layer, call_index, gx))
             return (tap, *args[1:])
 
         def post(mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
@@ -615,16 +647,19 @@ class ChecksumCheck(Check, BucketListener):
             layer.node_ok = found is not None
             if via_node and found is None and backward:  # not as predicted: no GX this call
                 self.unseen_input_grads += int(bool(x.requires_grad) and self._want["input_grad"])
-            if found is not None and via_node:  # GY and GX from the product's node
+            if found is not None:  # GY and GX (and, hooked, GW) from the product's node
                 node, gx_at = found
                 tapped = bool(x.requires_grad) and self._want["input_grad"]
                 self._on_forward(layer, x, out, tapped)
                 call = layer.calls[-1]
+                call.via_node = True  # (a tap installed for this call is ignored)
                 call_index = len(layer.calls) - 1
                 node.register_hook(lambda grads_in, grads_out: self._on_node(
-                    layer, call, call_index, grads_out[0], grads_in[gx_at] if tapped else None))
+                    layer, call, call_index, grads_out[0], grads_in[gx_at] if tapped else None,
+                    grads_in[gx_at + 1] if layer.gw_at_node else None))
                 return
-            tapped = bool(x.requires_grad) and self._want["input_grad"] and not via_node
+            tapped = (bool(x.requires_grad) and self._want["input_grad"] and not via_node
+                      and not _full_backward_hooked(m))
             self._on_forward(layer, x, out, tapped)
             call = layer.calls[-1]
             if backward:
@@ -634,17 +669,24 @@ class ChecksumCheck(Check, BucketListener):
         # Hidden from torch.compile: traced, the hooks' reads of ``self._active`` would give
         # the train step and the replay (checks idle) different graphs, whose kernels need
         # not agree bit for bit; run eagerly, they split both the same way.
+        # The forward hook runs first (prepend): it sees the product's own output, before a
+        # forward hook of the user's replaces it or changes it in place.
         eager = torch.compiler.disable
         layer.handles.append(m.register_forward_pre_hook(eager(pre)))  # type: ignore[no-untyped-call]
-        layer.handles.append(m.register_forward_hook(eager(post)))  # type: ignore[no-untyped-call]
+        first = eager(post)  # type: ignore[no-untyped-call]
+        layer.handles.append(m.register_forward_hook(first, prepend=True))
         if layer.gw_checked and m.weight.requires_grad and not self.bucket_weight_grad:
-            layer.handles.append(m.weight.register_hook(  # type: ignore[no-untyped-call]
-                lambda gw: self._on_gw(layer, gw)))
+            handle = m.weight.register_hook(  # type: ignore[no-untyped-call]
+                lambda gw: self._on_gw(layer, gw))
+            layer.weight_hook = handle.id
+            layer.handles.append(handle)
 
     def _on_node(self, layer: _Layer, call: _Call, call_index: int, gy: torch.Tensor | None,
-                 gx: torch.Tensor | None) -> None:
+                 gx: torch.Tensor | None, gwt: torch.Tensor | None = None) -> None:
         """The product node's post-hook: its output's gradient ``GY`` and, when checked, this
-        call's input gradient ``GX`` (both 2-D: the node multiplies the flattened input)."""
+        call's input gradient ``GX`` (both 2-D: the node multiplies the flattened input);
+        ``gwt``, the gradient of ``W^T`` it passes on, when the weight's gradient is hooked
+        (``_Layer.gw_at_node``)."""
         if gy is None:
             return
         if self._forward_phase and self._active:
@@ -654,9 +696,33 @@ class ChecksumCheck(Check, BucketListener):
             g = gy if _rows_ok(gy) else gy.contiguous()
             self._gy_native(self._kernel, layer, call, g,
                             None if gx is None else gx if _rows_ok(gx) else gx.contiguous())
-            return
-        self._on_gy(layer, call, gy)
-        if gx is not None:
+        else:
+            self._on_gy(layer, call, gy)
+            if gx is not None:
+                self._on_gx(layer, call_index, gx)
+        if gwt is not None and self._active and layer.gw_checked and layer.gw_at_node:
+            self._gw_node(layer, call, gy, gwt)
+
+    def _gw_node(self, layer: _Layer, call: _Call, gy: torch.Tensor, gwt: torch.Tensor) -> None:
+        """The weight-gradient identity of one call, on the gradient its product node passes
+        on (``gwt = X^T GY``, ``in x out``: its column sums are this call's share of ``GW e``)
+        against ``GY^T (X e)``, within ``|GY|^T (|X| e)`` times the tolerance. Torch
+        operations: only for a weight whose gradient is hooked (``_Layer.gw_at_node``)."""
+        g = gy.detach().reshape(-1, gy.shape[-1])
+        gf = g if g.dtype == torch.float32 else g.float()
+        x_rows = call.x_rows
+        rhs = gf.t() @ x_rows[0]
+        bound = gf.abs().t() @ x_rows[1]
+        lhs = gwt.detach().sum(0, dtype=torch.float32)
+        n = g.shape[0]
+        tol = tolerance(self.config.tolerance_scale, k=n,
+                        checked=2 * layer.module.in_features + n, compute=g.dtype,
+                        operands=(call.x.dtype,), device=gy.device)
+        self._record(layer, "weight_grad", call.micro_batch, lhs, rhs, bound * tol)
+
+    def _on_tap(self, layer: _Layer, call_index: int, gx: torch.Tensor) -> None:
+        """The tap's hook: the input gradient of a call not seen through its node."""
+        if call_index < len(layer.calls) and not layer.calls[call_index].via_node:
             self._on_gx(layer, call_index, gx)
 
     def _fresh(self, layer: _Layer) -> None:
@@ -824,7 +890,7 @@ class ChecksumCheck(Check, BucketListener):
             call.gx_bound = ga @ w_abs_row if w_abs_row is not None else (  # exact, or <= ...
                 torch.linalg.vector_norm(gf, dim=1) * (
                     math.sqrt(layer.module.in_features) * self._weight_norm(layer)))
-        if layer.gw_checked and ga is not None:
+        if layer.gw_checked and not layer.gw_at_node and ga is not None:
             both = torch.stack([gf.t() @ call.x_rows[0], ga.t() @ call.x_rows[1]])
             layer.gw_rhs = both[0] if layer.gw_rhs is None else layer.gw_rhs + both[0]
             layer.gw_bound = both[1] if layer.gw_bound is None else layer.gw_bound + both[1]
@@ -845,7 +911,7 @@ class ChecksumCheck(Check, BucketListener):
         call.gy_dtype = g.dtype
         gw = add = 0
         gw_at = gwb_at = 0
-        if layer.gw_checked:
+        if layer.gw_checked and not layer.gw_at_node:
             if layer.gw_rhs is None or layer.gw_bound is None:
                 if layer.gw_buf is None:
                     buf = torch.empty(3, out)
@@ -1057,6 +1123,7 @@ class ChecksumCheck(Check, BucketListener):
             m = layer.module
             layer.native = self._kernel is not None and _rows_ok(m.weight) and (
                 m.bias is None or (m.bias.dtype == torch.float32 and m.bias.is_contiguous()))
+            layer.gw_at_node = layer.gw_checked and _gradient_hooked(layer)
 
     def _flags(self) -> tuple[Flag, list[_Failure]]:
         """Whether any entry failed (a host bool on the CPU, else a 0-d device bool)."""

@@ -381,6 +381,28 @@ def _grads(loss: torch.Tensor, params: list[torch.Tensor]) -> tuple[torch.Tensor
             "PyTorch recommends), or turn the replay off (GuardConfig(replay_interval=0)).") from e
 
 
+def _refuse_post_accumulate_hooks(named: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Refuse parameters with post-accumulate-grad hooks (``register_post_accumulate_grad_hook``).
+
+    Such a hook runs when the backward has accumulated ``.grad`` and may change it there (a
+    clamp, added noise), before DDP reads it into its bucket: the own gradient is the hooked
+    one. The replay takes its gradients with ``torch.autograd.grad``, which accumulates
+    nothing and runs no such hook, so every edge of the ring would disagree at every audit
+    step (every step withheld). Checked when the audit is built and at each audit step
+    (a hook can be added later), on every rank alike (the model is the same)."""
+    hooked = [n for n, p in named if getattr(p, "_post_accumulate_grad_hooks", None)]
+    if hooked:
+        raise ValueError(
+            f"replay audit: the parameters {hooked[:4]}{' ...' if len(hooked) > 4 else ''} "
+            "have post-accumulate-grad hooks (register_post_accumulate_grad_hook), which "
+            "change .grad after the backward computed it; the replay recomputes a "
+            "neighbour's gradients with torch.autograd.grad, which runs no such hook, so "
+            "every audit step would convict every rank. Make that change in "
+            "before_optimizer_step (SDCGuard(..., before_optimizer_step=...): after the "
+            "all-reduce, alike on every rank), or as a Tensor.register_hook hook (the replay "
+            "runs those), or turn the replay off (GuardConfig(replay_interval=0)).")
+
+
 def _refuse_sync_batchnorm(module: nn.Module) -> None:
     """Refuse ``nn.SyncBatchNorm``: it normalises with statistics gathered from every rank's
     batch, so a batch cannot be recomputed alone. In the replay each rank contributes its
@@ -467,6 +489,8 @@ class ReplayAudit(Check, BucketListener):
         _refuse_sync_batchnorm(self.module)
         named = [(n, p) for n, p in self.module.named_parameters()
                  if p.requires_grad and id(p) not in ignored]
+        _refuse_post_accumulate_hooks(named)
+        self._named = named
         self.params = [p for _, p in named]
         self.names = [n for n, _ in named]
         self.index = {id(p): i for i, (_, p) in enumerate(named)}
@@ -735,6 +759,7 @@ class ReplayAudit(Check, BucketListener):
     def _replay(self, rank: int, step: int, phase: str) -> tuple[Word, Word]:
         """(loss fingerprint, gradient fingerprint) of ``rank``'s micro-batches of ``step``."""
         self.phase = phase
+        _refuse_post_accumulate_hooks(self._named)
         buffers = [b.detach().clone() for b in self.module.buffers()]
         grads: list[torch.Tensor | None] = [None] * len(self.params)
         losses = []

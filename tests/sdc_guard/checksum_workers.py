@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import sdc_guard
 from injectors import Fault, arm
@@ -574,3 +575,135 @@ def strided_run(rank: int, world: int, fault: dict[str, Any] | None) -> dict[str
     if handle is not None:
         handle.remove()
     return {"detections": _dets(found), "skipped": [r.step for r in reports if r.skipped]}
+
+
+def _hooked_mlp(post_accumulate: bool) -> nn.Module:
+    """An MLP (8 -> 24 -> 12 -> 2) with the hooks users put on their layers, all registered
+    before the guard is built: every parameter's gradient clamped by a tensor hook, the
+    middle layer's output replaced by a forward hook, the last layer's output scaled in
+    place by one and its input gradient halved by a full backward hook; with
+    ``post_accumulate``, the first weight's gradient halved after accumulation too."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 24), nn.ReLU(), nn.Linear(24, 12), nn.ReLU(),
+                        nn.Linear(12, 2))
+    for p in net.parameters():
+        p.register_hook(_clamp)  # type: ignore[no-untyped-call]
+    net[2].register_forward_hook(_doubled)
+    net[4].register_forward_hook(_halved_in_place)
+    net[4].register_full_backward_hook(_halved_input_grad)
+    if post_accumulate:
+        first: nn.Linear = net[0]  # type: ignore[assignment]
+        first.weight.register_post_accumulate_grad_hook(_halve_grad)  # type: ignore[no-untyped-call]
+    return net
+
+
+def _clamp(g: torch.Tensor) -> torch.Tensor:
+    return g.clamp(-0.02, 0.02)
+
+
+def _doubled(m: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+    return out * 2
+
+
+def _halved_in_place(m: nn.Module, args: Any, out: torch.Tensor) -> None:
+    out.mul_(0.5)
+
+
+def _halved_input_grad(m: nn.Module, grad_in: Any, grad_out: Any) -> tuple[torch.Tensor]:
+    return (grad_in[0] * 0.5,)
+
+
+def _halve_grad(p: torch.Tensor) -> None:
+    if p.grad is not None:
+        p.grad.mul_(0.5)
+
+
+class _FlipProduct(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """A fault inside a stock kernel: the first ``mm`` that returns a ``shape`` matrix gets
+    its element 0 with bit ``bit`` flipped (a linear layer's weight gradient: ``addmm``'s
+    backward computes it as ``(GY^T X)^T`` for the transposed weight, an ``out x in``
+    product that no other of ``_hooked_mlp``'s has)."""
+
+    def __init__(self, shape: tuple[int, int], bit: int) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.shape, self.bit, self.done = shape, bit, False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if (not self.done and func is torch.ops.aten.mm.default
+                and tuple(out.shape) == self.shape):
+            self.done = True
+            word = out.view(-1)[:1].view(torch.int32)
+            word ^= 1 << self.bit
+        return out
+
+
+def user_hooks_run(rank: int, world: int, post_accumulate: bool,
+                   flip_step: int | None) -> dict[str, Any]:
+    """``_hooked_mlp`` trained with the checksum (and, without post-accumulate hooks, the
+    replay every step), beside the same model in a plain DDP loop: the detections, the
+    withheld steps and whether both runs end with the same parameters. With ``flip_step``,
+    rank 1's backward in that step computes the middle layer's weight gradient product
+    (``12 x 24``) with a flipped bit (``_FlipProduct``)."""
+    cfg = (GuardConfig(checksum=True) if post_accumulate or flip_step is not None
+           else GuardConfig(checksum=True, replay_interval=1, deterministic=True))
+
+    def batch_for(r: int, step: int) -> Any:
+        g = torch.Generator().manual_seed(1000 * r + step)
+        return torch.randn(16, 8, generator=g), torch.randint(0, 2, (16,), generator=g)
+
+    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
+        return F.cross_entropy(m(batch[0]), batch[1])
+
+    guarded, plain = DDP(_hooked_mlp(post_accumulate)), DDP(_hooked_mlp(post_accumulate))
+    guard = SDCGuard(guarded, torch.optim.AdamW(guarded.parameters(), lr=1e-2),
+                     loss_fn=loss_fn, batch_for=batch_for, config=cfg)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    reports = []
+    for s in range(4):
+        if s == flip_step and rank == 1:
+            with _FlipProduct((12, 24), 30) as flip:
+                reports.append(guard.step(s))
+            assert flip.done
+        else:
+            reports.append(guard.step(s))
+        opt.zero_grad(set_to_none=True)
+        loss_fn(plain, batch_for(rank, s)).backward()  # type: ignore[no-untyped-call]
+        opt.step()
+    found = [d for r in reports for d in r.detections] + guard.flush()
+    a, b = guarded.module.state_dict(), plain.module.state_dict()
+    return {"detections": _dets(found), "skipped": [r.step for r in reports if r.skipped],
+            "same": all(torch.equal(a[k], b[k]) for k in a),
+            "at_node": [layer.gw_at_node for layer in _checksum(guard).layers]}
+
+
+def post_accumulate_replay_refused(rank: int, world: int) -> dict[str, str]:
+    """The replay with a post-accumulate-grad hook: refused when the guard is built, and at
+    the first audit step when the hook comes after."""
+    errors = {}
+
+    def batch_for(r: int, step: int) -> Any:
+        g = torch.Generator().manual_seed(1000 * r + step)
+        return torch.randn(16, 8, generator=g), torch.randint(0, 2, (16,), generator=g)
+
+    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
+        return F.cross_entropy(m(batch[0]), batch[1])
+
+    cfg = GuardConfig(replay_interval=1, deterministic=True)
+    model = DDP(_hooked_mlp(True))
+    try:
+        SDCGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn,
+                 batch_for=batch_for, config=cfg)
+    except ValueError as e:
+        errors["built"] = str(e)
+    model = DDP(_hooked_mlp(False))
+    guard = SDCGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn,
+                     batch_for=batch_for, config=cfg)
+    guard.step(0)
+    model.module[2].bias.register_post_accumulate_grad_hook(lambda p: None)
+    try:
+        guard.step(1)
+    except ValueError as e:
+        errors["later"] = str(e)
+    return errors

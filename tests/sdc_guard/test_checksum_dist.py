@@ -199,3 +199,30 @@ def test_parameters_laid_out_otherwise_are_read_in_their_own_order() -> None:
              "bits": (30,), "step": 2}
     for r in run_ranks(W.strided_run, 3, fault):
         assert ("checksum", 2, (1,)) in r["detections"] and 2 in r["skipped"], r
+
+
+def test_the_users_own_hooks_are_no_fault_of_the_product() -> None:
+    # Hooks a user puts on the layers change what comes out after the product: a gradient
+    # clamp on every parameter (a common idiom), a forward hook replacing or scaling the
+    # output, a full backward hook halving the input gradient, a post-accumulate hook. The
+    # checksum compared W.grad, the hooked output and the hooked input gradient with the
+    # product and convicted every rank at every step. It now reads the product's own output
+    # (its forward hook runs first), the gradients its node passes on, and a hooked weight's
+    # gradient at the node. Training is the plain loop's, bit for bit.
+    for post_accumulate in (False, True):
+        for r in run_ranks(W.user_hooks_run, 3, post_accumulate, None):
+            assert r["detections"] == [] and r["skipped"] == [], (post_accumulate, r)
+            assert r["same"], post_accumulate
+            assert r["at_node"] == [True, True, True], r
+    # A fault in the kernel of a hooked weight's gradient product is caught in its step.
+    for r in run_ranks(W.user_hooks_run, 3, False, 2):
+        assert r["detections"] == [("checksum", 2, (1,))] and r["skipped"] == [2], r
+
+
+def test_the_replay_names_a_post_accumulate_hook() -> None:
+    # torch.autograd.grad, which the replay takes its gradients with, runs no post-accumulate
+    # hook: every edge disagreed at every audit step.
+    for r in run_ranks(W.post_accumulate_replay_refused, 3):
+        assert "['0.weight'] have post-accumulate-grad hooks" in r["built"], r
+        assert "['2.bias'] have post-accumulate-grad hooks" in r["later"], r
+        assert "replay_interval=0" in r["later"]
