@@ -24,6 +24,7 @@ differ (``signature_mismatch``): a healthy rank would be convicted at every audi
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -162,6 +163,9 @@ def rng_stream(
 
 
 _PLAIN = (bool, int, float, str, type(None))
+_CONTAINERS = (list, dict, set, collections.deque)
+"""Containers a forward may keep state in (a list of auxiliary losses it appends to, a
+cache dict): their top level is put back after a recomputation."""
 _ABSENT = object()
 _PLAIN_NAMES: weakref.WeakKeyDictionary[torch.nn.Module, list[list[Any]]] = (
     weakref.WeakKeyDictionary())
@@ -183,14 +187,15 @@ def _names_of(m: torch.nn.Module) -> list[Any]:
     d = vars(m)
     return [m, [k for k, v in d.items() if k[0] != "_" and isinstance(v, _PLAIN)], len(d),
             [k for k, v in d.items() if isinstance(v, torch.Generator)],
-            [k for k, v in d.items() if k[0] != "_" and _is_state_tensor(v)], None, set()]
+            [k for k, v in d.items() if k[0] != "_" and _is_state_tensor(v)], None, set(),
+            [k for k, v in d.items() if k[0] != "_" and isinstance(v, _CONTAINERS)]]
 
 
 def _plain_names(module: torch.nn.Module) -> list[list[Any]]:
     """``[module, plain attribute names, attribute count, generator attribute names, tensor
     attribute names, the tensor attributes a recomputation wrote in place (None: not known
-    yet), those it rebound]`` for each module of ``module``, found once and again for a module that has gained
-    or lost attributes since."""
+    yet), those it rebound, container attribute names]`` for each module of ``module``,
+    found once and again for a module that has gained or lost attributes since."""
     known = _PLAIN_NAMES.get(module)
     if known is None:  # (a model's modules stay: one given new ones later keeps them unkept)
         known = _PLAIN_NAMES[module] = [_names_of(m) for m in module.modules()]
@@ -225,18 +230,25 @@ def module_state_kept(module: torch.nn.Module) -> Iterator[None]:
     bytes each) and compares version counters; later ones copy only those. (A tensor first
     written on a later recomputation, or a larger one on the first, keeps that update once,
     with a warning.)
-    (Buffers are the caller's: it restores them itself. Tensors inside lists and dicts are
-    not followed.)
+    A list, dict, set or deque a module keeps (auxiliary losses a forward appends to, a
+    cache it fills) gets its top level back, in place: the same object, with the items it
+    held (the items themselves are not copied: a tensor in a list that a forward writes in
+    place, or a list inside a dict that it appends to, is not put back).
+    (Buffers are the caller's: it restores them itself.)
     Attributes whose names start with ``_`` are torch's own and left alone. Which attributes
     are plain is found once per model (``_plain_names``); then about 0.1 us per attribute."""
     saved = []
     generators = []
     tensors: list[tuple[list[Any], str, torch.Tensor, int, torch.Tensor | None]] = []
+    containers: list[tuple[Any, Any]] = []
     known = _plain_names(module)
     for entry in known:
-        m, names, _, gens, tensor_names, writers, _ = entry
+        m, names, _, gens, tensor_names, writers, _, container_names = entry
         d = vars(m)
-        saved.append((m, d, len(d), [(k, d.get(k, _ABSENT)) for k in (*names, *tensor_names)]))
+        saved.append((m, d, len(d), [(k, d.get(k, _ABSENT))
+                                     for k in (*names, *tensor_names, *container_names)]))
+        containers += [(c, c.copy()) for k in container_names
+                       if isinstance(c := d.get(k), _CONTAINERS)]
         generators += [(g, g.get_state()) for k in gens
                        if isinstance(g := d.get(k), torch.Generator)]
         for k in tensor_names:
@@ -251,6 +263,8 @@ def module_state_kept(module: torch.nn.Module) -> Iterator[None]:
     finally:
         for g, state in generators:
             g.set_state(state)
+        for c, items in containers:
+            _refill(c, items)
         for entry in known:
             if entry[5] is None:
                 entry[5] = set()
@@ -280,8 +294,30 @@ def module_state_kept(module: torch.nn.Module) -> Iterator[None]:
             if len(d) > size:  # attributes the recomputation added
                 known_names = {k for k, _ in before}
                 for k in [k for k, v in d.items() if k[0] != "_" and k not in known_names
-                          and (isinstance(v, _PLAIN) or _is_state_tensor(v))]:
+                          and (isinstance(v, (*_PLAIN, *_CONTAINERS)) or _is_state_tensor(v))]:
                     delattr(m, k)
+
+
+def _refill(c: Any, items: Any) -> None:
+    """Give container ``c`` the items of its copy ``items`` again (in place: other references
+    to it see them too), unless it still holds exactly those objects."""
+    if isinstance(c, dict):
+        if len(c) == len(items) and all(
+                k1 is k2 and v1 is v2
+                for (k1, v1), (k2, v2) in zip(c.items(), items.items(), strict=True)):
+            return
+        c.clear()
+        c.update(items)
+    elif isinstance(c, set):
+        if c == items:
+            return
+        c.clear()
+        c.update(items)
+    else:
+        if len(c) == len(items) and all(a is b for a, b in zip(c, items, strict=True)):
+            return
+        c.clear()
+        c.extend(items)
 
 
 def state_tensors_written(module: torch.nn.Module) -> list[str]:

@@ -623,6 +623,27 @@ class TensorState(nn.Module):
         return out
 
 
+class ListState(nn.Module):
+    """``WarmUp`` with its count kept as the length of a Python list that each training call
+    appends its batch's first input to (a log the loop reads, which the warm-up reads too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        net = make_mlp()
+        assert isinstance(net, nn.Sequential)
+        self.net = net
+        self.log: list[float] = []
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            self.log.append(float(x[0, 0]))
+        h = torch.relu(self.net[0](x)) * min(len(self.log) / 10, 1.0)
+        out: torch.Tensor = self.net[4](torch.relu(self.net[2](h)))
+        return out
+
+
 def rank_state_run(rank: int, world: int) -> dict[str, Any]:
     """``TensorState`` counting by each rank's own batches (its state differs from rank to
     rank), with the replay every step: the detections' suspects and their details."""
@@ -640,13 +661,16 @@ def rank_state_run(rank: int, world: int) -> dict[str, Any]:
 
 
 def warm_up_run(rank: int, world: int, interval: int, kind: str = "counter") -> dict[str, Any]:
-    """``WarmUp`` (``kind="counter"``), ``OwnGenerator`` (``"generator"``) or
-    ``TensorState`` (``"tensor in place"``, ``"tensor rebound"``) with the replay every
+    """``WarmUp`` (``kind="counter"``), ``OwnGenerator`` (``"generator"``),
+    ``TensorState`` (``"tensor in place"``, ``"tensor rebound"``) or ``ListState``
+    (``"list"``) with the replay every
     ``interval`` steps, beside a plain DDP loop: the detections, the call counters, and
     whether both runs end with the same state (their tensor attributes too) bit for bit."""
     def make() -> nn.Module:
         if kind.startswith("tensor"):
             return TensorState(in_place=kind == "tensor in place")
+        if kind == "list":
+            return ListState()
         return WarmUp() if kind == "counter" else OwnGenerator()
 
     torch.manual_seed(0)
@@ -668,6 +692,8 @@ def warm_up_run(rank: int, world: int, interval: int, kind: str = "counter") -> 
     same = all(torch.equal(a[k], b[k]) for k in a)
     if isinstance(guarded.module, TensorState) and isinstance(plain.module, TensorState):
         same = same and torch.equal(guarded.module.seen, plain.module.seen)
+    if isinstance(guarded.module, ListState) and isinstance(plain.module, ListState):
+        same = same and guarded.module.log == plain.module.log
     return {"detections": _flushed(found), "calls": (guarded.module.calls, plain.module.calls),
             "same": same}
 

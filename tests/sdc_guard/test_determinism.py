@@ -158,3 +158,37 @@ def test_a_large_tensor_attribute_is_not_copied_before_it_is_known_to_be_written
     with determinism.module_state_kept(m):  # known now: copied, and put back
         m.table += 1
     assert float(m.table[0]) == 1.0
+
+
+def test_module_state_kept_puts_containers_back_in_place() -> None:
+    import collections
+
+    from torch import nn
+
+    from sdc_guard.determinism import module_state_kept
+
+    m: Any = nn.Linear(2, 2)
+    t = torch.zeros(1)
+    m.log, m.cache, m.seen = [1.0], {"a": t}, {3}
+    m.window = collections.deque([1, 2], maxlen=2)
+    log, cache, window = m.log, m.cache, m.window
+    with module_state_kept(m):
+        m.log.append(2.0)  # appended, changed, added, dropped: the same objects, refilled
+        m.cache["b"] = torch.ones(1)
+        del m.cache["a"]
+        m.seen.add(4)
+        m.window.append(3)
+        m.extra = []  # a container a forward adds: gone after
+    assert m.log is log and log == [1.0]
+    assert m.cache is cache and list(cache) == ["a"] and cache["a"] is t
+    assert m.seen == {3} and m.window is window and list(window) == [1, 2]
+    assert window.maxlen == 2 and not hasattr(m, "extra")
+    with module_state_kept(m):
+        m.log = []  # rebound: the old list back
+        cache["a"] = torch.ones(1)  # another tensor under the same key: the old one back
+    assert m.log is log and log == [1.0] and m.cache["a"] is t
+    nested: Any = nn.Linear(2, 2)
+    nested.groups = {"x": [1]}
+    with module_state_kept(nested):
+        nested.groups["x"].append(2)  # inside an item: not followed (the top level only)
+    assert nested.groups == {"x": [1, 2]}

@@ -246,15 +246,17 @@ def test_a_forward_that_writes_its_parameters_is_refused_not_convicted(replay: b
         assert "max_norm" in r["error"] and "weights_interval=0" in r["error"]
 
 
-@pytest.mark.parametrize("kind", ["counter", "generator", "tensor in place", "tensor rebound"])
+@pytest.mark.parametrize("kind", ["counter", "generator", "tensor in place", "tensor rebound",
+                                  "list"])
 @pytest.mark.parametrize("interval", [1, 2])
 def test_a_forward_that_keeps_state_is_replayed_from_the_owners(interval: int, kind: str) -> None:
     # A warm-up kept as a call counter in the forward: the replay's forward advanced it, so the
     # neighbour recomputed the step at another count than the owner (every rank convicted at
     # every audit step of the warm-up), and training warmed up twice as fast as unguarded. A
     # module's own torch.Generator likewise: the replay drew from it first. The recomputation
-    # now leaves the module's plain attributes and generators as it found them, and tensors
-    # kept as plain attributes (a step count as a tensor), rebound or updated in place.
+    # now leaves the module's plain attributes and generators as it found them, tensors
+    # kept as plain attributes (a step count as a tensor), rebound or updated in place, and
+    # the lists it appends to (a log of the training calls, whose length the warm-up reads).
     for r in run_ranks(workers.warm_up_run, 3, interval, kind):
         assert r["detections"] == [], r["detections"]
         assert r["calls"] == (12, 12) and r["same"], r
