@@ -140,6 +140,29 @@ def _module(model: torch.nn.Module) -> torch.nn.Module:
     return inner if isinstance(inner, torch.nn.Module) else model
 
 
+def _refuse_other_model(file: Path, module: torch.nn.Module, saved: Mapping[str, Any]) -> None:
+    """Refuse, before anything loads, a checkpoint of another model: names it holds that the
+    model has not, or the other way round, or tensors of other shapes. ``load_state_dict``
+    would raise after loading what does fit (and the optimizer before it), leaving the run
+    half restored; an older checkpoint of the same directory would not fit either."""
+    mine = module.state_dict()
+    missing = [k for k in mine if k not in saved]
+    unexpected = [k for k in saved if k not in mine]
+    shapes = [f"{k} {tuple(saved[k].shape)} saved, {tuple(v.shape)} in the model"
+              for k, v in mine.items() if k in saved and isinstance(v, torch.Tensor)
+              and isinstance(saved[k], torch.Tensor) and saved[k].shape != v.shape]
+    if not (missing or unexpected or shapes):
+        return
+    parts = [f"{label}: {items[:4]}{' ...' if len(items) > 4 else ''}"
+             for label, items in (("not in the checkpoint", missing),
+                                  ("not in the model", unexpected), ("other shapes", shapes))
+             if items]
+    raise ValueError(
+        f"CheckpointManager.restore: checkpoint {file} holds another model than the one given "
+        f"({'; '.join(parts)}). Nothing was loaded. Restore into the model it was saved from "
+        "(the same architecture and sizes), or give a new model a directory of its own.")
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "wb") as fh:
@@ -378,6 +401,7 @@ class CheckpointManager:
             try:
                 payload = self._load(info)
                 self._extra_held(info, payload, extra)
+                _refuse_other_model(info.file, _module(model), payload["model"])
                 # (the optimizers first: a checkpoint of another number of them is refused
                 # before anything is loaded)
                 load_state_dict(optimizer, payload["optimizer"],

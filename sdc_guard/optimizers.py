@@ -70,19 +70,32 @@ def state_dict(optimizer: Optimizers) -> Any:
 
 def load_state_dict(optimizer: Optimizers, saved: Any, where: str) -> None:
     """Load what ``state_dict`` returned: one optimizer's, or each of several in order. A
-    checkpoint of another number of optimizers is refused, naming both counts."""
+    checkpoint of another number of optimizers, or one whose param groups hold other
+    numbers of parameters than the optimizers given, is refused before any optimizer loads
+    (one loaded and the next refused would leave the first holding another run's state)."""
     if isinstance(optimizer, torch.optim.Optimizer):
         if isinstance(saved, list):
             raise ValueError(
                 f"{where}: the checkpoint holds the state of {len(saved)} optimizers; pass "
                 f"the same {len(saved)}, as a list in the order they were saved.")
-        optimizer.load_state_dict(saved)
-        return
-    opts = as_optimizers(optimizer, where)
-    if not isinstance(saved, list) or len(saved) != len(opts):
-        count = len(saved) if isinstance(saved, list) else 1
-        raise ValueError(
-            f"{where}: the checkpoint holds the state of {count} optimizer(s), and "
-            f"{len(opts)} were given; pass the ones it was saved with, in the same order.")
-    for opt, sd in zip(opts, saved, strict=True):
+        pairs = [(optimizer, saved)]
+    else:
+        opts = as_optimizers(optimizer, where)
+        if not isinstance(saved, list) or len(saved) != len(opts):
+            count = len(saved) if isinstance(saved, list) else 1
+            raise ValueError(
+                f"{where}: the checkpoint holds the state of {count} optimizer(s), and "
+                f"{len(opts)} were given; pass the ones it was saved with, in the same order.")
+        pairs = list(zip(opts, saved, strict=True))
+    for i, (opt, sd) in enumerate(pairs):
+        given = [len(g["params"]) for g in opt.param_groups]
+        held = [len(g["params"]) for g in sd.get("param_groups", [])]
+        if given != held:
+            which = f"optimizer {i} ({type(opt).__name__})" if len(pairs) > 1 else (
+                type(opt).__name__)
+            raise ValueError(
+                f"{where}: the checkpoint's {which} has param groups of {held} parameters, "
+                f"the one given {given}: pass the optimizer it was saved with (the same "
+                "parameters in the same groups, in the same order).")
+    for opt, sd in pairs:
         opt.load_state_dict(sd)

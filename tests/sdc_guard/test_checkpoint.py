@@ -253,3 +253,56 @@ def test_a_failed_background_write_is_raised_by_wait_and_leaves_no_manifest(
     assert any("step-000000002-g0.pt failed" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match=r"save\(background=...\): a bool, got 'yes'"):
         ckpt.save(3, model, opt, background="yes")
+
+
+def test_a_checkpoint_of_another_model_or_optimizer_is_refused_before_anything_loads(
+        setup: Any) -> None:
+    # A model changed since the checkpoint (a wider layer, one more layer): the optimizer
+    # loaded first, then the model's load_state_dict raised a torch error after copying the
+    # tensors that fit, leaving the run half restored (the optimizer's moments of other
+    # shapes) and the file unnamed. Both are now compared first and nothing loads.
+    model, opt, ckpt = setup
+    _train(model, opt, range(2))
+    info = ckpt.save(1, model, opt)
+    assert info is not None
+    wider = DDP(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(),
+                                    torch.nn.Linear(32, 16), torch.nn.ReLU(),
+                                    torch.nn.Linear(16, 4)))
+    deeper = torch.nn.Sequential(*list(workers.make_mlp().children()), torch.nn.Linear(4, 4))
+    for other in (wider, DDP(deeper)):
+        other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+        before = _state(other, other_opt)
+        with pytest.raises(ValueError, match="holds another model than the one given") as e:
+            ckpt.restore(other, other_opt)
+        assert str(info.file) in str(e.value) and "Nothing was loaded" in str(e.value)
+        assert _state(other, other_opt) == before and not other_opt.state
+    assert "(32, 8) in the model" in _refusal(ckpt, wider)
+    # The same model with its parameters grouped otherwise (no weight decay on the biases)
+    fresh = DDP(workers.make_mlp())
+    groups: list[dict[str, Any]] = [
+        {"params": [p for p in fresh.parameters() if p.dim() == 2]},
+        {"params": [p for p in fresh.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    grouped = torch.optim.AdamW(groups, lr=1e-2)
+    with pytest.raises(ValueError, match=r"param groups of \[6\] parameters, the one given "
+                                         r"\[3, 3\]"):
+        ckpt.restore(fresh, grouped)
+    assert not grouped.state
+    # Several optimizers: the second refused before the first loads
+    first = torch.optim.AdamW(list(fresh.parameters())[:4], lr=1e-2)
+    second = torch.optim.AdamW(list(fresh.parameters())[4:], lr=1e-2)
+    ckpt2 = CheckpointManager(ckpt.directory.parent / "two")
+    _train(fresh, grouped, range(1))
+    ckpt2.save(0, fresh, [first, second])
+    third = torch.optim.AdamW(list(fresh.parameters())[4:5], lr=1e-2)
+    with pytest.raises(ValueError, match=r"optimizer 1 \(AdamW\) has param groups"):
+        ckpt2.restore(fresh, [first, third])
+    assert not first.state
+    assert ckpt2.restore(fresh, [first, second]) == 1
+
+
+def _refusal(ckpt: CheckpointManager, model: DDP) -> str:
+    try:
+        ckpt.restore(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    except ValueError as e:
+        return str(e)
+    return ""
