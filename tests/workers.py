@@ -1291,3 +1291,29 @@ def two_optimizers_scaler_run(rank: int, world: int) -> dict[str, Any]:
     found += guard.flush()
     a, b = guarded.module.state_dict(), plain.module.state_dict()
     return {"detections": _flushed(found), "same": all(torch.equal(a[k], b[k]) for k in a)}
+
+
+def freeze_run(rank: int, world: int) -> dict[str, Any]:
+    """``make_mlp`` under DDP with ``find_unused_parameters=True``, its first layer frozen
+    (``requires_grad_(False)``) from step 2 on, trained with the replay every step, the
+    checksum and the weights check, beside a plain DDP loop frozen alike: the detections,
+    and whether both runs end with the same parameters."""
+    cfg = GuardConfig(replay_interval=1, deterministic=True, checksum=True)
+    guarded = DDP(make_mlp(), find_unused_parameters=True)
+    plain = DDP(make_mlp(), find_unused_parameters=True)
+    guard = SDCGuard(guarded, torch.optim.AdamW(guarded.parameters(), lr=1e-2),
+                     loss_fn=loss_fn, batch_for=batch_for, config=cfg)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    found: list[sdc_guard.Detection] = []
+    for s in range(6):
+        if s == 2:
+            for model in (guarded, plain):
+                for p in model.module[0].parameters():
+                    p.requires_grad_(False)
+        found += guard.step(s).detections
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(plain, batch_for(rank, s)).backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+    found += guard.flush()
+    a, b = guarded.module.state_dict(), plain.module.state_dict()
+    return {"detections": _flushed(found), "same": all(torch.equal(a[k], b[k]) for k in a)}

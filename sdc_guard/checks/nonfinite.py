@@ -110,7 +110,8 @@ class NeighbourRecompute:
                 loss = recomputed_loss(self.loss_fn, self.module, mb)
             if not bool(torch.isfinite(loss.detach()).all()):
                 return True
-            grads = torch.autograd.grad(loss, self.params, allow_unused=True)
+            live = [p for p in self.params if p.requires_grad]  # (frozen since: none)
+            grads = torch.autograd.grad(loss, live, allow_unused=True)
             if any(g is not None and not bool(torch.isfinite(
                     g.coalesce().values() if g.is_sparse else g).all()) for g in grads):
                 return True

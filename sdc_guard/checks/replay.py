@@ -368,9 +368,13 @@ def _refuse_compiled_ddp(model: DistributedDataParallel) -> None:
 
 def _grads(loss: torch.Tensor, params: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
     """``torch.autograd.grad`` of the replayed loss, which leaves ``.grad`` (and DDP's
-    reducer) alone; reentrant activation checkpointing cannot run under it."""
+    reducer) alone; reentrant activation checkpointing cannot run under it. A parameter
+    frozen since the audit was built (``requires_grad_(False)``) gets none, as in the
+    owner's backward."""
+    live = [p for p in params if p.requires_grad]  # (one frozen since: no gradient, as DDP's)
     try:
-        return torch.autograd.grad(loss, params, allow_unused=True)
+        got = iter(torch.autograd.grad(loss, live, allow_unused=True))
+        return tuple(next(got) if p.requires_grad else None for p in params)
     except RuntimeError as e:
         if "use_reentrant=True" not in str(e):
             raise

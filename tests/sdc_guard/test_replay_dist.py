@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from tests import workers
 from tests.launch import run_ranks
@@ -373,3 +374,29 @@ def test_a_sparse_embedding_gradient_is_audited_and_its_fault_contained() -> Non
     for r in res:
         assert r["detections"] == [("replay", 2, (1,), True)], r["detections"]
     assert len({r["state"] for r in res}) == 1  # withheld on every rank: no replica diverged
+
+
+def test_a_layer_frozen_during_training_is_left_out_of_the_replay() -> None:
+    # Progressive freezing: requires_grad_(False) on a layer mid-training (DDP with
+    # find_unused_parameters=True takes it). The replay still asked autograd for that
+    # layer's gradients and every rank raised "One of the differentiated Tensors does not
+    # require grad" at the next audit step.
+    for r in run_ranks(workers.freeze_run, 3):
+        assert r["detections"] == [] and r["same"], r
+
+
+def test_the_nonfinite_recomputation_skips_a_layer_frozen_since(one_rank: None) -> None:
+    # The non-finite check's recomputation of a rank's batch (bad data, or a fault?) raised
+    # on a layer frozen since the guard was built; it gave up, and the rank the batch came
+    # from stayed the suspect.
+    from sdc_guard.checks.nonfinite import NeighbourRecompute
+
+    model: Any = workers.make_mlp()
+    again = NeighbourRecompute(model, loss_fn=workers.loss_fn, batch_for=workers.batch_for,
+                               micro_batches=1, seed=0, device=torch.device("cpu"))
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    assert again.nonfinite(0, 3) is False
+    with torch.no_grad():
+        model[2].weight[0, 0] = float("inf")  # (a forward that overflows: found non-finite)
+    assert again.nonfinite(0, 3) is True
