@@ -1294,8 +1294,10 @@ def two_optimizers_scaler_run(rank: int, world: int) -> dict[str, Any]:
 
 
 def freeze_run(rank: int, world: int) -> dict[str, Any]:
-    """``make_mlp`` under DDP with ``find_unused_parameters=True``, its first layer frozen
-    (``requires_grad_(False)``) from step 2 on, trained with the replay every step, the
+    """``make_mlp`` under DDP with ``find_unused_parameters=True``, its middle layer frozen
+    (``requires_grad_(False)``) from step 2 on (its product's backward still runs: the
+    first layer needs its input gradient) and its first layer from step 4, trained with
+    the replay every step, the
     checksum and the weights check, beside a plain DDP loop frozen alike: the detections,
     and whether both runs end with the same parameters."""
     cfg = GuardConfig(replay_interval=1, deterministic=True, checksum=True)
@@ -1305,10 +1307,10 @@ def freeze_run(rank: int, world: int) -> dict[str, Any]:
                      loss_fn=loss_fn, batch_for=batch_for, config=cfg)
     optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     found: list[sdc_guard.Detection] = []
-    for s in range(6):
-        if s == 2:
+    for s in range(7):
+        if s in (2, 4):
             for model in (guarded, plain):
-                for p in model.module[0].parameters():
+                for p in model.module[4 - s].parameters():
                     p.requires_grad_(False)
         found += guard.step(s).detections
         optimizer.zero_grad(set_to_none=True)

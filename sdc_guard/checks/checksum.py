@@ -422,6 +422,10 @@ class _Layer:
     gw_buf: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     """The C path's weight-gradient sides (right-hand side, bound) and ``GW e``, kept."""
     handles: list[Any] = field(default_factory=list)
+    gw_step: bool = False
+    """The weight-gradient identity is checked in this step: ``gw_checked``, and the weight
+    requires a gradient now (a layer frozen during training has none: DDP's bucket holds
+    zeros for it while its backward may still run, for the layers before it)."""
     weight_hook: int | None = None
     """The id of this check's own hook on the weight (``_on_gw``), if it has one."""
     gw_at_node: bool = False
@@ -700,7 +704,7 @@ class ChecksumCheck(Check, BucketListener):
             self._on_gy(layer, call, gy)
             if gx is not None:
                 self._on_gx(layer, call_index, gx)
-        if gwt is not None and self._active and layer.gw_checked and layer.gw_at_node:
+        if gwt is not None and self._active and layer.gw_step and layer.gw_at_node:
             self._gw_node(layer, call, gy, gwt)
 
     def _gw_node(self, layer: _Layer, call: _Call, gy: torch.Tensor, gwt: torch.Tensor) -> None:
@@ -883,14 +887,14 @@ class ChecksumCheck(Check, BucketListener):
         g = gy.detach().reshape(-1, gy.shape[-1])
         gf = g if g.dtype == torch.float32 else g.float()
         call.gy_dtype = g.dtype
-        ga = gf.abs() if call.tapped or layer.gw_checked else None
+        ga = gf.abs() if call.tapped or layer.gw_step else None
         if call.tapped and ga is not None:  # GY (W e) and its bound |GY| (|W| e)
             _, _, w_row, w_abs_row, _, _ = self._sides(layer)
             call.gx_rhs = gf @ w_row
             call.gx_bound = ga @ w_abs_row if w_abs_row is not None else (  # exact, or <= ...
                 torch.linalg.vector_norm(gf, dim=1) * (
                     math.sqrt(layer.module.in_features) * self._weight_norm(layer)))
-        if layer.gw_checked and not layer.gw_at_node and ga is not None:
+        if layer.gw_step and not layer.gw_at_node and ga is not None:
             both = torch.stack([gf.t() @ call.x_rows[0], ga.t() @ call.x_rows[1]])
             layer.gw_rhs = both[0] if layer.gw_rhs is None else layer.gw_rhs + both[0]
             layer.gw_bound = both[1] if layer.gw_bound is None else layer.gw_bound + both[1]
@@ -911,7 +915,7 @@ class ChecksumCheck(Check, BucketListener):
         call.gy_dtype = g.dtype
         gw = add = 0
         gw_at = gwb_at = 0
-        if layer.gw_checked and not layer.gw_at_node:
+        if layer.gw_step and not layer.gw_at_node:
             if layer.gw_rhs is None or layer.gw_bound is None:
                 if layer.gw_buf is None:
                     buf = torch.empty(3, out)
@@ -1100,7 +1104,7 @@ class ChecksumCheck(Check, BucketListener):
             return
         self.inner_backward = True
         for each in self.layers:
-            each.gw_checked = False
+            each.gw_checked = each.gw_step = False
             each.gw_rhs = each.gw_bound = None
             each.gw_rows = 0
         log.warning("checksum: layer %r ran a backward inside loss_fn (a gradient taken in the "
@@ -1123,7 +1127,8 @@ class ChecksumCheck(Check, BucketListener):
             m = layer.module
             layer.native = self._kernel is not None and _rows_ok(m.weight) and (
                 m.bias is None or (m.bias.dtype == torch.float32 and m.bias.is_contiguous()))
-            layer.gw_at_node = layer.gw_checked and _gradient_hooked(layer)
+            layer.gw_step = layer.gw_checked and m.weight.requires_grad
+            layer.gw_at_node = layer.gw_step and _gradient_hooked(layer)
 
     def _flags(self) -> tuple[Flag, list[_Failure]]:
         """Whether any entry failed (a host bool on the CPU, else a 0-d device bool)."""

@@ -380,7 +380,10 @@ def test_a_layer_frozen_during_training_is_left_out_of_the_replay() -> None:
     # Progressive freezing: requires_grad_(False) on a layer mid-training (DDP with
     # find_unused_parameters=True takes it). The replay still asked autograd for that
     # layer's gradients and every rank raised "One of the differentiated Tensors does not
-    # require grad" at the next audit step.
+    # require grad" at the next audit step. A frozen middle layer still runs its product's
+    # backward (the input gradient, for the layers before it, when they train) and DDP's
+    # bucket holds zeros for its weight: the checksum's weight-gradient identity convicted
+    # every rank at every step.
     for r in run_ranks(workers.freeze_run, 3):
         assert r["detections"] == [] and r["same"], r
 
