@@ -320,6 +320,18 @@ def _refill(c: Any, items: Any) -> None:
         c.extend(items)
 
 
+def buffers_set(module: torch.nn.Module, saved: Sequence[torch.Tensor]) -> None:
+    """Give ``module``'s buffers the values ``saved`` (copies of them, in ``buffers()``
+    order) in place. A buffer the forward resized (a quantisation observer's per-channel
+    ranges start empty and take their shape at the first forward) is resized back first,
+    as the observers themselves resize theirs."""
+    with torch.no_grad():
+        for b, value in zip(module.buffers(), saved, strict=True):
+            if b.shape != value.shape:
+                b.resize_(value.shape)
+            b.copy_(value)
+
+
 def state_tensors_written(module: torch.nn.Module) -> list[str]:
     """The tensor attributes (qualified names) that ``module``'s recomputations have written,
     in place or by rebinding: state kept outside the parameters and buffers, which DDP does

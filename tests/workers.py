@@ -1319,3 +1319,36 @@ def freeze_run(rank: int, world: int) -> dict[str, Any]:
     found += guard.flush()
     a, b = guarded.module.state_dict(), plain.module.state_dict()
     return {"detections": _flushed(found), "same": all(torch.equal(a[k], b[k]) for k in a)}
+
+
+def qat_run(rank: int, world: int) -> dict[str, Any]:
+    """``make_mlp`` prepared for quantisation-aware training (``torch.ao.quantization``:
+    fake-quantised weights and activations whose observers' per-channel ranges start empty
+    and take their shape in the first forward), trained with the replay every step and the
+    weights check beside a plain DDP loop: the detections, and whether both runs end with
+    the same parameters and buffers (the observers' ranges, the fake quantisers' scales)."""
+    import torch.ao.quantization as quant
+
+    def make() -> DDP:
+        net: Any = nn.Sequential(quant.QuantStub(), *make_mlp().children(), quant.DeQuantStub())
+        net.qconfig = quant.get_default_qat_qconfig("x86")  # type: ignore[no-untyped-call]
+        quant.prepare_qat(net.train(), inplace=True)  # type: ignore[no-untyped-call]
+        return DDP(net)
+
+    guarded, plain = make(), make()
+    guard = SDCGuard(guarded, torch.optim.AdamW(guarded.parameters(), lr=1e-2),
+                     loss_fn=loss_fn, batch_for=batch_for,
+                     config=GuardConfig(replay_interval=1, deterministic=True))
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    found: list[sdc_guard.Detection] = []
+    for s in range(4):
+        found += guard.step(s).detections
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(plain, batch_for(rank, s)).backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+    found += guard.flush()
+    a, b = guarded.module.state_dict(), plain.module.state_dict()
+    return {"detections": _flushed(found),
+            "same": all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor)),
+            "ranges": tuple(guarded.module[1].weight_fake_quant.activation_post_process
+                            .min_val.shape)}

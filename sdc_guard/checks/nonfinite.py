@@ -65,7 +65,7 @@ from sdc_guard.checks.base import Check, Verdict
 from sdc_guard.checks.flagword import DeferredFlags
 from sdc_guard.collectives import COMMUNICATING_LOSS, collectives_issued
 from sdc_guard.comm_hook import BucketListener, GuardCommHook
-from sdc_guard.determinism import module_state_kept, rng_stream
+from sdc_guard.determinism import buffers_set, module_state_kept, rng_stream
 from sdc_guard.fingerprints.native import active_kernel
 from sdc_guard.report import Detection
 from sdc_guard.scaling import Flag, check_nonfinite, host_words
@@ -99,9 +99,7 @@ class NeighbourRecompute:
                                  "non-finite stays the suspect.")
             return found
         finally:
-            with torch.no_grad():
-                for b, saved in zip(self.module.buffers(), buffers, strict=True):
-                    b.copy_(saved)
+            buffers_set(self.module, buffers)
 
     def _nonfinite(self, rank: int, step: int) -> bool:
         for i, mb in enumerate(fetch_micro_batches(self.batch_for, rank, step, self.micro)):

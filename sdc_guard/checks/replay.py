@@ -92,7 +92,12 @@ from sdc_guard.collectives import (
     steps_disagree,
 )
 from sdc_guard.comm_hook import BucketListener, GuardCommHook, bucket_gradients
-from sdc_guard.determinism import module_state_kept, rng_stream, state_tensors_written
+from sdc_guard.determinism import (
+    buffers_set,
+    module_state_kept,
+    rng_stream,
+    state_tensors_written,
+)
 from sdc_guard.fingerprints.digest import (
     concat_digest,
     digest_parts,
@@ -770,9 +775,7 @@ class ReplayAudit(Check, BucketListener):
         try:
             # From the buffers as the step began: an arbitration runs after the forward,
             # which may have updated them.
-            with torch.no_grad():
-                for b, start in zip(self.module.buffers(), self._step_buffers, strict=True):
-                    b.copy_(start)
+            buffers_set(self.module, self._step_buffers)
             batches = fetch_micro_batches(self.batch_for, rank, step, self.micro)
             if not _probed(self.batch_for):
                 self._probe(batches, rank, step)
@@ -797,9 +800,7 @@ class ReplayAudit(Check, BucketListener):
             if not self._buffers_checked:
                 now = list(self.module.buffers())
                 self._changed = [n for i, n in self._watched if not torch.equal(now[i], buffers[i])]
-            with torch.no_grad():
-                for b, saved in zip(self.module.buffers(), buffers, strict=True):
-                    b.copy_(saved)
+            buffers_set(self.module, buffers)
             self.phase = "train"
         kept = [(i, g) for i, g in enumerate(grads) if g is not None]
         return _loss_word(losses), self._digest([g for _, g in kept], [i for i, _ in kept])

@@ -403,3 +403,13 @@ def test_the_nonfinite_recomputation_skips_a_layer_frozen_since(one_rank: None) 
     with torch.no_grad():
         model[2].weight[0, 0] = float("inf")  # (a forward that overflows: found non-finite)
     assert again.nonfinite(0, 3) is True
+
+
+def test_quantisation_aware_training_is_replayed() -> None:
+    # The fake quantisers' observers keep their per-channel ranges in buffers that start
+    # empty and are resized by the first forward: the replay (the first forward of all)
+    # restored the buffers by copying and every rank raised a size mismatch at step 0.
+    # Buffers a forward resized are resized back.
+    for r in run_ranks(workers.qat_run, 3):
+        assert r["detections"] == [] and r["same"], r
+        assert r["ranges"] == (32,), r
