@@ -320,16 +320,39 @@ def _refill(c: Any, items: Any) -> None:
         c.extend(items)
 
 
-def buffers_set(module: torch.nn.Module, saved: Sequence[torch.Tensor]) -> None:
-    """Give ``module``'s buffers the values ``saved`` (copies of them, in ``buffers()``
-    order) in place. A buffer the forward resized (a quantisation observer's per-channel
-    ranges start empty and take their shape at the first forward) is resized back first,
-    as the observers themselves resize theirs."""
+SavedBuffers = list[tuple[torch.nn.Module, str, str, torch.Tensor]]
+"""``(module, buffer name, qualified name, copy)`` for each buffer of a model
+(``buffers_saved``)."""
+
+
+def buffers_saved(module: torch.nn.Module) -> SavedBuffers:
+    """Copies of ``module``'s buffers, each with its module and names (``buffers_set``)."""
+    return [(m, n, f"{prefix}.{n}" if prefix else n, b.detach().clone())
+            for prefix, m in module.named_modules() for n, b in m._buffers.items()
+            if b is not None]
+
+
+def buffers_set(module: torch.nn.Module, saved: SavedBuffers) -> None:
+    """Give ``module``'s buffers the values ``saved`` again, in place. A buffer the forward
+    resized (a quantisation observer's per-channel ranges start empty and take their shape
+    at the first forward) is resized back first, as the observers themselves resize theirs;
+    one it registered anew under the same name gets the old values; one it registered that
+    was not there (a table built lazily at the first forward) is removed, as a plain
+    attribute it added is (``module_state_kept``): the next forward that needs it builds it
+    again, as it would have without the recomputation."""
+    kept = {(id(m), n) for m, n, _, _ in saved}
     with torch.no_grad():
-        for b, value in zip(module.buffers(), saved, strict=True):
+        for m, n, _, value in saved:
+            b = m._buffers.get(n)
+            if b is None:  # (a forward that deleted a buffer: put back)
+                m._buffers[n] = value.clone()
+                continue
             if b.shape != value.shape:
                 b.resize_(value.shape)
             b.copy_(value)
+    for m in module.modules():
+        for n in [n for n, b in m._buffers.items() if b is not None and (id(m), n) not in kept]:
+            del m._buffers[n]
 
 
 def state_tensors_written(module: torch.nn.Module) -> list[str]:

@@ -644,6 +644,28 @@ class ListState(nn.Module):
         return out
 
 
+class LazyTable(nn.Module):
+    """``WarmUp`` whose forward registers a buffer the first time it runs (a table built
+    lazily, as rotary position caches often are) and scales its hidden layer by it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        net = make_mlp()
+        assert isinstance(net, nn.Sequential)
+        self.net = net
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+        if "table" not in self._buffers:
+            self.register_buffer("table", torch.linspace(0.5, 1.5, 32), persistent=False)
+        table: torch.Tensor = self._buffers["table"]  # type: ignore[assignment]
+        h = torch.relu(self.net[0](x)) * table
+        out: torch.Tensor = self.net[4](torch.relu(self.net[2](h)))
+        return out
+
+
 def rank_state_run(rank: int, world: int) -> dict[str, Any]:
     """``TensorState`` counting by each rank's own batches (its state differs from rank to
     rank), with the replay every step: the detections' suspects and their details."""
@@ -662,8 +684,8 @@ def rank_state_run(rank: int, world: int) -> dict[str, Any]:
 
 def warm_up_run(rank: int, world: int, interval: int, kind: str = "counter") -> dict[str, Any]:
     """``WarmUp`` (``kind="counter"``), ``OwnGenerator`` (``"generator"``),
-    ``TensorState`` (``"tensor in place"``, ``"tensor rebound"``) or ``ListState``
-    (``"list"``) with the replay every
+    ``TensorState`` (``"tensor in place"``, ``"tensor rebound"``), ``ListState``
+    (``"list"``) or ``LazyTable`` (``"lazy buffer"``) with the replay every
     ``interval`` steps, beside a plain DDP loop: the detections, the call counters, and
     whether both runs end with the same state (their tensor attributes too) bit for bit."""
     def make() -> nn.Module:
@@ -671,6 +693,8 @@ def warm_up_run(rank: int, world: int, interval: int, kind: str = "counter") -> 
             return TensorState(in_place=kind == "tensor in place")
         if kind == "list":
             return ListState()
+        if kind == "lazy buffer":
+            return LazyTable()
         return WarmUp() if kind == "counter" else OwnGenerator()
 
     torch.manual_seed(0)

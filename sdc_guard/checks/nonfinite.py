@@ -65,7 +65,7 @@ from sdc_guard.checks.base import Check, Verdict
 from sdc_guard.checks.flagword import DeferredFlags
 from sdc_guard.collectives import COMMUNICATING_LOSS, collectives_issued
 from sdc_guard.comm_hook import BucketListener, GuardCommHook
-from sdc_guard.determinism import buffers_set, module_state_kept, rng_stream
+from sdc_guard.determinism import buffers_saved, buffers_set, module_state_kept, rng_stream
 from sdc_guard.fingerprints.native import active_kernel
 from sdc_guard.report import Detection
 from sdc_guard.scaling import Flag, check_nonfinite, host_words
@@ -89,7 +89,7 @@ class NeighbourRecompute:
         self.params = [p for p in module.parameters() if p.requires_grad]
 
     def nonfinite(self, rank: int, step: int) -> bool:
-        buffers = [b.detach().clone() for b in self.module.buffers()]
+        buffers = buffers_saved(self.module)
         issued = collectives_issued(self.group)
         try:
             with module_state_kept(self.module):

@@ -93,6 +93,8 @@ from sdc_guard.collectives import (
 )
 from sdc_guard.comm_hook import BucketListener, GuardCommHook, bucket_gradients
 from sdc_guard.determinism import (
+    SavedBuffers,
+    buffers_saved,
     buffers_set,
     module_state_kept,
     rng_stream,
@@ -390,6 +392,10 @@ def _grads(loss: torch.Tensor, params: list[torch.Tensor]) -> tuple[torch.Tensor
             "PyTorch recommends), or turn the replay off (GuardConfig(replay_interval=0)).") from e
 
 
+def _same_buffer(now: torch.Tensor | None, before: torch.Tensor) -> bool:
+    return now is not None and torch.equal(now, before)
+
+
 def _refuse_post_accumulate_hooks(named: Sequence[tuple[str, torch.Tensor]]) -> None:
     """Refuse parameters with post-accumulate-grad hooks (``register_post_accumulate_grad_hook``).
 
@@ -520,11 +526,10 @@ class ReplayAudit(Check, BucketListener):
         # checked once (``_check_buffers``).
         norms = {id(b) for m in self.module.modules()
                  if isinstance(m, nn.modules.batchnorm._NormBase) for b in m.buffers(False)}
-        self._watched = [(i, name) for i, (name, b) in enumerate(self.module.named_buffers())
-                         if id(b) not in norms]
+        self._watched = {name for name, b in self.module.named_buffers() if id(b) not in norms}
         self._buffers_checked = not self._watched
         self._changed: list[str] = []
-        self._step_buffers: list[torch.Tensor] = []
+        self._step_buffers: SavedBuffers = []
         """The module's buffers as this audit step began (after DDP's buffer broadcast, when
         the owner's forward makes one): what every replay of the step starts from."""
         self.comm = comm
@@ -638,7 +643,7 @@ class ReplayAudit(Check, BucketListener):
             # replay starts from the same broadcast. The owner's own broadcast then sends
             # the same values again.
             self.model._sync_buffers()  # type: ignore[no-untyped-call]
-        self._step_buffers = [b.detach().clone() for b in self.module.buffers()]
+        self._step_buffers = buffers_saved(self.module)
         self._replayed = self._replay((self.rank + 1) % self.world, step, "replay")
         if not self._buffers_checked:
             self._check_buffers()
@@ -769,7 +774,7 @@ class ReplayAudit(Check, BucketListener):
         """(loss fingerprint, gradient fingerprint) of ``rank``'s micro-batches of ``step``."""
         self.phase = phase
         _refuse_post_accumulate_hooks(self._named)
-        buffers = [b.detach().clone() for b in self.module.buffers()]
+        buffers = buffers_saved(self.module)
         grads: list[torch.Tensor | None] = [None] * len(self.params)
         losses = []
         try:
@@ -798,8 +803,8 @@ class ReplayAudit(Check, BucketListener):
                                  "work with such a loss.")
         finally:
             if not self._buffers_checked:
-                now = list(self.module.buffers())
-                self._changed = [n for i, n in self._watched if not torch.equal(now[i], buffers[i])]
+                self._changed = [q for m, n, q, value in buffers if q in self._watched
+                                 and not _same_buffer(m._buffers.get(n), value)]
             buffers_set(self.module, buffers)
             self.phase = "train"
         kept = [(i, g) for i, g in enumerate(grads) if g is not None]

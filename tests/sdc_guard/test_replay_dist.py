@@ -248,7 +248,7 @@ def test_a_forward_that_writes_its_parameters_is_refused_not_convicted(replay: b
 
 
 @pytest.mark.parametrize("kind", ["counter", "generator", "tensor in place", "tensor rebound",
-                                  "list"])
+                                  "list", "lazy buffer"])
 @pytest.mark.parametrize("interval", [1, 2])
 def test_a_forward_that_keeps_state_is_replayed_from_the_owners(interval: int, kind: str) -> None:
     # A warm-up kept as a call counter in the forward: the replay's forward advanced it, so the
@@ -258,6 +258,9 @@ def test_a_forward_that_keeps_state_is_replayed_from_the_owners(interval: int, k
     # now leaves the module's plain attributes and generators as it found them, tensors
     # kept as plain attributes (a step count as a tensor), rebound or updated in place, and
     # the lists it appends to (a log of the training calls, whose length the warm-up reads).
+    # A buffer the first forward registers (a lazily built table): the replay, the first
+    # forward of all, registered it and then raised on the buffers' count; it is removed
+    # again, and the owner's forward builds it as unguarded.
     for r in run_ranks(workers.warm_up_run, 3, interval, kind):
         assert r["detections"] == [], r["detections"]
         assert r["calls"] == (12, 12) and r["same"], r
