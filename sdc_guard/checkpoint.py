@@ -142,15 +142,18 @@ def _module(model: torch.nn.Module) -> torch.nn.Module:
 
 def _refuse_other_model(file: Path, module: torch.nn.Module, saved: Mapping[str, Any]) -> None:
     """Refuse, before anything loads, a checkpoint of another model: names it holds that the
-    model has not, or the other way round, or tensors of other shapes. ``load_state_dict``
+    model has not, or the other way round, or parameters of other shapes. ``load_state_dict``
     would raise after loading what does fit (and the optimizer before it), leaving the run
-    half restored; an older checkpoint of the same directory would not fit either."""
+    half restored; an older checkpoint of the same directory would not fit either. Buffers
+    of other shapes are their modules' business: a quantisation observer's ranges start
+    empty and its own loader resizes them."""
     mine = module.state_dict()
+    params = dict(module.named_parameters())
     missing = [k for k in mine if k not in saved]
     unexpected = [k for k in saved if k not in mine]
     shapes = [f"{k} {tuple(saved[k].shape)} saved, {tuple(v.shape)} in the model"
-              for k, v in mine.items() if k in saved and isinstance(v, torch.Tensor)
-              and isinstance(saved[k], torch.Tensor) and saved[k].shape != v.shape]
+              for k, v in params.items() if isinstance(saved.get(k), torch.Tensor)
+              and saved[k].shape != v.shape]
     if not (missing or unexpected or shapes):
         return
     parts = [f"{label}: {items[:4]}{' ...' if len(items) > 4 else ''}"

@@ -306,3 +306,30 @@ def _refusal(ckpt: CheckpointManager, model: DDP) -> str:
     except ValueError as e:
         return str(e)
     return ""
+
+
+@pytest.mark.filterwarnings("ignore:torch.ao.quantization is deprecated:DeprecationWarning")
+def test_a_quantisation_aware_model_restores_into_a_fresh_one(one_rank: None,
+                                                              tmp_path: Path) -> None:
+    # Its observers' ranges and its fake quantisers' scales start empty or 1-long and take
+    # their shapes from training; their own loaders resize them. The check for another
+    # model compares the parameters' shapes, not those buffers'.
+    import torch.ao.quantization as quant
+
+    def make() -> DDP:
+        net: Any = torch.nn.Sequential(quant.QuantStub(), *workers.make_mlp().children(),
+                                       quant.DeQuantStub())
+        net.qconfig = quant.get_default_qat_qconfig("x86")  # type: ignore[no-untyped-call]
+        quant.prepare_qat(net.train(), inplace=True)  # type: ignore[no-untyped-call]
+        return DDP(net)
+
+    model = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, range(2))
+    ckpt = CheckpointManager(tmp_path / "qat")
+    ckpt.save(1, model, opt)
+    fresh = make()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    assert ckpt.restore(fresh, fresh_opt) == 2
+    a, b = model.module.state_dict(), fresh.module.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
