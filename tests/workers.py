@@ -569,6 +569,10 @@ class WarmUp(nn.Module):
         if self.training:
             self.calls += 1
         h = torch.relu(self.net[0](x)) * min(1.0, self.calls / 10)
+        return self.rest(h)
+
+    def rest(self, h: torch.Tensor) -> torch.Tensor:
+        """The layers after the first, on its activations ``h``."""
         out: torch.Tensor = self.net[4](torch.relu(self.net[2](h)))
         return out
 
@@ -623,37 +627,24 @@ class TensorState(nn.Module):
         return out
 
 
-class ListState(nn.Module):
+class ListState(WarmUp):
     """``WarmUp`` with its count kept as the length of a Python list that each training call
     appends its batch's first input to (a log the loop reads, which the warm-up reads too)."""
 
     def __init__(self) -> None:
         super().__init__()
-        net = make_mlp()
-        assert isinstance(net, nn.Sequential)
-        self.net = net
         self.log: list[float] = []
-        self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
             self.calls += 1
             self.log.append(float(x[0, 0]))
-        h = torch.relu(self.net[0](x)) * min(len(self.log) / 10, 1.0)
-        out: torch.Tensor = self.net[4](torch.relu(self.net[2](h)))
-        return out
+        return self.rest(torch.relu(self.net[0](x)) * min(len(self.log) / 10, 1.0))
 
 
-class LazyTable(nn.Module):
+class LazyTable(WarmUp):
     """``WarmUp`` whose forward registers a buffer the first time it runs (a table built
     lazily, as rotary position caches often are) and scales its hidden layer by it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        net = make_mlp()
-        assert isinstance(net, nn.Sequential)
-        self.net = net
-        self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
@@ -661,9 +652,7 @@ class LazyTable(nn.Module):
         if "table" not in self._buffers:
             self.register_buffer("table", torch.linspace(0.5, 1.5, 32), persistent=False)
         table: torch.Tensor = self._buffers["table"]  # type: ignore[assignment]
-        h = torch.relu(self.net[0](x)) * table
-        out: torch.Tensor = self.net[4](torch.relu(self.net[2](h)))
-        return out
+        return self.rest(torch.relu(self.net[0](x)) * table)
 
 
 def rank_state_run(rank: int, world: int) -> dict[str, Any]:
