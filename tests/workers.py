@@ -671,6 +671,26 @@ def rank_state_run(rank: int, world: int) -> dict[str, Any]:
             "kept": [d.evidence.get("state_tensors") for d in found]}
 
 
+def beside_plain(guard: SDCGuard, plain: DDP, rank: int, steps: int,
+                 before_step: Any = None) -> tuple[list[sdc_guard.Detection], bool]:
+    """Train ``steps`` steps with ``guard`` and, on the same batches, ``plain`` (the same
+    model) in a plain DDP loop with AdamW at the guarded runs' learning rate (``before_step(s)``
+    first, when given): the detections (flushed), and whether both models end with the
+    same parameters and buffers, bit for bit."""
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    found: list[sdc_guard.Detection] = []
+    for s in range(steps):
+        if before_step is not None:
+            before_step(s)
+        found += guard.step(s).detections
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(plain, batch_for(rank, s)).backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+    found += guard.flush()
+    a, b = guard.model.module.state_dict(), plain.module.state_dict()
+    return found, all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
+
+
 def warm_up_run(rank: int, world: int, interval: int, kind: str = "counter") -> dict[str, Any]:
     """``WarmUp`` (``kind="counter"``), ``OwnGenerator`` (``"generator"``),
     ``TensorState`` (``"tensor in place"``, ``"tensor rebound"``), ``ListState``
@@ -693,16 +713,7 @@ def warm_up_run(rank: int, world: int, interval: int, kind: str = "counter") -> 
     guard = SDCGuard(guarded, torch.optim.AdamW(guarded.parameters(), lr=1e-2),
                      loss_fn=loss_fn, batch_for=batch_for,
                      config=GuardConfig(replay_interval=interval, deterministic=True))
-    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
-    found: list[sdc_guard.Detection] = []
-    for s in range(12):
-        found += guard.step(s).detections
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn(plain, batch_for(rank, s)).backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
-    found += guard.flush()
-    a, b = guarded.module.state_dict(), plain.module.state_dict()
-    same = all(torch.equal(a[k], b[k]) for k in a)
+    found, same = beside_plain(guard, plain, rank, 12)
     if isinstance(guarded.module, TensorState) and isinstance(plain.module, TensorState):
         same = same and torch.equal(guarded.module.seen, plain.module.seen)
     if isinstance(guarded.module, ListState) and isinstance(plain.module, ListState):
@@ -1318,20 +1329,15 @@ def freeze_run(rank: int, world: int) -> dict[str, Any]:
     plain = DDP(make_mlp(), find_unused_parameters=True)
     guard = SDCGuard(guarded, torch.optim.AdamW(guarded.parameters(), lr=1e-2),
                      loss_fn=loss_fn, batch_for=batch_for, config=cfg)
-    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
-    found: list[sdc_guard.Detection] = []
-    for s in range(7):
+
+    def freeze(s: int) -> None:
         if s in (2, 4):
             for model in (guarded, plain):
                 for p in model.module[4 - s].parameters():
                     p.requires_grad_(False)
-        found += guard.step(s).detections
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn(plain, batch_for(rank, s)).backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
-    found += guard.flush()
-    a, b = guarded.module.state_dict(), plain.module.state_dict()
-    return {"detections": _flushed(found), "same": all(torch.equal(a[k], b[k]) for k in a)}
+
+    found, same = beside_plain(guard, plain, rank, 7, freeze)
+    return {"detections": _flushed(found), "same": same}
 
 
 def qat_run(rank: int, world: int) -> dict[str, Any]:
@@ -1352,16 +1358,7 @@ def qat_run(rank: int, world: int) -> dict[str, Any]:
     guard = SDCGuard(guarded, torch.optim.AdamW(guarded.parameters(), lr=1e-2),
                      loss_fn=loss_fn, batch_for=batch_for,
                      config=GuardConfig(replay_interval=1, deterministic=True))
-    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
-    found: list[sdc_guard.Detection] = []
-    for s in range(4):
-        found += guard.step(s).detections
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn(plain, batch_for(rank, s)).backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
-    found += guard.flush()
-    a, b = guarded.module.state_dict(), plain.module.state_dict()
-    return {"detections": _flushed(found),
-            "same": all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor)),
+    found, same = beside_plain(guard, plain, rank, 4)
+    return {"detections": _flushed(found), "same": same,
             "ranges": tuple(guarded.module[1].weight_fake_quant.activation_post_process
                             .min_val.shape)}
