@@ -35,7 +35,7 @@ Spans = Sequence[tuple[int, int, int]]
 """(first word, end word, word offset in parameter order) per gradient of a bucket."""
 
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_fused_ok: dict[str, bool] = {}
+_fused_ok: dict[tuple[str, torch.dtype], bool] = {}
 _scales: dict[tuple[torch.device, float], torch.Tensor] = {}
 
 
@@ -92,11 +92,14 @@ def scale_and_check_tensor(buf: torch.Tensor, scale: float) -> torch.Tensor:
     torch's fused AMP unscale kernel multiplies by a float32 scale and flags any NaN or
     Inf as it goes: for float32, float16 and bfloat16 that is the same product as
     ``mul_`` with a Python float (computed in float32, then rounded), bit for bit, and
-    an exact per-element check. Other dtypes, and a torch without the kernel on this
-    device, take ``_bad`` and ``mul_`` (two passes).
+    an exact per-element check. Other dtypes, a dtype the kernel lacks on this device
+    (CUDA's has no bfloat16: remembered per device type and dtype, so that one bfloat16
+    bucket leaves float32 buckets on the kernel) and a scale of 1 (one rank: the kernel
+    then skips the product, and on a GPU ``mul_`` by 1 canonicalises a NaN's payload)
+    take ``_bad`` and ``mul_`` (two passes).
     """
-    kind = buf.device.type
-    if buf.dtype in _FUSED_DTYPES and _fused_ok.get(kind, True):
+    key = (buf.device.type, buf.dtype)
+    if buf.dtype in _FUSED_DTYPES and scale != 1.0 and _fused_ok.get(key, True):
         found = torch.zeros(1, dtype=torch.float32, device=buf.device)
         inv = _scales.get((buf.device, scale))
         if inv is None:  # one per device and world size: built once, only ever read
@@ -105,18 +108,19 @@ def scale_and_check_tensor(buf: torch.Tensor, scale: float) -> torch.Tensor:
         try:
             torch._amp_foreach_non_finite_check_and_unscale_([buf], found, inv)
         except (RuntimeError, NotImplementedError):  # no kernel for this device here
-            _fused_ok[kind] = False
+            _fused_ok[key] = False
         else:
-            _fused_ok[kind] = True
+            _fused_ok[key] = True
             return found[0] != 0
     bad = _bad(buf)
     buf.mul_(scale)
     return bad
 
 
-def fused_unscale_ok(device_type: str) -> bool | None:
-    """Did torch's fused unscale kernel run on this device type (None: not tried yet)?"""
-    return _fused_ok.get(device_type)
+def fused_unscale_ok(device_type: str, dtype: torch.dtype = torch.float32) -> bool | None:
+    """Did torch's fused unscale kernel run on this device type for ``dtype`` (None: not
+    tried yet)?"""
+    return _fused_ok.get((device_type, dtype))
 
 
 def can_fuse_digest(buf: torch.Tensor, spans: Spans) -> bool:

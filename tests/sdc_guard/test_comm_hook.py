@@ -43,7 +43,7 @@ def test_scale_and_check_is_mul_bit_for_bit_with_an_exact_flag(
         if not native:  # torch's paths: the fused AMP kernel, or two passes
             m.setattr(sc, "active_kernel", lambda: None)
         if not fused:
-            m.setitem(sc._fused_ok, "cpu", False)  # the two-pass fallback
+            m.setitem(sc._fused_ok, ("cpu", dtype), False)  # the two-pass fallback
         bad = sc.scale_and_check(x, 1.0 / world)
         checked = sc.check_nonfinite(expected)
     assert isinstance(bad, bool) is native  # the C kernel's flag is a host value
@@ -55,6 +55,37 @@ def test_scale_and_check_is_mul_bit_for_bit_with_an_exact_flag(
         assert bool(bad) == nonfinite  # exact, element by element
     else:  # isfinite(sum): never misses; may also flag a finite sum that overflows
         assert bool(bad) or not nonfinite
+
+
+def test_a_dtype_without_the_fused_kernel_leaves_the_others_on_it() -> None:
+    """CUDA's fused unscale kernel has no bfloat16 (seen on an H200): a bfloat16 bucket
+    takes two passes, and float32 buckets after it keep the kernel. A scale of 1 (one rank)
+    never takes the kernel, which skips the product then (on a GPU, ``mul_`` by 1 gives a
+    NaN the canonical payload)."""
+    real = torch._amp_foreach_non_finite_check_and_unscale_
+    calls: list[torch.dtype] = []
+
+    def no_bfloat16(bufs: list[torch.Tensor], found: torch.Tensor, inv: torch.Tensor) -> None:
+        calls.append(bufs[0].dtype)
+        if bufs[0].dtype == torch.bfloat16:
+            raise RuntimeError('"_amp_foreach_non_finite_check_and_unscale_cuda" not '
+                               "implemented for 'BFloat16'")
+        real(bufs, found, inv)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", no_bfloat16)
+        m.setattr(sc, "_fused_ok", {})
+        for dtype in (torch.bfloat16, torch.float32, torch.bfloat16, torch.float32):
+            x = torch.tensor([1.5, float("nan"), 3.0], dtype=dtype)
+            want = x.clone().mul_(0.25)
+            assert bool(sc.scale_and_check_tensor(x, 0.25))
+            assert torch.equal(x.view(torch.uint8), want.view(torch.uint8))
+        assert calls == [torch.bfloat16, torch.float32, torch.float32]  # bfloat16 tried once
+        assert sc.fused_unscale_ok("cpu", torch.bfloat16) is False
+        assert sc.fused_unscale_ok("cpu", torch.float32) is True
+        x = torch.tensor([1.5, 2.0])
+        assert not bool(sc.scale_and_check_tensor(x, 1.0))
+        assert calls == [torch.bfloat16, torch.float32, torch.float32]
 
 
 class _Bucket:
