@@ -47,15 +47,31 @@ def gpu_snapshot(device: torch.device | None = None) -> dict[str, Any]:
 
 
 def _nvml_index(device: torch.device) -> int:
-    """NVML numbers devices by PCI order; CUDA may not (CUDA_VISIBLE_DEVICES): match by bus id."""
+    """NVML numbers devices by PCI order; CUDA may not (CUDA_VISIBLE_DEVICES): the device is
+    looked up by its PCI bus id, else by its UUID; a torch that gives neither: CUDA's index."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
-    bus = getattr(props, "pci_bus_id", None)  # recent torch; older builds: CUDA order
-    if bus is None:
-        return int(index)
     import pynvml
 
-    return int(pynvml.nvmlDeviceGetIndex(pynvml.nvmlDeviceGetHandleByPciBusId(bus)))
+    bus = pci_bus_id(props)
+    if bus is not None:
+        with contextlib.suppress(pynvml.NVMLError):
+            return int(pynvml.nvmlDeviceGetIndex(pynvml.nvmlDeviceGetHandleByPciBusId(bus)))
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        return int(pynvml.nvmlDeviceGetIndex(pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")))
+    return int(index)
+
+
+def pci_bus_id(props: Any) -> str | None:
+    """NVML's bus id string ("00000000:1B:00.0", domain:bus:device.function) of a device from
+    torch's properties, which give the three numbers apart (``pci_domain_id``,
+    ``pci_bus_id``, ``pci_device_id``); None where this torch lacks them."""
+    parts = [getattr(props, f"pci_{name}_id", None) for name in ("domain", "bus", "device")]
+    if not all(isinstance(v, int) for v in parts):
+        return None
+    domain, bus, dev = parts
+    return f"{domain:08X}:{bus:02X}:{dev:02X}.0"
 
 
 def _read(nv: Any, index: int) -> dict[str, Any]:

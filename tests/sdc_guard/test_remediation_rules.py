@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from sdc_guard import Detection
 from sdc_guard.remediation.breaker import BreakerLimits, admit
 from sdc_guard.remediation.evidence import append_entries, detection_entry, parse_entries
-from sdc_guard.telemetry import gpu_snapshot
+from sdc_guard.telemetry import gpu_snapshot, pci_bus_id
 from sdc_guard.topology import RankPlace, Topology, local_place
 
 LIMITS = BreakerLimits(max_nodes=2, max_fraction=0.5, window_s=100.0)
@@ -133,3 +134,13 @@ def test_telemetry_without_a_gpu_says_so() -> None:
     snap = gpu_snapshot(torch.device("cpu"))
     assert snap["available"] is False and "no GPU" in snap["reason"]
     json.dumps(snap)
+
+
+def test_the_pci_bus_id_is_nvmls_string() -> None:
+    """torch gives the domain, bus and device numbers apart; NVML looks a device up by one
+    string (an integer bus number was refused with "Invalid Argument" on an H200)."""
+    props = SimpleNamespace(pci_domain_id=0, pci_bus_id=0x1B, pci_device_id=0)
+    assert pci_bus_id(props) == "00000000:1B:00.0"
+    assert pci_bus_id(SimpleNamespace(pci_domain_id=1, pci_bus_id=200, pci_device_id=31)) == \
+        "00000001:C8:1F.0"
+    assert pci_bus_id(SimpleNamespace(pci_bus_id=0x1B)) is None  # an older torch
