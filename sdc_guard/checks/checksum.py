@@ -269,6 +269,32 @@ def _product_node(out: torch.Tensor, weight: torch.Tensor) -> tuple[Any, int] | 
     return node, at
 
 
+_EDGE_DEPTH = 4
+"""How many autograd nodes deep under a call's output ``_weight_edge`` looks."""
+
+
+def _weight_edge(out: torch.Tensor, weight: torch.Tensor,
+                 x: torch.Tensor) -> tuple[Any, int] | None:
+    """The autograd node of one call that passes ``weight`` its gradient (its edge into the
+    weight's gradient accumulator) and that edge's index among its gradients, searched from
+    the call's output down to its input ``x`` (not below: an earlier call of the same layer
+    lies there), at most ``_EDGE_DEPTH`` nodes deep; None if there is none."""
+    stop, seen = x.grad_fn, set()
+    frontier = [out.grad_fn]
+    for _ in range(_EDGE_DEPTH):
+        below = []
+        for node in frontier:
+            if node is None or node is stop or id(node) in seen:
+                continue
+            seen.add(id(node))
+            for i, (child, _) in enumerate(node.next_functions):
+                if child is not None and getattr(child, "variable", None) is weight:
+                    return node, i
+                below.append(child)
+        frontier = below
+    return None
+
+
 def linear_layers(model: nn.Module, patterns: tuple[str, ...] | None) -> list[tuple[str, nn.Linear]]:
     """The layers a ``ChecksumConfig.layers`` selects, in ``named_modules`` order.
 
@@ -352,6 +378,10 @@ class _Call:
     via_node: bool = False
     """Its backward is seen through the product's node (``ChecksumCheck._on_node``): a tap
     the pre-hook installed on its input (not knowing yet) is ignored."""
+    gy: torch.Tensor | None = None
+    """Seen without the product's node, with the weight's gradient hooked: ``GY``, kept from
+    the output's hook until the node that passes the weight its gradient has run
+    (``ChecksumCheck._on_weight_edge``)."""
 
     @property
     def x_rows(self) -> torch.Tensor:
@@ -433,8 +463,10 @@ class _Layer:
     ``register_post_accumulate_grad_hook``: a clamp, a per-layer scale), which change its
     gradient after the product made it: the weight-gradient identity is then checked at
     the product's node, call by call, on the gradient the product passes on
-    (``ChecksumCheck._gw_node``), never on ``W.grad``; a call seen without the node leaves it
-    unchecked. Found at each checked step's start (``_gradient_hooked``)."""
+    (``ChecksumCheck._gw_node``), never on ``W.grad``; a call seen without that node (a
+    subclass's or a fault injector's own product), on the gradient the node of the call that
+    passes the weight its gradient gives (``_weight_edge``). Found at each checked step's
+    start (``_gradient_hooked``)."""
     called: bool = False
     """The layer's forward ran in a checked step (``ChecksumCheck.uncalled``)."""
 
@@ -666,7 +698,16 @@ class ChecksumCheck(Check, BucketListener):
                       and not _full_backward_hooked(m))
             self._on_forward(layer, x, out, tapped)
             call = layer.calls[-1]
-            if backward:
+            if not backward:
+                return
+            edge = (_weight_edge(out, m.weight, x) if layer.gw_step and layer.gw_at_node
+                    else None)
+            if edge is not None:  # GW at the node that passes it on, GY kept for it
+                out.register_hook(  # type: ignore[no-untyped-call]
+                    lambda gy: self._on_gy(layer, call, gy, keep=True))
+                edge[0].register_hook(lambda grads_in, grads_out: self._on_weight_edge(
+                    layer, call, grads_in[edge[1]]))
+            else:
                 out.register_hook(  # type: ignore[no-untyped-call]
                     lambda gy: self._on_gy(layer, call, gy))
 
@@ -689,8 +730,8 @@ class ChecksumCheck(Check, BucketListener):
                  gx: torch.Tensor | None, gwt: torch.Tensor | None = None) -> None:
         """The product node's post-hook: its output's gradient ``GY`` and, when checked, this
         call's input gradient ``GX`` (both 2-D: the node multiplies the flattened input);
-        ``gwt``, the gradient of ``W^T`` it passes on, when the weight's gradient is hooked
-        (``_Layer.gw_at_node``)."""
+        ``gwt``, the gradient of ``W^T`` it passes on (``in x out``: its column sums are
+        ``GW e``), when the weight's gradient is hooked (``_Layer.gw_at_node``)."""
         if gy is None:
             return
         if self._forward_phase and self._active:
@@ -705,11 +746,19 @@ class ChecksumCheck(Check, BucketListener):
             if gx is not None:
                 self._on_gx(layer, call_index, gx)
         if gwt is not None and self._active and layer.gw_step and layer.gw_at_node:
-            self._gw_node(layer, call, gy, gwt)
+            self._gw_node(layer, call, gy, gwt.detach().sum(0, dtype=torch.float32))
 
-    def _gw_node(self, layer: _Layer, call: _Call, gy: torch.Tensor, gwt: torch.Tensor) -> None:
-        """The weight-gradient identity of one call, on the gradient its product node passes
-        on (``gwt = X^T GY``, ``in x out``: its column sums are this call's share of ``GW e``)
+    def _on_weight_edge(self, layer: _Layer, call: _Call, gw: torch.Tensor | None) -> None:
+        """The post-hook of the node that passes a hooked weight its gradient, for a call
+        seen without the product's node (``_weight_edge``): ``gw`` is this call's ``GW``."""
+        gy, call.gy = call.gy, None
+        if gw is not None and gy is not None and self._active and layer.gw_step:
+            self._gw_node(layer, call, gy, gw.detach().sum(1, dtype=torch.float32))
+
+    def _gw_node(self, layer: _Layer, call: _Call, gy: torch.Tensor,
+                 lhs: torch.Tensor) -> None:
+        """The weight-gradient identity of one call, on the gradient a node passes on before
+        the user's hooks see it (``lhs``: its row sums, this call's share of ``GW e``)
         against ``GY^T (X e)``, within ``|GY|^T (|X| e)`` times the tolerance. Torch
         operations: only for a weight whose gradient is hooked (``_Layer.gw_at_node``)."""
         g = gy.detach().reshape(-1, gy.shape[-1])
@@ -717,7 +766,6 @@ class ChecksumCheck(Check, BucketListener):
         x_rows = call.x_rows
         rhs = gf.t() @ x_rows[0]
         bound = gf.abs().t() @ x_rows[1]
-        lhs = gwt.detach().sum(0, dtype=torch.float32)
         n = g.shape[0]
         tol = tolerance(self.config.tolerance_scale, k=n,
                         checked=2 * layer.module.in_features + n, compute=g.dtype,
@@ -875,9 +923,13 @@ class ChecksumCheck(Check, BucketListener):
             layer.norm_key = key
         return layer.w_norm
 
-    def _on_gy(self, layer: _Layer, call: _Call, gy: torch.Tensor) -> None:
+    def _on_gy(self, layer: _Layer, call: _Call, gy: torch.Tensor, keep: bool = False) -> None:
+        """The output's gradient ``GY`` of a call seen without its product's node; ``keep``:
+        kept for the weight-gradient identity at the weight's node (``_on_weight_edge``)."""
         if not self._active:
             return
+        if keep:
+            call.gy = gy
         if self._forward_phase:
             self._inner_backward(layer)
         if call.native and self._kernel is not None and gy.dtype == torch.float32:

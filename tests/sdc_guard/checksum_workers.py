@@ -640,12 +640,14 @@ class _FlipProduct(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 def user_hooks_run(rank: int, world: int, post_accumulate: bool,
-                   flip_step: int | None) -> dict[str, Any]:
+                   flip_step: int | None, injected: bool = False) -> dict[str, Any]:
     """``_hooked_mlp`` trained with the checksum (and, without post-accumulate hooks, the
     replay every step), beside the same model in a plain DDP loop: the detections, the
     withheld steps and whether both runs end with the same parameters. With ``flip_step``,
     rank 1's backward in that step computes the middle layer's weight gradient product
-    (``12 x 24``) with a flipped bit (``_FlipProduct``)."""
+    (``12 x 24``) with a flipped bit (``_FlipProduct``); with ``injected`` too, the fault
+    injector's ``linear_product`` site flips it (its own autograd node makes the product,
+    not torch's ``addmm``)."""
     cfg = (GuardConfig(checksum=True) if post_accumulate or flip_step is not None
            else GuardConfig(checksum=True, replay_interval=1, deterministic=True))
 
@@ -661,8 +663,11 @@ def user_hooks_run(rank: int, world: int, post_accumulate: bool,
                      loss_fn=loss_fn, batch_for=batch_for, config=cfg)
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     reports = []
+    if injected and flip_step is not None:
+        arm(Fault(site="linear_product", product="weight_grad", target="2", bits=(30,),
+                  rank=1, step=flip_step), guard=guard)
     for s in range(4):
-        if s == flip_step and rank == 1:
+        if s == flip_step and rank == 1 and not injected:
             with _FlipProduct((12, 24), 30) as flip:
                 reports.append(guard.step(s))
             assert flip.done

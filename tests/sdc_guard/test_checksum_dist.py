@@ -217,6 +217,10 @@ def test_the_users_own_hooks_are_no_fault_of_the_product() -> None:
     # A fault in the kernel of a hooked weight's gradient product is caught in its step.
     for r in run_ranks(W.user_hooks_run, 3, False, 2):
         assert r["detections"] == [("checksum", 2, (1,))] and r["skipped"] == [2], r
+    # And one in a product of its own node (the injector's): read at the node that passes
+    # the weight its gradient (it escaped: seen on a GPU's device check).
+    for r in run_ranks(W.user_hooks_run, 3, False, 1, True):
+        assert r["detections"] == [("checksum", 1, (1,))] and r["skipped"] == [1], r
 
 
 def test_the_replay_names_a_post_accumulate_hook() -> None:
