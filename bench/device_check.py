@@ -119,7 +119,8 @@ def check_kernels(device: torch.device) -> dict[str, Any]:
                 if flag != expected:
                     mismatches.append(f"scale_and_check flag {flag}, expected {expected}: "
                                       f"{dtype} world {world} special {special}")
-    fused = internal.fused_unscale_ok(device.type)
+    fused = {str(t).removeprefix("torch."): internal.fused_unscale_ok(device.type, t)
+             for t in (torch.float32, torch.float16, torch.bfloat16)}
     rows = torch.randint(-2**63, 2**63 - 1, (64, 4), generator=g, dtype=torch.int64)
     rows[0] = 0
     rows[1] = torch.tensor([-1, 2**63 - 1, -2**63, 1])
@@ -162,7 +163,7 @@ def check_kernels(device: torch.device) -> dict[str, Any]:
             mismatches.append(f"bucket digest {dtype}, {len(sizes)} gradients: device {got}, "
                               f"cpu {want}")
     return {"passed": not mismatches, "mismatches": mismatches,
-            "fused_unscale_kernel_used": fused}
+            "fused_unscale_kernel_used": any(fused.values()), "fused_unscale_kernel": fused}
 
 
 def check_rng(device: torch.device) -> dict[str, Any]:
@@ -238,13 +239,46 @@ def check_guard(device_type: str, world: int) -> dict[str, Any]:
             "expected_skipped": [6], "ranks": results}
 
 
-CHECKSUM_RUNS = [(kind, dtype, tf32) for kind in ("mlp", "cnn", "cnn_bn", "transformer")
+CHECKSUM_RUNS = [(kind, dtype, tf32) for kind in ("mlp", "mlp_hooked", "cnn", "cnn_bn",
+                                                  "transformer")
                  for dtype, tf32 in (("float32", False), ("float32", True), ("bfloat16", False))]
-"""(model kind, dtype, TF32 allowed): the clean runs of ``check_checksum``."""
+"""(model kind, dtype, TF32 allowed): the clean runs of ``check_checksum``; ``mlp_hooked`` is
+the MLP with the user's hooks of ``_users_hooks``."""
 CHECKSUM_FAULTS: list[dict[str, Any]] = [
     {"site": "linear_product", "product": p, "target": "net.2", "bits": (b,)}
     for p in ("forward", "input_grad", "weight_grad") for b in (30, 29, 28)]
-"""Exponent flips inside the MLP's middle layer, each product (fired on the last rank)."""
+"""Exponent flips inside the MLP's middle layer, each product (fired on the last rank), in
+the MLP and in ``mlp_hooked``."""
+
+
+def _clamped(g: torch.Tensor) -> torch.Tensor:
+    return g.clamp(-0.02, 0.02)
+
+
+def _doubled(m: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+    return out * 2
+
+
+def _halved_in_place(m: torch.nn.Module, args: Any, out: torch.Tensor) -> None:
+    out.mul_(0.5)
+
+
+def _halved_input_grad(m: torch.nn.Module, grad_in: Any, grad_out: Any) -> Any:
+    return tuple(None if g is None else g * 0.5 for g in grad_in)
+
+
+def _users_hooks(module: torch.nn.Module) -> torch.nn.Module:
+    """The hooks users put on their layers, on an MLP: every parameter's gradient clamped by
+    a tensor hook, the middle linear layer's output replaced by a forward hook, the last
+    one's output scaled in place and its input gradient halved by a full backward hook
+    (the checksum reads each product past them)."""
+    linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
+    for p in module.parameters():
+        p.register_hook(_clamped)  # type: ignore[no-untyped-call]
+    linears[1].register_forward_hook(_doubled)
+    linears[-1].register_forward_hook(_halved_in_place)
+    linears[-1].register_full_backward_hook(_halved_input_grad)
+    return module
 CHECKSUM_TIMED = {"reference MLP (512-1024-1024-10), batch 128": ("reference", 128, 0),
                   "MLP 16-4096-4096-4, batch 4096": ("mlp", 4096, 4096),
                   "transformer (width 128, 2 blocks), batch 64": ("transformer", 64, 128)}
@@ -279,10 +313,14 @@ def _checksum_rank(rank: int, world: int, device_type: str, steps: int, timed_st
 
             loss: Any = cross_entropy_loss
         else:
-            module = build_model(kind, width=width, depth=2, seed=0).to(device, dtypes[dtype])
+            model_kind = kind.removesuffix("_hooked")
+            module = build_model(model_kind, width=width, depth=2, seed=0).to(device,
+                                                                             dtypes[dtype])
+            if kind.endswith("_hooked"):
+                _users_hooks(module)
 
             def batch_for(r: int, step: int) -> Any:
-                x, y = synthetic_batch(kind, 0, r, step, 0, batch=batch, dtype=dtypes[dtype])
+                x, y = synthetic_batch(model_kind, 0, r, step, 0, batch=batch, dtype=dtypes[dtype])
                 return x.to(device), y.to(device)
 
             loss = scenario_loss
@@ -308,18 +346,20 @@ def _checksum_rank(rank: int, world: int, device_type: str, steps: int, timed_st
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
         dist.barrier()
-    guard = guard_for("mlp", "float32", on)
-    step = 0
-    for f in CHECKSUM_FAULTS:
-        guard.reconfigure(guard.config)
-        handle = arm(Fault(**f, rank=world - 1, step=step + 1), guard=guard)
-        reports = [guard.step(step + i) for i in range(4)]
-        step += 4
-        found = [d for r in reports for d in r.detections] + guard.flush()
-        handle.remove()
-        out["faults"].append({"fault": f, "fired": [rec["step"] for rec in handle.records],
-                              "detections": dets(found),
-                              "skipped": [r.step for r in reports if r.skipped]})
+    for kind in ("mlp", "mlp_hooked"):
+        guard = guard_for(kind, "float32", on)
+        step = 0
+        for f in CHECKSUM_FAULTS:
+            guard.reconfigure(guard.config)
+            handle = arm(Fault(**f, rank=world - 1, step=step + 1), guard=guard)
+            reports = [guard.step(step + i) for i in range(4)]
+            step += 4
+            found = [d for r in reports for d in r.detections] + guard.flush()
+            handle.remove()
+            out["faults"].append({"fault": f, "model": kind,
+                                  "fired": [rec["step"] for rec in handle.records],
+                                  "detections": dets(found),
+                                  "skipped": [r.step for r in reports if r.skipped]})
     dist.barrier()
     for name in timed:
         kind, batch, width = CHECKSUM_TIMED[name]
@@ -341,11 +381,45 @@ def _checksum_rank(rank: int, world: int, device_type: str, steps: int, timed_st
                     times[label].append((time.perf_counter() - t0) / timed_steps)
         off, on_t = statistics.median(times["off"]), statistics.median(times["on"])
         out["timing"][name] = {"step_ms_off": off * 1e3, "step_ms_checksum": on_t * 1e3,
-                               "overhead": on_t / off - 1.0}
+                               "overhead": on_t / off - 1.0,
+                               "per_step": {label: _step_profile(g, 7 * timed_steps, 5)
+                                            for label, g in guards.items()}}
         for g in guards.values():
             g.flush()
         dist.barrier()
     return out
+
+
+def _step_profile(guard: Any, first: int, steps: int) -> dict[str, Any]:
+    """Where a guarded step's host time goes, per step over ``steps`` profiled steps: the
+    kernel launches, the host syncs (a device-to-host copy or a stream or device sync), the
+    ``.item()`` reads, and the ten operators taking the most host time of their own."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available() and guard.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    for s in range(2):
+        guard.step(first + s)
+    with profile(activities=activities) as prof:
+        for s in range(steps):
+            guard.step(first + 2 + s)
+        if guard.device.type == "cuda":
+            torch.cuda.synchronize(guard.device)
+    events = prof.key_averages()
+
+    def count(match: Callable[[str], bool]) -> float:
+        return float(sum(e.count for e in events if match(e.key))) / steps
+
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    return {
+        "kernel_launches": count(lambda k: k.startswith(("cudaLaunch", "cuLaunch"))),
+        "host_syncs": count(lambda k: "Synchronize" in k or k.startswith("cudaMemcpy")),
+        "item_reads": count(lambda k: k == "aten::_local_scalar_dense"),
+        "aten_ops": count(lambda k: k.startswith("aten::")),
+        "top_self_host_us": [(e.key, round(e.self_cpu_time_total / steps, 1),
+                              e.count / steps) for e in top],
+    }
 
 
 def checksum_problems(results: list[dict[str, Any]]) -> list[str]:
@@ -362,8 +436,8 @@ def checksum_problems(results: list[dict[str, Any]]) -> list[str]:
             fired = sorted(set(results[-1]["faults"][i]["fired"]))
             want = [("checksum", fired[0], [world - 1])] if len(fired) == 1 else None
             if want is None or [tuple(d) for d in v["detections"]] != want or v["skipped"] != fired:
-                problems.append(f"rank {r}: {v['fault']}: fired {fired}, detections "
-                                f"{v['detections']}, skipped {v['skipped']}")
+                problems.append(f"rank {r}: {v.get('model', 'mlp')} {v['fault']}: fired {fired}, "
+                                f"detections {v['detections']}, skipped {v['skipped']}")
     return problems
 
 
@@ -444,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # what tensors there report
+        device = torch.device("cuda", torch.cuda.current_device())
     report: dict[str, Any] = {"torch": torch.__version__, "device": str(device)}
     if device.type == "cuda":
         report["name"] = torch.cuda.get_device_name(device)

@@ -18,6 +18,8 @@ def test_dry_run_on_cpu_passes_and_writes_json(tmp_path: Path) -> None:
     assert report["values"]["passed"] and report["values"]["mismatches"] == []
     assert report["rng_stream"]["passed"]
     assert report["kernels"]["passed"] and report["kernels"]["fused_unscale_kernel_used"]
+    assert report["kernels"]["fused_unscale_kernel"] == {  # float32 takes the C kernel
+        "float32": None, "float16": True, "bfloat16": True}
     guard = report["gloo_guard"]  # the guarded steps, with gloo in place of nccl
     assert guard["passed"] and guard["world"] == 3
     for rank in guard["ranks"]:
@@ -27,7 +29,7 @@ def test_dry_run_on_cpu_passes_and_writes_json(tmp_path: Path) -> None:
     checksum = report["checksum"]  # the checksum check's torch path, as a GPU runs it
     assert checksum["passed"] and checksum["problems"] == [], checksum
     assert checksum["clean_runs"] == len(device_check.CHECKSUM_RUNS)
-    assert checksum["faults"] == len(device_check.CHECKSUM_FAULTS)
+    assert checksum["faults"] == 2 * len(device_check.CHECKSUM_FAULTS)  # plain and hooked
     assert all(t["step_ms_off"] > 0 for t in checksum["timing"].values())
 
 
@@ -50,7 +52,7 @@ def test_checksum_judge_names_what_went_wrong() -> None:
     not_withheld = [_checksum_rank_result([["checksum", 5, [1]]], [], []),
                     _checksum_rank_result([["checksum", 5, [1]]], [5], [5])]
     assert device_check.checksum_problems(not_withheld) == [
-        "rank 0: {'product': 'forward'}: fired [5], detections [['checksum', 5, [1]]], "
+        "rank 0: mlp {'product': 'forward'}: fired [5], detections [['checksum', 5, [1]]], "
         "skipped []"]
     false_positive = [good[0], dict(good[1], clean={"mlp/bfloat16": {
         "detections": [["checksum", 3, [1]]], "skipped": [3]}})]
