@@ -31,6 +31,9 @@ def test_dry_run_on_cpu_passes_and_writes_json(tmp_path: Path) -> None:
     assert checksum["clean_runs"] == len(device_check.CHECKSUM_RUNS)
     assert checksum["faults"] == 2 * len(device_check.CHECKSUM_FAULTS)  # plain and hooked
     assert all(t["step_ms_off"] > 0 for t in checksum["timing"].values())
+    md = (tmp_path / "DEVICE.md").read_text()
+    assert "| checksum | yes |" in md and "| gloo_guard | yes |" in md
+    assert "| reference MLP (512-1024-1024-10), batch 128 |" in md
 
 
 def _checksum_rank_result(detections: list[list[object]], skipped: list[int],

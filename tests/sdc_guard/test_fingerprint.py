@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -63,6 +64,49 @@ def test_large_chunked_path_matches_reference(monkeypatch: pytest.MonkeyPatch) -
                      (torch.float32, 4 * 256 + 64), (torch.float16, 2 * 256 + 1)):
         t = _random_tensor(dtype, n, seed=n)
         assert int(P.tensor_value(t).item()) & M64 == _ref_value(t), (dtype, n)
+
+
+@pytest.mark.timeout(280)
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+                    reason="torch.compile on the CPU needs a C++ compiler")
+def test_the_compiled_kernel_gives_the_reference_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused pass a CUDA device takes (``torch.compile`` of ``_fused_math``), compiled
+    here by the CPU's inductor: each mode against the pure-Python reference, with a partial
+    last lane, for the fingerprint and the digest."""
+    monkeypatch.setattr(W, "FUSED_DEVICES", {"cpu"})
+    monkeypatch.setattr(W, "_fused_fns", {})
+    monkeypatch.setattr(W, "_fused_checked", {})
+    with native_kernel(False):
+        for dtype, n in ((torch.float32, 70_001), (torch.bfloat16, 140_003),
+                         (torch.float64, 70_001), (torch.int64, 66_000)):
+            t = _random_tensor(dtype, n, seed=n)
+            assert int(P.tensor_value(t).item()) & M64 == _ref_value(t), (dtype, n)
+            assert int(D.digest_value(t).item()) & M64 == _ref_digest(t), (dtype, n)
+    assert W._fused_checked == {("cpu", 0): True, ("cpu", 1): True, ("cpu", 2): True}
+
+
+def test_a_kernel_that_fails_or_disagrees_is_given_up_with_a_warning(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(W, "FUSED_DEVICES", {"cpu"})
+    monkeypatch.setattr(W, "_fused_checked", {})
+    t = _random_tensor(torch.float32, 70_001, seed=3)
+    want = _ref_value(t)
+
+    def broken(flat: torch.Tensor, mode: int) -> torch.Tensor:
+        raise RuntimeError("Cannot find a working triton installation")
+
+    monkeypatch.setattr(W, "_fused_fns", {"cpu": broken})
+    with native_kernel(False):
+        with pytest.warns(RuntimeWarning, match="did not compile"):
+            assert int(P.tensor_value(t).item()) & M64 == want
+        assert W._fused_checked[("cpu", 0)] is False
+        assert int(P.tensor_value(t).item()) & M64 == want  # not tried again: no warning
+        monkeypatch.setattr(W, "_fused_checked", {})
+        monkeypatch.setattr(W, "_fused_fns", {
+            "cpu": lambda flat, mode: torch.zeros(2, dtype=torch.int64)})
+        with pytest.warns(RuntimeWarning, match="another value"):
+            assert int(P.tensor_value(t).item()) & M64 == want
+        assert W._fused_checked[("cpu", 0)] is False
 
 
 @settings(max_examples=300, deadline=None)
