@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from sdc_guard import internal
+from sdc_guard import GuardConfig, internal
 
 CASE_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
           torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64]
@@ -287,6 +287,15 @@ CHECKSUM_TIMED = {"reference MLP (512-1024-1024-10), batch 128": ("reference", 1
 """name -> (model kind, batch, width) timed with the checksum on and off."""
 
 
+CHECK_CONFIGS = {
+    "guard, checks off": GuardConfig(nonfinite=False, weights_interval=0),
+    "nonfinite": GuardConfig(nonfinite=True, weights_interval=0),
+    "weights (with optimizer state), every step": GuardConfig(nonfinite=False),
+    "weights every 8 steps": GuardConfig(nonfinite=False, weights_interval=8),
+}
+"""The guard's checks one by one, timed beside plain DDP and the defaults (``_checksum_rank``)."""
+
+
 def _checksum_rank(rank: int, world: int, device_type: str, steps: int, timed_steps: int,
                    timed: list[str]) -> dict[str, Any]:
     import torch.distributed as dist
@@ -367,6 +376,8 @@ def _checksum_rank(rank: int, world: int, device_type: str, steps: int, timed_st
         kind, batch, width = CHECKSUM_TIMED[name]
         guards = {label: guard_for(kind, "float32", GuardConfig(checksum=c), batch=batch,
                                    width=width) for label, c in (("off", False), ("on", True))}
+        single = {label: guard_for(kind, "float32", config, batch=batch, width=width)
+                  for label, config in CHECK_CONFIGS.items()}
         # Plain DDP: a plain loop on a model of its own (a guard with every check off
         # registers no comm hook: its model is DDP's as it is).
         bare = guard_for(kind, "float32", GuardConfig(nonfinite=False, weights_interval=0),
@@ -380,11 +391,13 @@ def _checksum_rank(rank: int, world: int, device_type: str, steps: int, timed_st
             bare.loss_fn(bare.model, batch(rank, step)).backward()  # type: ignore[no-untyped-call]
             opt.step()
 
-        steppers: dict[str, Callable[[int], object]] = {"plain": plain,
-                                                        **{k: g.step for k, g in guards.items()}}
+        steppers: dict[str, Callable[[int], object]] = {
+            "plain": plain, **{k: g.step for k, g in guards.items()},
+            **{k: g.step for k, g in single.items()}}
         times: dict[str, list[float]] = {label: [] for label in steppers}
         for r in range(7):  # rotated blocks, the first round warms up
-            labels = list(steppers)[r % 3:] + list(steppers)[:r % 3]
+            at = r % len(steppers)
+            labels = list(steppers)[at:] + list(steppers)[:at]
             for label in labels:
                 dist.barrier()
                 if device.type == "cuda":
@@ -401,9 +414,11 @@ def _checksum_rank(rank: int, world: int, device_type: str, steps: int, timed_st
         out["timing"][name] = {"step_ms_plain": base * 1e3, "step_ms_off": off * 1e3,
                                "step_ms_checksum": on_t * 1e3, "overhead": on_t / off - 1.0,
                                "guard_vs_plain": off / base - 1.0,
+                               "by_check_ms": {label: statistics.median(times[label]) * 1e3
+                                               for label in single},
                                "per_step": {label: _step_profile(g, 7 * timed_steps, 5)
                                             for label, g in guards.items()}}
-        for g in guards.values():
+        for g in (*guards.values(), *single.values()):
             g.flush()
         dist.barrier()
     return out
@@ -491,12 +506,25 @@ def _median_time(fn: Callable[[], object], device: torch.device, reps: int = 9) 
 
 def throughput(device: torch.device, mib: int) -> dict[str, Any]:
     from sdc_guard import fingerprint_tensor
+    from sdc_guard.fingerprints import weighted
+
+    def torch_ops(fn: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:  # without the compiled kernel (weighted._fused)
+            kept = set(weighted.FUSED_DEVICES)
+            weighted.FUSED_DEVICES.clear()
+            try:
+                return fn()
+            finally:
+                weighted.FUSED_DEVICES.update(kept)
+        return run
 
     x = torch.randn(mib * 2**20 // 4, device=device)
     methods: dict[str, Callable[[], object]] = {
         "torch.sum (one read pass)": lambda: x.sum(),
         "sdc_guard.fingerprint_tensor": lambda: fingerprint_tensor(x),
+        "fingerprint_tensor, torch ops": torch_ops(lambda: fingerprint_tensor(x)),
         "replay word digest": lambda: internal.digest_value(x),
+        "replay word digest, torch ops": torch_ops(lambda: internal.digest_value(x)),
         "torch.hash_tensor (XOR)": lambda: torch.hash_tensor(x),
     }
     times = {k: _median_time(f, device) for k, f in methods.items()}
@@ -555,6 +583,18 @@ def device_md(report: dict[str, Any]) -> str:
                          f"{t['guard_vs_plain'] * 100:+.1f}% | {t['step_ms_checksum']:.2f} | "
                          f"{t['overhead'] * 100:+.1f}% | {pair('kernel_launches')} | "
                          f"{pair('host_syncs')} | {pair('item_reads')} |")
+    if timing:
+        labels = list(next(iter(timing.values())).get("by_check_ms", {}))
+        lines += ["", "## The guard's checks one by one on the device (ms per step)", "",
+                  "The same rounds: plain DDP, the guard with each check alone, the defaults "
+                  "(nonfinite, and weights with the optimizer state every step) and the "
+                  "defaults with the checksum.", "",
+                  "| workload | plain DDP | " + " | ".join(labels) + " | defaults | defaults + "
+                  "checksum |", "|---" * (len(labels) + 4) + "|"]
+        for name, t in timing.items():
+            lines.append(f"| {name} | {t['step_ms_plain']:.2f} | " + " | ".join(
+                f"{t['by_check_ms'][k]:.2f}" for k in labels) + f" | {t['step_ms_off']:.2f} | "
+                f"{t['step_ms_checksum']:.2f} |")
     rows = [(k, v) for k, v in report.items() if k.startswith("throughput_") and "methods" in v]
     if rows:
         lines += ["", "## Throughput on the device (float32, medians of 9)", "",

@@ -97,19 +97,39 @@ def native_mode(prep: Prep | None) -> int:
     return 0 if prep is prep_lanes else 1 if prep is prep_words else 2
 
 
-def _fused_math(src: torch.Tensor, mode: int) -> torch.Tensor:
-    """int64 ``[sum_k (2k+1) v_k, sum_k v_k]`` (mod ``2**64``) with ``v`` the prepared values
-    (``native_mode``: 0, ``src`` is int32 holding uint32 lanes; 1, int64 words
-    ``X ^ (X >>> 32)``; 2, int64 as they are), as one expression: compiled, one read of
-    ``src`` and no intermediate tensor."""
+_FUSED_ROW: Final = 4096
+"""Values per row in ``_fused_math``: the rows' sums are its parallel first stage."""
+
+
+def _prepared(x: torch.Tensor, mode: int) -> torch.Tensor:
+    """The values ``v`` that ``native_mode`` ``mode`` reads from ``x`` (0: ``x`` is int32
+    holding uint32 lanes, zero-extended; 1: int64 words ``X ^ (X >>> 32)``; 2: int64 as
+    they are)."""
     if mode == 0:
-        v = src.to(torch.int64) & 0xFFFFFFFF
-    elif mode == 1:
-        v = src ^ ((src >> 32) & 0xFFFFFFFF)
-    else:
-        v = src
-    k = torch.arange(src.numel(), device=src.device, dtype=torch.int64)
-    return torch.stack([(v * (2 * k + 1)).sum(), v.sum()])
+        return x.to(torch.int64) & 0xFFFFFFFF
+    if mode == 1:
+        return x ^ ((x >> 32) & 0xFFFFFFFF)
+    return x
+
+
+def _fused_math(src: torch.Tensor, mode: int) -> torch.Tensor:
+    """int64 ``[sum_k (2k+1) v_k, sum_k v_k]`` (mod ``2**64``) of ``_prepared(src, mode)``,
+    written for ``torch.compile`` to read ``src`` once with no intermediate tensor: per row
+    of ``_FUSED_ROW`` values ``A_r = sum_c (2c+1) v_rc`` and ``B_r = sum_c v_rc`` (one kernel,
+    parallel over rows: a single reduction over a dynamic size would run on one block),
+    then ``sum_r A_r + 2 P r B_r``, and the last partial row directly."""
+    n = src.numel()
+    rows = n // _FUSED_ROW
+    head = rows * _FUSED_ROW
+    body = _prepared(src[:head].view(rows, _FUSED_ROW), mode)
+    tail = _prepared(src[head:], mode)
+    c = torch.arange(_FUSED_ROW, device=src.device, dtype=torch.int64)
+    a = (body * (2 * c + 1)).sum(1)
+    b = body.sum(1)
+    r = torch.arange(rows, device=src.device, dtype=torch.int64)
+    k = torch.arange(tail.numel(), device=src.device, dtype=torch.int64) + head
+    weighted = (a + (2 * _FUSED_ROW) * r * b).sum() + (tail * (2 * k + 1)).sum()
+    return torch.stack([weighted, b.sum() + tail.sum()])
 
 
 FUSED_DEVICES: set[str] = {"cuda"}
