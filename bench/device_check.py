@@ -35,6 +35,7 @@ GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import json
@@ -43,7 +44,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,20 +69,45 @@ def _cases(g: torch.Generator) -> list[torch.Tensor]:
     return out
 
 
+@contextlib.contextmanager
+def _weighted_path(path: str) -> Iterator[None]:
+    """The weighted sums under the fingerprint and the digest on one path: ``"compiled"``
+    (the fused kernel from ``SMALL`` values up, ``weighted._fused``), ``"torch"`` (torch
+    ops only) or ``"default"`` (the library's choice)."""
+    from sdc_guard.fingerprints import weighted
+
+    kept = (set(weighted.FUSED_DEVICES), weighted.FUSED_MIN)
+    if path == "torch":
+        weighted.FUSED_DEVICES.clear()
+    elif path == "compiled":
+        weighted.FUSED_MIN = weighted.SMALL + 1
+    try:
+        yield
+    finally:
+        weighted.FUSED_DEVICES.update(kept[0])
+        weighted.FUSED_MIN = kept[1]
+
+
 def check_values(device: torch.device) -> dict[str, Any]:
+    """Fingerprints and digests on the device equal the CPU's, on each of the device's
+    paths (the compiled pass where the device has one, and the torch ops)."""
     from sdc_guard import fingerprint, fingerprint_tensor
 
     g = torch.Generator().manual_seed(0)
     mismatches = []
-    for i, t in enumerate(_cases(g)):
+    cases = _cases(g)
+    for path, (i, t) in itertools.product(("compiled", "torch"), enumerate(cases)):
         d = t.to(device)
-        if fingerprint(t) != fingerprint(d):
-            mismatches.append(f"fingerprint case {i} {t.dtype} {tuple(t.shape)}")
-        if int(internal.digest_value(t)) != int(internal.digest_value(d)):
-            mismatches.append(f"digest case {i} {t.dtype} {tuple(t.shape)}")
+        with _weighted_path(path):
+            if fingerprint(t) != fingerprint(d):
+                mismatches.append(f"fingerprint case {i} {t.dtype} {tuple(t.shape)}, {path}")
+            if int(internal.digest_value(t)) != int(internal.digest_value(d)):
+                mismatches.append(f"digest case {i} {t.dtype} {tuple(t.shape)}, {path}")
     big = torch.randn(internal.DEVICE_CHUNK + 12_345, generator=g)  # more than one device chunk
-    if fingerprint(big) != fingerprint(big.to(device)):
-        mismatches.append("fingerprint of a tensor larger than one device chunk")
+    for path in ("compiled", "torch"):
+        with _weighted_path(path):
+            if fingerprint(big) != fingerprint(big.to(device)):
+                mismatches.append(f"fingerprint of a tensor larger than one device chunk, {path}")
     stays = fingerprint_tensor(big.to(device)).device == device
     return {"passed": not mismatches and stays, "mismatches": mismatches,
             "result_stays_on_device": stays}
@@ -506,25 +532,21 @@ def _median_time(fn: Callable[[], object], device: torch.device, reps: int = 9) 
 
 def throughput(device: torch.device, mib: int) -> dict[str, Any]:
     from sdc_guard import fingerprint_tensor
-    from sdc_guard.fingerprints import weighted
-
-    def torch_ops(fn: Callable[[], object]) -> Callable[[], object]:
-        def run() -> object:  # without the compiled kernel (weighted._fused)
-            kept = set(weighted.FUSED_DEVICES)
-            weighted.FUSED_DEVICES.clear()
-            try:
+    def on(path: str, fn: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:
+            with _weighted_path(path):
                 return fn()
-            finally:
-                weighted.FUSED_DEVICES.update(kept)
         return run
 
     x = torch.randn(mib * 2**20 // 4, device=device)
     methods: dict[str, Callable[[], object]] = {
         "torch.sum (one read pass)": lambda: x.sum(),
         "sdc_guard.fingerprint_tensor": lambda: fingerprint_tensor(x),
-        "fingerprint_tensor, torch ops": torch_ops(lambda: fingerprint_tensor(x)),
+        "fingerprint_tensor, compiled pass": on("compiled", lambda: fingerprint_tensor(x)),
+        "fingerprint_tensor, torch ops": on("torch", lambda: fingerprint_tensor(x)),
         "replay word digest": lambda: internal.digest_value(x),
-        "replay word digest, torch ops": torch_ops(lambda: internal.digest_value(x)),
+        "replay word digest, compiled pass": on("compiled", lambda: internal.digest_value(x)),
+        "replay word digest, torch ops": on("torch", lambda: internal.digest_value(x)),
         "torch.hash_tensor (XOR)": lambda: torch.hash_tensor(x),
     }
     times = {k: _median_time(f, device) for k, f in methods.items()}
@@ -547,14 +569,28 @@ def check_telemetry(device: torch.device) -> dict[str, Any]:
             "snapshot": snap}
 
 
+def _commit() -> str | None:
+    """The checkout's commit, where this runs in one (a copied working tree has none)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10, cwd=Path(__file__).parent, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def device_md(report: dict[str, Any]) -> str:
     """The tables of a ``device_check.json``: what passed, the checksum's step times and where
     the host's time goes, the fingerprint's throughput beside one ``torch.sum`` pass."""
     lines = [f"# Device check: {report.get('name', report['device'])}", "",
              f"torch {report['torch']}, CUDA {report.get('cuda') or '-'}, driver "
              f"{report.get('driver') or '-'}; host CPU {report.get('host_cpu', '-')}. "
-             "Generated by `python -m bench.device_check` (docs/harness.md); one rank per GPU.",
-             "", "| check | passed | seconds | problems |", "|---|---|---|---|"]
+             "Generated by `python -m bench.device_check` (docs/harness.md); one rank per GPU"
+             + (f"; at commit {report['commit']}" if report.get("commit") else "") + "."
+             + (f" {report['note']}" if report.get("note") else ""), "",
+             "| check | passed | seconds | problems |", "|---|---|---|---|"]
     for name, v in report.items():
         if isinstance(v, dict) and "passed" in v:
             problems = v.get("problems") or v.get("mismatches") or v.get("error") or []
@@ -629,7 +665,8 @@ def main(argv: list[str] | None = None) -> int:
     from bench.timing import cpu_name
 
     report: dict[str, Any] = {"torch": torch.__version__, "device": str(device),
-                              "cuda": torch.version.cuda, "host_cpu": cpu_name()}
+                              "cuda": torch.version.cuda, "host_cpu": cpu_name(),
+                              "commit": _commit()}
     if device.type == "cuda":
         report["name"] = torch.cuda.get_device_name(device)
     steps: dict[str, Callable[[], dict[str, Any]]] = {

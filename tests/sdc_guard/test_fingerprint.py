@@ -74,6 +74,7 @@ def test_the_compiled_kernel_gives_the_reference_values(monkeypatch: pytest.Monk
     here by the CPU's inductor: each mode against the pure-Python reference, with a partial
     last lane, for the fingerprint and the digest."""
     monkeypatch.setattr(W, "FUSED_DEVICES", {"cpu"})
+    monkeypatch.setattr(W, "FUSED_MIN", W.SMALL)
     monkeypatch.setattr(W, "_fused_fns", {})
     monkeypatch.setattr(W, "_fused_checked", {})
     with native_kernel(False):
@@ -89,6 +90,7 @@ def test_the_compiled_kernel_gives_the_reference_values(monkeypatch: pytest.Monk
 def test_a_kernel_that_fails_or_disagrees_is_given_up_with_a_warning(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(W, "FUSED_DEVICES", {"cpu"})
+    monkeypatch.setattr(W, "FUSED_MIN", W.SMALL)
     monkeypatch.setattr(W, "_fused_checked", {})
     t = _random_tensor(torch.float32, 70_001, seed=3)
     want = _ref_value(t)
