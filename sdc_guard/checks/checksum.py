@@ -527,11 +527,47 @@ class _Failure:
     """0-d bool."""
     diff: torch.Tensor
     bound: torch.Tensor
+    entries: list[_Entries] | None = None
+    """Compared together (``ChecksumCheck._compared``): ``diff``, ``bound`` and ``each`` are
+    theirs laid end to end, and ``split`` tells which of them failed."""
+    each: torch.Tensor | None = None
+
+    def split(self) -> list[_Failure]:
+        """The products that failed, each with its own entries (host reads: after a failure)."""
+        if self.entries is None or self.each is None:
+            return [self] if bool(self.bad) else []
+        out, at = [], 0
+        for e in self.entries:
+            n = e.lhs.numel()
+            bad = self.each[at:at + n].any()
+            if bool(bad):
+                out.append(_Failure(e.layer, e.product, e.micro_batch, bad,
+                                    self.diff[at:at + n], self.bound[at:at + n]))
+            at += n
+        return out
 
     def excess(self) -> float:
         """The largest ``|lhs - rhs| / tolerance`` (inf for a non-finite entry)."""
         ratio = self.diff / self.bound.clamp_min(torch.finfo(torch.float32).tiny)
         return float(ratio.nan_to_num(nan=math.inf).max())
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 1 else t.reshape(-1)
+
+
+@dataclass(slots=True)
+class _Entries:
+    """One product's checksum entries on the torch path, compared with the step's others at
+    once (``ChecksumCheck._compared``): a comparison per product would be six kernels each."""
+
+    layer: _Layer
+    product: str
+    micro_batch: int
+    lhs: torch.Tensor
+    rhs: torch.Tensor
+    bound: torch.Tensor
+    """The tolerance: ``|lhs - rhs|`` may not exceed it."""
 
 
 class ChecksumCheck(Check, BucketListener):
@@ -590,6 +626,9 @@ class ChecksumCheck(Check, BucketListener):
         self._active = False
         self._micro = 0
         self._failures: list[_Failure] = []
+        """The C path's failures (only failed products are recorded there)."""
+        self._entries: list[_Entries] = []
+        self._batch: list[_Failure] | None = None
         self._local: dict[int, list[dict[str, Any]]] = {}
         """This rank's failing entries per step, kept until the step is judged."""
         self._deferred = DeferredFlags(len(PRODUCTS) + self._layer_bits, config.exchange_interval,
@@ -793,13 +832,42 @@ class ChecksumCheck(Check, BucketListener):
     # -- the identities -----------------------------------------------------------------------
     def _record(self, layer: _Layer, product: str, micro_batch: int, lhs: torch.Tensor,
                 rhs: torch.Tensor, bound: torch.Tensor) -> None:
-        diff = (lhs - rhs).abs()
-        # Only an entry with a finite bound can fail: a non-finite bound means non-finite
-        # operands (a NaN in the data), whose product is non-finite without any fault in it.
-        # Then NaN and Inf fail, except with a GradScaler: an overflow is the scaler's business
-        bad = (((diff > bound) & torch.isfinite(diff)) if self.expect_overflow
-               else ~(diff <= bound) & torch.isfinite(bound))
-        self._failures.append(_Failure(layer, product, micro_batch, bad.any(), diff, bound))
+        self._entries.append(_Entries(layer, product, micro_batch, _flat(lhs), _flat(rhs),
+                                      _flat(bound)))
+        self._batch = None
+
+    def _compared(self) -> list[_Failure]:
+        """The step's torch-path entries compared, all of them at once per device: one
+        ``_Failure`` per device whose entries' ``bad`` says whether any failed, or, when one
+        did, one per product that failed (with its entries, for the evidence)."""
+        if self._batch is not None:
+            return self._batch
+        by_device: dict[torch.device, list[_Entries]] = {}
+        for e in self._entries:
+            by_device.setdefault(e.lhs.device, []).append(e)
+        out = []
+        for entries in by_device.values():
+            dtypes = {t.dtype for e in entries for t in (e.lhs, e.rhs, e.bound)}
+            wide = functools.reduce(torch.promote_types, dtypes)  # an exact widening
+
+            def joined(ts: list[torch.Tensor], wide: torch.dtype = wide) -> torch.Tensor:
+                return torch.cat([t if t.dtype == wide else t.to(wide) for t in ts])
+
+            lhs = joined([e.lhs for e in entries])
+            rhs = joined([e.rhs for e in entries])
+            bound = joined([e.bound for e in entries])
+            diff = (lhs - rhs).abs()
+            # Only an entry with a finite bound can fail: a non-finite bound means non-finite
+            # operands (a NaN in the data), whose product is non-finite without any fault in
+            # it. Then NaN and Inf fail, except with a GradScaler: an overflow is the
+            # scaler's business.
+            bad = (((diff > bound) & torch.isfinite(diff)) if self.expect_overflow
+                   else ~(diff <= bound) & torch.isfinite(bound))
+            first = entries[0]
+            out.append(_Failure(first.layer, first.product, first.micro_batch, bad.any(), diff,
+                                bound, entries, bad))
+        self._batch = out
+        return out
 
     def _forward(self, layer: _Layer, call: _Call, xf: torch.Tensor, xa: torch.Tensor) -> None:
         """The forward identity of ``call`` by torch operations, in the forward hook (``xf``:
@@ -1171,6 +1239,8 @@ class ChecksumCheck(Check, BucketListener):
         self._micro = 0
         self._generation += 1
         self._failures = []
+        self._entries = []
+        self._batch = None
         self._vetoed = False
         self._veto_word = None
         for layer in self.layers:
@@ -1184,12 +1254,14 @@ class ChecksumCheck(Check, BucketListener):
 
     def _flags(self) -> tuple[Flag, list[_Failure]]:
         """Whether any entry failed (a host bool on the CPU, else a 0-d device bool)."""
-        if not self._failures:
+        failures = self._failures + (self._compared() if self._entries else [])
+        if not failures:
             return False, []
-        stacked = torch.stack([f.bad for f in self._failures])
-        if stacked.device.type == "cpu":
-            return bool(stacked.any()), self._failures
-        return stacked.any(), self._failures
+        if len(failures) == 1:
+            flag = failures[0].bad
+        else:
+            flag = torch.stack([f.bad.to(failures[-1].bad.device) for f in failures]).any()
+        return (bool(flag) if flag.device.type == "cpu" else flag), failures
 
     def veto(self) -> Flag | None:
         """Called by the comm hook before the step's last gradient all-reduce: does this rank
@@ -1234,15 +1306,15 @@ class ChecksumCheck(Check, BucketListener):
         flag, failures = self._flags()
         if bool(flag):  # a device flag: one host sync per checked step
             entries = []
-            for f in failures:
-                if bool(f.bad):
-                    products[PRODUCTS.index(f.product)] = True
-                    first = first or f.layer.index + 1
-                    entries.append({"layer": f.layer.name, "product": f.product,
-                                    "micro_batch": f.micro_batch,
-                                    "excess": f.excess()})
+            for f in (one for group in failures for one in group.split()):
+                products[PRODUCTS.index(f.product)] = True
+                first = first or f.layer.index + 1
+                entries.append({"layer": f.layer.name, "product": f.product,
+                                "micro_batch": f.micro_batch, "excess": f.excess()})
             self._local[step] = entries
         self._failures = []
+        self._entries = []
+        self._batch = None
         bits = [(first >> i) & 1 == 1 for i in range(self._layer_bits)]
         return products + bits
 
