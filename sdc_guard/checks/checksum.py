@@ -414,6 +414,9 @@ class _Layer:
     through the node, with no tap on its input."""
     via_node: bool = False
     """Set by the forward pre-hook for the call under way: it installed no tap."""
+    posted: bool = False
+    """The call under way was seen by this check's global forward hook (``_FrontHook``):
+    the layer's own forward hook leaves it."""
     node_shape: tuple[type, int, type, int] | None = None
     """What ``_product_node`` last found: the output's node type, the views above the
     product, the product node's type, its input gradient's index. A call of the stock
@@ -469,6 +472,51 @@ class _Layer:
     start (``_gradient_hooked``)."""
     called: bool = False
     """The layer's forward ran in a checked step (``ChecksumCheck.uncalled``)."""
+
+
+_OWN_GLOBAL_HOOKS: set[int] = set()
+"""The ids of the checks' global forward hooks (``_FrontHook``) among torch's."""
+
+
+class _FrontHook:
+    """A global forward hook of the check's, kept first among the global forward hooks while
+    the user has any (``nn.modules.module.register_module_forward_hook``): torch runs the
+    global hooks before a module's own, so one that replaces a linear layer's output, or
+    changes it in place, would otherwise run before the check reads the product (a false
+    mismatch in every product of every step). It hands the check's layers' calls to their
+    forward hooks, and is removed when the user's global hooks are gone (a global hook
+    takes every module call of the process off torch's fast path)."""
+
+    def __init__(self) -> None:
+        self.posts: dict[nn.Module, Any] = {}
+        self.handle: Any = None
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        post = self.posts.get(module)
+        if post is not None:
+            post(module, args, out)
+
+    def keep_first(self) -> None:
+        """Before a checked layer's call: first among the global forward hooks if the user
+        has one, absent otherwise."""
+        hooks = nn.modules.module._global_forward_hooks
+        users = any(k not in _OWN_GLOBAL_HOOKS for k in hooks)
+        if not users:
+            if self.handle is not None:
+                self.remove()
+            return
+        if self.handle is None:
+            self.handle = nn.modules.module.register_module_forward_hook(self)
+            _OWN_GLOBAL_HOOKS.add(self.handle.id)
+        first = next(iter(hooks))
+        if first not in _OWN_GLOBAL_HOOKS:
+            hooks.move_to_end(self.handle.id, last=False)  # type: ignore[attr-defined]
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            _OWN_GLOBAL_HOOKS.discard(self.handle.id)
+            self.handle.remove()
+            self.handle = None
 
 
 def _in_backward() -> bool:
@@ -629,6 +677,7 @@ class ChecksumCheck(Check, BucketListener):
         """The C path's failures (only failed products are recorded there)."""
         self._entries: list[_Entries] = []
         self._batch: list[_Failure] | None = None
+        self._front = _FrontHook()
         self._local: dict[int, list[dict[str, Any]]] = {}
         """This rank's failing entries per step, kept until the step is judged."""
         self._deferred = DeferredFlags(len(PRODUCTS) + self._layer_bits, config.exchange_interval,
@@ -679,6 +728,9 @@ class ChecksumCheck(Check, BucketListener):
 
         def pre(mod: nn.Module, args: tuple[Any, ...]) -> Any:
             layer.via_node = False
+            layer.posted = False
+            if nn.modules.module._global_forward_hooks or self._front.handle is not None:
+                self._front.keep_first()
             if (not self._active or not args or not isinstance(args[0], torch.Tensor)
                     or args[0].numel() == 0 or _recomputing()):
                 return None  # an empty input (an expert no token was routed to): no product
@@ -755,10 +807,23 @@ class ChecksumCheck(Check, BucketListener):
         # not agree bit for bit; run eagerly, they split both the same way.
         # The forward hook runs first (prepend): it sees the product's own output, before a
         # forward hook of the user's replaces it or changes it in place.
+        # The user's global forward hooks run before any of the module's: then the check's
+        # global one (``_FrontHook``), kept before them, reads the call and this one leaves it.
+        def own(mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+            if layer.posted:
+                layer.posted = False
+                return
+            post(mod, args, out)
+
+        def front(mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+            layer.posted = True
+            post(mod, args, out)
+
         eager = torch.compiler.disable
         layer.handles.append(m.register_forward_pre_hook(eager(pre)))  # type: ignore[no-untyped-call]
-        first = eager(post)  # type: ignore[no-untyped-call]
+        first = eager(own)  # type: ignore[no-untyped-call]
         layer.handles.append(m.register_forward_hook(first, prepend=True))
+        self._front.posts[m] = eager(front)  # type: ignore[no-untyped-call]
         if layer.gw_checked and m.weight.requires_grad and not self.bucket_weight_grad:
             handle = m.weight.register_hook(  # type: ignore[no-untyped-call]
                 lambda gw: self._on_gw(layer, gw))
@@ -827,6 +892,8 @@ class ChecksumCheck(Check, BucketListener):
             for h in layer.handles:
                 h.remove()
             layer.handles.clear()
+        self._front.remove()
+        self._front.posts.clear()
         self._active = False
 
     # -- the identities -----------------------------------------------------------------------

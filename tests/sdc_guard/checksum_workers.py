@@ -683,6 +683,66 @@ def user_hooks_run(rank: int, world: int, post_accumulate: bool,
             "at_node": [layer.gw_at_node for layer in _checksum(guard).layers]}
 
 
+def _global_doubled(m: nn.Module, args: Any, out: Any) -> Any:
+    return out * 2 if isinstance(m, nn.Linear) else None
+
+
+def _global_halved_in_place(m: nn.Module, args: Any, out: Any) -> None:
+    if isinstance(m, nn.Linear):
+        out.mul_(0.5)
+
+
+def global_hook_run(rank: int, world: int, in_place: bool,
+                    fault_step: int | None) -> dict[str, Any]:
+    """An MLP trained with the checksum while a global forward hook of the user's
+    (``register_module_forward_hook``, which torch runs before any module's own) doubles
+    every linear layer's output, or halves it in place, beside the same model in a plain
+    DDP loop (the hook acts on both). With ``fault_step``, the injector flips an exponent
+    bit of the middle layer's forward product on rank 1 in that step. Then the user's hook
+    is removed and one more step taken: is the check's own global hook gone too?"""
+    handle = nn.modules.module.register_module_forward_hook(
+        _global_halved_in_place if in_place else _global_doubled)
+
+    def batch_for(r: int, step: int) -> Any:
+        g = torch.Generator().manual_seed(1000 * r + step)
+        return torch.randn(16, 8, generator=g), torch.randint(0, 2, (16,), generator=g)
+
+    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
+        return F.cross_entropy(m(batch[0]), batch[1])
+
+    def mlp() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 24), nn.ReLU(), nn.Linear(24, 12), nn.ReLU(),
+                             nn.Linear(12, 2))
+
+    try:
+        guarded, plain = DDP(mlp()), DDP(mlp())
+        guard = SDCGuard(guarded, torch.optim.AdamW(guarded.parameters(), lr=1e-2),
+                         loss_fn=loss_fn, batch_for=batch_for,
+                         config=GuardConfig(checksum=True))
+        opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+        if fault_step is not None:
+            arm(Fault(site="linear_product", product="forward", target="2", bits=(30,),
+                      rank=1, step=fault_step), guard=guard)
+        reports = []
+        for s in range(4):
+            reports.append(guard.step(s))
+            opt.zero_grad(set_to_none=True)
+            loss_fn(plain, batch_for(rank, s)).backward()  # type: ignore[no-untyped-call]
+            opt.step()
+        front = _checksum(guard)._front.handle is not None
+        a, b = guarded.module.state_dict(), plain.module.state_dict()
+        same = all(torch.equal(a[k], b[k]) for k in a)
+    finally:
+        handle.remove()
+    reports.append(guard.step(4))
+    found = [d for r in reports for d in r.detections] + guard.flush()
+    return {"detections": _dets(found), "skipped": [r.step for r in reports if r.skipped],
+            "same": same, "front_while_hooked": front,
+            "front_after": _checksum(guard)._front.handle is not None,
+            "global_hooks_left": len(nn.modules.module._global_forward_hooks)}
+
+
 def post_accumulate_replay_refused(rank: int, world: int) -> dict[str, str]:
     """The replay with a post-accumulate-grad hook: refused when the guard is built, and at
     the first audit step when the hook comes after."""

@@ -223,6 +223,19 @@ def test_the_users_own_hooks_are_no_fault_of_the_product() -> None:
         assert r["detections"] == [("checksum", 1, (1,))] and r["skipped"] == [1], r
 
 
+def test_a_global_forward_hook_of_the_users_runs_after_the_check() -> None:
+    # torch runs global forward hooks before a module's own: one that changed a linear
+    # layer's output made every product of every step a mismatch (and every step withheld).
+    for in_place in (False, True):
+        for r in run_ranks(W.global_hook_run, 3, in_place, None):
+            assert r["detections"] == [] and r["skipped"] == [], (in_place, r)
+            assert r["same"] and r["front_while_hooked"], r
+            # Gone with the user's hook: a global hook takes every call off torch's fast path.
+            assert not r["front_after"] and r["global_hooks_left"] == 0, r
+        for r in run_ranks(W.global_hook_run, 3, in_place, 2):
+            assert r["detections"] == [("checksum", 2, (1,))] and r["skipped"] == [2], r
+
+
 def test_the_replay_names_a_post_accumulate_hook() -> None:
     # torch.autograd.grad, which the replay takes its gradients with, runs no post-accumulate
     # hook: every edge disagreed at every audit step.
