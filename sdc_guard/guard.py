@@ -334,7 +334,7 @@ class SDCGuard:
 
         mean_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
         detections = [self._placed(d) for d in detections]
-        report = StepReport(step=step, loss=float(mean_loss.item()), skipped=skipped,
+        report = StepReport(step=step, loss=mean_loss, skipped=skipped,
                             detections=detections)
         for d in detections:
             self._record(d, skipped)

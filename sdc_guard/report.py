@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 CHECKS = ("nonfinite", "replay", "weights", "checksum")
 
 
@@ -44,12 +46,38 @@ class Detection:
         }
 
 
-@dataclass(slots=True)
 class StepReport:
-    """The result of ``SDCGuard.step``."""
+    """The result of ``SDCGuard.step``: ``StepReport(step, loss, skipped, detections)``.
 
-    step: int
-    loss: float
-    skipped: bool = False
-    """True when the optimizer step was withheld on every rank (containment)."""
-    detections: list[Detection] = field(default_factory=list)
+    ``loss`` (the step's mean loss, a float) is read from the device when first asked for,
+    not in the step: on a GPU that read waits for the step's queued work to finish, which
+    a loop that never looks at the loss need not do.
+    """
+
+    __slots__ = ("_loss", "detections", "skipped", "step")
+
+    def __init__(self, step: int, loss: float | torch.Tensor, skipped: bool = False,
+                 detections: list[Detection] | None = None) -> None:
+        self.step = step
+        self._loss = loss if isinstance(loss, torch.Tensor) else float(loss)
+        self.skipped = skipped
+        """True when the optimizer step was withheld on every rank (containment)."""
+        self.detections: list[Detection] = [] if detections is None else detections
+
+    @property
+    def loss(self) -> float:
+        if not isinstance(self._loss, float):
+            self._loss = float(self._loss.item())
+        return self._loss
+
+    def __repr__(self) -> str:
+        return (f"StepReport(step={self.step}, loss={self.loss}, skipped={self.skipped}, "
+                f"detections={self.detections})")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StepReport):
+            return NotImplemented
+        return ((self.step, self.loss, self.skipped, self.detections)
+                == (other.step, other.loss, other.skipped, other.detections))
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass it was

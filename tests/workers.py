@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import sdc_guard
 from injectors import Fault, InjectionContext, InjectionHandle, arm
@@ -445,6 +446,36 @@ def own_batch_run(rank: int, world: int) -> dict[str, Any]:
                      config=GuardConfig(replay_interval=2, deterministic=True),
                      on_detection=found.append)
     return _until_refused(guard, found, 3)
+
+
+class _ScalarReads(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts the tensor reads to the host (``.item()``, ``bool()``, ``.tolist()`` of a
+    0-d tensor): on a GPU each waits for the queued work."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.reads = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        self.reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def loss_read_run(rank: int, world: int) -> dict[str, Any]:
+    """The guard with its checks off and plain SGD: host reads in ``guard.step`` (none: the
+    loss is read when the report's ``loss`` is asked for), then in reading ``loss``."""
+    torch.manual_seed(0)
+    model = DDP(make_mlp())
+    guard = SDCGuard(model, torch.optim.SGD(model.parameters(), lr=1e-2), loss_fn=loss_fn,
+                     batch_for=batch_for, config=GuardConfig(nonfinite=False, weights_interval=0))
+    guard.step(0)
+    with _ScalarReads() as in_step:
+        report = guard.step(1)
+    with _ScalarReads() as in_loss:
+        loss = report.loss
+    return {"in_step": in_step.reads, "in_loss": in_loss.reads, "loss": loss,
+            "again": report.loss, "float": isinstance(loss, float), "repr": repr(report)}
 
 
 def running_buffer_run(rank: int, world: int, micro: int,

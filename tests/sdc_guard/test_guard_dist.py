@@ -264,3 +264,12 @@ def test_replicas_that_start_apart_are_named_not_a_rank_convicted(what: str) -> 
         named = "parameters" if what == "parameters" else "optimizer states"
         assert f"their {named} differ before the first step (ranks [0] differ" in r["error"]
         assert "load_state_dict" in r["error"] and "CheckpointManager.restore" in r["error"]
+
+
+def test_the_step_leaves_the_loss_on_the_device_until_it_is_read() -> None:
+    # On a GPU a read waits for the step's queued work; a loop that never reads the loss
+    # should not pay for one (the guard read it in every step).
+    for r in run_ranks(workers.loss_read_run, 3):
+        assert r["in_step"] == 0 and r["in_loss"] == 1, r
+        assert r["float"] and r["again"] == r["loss"] and r["loss"] > 0
+        assert f"loss={r['loss']}" in r["repr"]
