@@ -109,6 +109,16 @@ _BITS = 63
 """Flag bits per int64 word: the sign bit is left alone, so every total stays positive."""
 
 
+def words_on(words: Sequence[int], device: torch.device) -> torch.Tensor:
+    """int64 ``words`` as a tensor on ``device`` without a host sync: on a GPU through pinned
+    memory, copied asynchronously (``torch.tensor(..., device="cuda")`` waits for the stream:
+    the host could not queue ahead of the GPU)."""
+    host = torch.tensor(list(words), dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def flag_words(flags: Sequence[bool], rank: int, world: int) -> list[int]:
     """This rank's ``flags`` (``k`` of them) as bits of int64 words, for a SUM all-reduce.
 

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from sdc_guard.collectives import PendingSum, flag_rows, flag_words
+from sdc_guard.collectives import PendingSum, flag_rows, flag_words, words_on
 from sdc_guard.report import Detection
 
 
@@ -101,7 +101,6 @@ class DeferredFlags:
     def _send(self) -> None:
         flags = [f for _, bits in self._window for f in bits]
         words = flag_words(flags, self.rank, self.world)
-        word = PendingSum(torch.tensor(words, dtype=torch.int64, device=self.device), self.group,
-                          in_place=True)
+        word = PendingSum(words_on(words, self.device), self.group, in_place=True)
         self._sent = ([s for s, _ in self._window], word)
         self._window = []

@@ -186,17 +186,20 @@ class NonFiniteCheck(Check, BucketListener):
         value; flags that live on a device cost one host sync, for all of them together.
         """
         local: Flag = False if self._local is None else self._local
-        reduced: Flag = any(self._reduced_host)
-        for t in self._reduced_device:
+        on_host = any(self._reduced_host)
+        reduced: torch.Tensor | None = None  # the device flags, never a host value copied
+        for t in self._reduced_device:  # to the device (a copy there is a stream sync)
             bad = check_nonfinite(t)
-            if isinstance(bad, bool) and isinstance(reduced, bool):
-                reduced = reduced or bad
+            if isinstance(bad, bool):
+                on_host = on_host or bad
             else:
-                reduced = torch.as_tensor(reduced, device=t.device) | bad
-        if isinstance(local, torch.Tensor) and isinstance(reduced, torch.Tensor):
+                reduced = bad if reduced is None else reduced | bad.to(reduced.device)
+        if reduced is None:
+            return bool(local), on_host  # a tensor ``local``: one .item(), one host sync
+        if isinstance(local, torch.Tensor):
             both = torch.stack([local.to(reduced.device), reduced]).tolist()  # one host sync
-            return bool(both[0]), bool(both[1])
-        return bool(local), bool(reduced)  # a tensor here: one .item(), one host sync
+            return bool(both[0]), on_host or bool(both[1])
+        return bool(local), on_host or bool(reduced)  # one host sync
 
     def pre_step(self, step: int) -> Verdict:
         """Flag ``step`` and judge the word that is due (its detections are of earlier steps,

@@ -297,11 +297,12 @@ def fingerprint_tensor(x: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor
     if value is not None:
         return torch.tensor(to_signed64(value), dtype=torch.int64)
     metas = tuple(_meta_word(t) for t in tensors)
-    total = torch.tensor(to_signed64(mix64_int(len(tensors) + (SEED if is_list else 0))),
-                         dtype=torch.int64, device=device)
-    if tensors:
-        total = total + mix64(tensor_values(tensors, device) + _keys(device, is_list, metas)).sum()
-    return mix64(total)
+    start = to_signed64(mix64_int(len(tensors) + (SEED if is_list else 0)))
+    if not tensors:
+        return mix64(torch.tensor(start, dtype=torch.int64))
+    # The start as a Python int: a tensor made from one on a GPU is a copy and a stream sync.
+    terms = mix64(tensor_values(tensors, device) + _keys(device, is_list, metas))
+    return mix64(terms.sum() + start)
 
 
 def tensor_values(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -320,11 +321,27 @@ def tensor_values(tensors: Sequence[torch.Tensor], device: torch.device) -> torc
     values = torch.empty(len(tensors), dtype=torch.int64, device=device)
     for unit, idx in groups.items():
         if idx:
-            values[idx] = _small_values([tensors[i] for i in idx], unit, device)
+            values[_positions(device, idx)] = _small_values([tensors[i] for i in idx], unit,
+                                                             device)
     if large:
-        values[large] = torch.stack([tensor_value(tensors[i]).to(device, non_blocking=True)
-                                     for i in large])
+        values[_positions(device, large)] = torch.stack([
+            tensor_value(tensors[i]).to(device, non_blocking=True) for i in large])
     return values
+
+
+_position_cache: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+
+
+def _positions(device: torch.device, idx: list[int]) -> torch.Tensor:
+    """``idx`` as an index tensor on ``device``, kept (indexing a GPU tensor with a Python
+    list copies the list there: a stream sync at every call)."""
+    key = (device, tuple(idx))
+    t = _position_cache.get(key)
+    if t is None:
+        if len(_position_cache) > 256:
+            _position_cache.clear()
+        t = _position_cache[key] = torch.tensor(idx, dtype=torch.int64, device=device)
+    return t
 
 
 def fingerprint(x: torch.Tensor | Iterable[torch.Tensor]) -> int:
