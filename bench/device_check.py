@@ -452,8 +452,10 @@ def _checksum_rank(rank: int, world: int, device_type: str, steps: int, timed_st
 
 def _step_profile(guard: Any, first: int, steps: int) -> dict[str, Any]:
     """Where a guarded step's host time goes, per step over ``steps`` profiled steps: the
-    kernel launches, the host syncs (a device-to-host copy or a stream or device sync), the
-    ``.item()`` reads, and the ten operators taking the most host time of their own."""
+    kernel launches, the stream and device syncs, the copies (``cudaMemcpy*`` in any
+    direction: one from or to pageable host memory waits, one between device buffers does
+    not), the ``.item()`` reads, and the ten operators taking the most host time of their
+    own."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -474,7 +476,8 @@ def _step_profile(guard: Any, first: int, steps: int) -> dict[str, Any]:
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
     return {
         "kernel_launches": count(lambda k: k.startswith(("cudaLaunch", "cuLaunch"))),
-        "host_syncs": count(lambda k: "Synchronize" in k or k.startswith("cudaMemcpy")),
+        "stream_syncs": count(lambda k: "Synchronize" in k),
+        "memcpy_calls": count(lambda k: k.startswith("cudaMemcpy")),  # any direction
         "item_reads": count(lambda k: k == "aten::_local_scalar_dense"),
         "aten_ops": count(lambda k: k.startswith("aten::")),
         "top_self_host_us": [(e.key, round(e.self_cpu_time_total / steps, 1),
@@ -603,22 +606,28 @@ def device_md(report: dict[str, Any]) -> str:
                   "Medians of 6 rotated blocks of steps: plain DDP (a plain loop), the guard "
                   "with its default checks (off: the checksum off) and the same with the "
                   "checksum. Per guarded step, from torch's profiler over 5 steps: kernel "
-                  "launches, host syncs (device-to-host copies and stream syncs) and `.item()` "
-                  "reads, off / on.", "",
+                  "launches, stream syncs, copies (`cudaMemcpy*`, any direction: device to "
+                  "device too) and `.item()` reads, off / on.", "",
                   "| workload | plain DDP (ms) | guard, default (ms) | guard vs plain | "
-                  "with the checksum (ms) | checksum overhead | launches | host syncs | "
-                  ".item() |", "|---|---|---|---|---|---|---|---|---|"]
+                  "with the checksum (ms) | checksum overhead | launches | stream syncs | "
+                  "copies | .item() |", "|---|---|---|---|---|---|---|---|---|---|"]
         for name, t in timing.items():
             prof = t.get("per_step", {})
             off, on = prof.get("off", {}), prof.get("on", {})
 
             def pair(key: str, off: dict[str, Any] = off, on: dict[str, Any] = on) -> str:
+                if key not in off:
+                    return "-"
                 return f"{off.get(key, 0):.0f} / {on.get(key, 0):.0f}"
 
+            # (an older run counted syncs and copies together, as host_syncs)
+            together = "host_syncs" in off and "stream_syncs" not in off
             lines.append(f"| {name} | {t['step_ms_plain']:.2f} | {t['step_ms_off']:.2f} | "
                          f"{t['guard_vs_plain'] * 100:+.1f}% | {t['step_ms_checksum']:.2f} | "
                          f"{t['overhead'] * 100:+.1f}% | {pair('kernel_launches')} | "
-                         f"{pair('host_syncs')} | {pair('item_reads')} |")
+                         + (f"{pair('host_syncs')} (with the copies) | - | " if together else
+                            f"{pair('stream_syncs')} | {pair('memcpy_calls')} | ")
+                         + f"{pair('item_reads')} |")
     if timing:
         labels = list(next(iter(timing.values())).get("by_check_ms", {}))
         lines += ["", "## The guard's checks one by one on the device (ms per step)", "",

@@ -123,7 +123,7 @@ from torch.nn.utils import parametrize
 from sdc_guard.checks.base import Check, Verdict
 from sdc_guard.checks.flagword import DeferredFlags
 from sdc_guard.checks.weights import ddp_ignored
-from sdc_guard.collectives import PendingSum
+from sdc_guard.collectives import PendingSum, words_on
 from sdc_guard.comm_hook import BucketListener, GuardCommHook, bucket_gradients
 from sdc_guard.config import PRODUCTS, ChecksumConfig
 from sdc_guard.fingerprints.native import NativeKernel, active_kernel
@@ -1339,7 +1339,8 @@ class ChecksumCheck(Check, BucketListener):
             return None
         flag, _ = self._flags()
         if not self.comm.carries_veto:  # a user's hook, or a sparse bucket: no sentinel
-            word = torch.as_tensor(flag, device=self.device).to(torch.int64).reshape(1)
+            word = (words_on([int(flag)], self.device) if isinstance(flag, bool)  # (no sync)
+                    else flag.to(torch.int64).reshape(1))
             self._veto_word = PendingSum(word, self.group)
             return None
         return flag
