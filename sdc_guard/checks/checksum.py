@@ -508,9 +508,12 @@ class _FrontHook:
         if self.handle is None:
             self.handle = nn.modules.module.register_module_forward_hook(self)
             _OWN_GLOBAL_HOOKS.add(self.handle.id)
-        first = next(iter(hooks))
-        if first not in _OWN_GLOBAL_HOOKS:
-            hooks.move_to_end(self.handle.id, last=False)  # type: ignore[attr-defined]
+        for k in hooks:  # ahead of every hook of the user's (another guard's may lead)
+            if k == self.handle.id:
+                break
+            if k not in _OWN_GLOBAL_HOOKS:
+                hooks.move_to_end(self.handle.id, last=False)  # type: ignore[attr-defined]
+                break
 
     def remove(self) -> None:
         if self.handle is not None:

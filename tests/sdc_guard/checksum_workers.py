@@ -743,6 +743,36 @@ def global_hook_run(rank: int, world: int, in_place: bool,
             "global_hooks_left": len(nn.modules.module._global_forward_hooks)}
 
 
+def two_guards_global_hook_run(rank: int, world: int) -> dict[str, Any]:
+    """Two guarded models stepped in turn while a global forward hook of the user's doubles
+    every linear layer's output: each check's global hook must come before the user's (the
+    second one once stayed behind it, seeing the first one's lead)."""
+    handle = nn.modules.module.register_module_forward_hook(_global_doubled)
+
+    def batch_for(r: int, step: int) -> Any:
+        g = torch.Generator().manual_seed(1000 * r + step)
+        return torch.randn(16, 8, generator=g), torch.randint(0, 2, (16,), generator=g)
+
+    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
+        return F.cross_entropy(m(batch[0]), batch[1])
+
+    def guarded() -> SDCGuard:
+        torch.manual_seed(0)
+        model = DDP(nn.Sequential(nn.Linear(8, 24), nn.ReLU(), nn.Linear(24, 2)))
+        return SDCGuard(model, torch.optim.SGD(model.parameters(), lr=1e-2), loss_fn=loss_fn,
+                        batch_for=batch_for, config=GuardConfig(checksum=True))
+
+    try:
+        a, b = guarded(), guarded()
+        found = []
+        for s in range(3):
+            found += a.step(s).detections + b.step(s).detections
+        found += a.flush() + b.flush()
+    finally:
+        handle.remove()
+    return {"detections": _dets(found)}
+
+
 def post_accumulate_replay_refused(rank: int, world: int) -> dict[str, str]:
     """The replay with a post-accumulate-grad hook: refused when the guard is built, and at
     the first audit step when the hook comes after."""

@@ -234,6 +234,8 @@ def test_a_global_forward_hook_of_the_users_runs_after_the_check() -> None:
             assert not r["front_after"] and r["global_hooks_left"] == 0, r
         for r in run_ranks(W.global_hook_run, 3, in_place, 2):
             assert r["detections"] == [("checksum", 2, (1,))] and r["skipped"] == [2], r
+    # Two guards: each check's global hook ahead of the user's.
+    assert run_ranks(W.two_guards_global_hook_run, 3) == [{"detections": []}] * 3
 
 
 def test_the_replay_names_a_post_accumulate_hook() -> None:
