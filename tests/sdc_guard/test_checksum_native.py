@@ -216,8 +216,14 @@ def test_the_hooks_single_calls_give_the_sums_and_count_the_entries_that_fail(
     assert _within(wac, ones_out @ wd.abs(), ones_out @ wd.abs(), out)
     assert _within(wr, wd @ ones_in, wd.abs() @ ones_in, inner)
     assert _within(war, wd.abs() @ ones_in, wd.abs() @ ones_in, inner)
-    want_b = [float(b.sum()), float(b.abs().sum())] if b is not None else [0.0, 0.0]
-    assert bsum.tolist() == pytest.approx(want_b, rel=1e-5, abs=1e-6)
+    if b is not None:  # float32 sums: within their bound of the float64 ones (a float32
+        # reference summed in another order differed by more than a relative 1e-5)
+        bd = b.double()
+        mag = bd.abs().sum().reshape(1)
+        assert _within(bsum[:1], bd.sum().reshape(1), mag, out)
+        assert _within(bsum[1:], mag, mag, out)
+    else:
+        assert bsum.tolist() == [0.0, 0.0]
     xs, xa, ys, fr, fb = torch.split(res[:5 * n], n)
     assert _within(xs, xd @ ones_in, xd.abs() @ ones_in, inner)
     assert _within(xa, xd.abs() @ ones_in, xd.abs() @ ones_in, inner)
