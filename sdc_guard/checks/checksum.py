@@ -106,6 +106,7 @@ a module used by a functional call that bypasses its ``forward``
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import logging
@@ -370,6 +371,7 @@ class _Call:
     """The input needs a gradient: the input-gradient product is checked."""
     gx_rhs: torch.Tensor | None = None
     gx_bound: torch.Tensor | None = None
+    """The input gradient's bound with the tolerance applied (``ChecksumCheck._gy_sides``)."""
     gy_dtype: torch.dtype | None = None
     native: bool = False
     """Checked by the C passes (``_gy_native``): float32 on the CPU with the exact bound."""
@@ -607,6 +609,16 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 1 else t.reshape(-1)
 
 
+def _full_precision(t: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+    """The checksum sides' products in float32 where CUDA autocast is on (a forward hook runs
+    inside the user's autocast region, and CUDA autocast runs ``mv``/``addmv`` in half
+    precision: sides rounded to 8 bits, which the tolerance does not allow for); elsewhere
+    nothing to do (CPU autocast leaves ``mv``/``addmv`` alone)."""
+    if t.is_cuda and torch.is_autocast_enabled():
+        return torch.autocast("cuda", enabled=False)
+    return contextlib.nullcontext()
+
+
 @dataclass(slots=True)
 class _Entries:
     """One product's checksum entries on the torch path, compared with the step's others at
@@ -680,6 +692,7 @@ class ChecksumCheck(Check, BucketListener):
         """The C path's failures (only failed products are recorded there)."""
         self._entries: list[_Entries] = []
         self._batch: list[_Failure] | None = None
+        self._zeros: dict[torch.device, torch.Tensor] = {}
         self._front = _FrontHook()
         self._local: dict[int, list[dict[str, Any]]] = {}
         """This rank's failing entries per step, kept until the step is judged."""
@@ -869,15 +882,17 @@ class ChecksumCheck(Check, BucketListener):
         against ``GY^T (X e)``, within ``|GY|^T (|X| e)`` times the tolerance. Torch
         operations: only for a weight whose gradient is hooked (``_Layer.gw_at_node``)."""
         g = gy.detach().reshape(-1, gy.shape[-1])
-        gf = g if g.dtype == torch.float32 else g.float()
-        x_rows = call.x_rows
-        rhs = gf.t() @ x_rows[0]
-        bound = gf.abs().t() @ x_rows[1]
         n = g.shape[0]
         tol = tolerance(self.config.tolerance_scale, k=n,
                         checked=2 * layer.module.in_features + n, compute=g.dtype,
                         operands=(call.x.dtype,), device=gy.device)
-        self._record(layer, "weight_grad", call.micro_batch, lhs, rhs, bound * tol)
+        with _full_precision(g):
+            gf = g if g.dtype == torch.float32 else g.float()
+            x_rows = call.x_rows
+            rhs = torch.mv(gf.t(), x_rows[0])
+            bound = torch.addmv(self._zero(g.device), gf.abs().t(), x_rows[1], beta=0,
+                                alpha=tol)
+        self._record(layer, "weight_grad", call.micro_batch, lhs, rhs, bound)
 
     def _on_tap(self, layer: _Layer, call_index: int, gx: torch.Tensor) -> None:
         """The tap's hook: the input gradient of a call not seen through its node."""
@@ -945,20 +960,18 @@ class ChecksumCheck(Check, BucketListener):
         m = layer.module
         x = call.x
         out = m.out_features
-        w_col, w_abs_col, _, _, b_sum, b_abs = self._sides(layer)
-        rhs = xf @ w_col
-        if w_abs_col is not None:
-            bound = xa @ w_abs_col  # sum_jk |X_ik||W_jk|, exactly
-        else:  # <= ||X_i||_2 sum_j ||W_j||_2 <= ||X_i||_2 sqrt(out) ||W||_F
-            bound = torch.linalg.vector_norm(xf, dim=1) * (
-                math.sqrt(out) * self._weight_norm(layer))
-        if m.bias is not None:
-            rhs = rhs + b_sum
-            bound = bound + b_abs
+        w_col, w_abs_col, _, _, b_sum, b_abs = self._sides(layer)  # (0-d zeros: no bias)
         tol = tolerance(self.config.tolerance_scale, k=x.shape[1] + 1, checked=2 * out
                         + x.shape[1], compute=call.gy_dtype or self._y_dtype(layer, x),
                         operands=(x.dtype, m.weight.dtype), device=x.device)
-        self._record(layer, "forward", call.micro_batch, call.y_sum, rhs, bound * tol)
+        # One kernel a side: the bias's sum added, the tolerance applied, in the product.
+        rhs = torch.addmv(b_sum, xf, w_col)
+        if w_abs_col is not None:  # sum_jk |X_ik||W_jk| (+ sum |b|), exactly
+            bound = torch.addmv(b_abs, xa, w_abs_col, beta=tol, alpha=tol)
+        else:  # <= ||X_i||_2 sum_j ||W_j||_2 <= ||X_i||_2 sqrt(out) ||W||_F
+            bound = (torch.linalg.vector_norm(xf, dim=1) * (
+                math.sqrt(out) * self._weight_norm(layer)) + b_abs) * tol
+        self._record(layer, "forward", call.micro_batch, call.y_sum, rhs, bound)
 
     @staticmethod
     def _y_dtype(layer: _Layer, x: torch.Tensor) -> torch.dtype:
@@ -1011,13 +1024,18 @@ class ChecksumCheck(Check, BucketListener):
         else:
             xd = x.detach().reshape(-1, x.shape[-1])
             y2 = y.detach().reshape(-1, y.shape[-1])
-            xf = xd if xd.dtype == torch.float32 else xd.float()
-            xa = xf.abs()  # formed once: its row sums here, the forward's bound below
-            sums = torch.cat([xf.sum(1), xa.sum(1), y2.sum(1, dtype=torch.float32)])
-            call = _Call(xd, sums, xd.shape[0], micro_batch=self._micro, tapped=tapped,
-                         gy_dtype=y.dtype)
-            if want:
-                self._forward(layer, call, xf, xa)
+            n = xd.shape[0]
+            with _full_precision(xd):
+                xf = xd if xd.dtype == torch.float32 else xd.float()
+                xa = xf.abs()  # formed once: its row sums here, the forward's bound below
+                sums = torch.empty(3 * n, device=xd.device)  # summed in place: no concatenation
+                torch.sum(xf, 1, out=sums[:n])
+                torch.sum(xa, 1, out=sums[n:2 * n])
+                torch.sum(y2, 1, dtype=torch.float32, out=sums[2 * n:])
+                call = _Call(xd, sums, n, micro_batch=self._micro, tapped=tapped,
+                             gy_dtype=y.dtype)
+                if want:
+                    self._forward(layer, call, xf, xa)
         layer.calls.append(call)
 
     @staticmethod
@@ -1042,15 +1060,24 @@ class ChecksumCheck(Check, BucketListener):
             layer.sides_key = key
             m = layer.module
             w = m.weight.detach()
-            wf = w if w.dtype == torch.float32 else w.float()
-            wa = wf.abs() if self.exact else None
-            zero = torch.zeros((), device=w.device)
+            f32 = torch.float32
+            zero = self._zero(w.device)
             b = m.bias.detach() if m.bias is not None else None
-            layer.sides = (wf.sum(0), None if wa is None else wa.sum(0), wf.sum(1),
-                           None if wa is None else wa.sum(1),
-                           zero if b is None else b.sum(dtype=torch.float32),
-                           zero if b is None else b.abs().sum(dtype=torch.float32))
+            norm1 = functools.partial(torch.linalg.vector_norm, ord=1, dtype=f32)  # sum |.|,
+            exact = self.exact  # in one pass (no |W| formed)
+            layer.sides = (w.sum(0, dtype=f32), norm1(w, dim=0) if exact else None,
+                           w.sum(1, dtype=f32), norm1(w, dim=1) if exact else None,
+                           zero if b is None else b.sum(dtype=f32),
+                           zero if b is None else norm1(b))
         return layer.sides
+
+    def _zero(self, device: torch.device) -> torch.Tensor:
+        """A float32 0-d zero on ``device``, made once (a bias's sums without a bias; the input
+        of ``addmv`` with ``beta=0``, which reads none of it)."""
+        zero = self._zeros.get(device)
+        if zero is None:
+            zero = self._zeros[device] = torch.zeros((), device=device)
+        return zero
 
     def _weight_norm(self, layer: _Layer) -> torch.Tensor:
         """``||W||_F`` in float32, once per step (the "norm" bound)."""
@@ -1075,19 +1102,35 @@ class ChecksumCheck(Check, BucketListener):
             self._gy_native(self._kernel, layer, call, g if _rows_ok(g) else g.contiguous())
             return
         g = gy.detach().reshape(-1, gy.shape[-1])
+        with _full_precision(g):
+            self._gy_sides(layer, call, g)
+
+    def _gy_sides(self, layer: _Layer, call: _Call, g: torch.Tensor) -> None:
+        """``_on_gy`` by torch operations (``g``: ``GY``, 2-D): the input gradient's right-hand
+        side and bound (the tolerance applied), and this call's share of the weight
+        gradient's, one ``mv``/``addmv`` each."""
         gf = g if g.dtype == torch.float32 else g.float()
         call.gy_dtype = g.dtype
         ga = gf.abs() if call.tapped or layer.gw_step else None
         if call.tapped and ga is not None:  # GY (W e) and its bound |GY| (|W| e)
+            m = layer.module
             _, _, w_row, w_abs_row, _, _ = self._sides(layer)
-            call.gx_rhs = gf @ w_row
-            call.gx_bound = ga @ w_abs_row if w_abs_row is not None else (  # exact, or <= ...
-                torch.linalg.vector_norm(gf, dim=1) * (
-                    math.sqrt(layer.module.in_features) * self._weight_norm(layer)))
+            tol = tolerance(self.config.tolerance_scale, k=m.out_features,
+                            checked=2 * m.in_features + m.out_features, compute=g.dtype,
+                            operands=(m.weight.dtype,), device=g.device)
+            call.gx_rhs = torch.mv(gf, w_row)
+            call.gx_bound = (  # exact, or <= ...
+                torch.addmv(self._zero(g.device), ga, w_abs_row, beta=0, alpha=tol)
+                if w_abs_row is not None else torch.linalg.vector_norm(gf, dim=1) * (
+                    tol * math.sqrt(m.in_features) * self._weight_norm(layer)))
         if layer.gw_step and not layer.gw_at_node and ga is not None:
-            both = torch.stack([gf.t() @ call.x_rows[0], ga.t() @ call.x_rows[1]])
-            layer.gw_rhs = both[0] if layer.gw_rhs is None else layer.gw_rhs + both[0]
-            layer.gw_bound = both[1] if layer.gw_bound is None else layer.gw_bound + both[1]
+            x_rows = call.x_rows
+            if layer.gw_rhs is None or layer.gw_bound is None:
+                layer.gw_rhs = torch.mv(gf.t(), x_rows[0])
+                layer.gw_bound = torch.mv(ga.t(), x_rows[1])
+            else:  # another call of the layer in this micro-batch: its share adds on
+                layer.gw_rhs = torch.addmv(layer.gw_rhs, gf.t(), x_rows[0])
+                layer.gw_bound = torch.addmv(layer.gw_bound, ga.t(), x_rows[1])
             layer.gw_rows += g.shape[0]
             layer.gw_dtype = g.dtype
 
@@ -1180,15 +1223,14 @@ class ChecksumCheck(Check, BucketListener):
                                       int(self.expect_overflow), _threads(g.numel())):
                     self._gx_failed(layer, call, n, tol)
                 return
-            call.gx_rhs, call.gx_bound = call.sums[at:at + n], call.sums[at + n:at + 2 * n]
+            tol = tolerance(self.config.tolerance_scale, k=out, checked=2 * inner + out,
+                            compute=call.gy_dtype or gx.dtype,
+                            operands=(layer.module.weight.dtype,), device=gx.device)
+            call.gx_rhs, call.gx_bound = call.sums[at:at + n], call.sums[at + n:at + 2 * n] * tol
         if call.gx_rhs is None or call.gx_bound is None:
             return
-        lhs = g.detach().sum(1, dtype=torch.float32)
-        compute = call.gy_dtype or gx.dtype
-        tol = tolerance(self.config.tolerance_scale, k=out, checked=2 * inner + out,
-                        compute=compute, operands=(layer.module.weight.dtype,), device=gx.device)
-        self._record(layer, "input_grad", call.micro_batch, lhs, call.gx_rhs,
-                     call.gx_bound * tol)
+        lhs = g.detach().sum(1, dtype=torch.float32)  # against sides with the tolerance applied
+        self._record(layer, "input_grad", call.micro_batch, lhs, call.gx_rhs, call.gx_bound)
 
     def _on_gw(self, layer: _Layer, gw: torch.Tensor) -> None:
         if not self._active:

@@ -802,3 +802,50 @@ def post_accumulate_replay_refused(rank: int, world: int) -> dict[str, str]:
     except ValueError as e:
         errors["later"] = str(e)
     return errors
+
+
+def autocast_run(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """The MLP in float32 run under ``torch.autocast`` (bfloat16 products) with the checksum
+    on: its detections, and the largest error of a forward identity's right-hand side
+    ``X (W^T e) + sum b``, which the check computes itself, against float64, as a fraction
+    of ``|X| (|W|^T e) + sum |b|`` (float32 sums: about ``(in + 2) 2^-24``; sums the autocast
+    region rounded to bfloat16: about ``2^-9``)."""
+    model = DDP(build_model("mlp", width=16, depth=2, seed=0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def batch_for(r: int, step: int) -> Any:
+        return synthetic_batch("mlp", 0, r, step, 0, batch=8)
+
+    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return scenario_loss(m, batch)
+
+    guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=batch_for,
+                     config=GuardConfig(checksum=True, weights_interval=0))
+    check = _checksum(guard)
+    record = check._record
+    worst = [0.0]
+    seen = [0]
+    inputs: dict[nn.Module, torch.Tensor] = {}
+    for layer in check.layers:
+        layer.module.register_forward_pre_hook(
+            lambda mod, args: inputs.__setitem__(mod, args[0].detach()))
+
+    def spy(layer: Any, product: str, micro: int, lhs: torch.Tensor, rhs: torch.Tensor,
+            bound: torch.Tensor) -> None:
+        if product == "forward":
+            m, x = layer.module, inputs[layer.module].double()
+            w, b = m.weight.detach().double(), m.bias.detach().double()
+            want = x @ w.sum(0) + b.sum()
+            mag = x.abs() @ w.abs().sum(0) + b.abs().sum()
+            worst[0] = max(worst[0], float(((rhs.double() - want).abs() / mag).max()))
+            seen[0] += 1
+        record(layer, product, micro, lhs, rhs, bound)
+
+    check._record = spy  # type: ignore[method-assign,assignment]
+    found = []
+    for s in range(steps):
+        found += guard.step(s).detections
+    found += guard.flush()
+    return {"detections": _dets(found), "worst": worst[0], "forward_entries": seen[0],
+            "native": check.native_calls > 0}

@@ -245,3 +245,14 @@ def test_the_replay_names_a_post_accumulate_hook() -> None:
         assert "['0.weight'] have post-accumulate-grad hooks" in r["built"], r
         assert "['2.bias'] have post-accumulate-grad hooks" in r["later"], r
         assert "replay_interval=0" in r["later"]
+
+
+def test_under_autocast_the_checks_own_sides_stay_float32() -> None:
+    # A forward hook runs inside the user's autocast region: the check's own products (its
+    # right-hand sides) must not be cast down with the model's, or they would carry
+    # bfloat16's rounding the tolerance does not allow for.
+    for r in run_ranks(W.autocast_run, 3, 6, timeout=300):
+        assert r["detections"] == []
+        assert not r["native"]  # bfloat16 outputs: the torch path
+        assert r["forward_entries"] >= 6 * 3
+        assert r["worst"] < 1e-5, r["worst"]  # float32 sums: ~1e-6; bfloat16's: ~2e-3
