@@ -269,9 +269,17 @@ def check_guard(device_type: str, world: int) -> dict[str, Any]:
 
 CHECKSUM_RUNS = [(kind, dtype, tf32) for kind in ("mlp", "mlp_hooked", "cnn", "cnn_bn",
                                                   "transformer")
-                 for dtype, tf32 in (("float32", False), ("float32", True), ("bfloat16", False))]
+                 for dtype, tf32 in (("float32", False), ("float32", True), ("bfloat16", False))
+                 ] + [("mlp", "autocast", False), ("transformer", "autocast", False)]
 """(model kind, dtype, TF32 allowed): the clean runs of ``check_checksum``; ``mlp_hooked`` is
-the MLP with the user's hooks of ``_users_hooks``."""
+the MLP with the user's hooks of ``_users_hooks``; dtype ``autocast``: a float32 model whose
+loss runs under CUDA autocast to bfloat16 (the check's own sides must stay float32 there:
+``AUTOCAST_SIDES``)."""
+AUTOCAST_SIDES = 1e-4
+"""The largest error the autocast runs may show in a forward identity's right-hand side
+against float64, as a fraction of its magnitude sum: float32 sums keep to about
+``k 2^-24`` (``k`` <= 257 here: 1.5e-5 at worst, typically far less); sums cast to bfloat16
+show ~2^-9."""
 CHECKSUM_FAULTS: list[dict[str, Any]] = [
     {"site": "linear_product", "product": p, "target": "net.2", "bits": (b,)}
     for p in ("forward", "input_grad", "weight_grad") for b in (30, 29, 28)]
@@ -337,7 +345,7 @@ def _checksum_rank(rank: int, world: int, device_type: str, steps: int, timed_st
               else torch.device("cpu"))
     if device.type == "cpu":  # the dry run takes the device's path: torch ops, no C passes
         disable_native()
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "autocast": torch.float32}
 
     def guard_for(kind: str, dtype: str, config: GuardConfig, *, batch: int = 32,
                   width: int = 64) -> SDCGuard:
@@ -361,6 +369,11 @@ def _checksum_rank(rank: int, world: int, device_type: str, steps: int, timed_st
                 return x.to(device), y.to(device)
 
             loss = scenario_loss
+        if dtype == "autocast":
+            def loss(m: torch.nn.Module, b: Any) -> torch.Tensor:
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    return scenario_loss(m, b)
+
         model = DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         return SDCGuard(model, opt, loss_fn=loss, batch_for=batch_for, config=config)
@@ -376,10 +389,12 @@ def _checksum_rank(rank: int, world: int, device_type: str, steps: int, timed_st
         torch.backends.cuda.matmul.allow_tf32 = allow
         try:
             guard = guard_for(kind, dtype, on)
+            worst = _sides_error(guard) if dtype == "autocast" else None
             reports = [guard.step(s) for s in range(steps)]
             found = [d for r in reports for d in r.detections] + guard.flush()
             out["clean"][f"{kind}/{dtype}{'/tf32' if allow else ''}"] = {
-                "detections": dets(found), "skipped": [r.step for r in reports if r.skipped]}
+                "detections": dets(found), "skipped": [r.step for r in reports if r.skipped],
+                **({} if worst is None else {"sides_error": worst[0]})}
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
         dist.barrier()
@@ -450,6 +465,37 @@ def _checksum_rank(rank: int, world: int, device_type: str, steps: int, timed_st
     return out
 
 
+def _sides_error(guard: Any) -> list[float]:
+    """Watch the guard's checksum check: the largest error of a forward identity's right-hand
+    side (``X (W^T e) + sum b``, which the check computes) against float64, as a fraction of
+    ``|X| (|W|^T e) + sum |b|``, kept in the list returned, as steps run."""
+    from sdc_guard.checks.checksum import ChecksumCheck
+
+    check = next(c for c in guard.checks if isinstance(c, ChecksumCheck))
+    inputs: dict[torch.nn.Module, torch.Tensor] = {}
+    for layer in check.layers:
+        layer.module.register_forward_pre_hook(
+            lambda mod, args: inputs.__setitem__(mod, args[0].detach()))
+    record = check._record
+    worst = [0.0]
+
+    def spy(layer: Any, product: str, micro: int, lhs: torch.Tensor, rhs: torch.Tensor,
+            bound: torch.Tensor) -> None:
+        if product == "forward":
+            m, x = layer.module, inputs[layer.module]
+            x = x.reshape(-1, x.shape[-1]).double()
+            w = m.weight.detach().double()
+            b = (m.bias.detach().double() if m.bias is not None
+                 else torch.zeros((), dtype=torch.float64, device=w.device))
+            want = x @ w.sum(0) + b.sum()
+            mag = (x.abs() @ w.abs().sum(0) + b.abs().sum()).clamp_min(1e-300)
+            worst[0] = max(worst[0], float(((rhs.double() - want).abs() / mag).max()))
+        record(layer, product, micro, lhs, rhs, bound)
+
+    check._record = spy  # type: ignore[method-assign,assignment]
+    return worst
+
+
 def _step_profile(guard: Any, first: int, steps: int) -> dict[str, Any]:
     """Where a guarded step's host time goes, per step over ``steps`` profiled steps: the
     kernel launches, the stream and device syncs, the copies (``cudaMemcpy*`` in any
@@ -493,7 +539,7 @@ def checksum_problems(results: list[dict[str, Any]]) -> list[str]:
     problems = []
     for r, res in enumerate(results):
         for run, v in res["clean"].items():
-            if v["detections"] or v["skipped"]:
+            if v["detections"] or v["skipped"] or v.get("sides_error", 0.0) > AUTOCAST_SIDES:
                 problems.append(f"rank {r}: {run} clean: {v}")
         for i, v in enumerate(res["faults"]):
             fired = sorted(set(results[-1]["faults"][i]["fired"]))
@@ -518,7 +564,9 @@ def check_checksum(device_type: str, world: int, steps: int = 300, timed_steps: 
     problems = checksum_problems(results)
     return {"passed": not problems, "world": world, "backend": backend,
             "problems": problems[:20], "timing": results[0]["timing"],
-            "clean_runs": len(results[0]["clean"]), "faults": len(results[0]["faults"])}
+            "clean_runs": len(results[0]["clean"]), "faults": len(results[0]["faults"]),
+            "autocast_sides_error": max(v["sides_error"] for r in results
+                                        for v in r["clean"].values() if "sides_error" in v)}
 
 
 def _median_time(fn: Callable[[], object], device: torch.device, reps: int = 9) -> float:
@@ -600,7 +648,17 @@ def device_md(report: dict[str, Any]) -> str:
             text = "; ".join(problems[:3]) if isinstance(problems, list) else str(problems)
             lines.append(f"| {name} | {'yes' if v['passed'] else '**no**'} | "
                          f"{v.get('seconds', '')} | {text[:300].replace('|', '/')} |")
-    timing = report.get("checksum", {}).get("timing", {})
+    checksum = report.get("checksum", {})
+    if "clean_runs" in checksum:
+        lines += ["", f"The checksum check: {checksum['clean_runs']} clean runs (each model in "
+                  "float32, with TF32, in bfloat16, and the MLP and transformer in float32 under "
+                  "autocast to bfloat16), "
+                  f"{checksum['faults']} faults in linear products"
+                  + (f"; under autocast its own right-hand sides kept within "
+                     f"{checksum['autocast_sides_error']:.1e} of their magnitude sums (float32; "
+                     "sides cast to bfloat16 would show about 2e-3)"
+                     if "autocast_sides_error" in checksum else "") + "."]
+    timing = checksum.get("timing", {})
     if timing:
         lines += ["", "## The checksum check's step time (every nn.Linear, every step)", "",
                   "Medians of 6 rotated blocks of steps: plain DDP (a plain loop), the guard "

@@ -29,6 +29,7 @@ def test_dry_run_on_cpu_passes_and_writes_json(tmp_path: Path) -> None:
     checksum = report["checksum"]  # the checksum check's torch path, as a GPU runs it
     assert checksum["passed"] and checksum["problems"] == [], checksum
     assert checksum["clean_runs"] == len(device_check.CHECKSUM_RUNS)
+    assert 0 < checksum["autocast_sides_error"] < device_check.AUTOCAST_SIDES  # float32 sides
     assert checksum["faults"] == 2 * len(device_check.CHECKSUM_FAULTS)  # plain and hooked
     assert all(t["step_ms_off"] > 0 for t in checksum["timing"].values())
     md = (tmp_path / "DEVICE.md").read_text()
@@ -60,6 +61,9 @@ def test_checksum_judge_names_what_went_wrong() -> None:
     false_positive = [good[0], dict(good[1], clean={"mlp/bfloat16": {
         "detections": [["checksum", 3, [1]]], "skipped": [3]}})]
     assert len(device_check.checksum_problems(false_positive)) == 1
+    rounded = [good[0], dict(good[1], clean={"mlp/autocast": {  # sides cast down
+        "detections": [], "skipped": [], "sides_error": 2.0 ** -9}})]
+    assert len(device_check.checksum_problems(rounded)) == 1
 
 
 @pytest.mark.timeout(60)
