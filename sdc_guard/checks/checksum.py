@@ -121,6 +121,7 @@ from torch._C._distributed_c10d import GradBucket
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import parametrize
 
+from sdc_guard.checks import sides
 from sdc_guard.checks.base import Check, Verdict
 from sdc_guard.checks.flagword import DeferredFlags
 from sdc_guard.checks.weights import ddp_ignored
@@ -954,23 +955,22 @@ class ChecksumCheck(Check, BucketListener):
         self._batch = out
         return out
 
-    def _forward(self, layer: _Layer, call: _Call, xf: torch.Tensor, xa: torch.Tensor) -> None:
-        """The forward identity of ``call`` by torch operations, in the forward hook (``xf``:
-        its input in float32, ``xa`` the absolute values)."""
+    def _forward_tol(self, layer: _Layer, x: torch.Tensor, y_dtype: torch.dtype) -> float:
         m = layer.module
-        x = call.x
-        out = m.out_features
-        w_col, w_abs_col, _, _, b_sum, b_abs = self._sides(layer)  # (0-d zeros: no bias)
-        tol = tolerance(self.config.tolerance_scale, k=x.shape[1] + 1, checked=2 * out
-                        + x.shape[1], compute=call.gy_dtype or self._y_dtype(layer, x),
-                        operands=(x.dtype, m.weight.dtype), device=x.device)
-        # One kernel a side: the bias's sum added, the tolerance applied, in the product.
+        inner = x.shape[-1]
+        return tolerance(self.config.tolerance_scale, k=inner + 1,
+                         checked=2 * m.out_features + inner, compute=y_dtype,
+                         operands=(x.dtype, m.weight.dtype), device=x.device)
+
+    def _forward_norm(self, layer: _Layer, call: _Call, xf: torch.Tensor) -> None:
+        """The forward identity of ``call`` by torch operations with the "norm" bound, in the
+        forward hook (``xf``: its input in float32)."""
+        w_col, _, _, _, b_sum, b_abs = self._sides(layer)  # (0-d zeros: no bias)
+        tol = self._forward_tol(layer, call.x, call.gy_dtype or self._y_dtype(layer, call.x))
         rhs = torch.addmv(b_sum, xf, w_col)
-        if w_abs_col is not None:  # sum_jk |X_ik||W_jk| (+ sum |b|), exactly
-            bound = torch.addmv(b_abs, xa, w_abs_col, beta=tol, alpha=tol)
-        else:  # <= ||X_i||_2 sum_j ||W_j||_2 <= ||X_i||_2 sqrt(out) ||W||_F
-            bound = (torch.linalg.vector_norm(xf, dim=1) * (
-                math.sqrt(out) * self._weight_norm(layer)) + b_abs) * tol
+        # <= ||X_i||_2 sum_j ||W_j||_2 <= ||X_i||_2 sqrt(out) ||W||_F
+        bound = (torch.linalg.vector_norm(xf, dim=1) * (
+            math.sqrt(layer.module.out_features) * self._weight_norm(layer)) + b_abs) * tol
         self._record(layer, "forward", call.micro_batch, call.y_sum, rhs, bound)
 
     @staticmethod
@@ -1026,16 +1026,21 @@ class ChecksumCheck(Check, BucketListener):
             y2 = y.detach().reshape(-1, y.shape[-1])
             n = xd.shape[0]
             with _full_precision(xd):
-                xf = xd if xd.dtype == torch.float32 else xd.float()
-                xa = xf.abs()  # formed once: its row sums here, the forward's bound below
-                sums = torch.empty(3 * n, device=xd.device)  # summed in place: no concatenation
-                torch.sum(xf, 1, out=sums[:n])
-                torch.sum(xa, 1, out=sums[n:2 * n])
-                torch.sum(y2, 1, dtype=torch.float32, out=sums[2 * n:])
+                w_col, w_abs_col, _, _, b_sum, b_abs = self._sides(layer)
+                if w_abs_col is not None:  # the exact bound: sum_jk |X_ik||W_jk| + sum |b|
+                    sums, rhs, bound = sides.forward_sides(
+                        xd, y2, w_col, w_abs_col, b_sum, b_abs,
+                        self._forward_tol(layer, xd, y.dtype))
+                else:
+                    xf = xd if xd.dtype == torch.float32 else xd.float()
+                    sums = torch.cat([xf.sum(1), torch.linalg.vector_norm(
+                        xf, ord=1, dim=1), y2.sum(1, dtype=torch.float32)])
                 call = _Call(xd, sums, n, micro_batch=self._micro, tapped=tapped,
                              gy_dtype=y.dtype)
-                if want:
-                    self._forward(layer, call, xf, xa)
+                if want and w_abs_col is not None:
+                    self._record(layer, "forward", call.micro_batch, call.y_sum, rhs, bound)
+                elif want:
+                    self._forward_norm(layer, call, xf)
         layer.calls.append(call)
 
     @staticmethod
@@ -1060,15 +1065,12 @@ class ChecksumCheck(Check, BucketListener):
             layer.sides_key = key
             m = layer.module
             w = m.weight.detach()
-            f32 = torch.float32
-            zero = self._zero(w.device)
             b = m.bias.detach() if m.bias is not None else None
-            norm1 = functools.partial(torch.linalg.vector_norm, ord=1, dtype=f32)  # sum |.|,
-            exact = self.exact  # in one pass (no |W| formed)
-            layer.sides = (w.sum(0, dtype=f32), norm1(w, dim=0) if exact else None,
-                           w.sum(1, dtype=f32), norm1(w, dim=1) if exact else None,
-                           zero if b is None else b.sum(dtype=f32),
-                           zero if b is None else norm1(b))
+            w_col, w_abs_col, w_row, w_abs_row, b_sum, b_abs = sides.weight_sides(
+                w, b, self._zero(w.device), self.exact)
+            assert w_col is not None and w_row is not None
+            assert b_sum is not None and b_abs is not None
+            layer.sides = (w_col, w_abs_col, w_row, w_abs_row, b_sum, b_abs)
         return layer.sides
 
     def _zero(self, device: torch.device) -> torch.Tensor:
@@ -1109,28 +1111,34 @@ class ChecksumCheck(Check, BucketListener):
         """``_on_gy`` by torch operations (``g``: ``GY``, 2-D): the input gradient's right-hand
         side and bound (the tolerance applied), and this call's share of the weight
         gradient's, one ``mv``/``addmv`` each."""
-        gf = g if g.dtype == torch.float32 else g.float()
         call.gy_dtype = g.dtype
-        ga = gf.abs() if call.tapped or layer.gw_step else None
-        if call.tapped and ga is not None:  # GY (W e) and its bound |GY| (|W| e)
-            m = layer.module
-            _, _, w_row, w_abs_row, _, _ = self._sides(layer)
-            tol = tolerance(self.config.tolerance_scale, k=m.out_features,
-                            checked=2 * m.in_features + m.out_features, compute=g.dtype,
-                            operands=(m.weight.dtype,), device=g.device)
-            call.gx_rhs = torch.mv(gf, w_row)
-            call.gx_bound = (  # exact, or <= ...
-                torch.addmv(self._zero(g.device), ga, w_abs_row, beta=0, alpha=tol)
-                if w_abs_row is not None else torch.linalg.vector_norm(gf, dim=1) * (
-                    tol * math.sqrt(m.in_features) * self._weight_norm(layer)))
-        if layer.gw_step and not layer.gw_at_node and ga is not None:
-            x_rows = call.x_rows
+        gx = call.tapped
+        gw = layer.gw_step and not layer.gw_at_node
+        if not (gx or gw):
+            return
+        m = layer.module
+        _, _, w_row, w_abs_row, _, _ = self._sides(layer)
+        tol = tolerance(self.config.tolerance_scale, k=m.out_features,
+                        checked=2 * m.in_features + m.out_features, compute=g.dtype,
+                        operands=(m.weight.dtype,), device=g.device)
+        x_rows = call.x_rows
+        exact = w_abs_row is not None
+        gx_rhs, gx_bound, gw_rhs, gw_bound = sides.gy_sides(
+            g, w_row if gx and exact else None, w_abs_row if gx else None, tol,
+            x_rows[0] if gw else None, x_rows[1] if gw else None, self._zero(g.device))
+        if gx and not exact:  # GY (W e), within ||GY_i||_2 sqrt(in) ||W||_F
+            gf = g if g.dtype == torch.float32 else g.float()
+            gx_rhs = torch.mv(gf, w_row)
+            gx_bound = torch.linalg.vector_norm(gf, dim=1) * (
+                tol * math.sqrt(m.in_features) * self._weight_norm(layer))
+        if gx:
+            call.gx_rhs, call.gx_bound = gx_rhs, gx_bound
+        if gw and gw_rhs is not None and gw_bound is not None:
             if layer.gw_rhs is None or layer.gw_bound is None:
-                layer.gw_rhs = torch.mv(gf.t(), x_rows[0])
-                layer.gw_bound = torch.mv(ga.t(), x_rows[1])
+                layer.gw_rhs, layer.gw_bound = gw_rhs, gw_bound
             else:  # another call of the layer in this micro-batch: its share adds on
-                layer.gw_rhs = torch.addmv(layer.gw_rhs, gf.t(), x_rows[0])
-                layer.gw_bound = torch.addmv(layer.gw_bound, ga.t(), x_rows[1])
+                layer.gw_rhs = layer.gw_rhs + gw_rhs
+                layer.gw_bound = layer.gw_bound + gw_bound
             layer.gw_rows += g.shape[0]
             layer.gw_dtype = g.dtype
 

@@ -16,10 +16,21 @@ import sdc_guard
 from injectors import Fault, arm
 from scenarios.spec.models import build_model, scenario_loss, synthetic_batch
 from sdc_guard import ChecksumConfig, GuardConfig, SDCGuard
+from sdc_guard.checks import sides
 from sdc_guard.checks.checksum import ChecksumCheck
 from sdc_guard.fingerprints.native import disable_native
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def fused_forms() -> None:
+    """This rank's checksum sides by the fused expressions (``sides.FUSED_DEVICES``) on the
+    CPU, without the C passes, run as written: uncompiled (``test_checksum_sides`` compares
+    the compiled kernels with them); each still checked against the eager form first."""
+    disable_native()
+    sides.FUSED_DEVICES.add("cpu")
+    sides._compiled.update(forward=sides._forward_math, weight=sides._weight_math,
+                           **sides.GY_FORMS)
 
 
 def _checksum(guard: SDCGuard) -> ChecksumCheck:
@@ -45,10 +56,14 @@ def _dets(found: list[sdc_guard.Detection]) -> list[tuple[str, int, tuple[int, .
     return [(d.check, d.step, d.suspect_ranks) for d in found]
 
 
-def clean_run(rank: int, world: int, runs: list[tuple[str, str]], steps: int) -> dict[str, Any]:
+def clean_run(rank: int, world: int, runs: list[tuple[str, str]], steps: int,
+              fused: bool = False) -> dict[str, Any]:
     """Every (model kind, dtype) of ``runs`` trained ``steps`` clean steps with the checksum on.
+    ``fused``: the sides by the fused expressions (``fused_forms``).
 
     Returns the detections and the largest residual seen as a fraction of its tolerance."""
+    if fused:
+        fused_forms()
     out: dict[str, Any] = {}
     for kind, dtype in runs:
         guard = _guard(kind, dtype, GuardConfig(checksum=True, weights_interval=0))
@@ -84,7 +99,8 @@ def clean_run(rank: int, world: int, runs: list[tuple[str, str]], steps: int) ->
         found += guard.flush()
         out[f"{kind}/{dtype}"] = {"detections": _dets(found), "skipped": skipped,
                                   "worst_fraction_of_tolerance": worst[0],
-                                  "layers": [x.name for x in check.layers]}
+                                  "layers": [x.name for x in check.layers],
+                                  "fused": {k: v for (_, k), v in sides._checked.items()}}
         dist.barrier()
     return out
 
@@ -92,12 +108,14 @@ def clean_run(rank: int, world: int, runs: list[tuple[str, str]], steps: int) ->
 def fault_runs(rank: int, world: int, faults: list[dict[str, Any] | list[dict[str, Any]]],
                cfg: dict[str, Any],
                kind: str = "mlp", scaler: bool = False, user_hook: bool = False,
-               micro: int = 1, native: bool = True) -> list[dict[str, Any]]:
+               micro: int = 1, native: bool = True, fused: bool = False) -> list[dict[str, Any]]:
     """One guard; per fault: fresh checks, the fault armed, 4 steps, flush, disarm. An entry
     may be a list of faults, armed together. ``native=False``: the torch ops only (no C
-    kernel in this rank)."""
+    kernel in this rank); ``fused``: the sides by the fused expressions (``fused_forms``)."""
     if not native:
         disable_native()
+    if fused:
+        fused_forms()
     hook = None
     if user_hook:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -136,6 +154,7 @@ def fault_runs(rank: int, world: int, faults: list[dict[str, Any] | list[dict[st
             "native": any(check.native_calls for check in guard.checks
                           if isinstance(check, ChecksumCheck)),
             "fused_row_sums": guard.comm.fused_row_sums,
+            "fused": {k: v for (_, k), v in sides._checked.items()},
         })
     return results
 

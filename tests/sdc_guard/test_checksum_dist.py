@@ -256,3 +256,23 @@ def test_under_autocast_the_checks_own_sides_stay_float32() -> None:
         assert not r["native"]  # bfloat16 outputs: the torch path
         assert r["forward_entries"] >= 6 * 3
         assert r["worst"] < 1e-5, r["worst"]  # float32 sums: ~1e-6; bfloat16's: ~2e-3
+
+
+def test_the_fused_sides_catch_every_product_fault_and_stay_quiet_when_clean() -> None:
+    # The sides a GPU may take fused (sdc_guard.checks.sides), on the CPU, run as written:
+    # each agreed with the eager form on its first use, then carried the check alone.
+    faults = _faults(bits=(30,))
+    res = run_ranks(W.fault_runs, 3, faults, {"checksum": True, "nonfinite": False},
+                    native=False, fused=True, timeout=300)
+    _assert_caught(res, faults, "net.2")
+    assert res[0][-1]["fused"] == {"forward": True, "gx+gw": True, "gw": True, "weight": True}
+    faults = _faults("blocks.0.attn.qkv", (29,))
+    res = run_ranks(W.fault_runs, 3, faults, {"checksum": True}, kind="transformer", micro=2,
+                    native=False, fused=True, timeout=300)
+    _assert_caught(res, faults, "blocks.0.attn.qkv")
+    runs = [("mlp", "bfloat16"), ("transformer", "float32"), ("cnn", "float32")]
+    for key, r in run_ranks(W.clean_run, 3, runs, 60, True, timeout=600)[0].items():
+        assert r["detections"] == [] and r["skipped"] == [], (key, r)
+        assert 0 < r["worst_fraction_of_tolerance"] < 1, (key, r)
+        assert set(r["fused"].values()) == {True}, (key, r)  # every one that ran agreed
+        assert {"forward", "gx+gw", "weight"} <= set(r["fused"]), (key, r)
