@@ -275,6 +275,9 @@ CHECKSUM_RUNS = [(kind, dtype, tf32) for kind in ("mlp", "mlp_hooked", "cnn", "c
 the MLP with the user's hooks of ``_users_hooks``; dtype ``autocast``: a float32 model whose
 loss runs under CUDA autocast to bfloat16 (the check's own sides must stay float32 there:
 ``AUTOCAST_SIDES``)."""
+CHECKSUM_FUSED_RUNS = [("mlp", "float32"), ("transformer", "bfloat16"),
+                       ("transformer", "autocast")]
+"""Clean runs again with the sides' fused expressions (``_fused_sides``)."""
 AUTOCAST_SIDES = 1e-4
 """The largest error the autocast runs may show in a forward identity's right-hand side
 against float64, as a fraction of its magnitude sum: float32 sums keep to about
@@ -378,6 +381,10 @@ def _checksum_rank(rank: int, world: int, device_type: str, steps: int, timed_st
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         return SDCGuard(model, opt, loss_fn=loss, batch_for=batch_for, config=config)
 
+    def _profiled(label: str, g: SDCGuard) -> dict[str, Any]:
+        with _fused_sides(device) if label == "fused" else contextlib.nullcontext():
+            return _step_profile(g, 7 * timed_steps, 5)
+
     def dets(found: list[Any]) -> list[tuple[str, int, list[int]]]:
         return [(d.check, d.step, list(d.suspect_ranks)) for d in found]
 
@@ -398,13 +405,25 @@ def _checksum_rank(rank: int, world: int, device_type: str, steps: int, timed_st
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
         dist.barrier()
-    for kind in ("mlp", "mlp_hooked"):
-        guard = guard_for(kind, "float32", on)
+    for kind, dtype in CHECKSUM_FUSED_RUNS:
+        with _fused_sides(device):
+            guard = guard_for(kind, dtype, on)
+            worst = _sides_error(guard) if dtype == "autocast" else None
+            reports = [guard.step(s) for s in range(steps)]
+            found = [d for r in reports for d in r.detections] + guard.flush()
+        out["clean"][f"{kind}/{dtype}/fused"] = {
+            "detections": dets(found), "skipped": [r.step for r in reports if r.skipped],
+            **({} if worst is None else {"sides_error": worst[0]})}
+        dist.barrier()
+    for kind in ("mlp", "mlp_hooked", "mlp/fused"):
+        fused = kind.endswith("/fused")
+        guard = guard_for(kind.removesuffix("/fused"), "float32", on)
         step = 0
         for f in CHECKSUM_FAULTS:
             guard.reconfigure(guard.config)
             handle = arm(Fault(**f, rank=world - 1, step=step + 1), guard=guard)
-            reports = [guard.step(step + i) for i in range(4)]
+            with _fused_sides(device) if fused else contextlib.nullcontext():
+                reports = [guard.step(step + i) for i in range(4)]
             step += 4
             found = [d for r in reports for d in r.detections] + guard.flush()
             handle.remove()
@@ -416,7 +435,8 @@ def _checksum_rank(rank: int, world: int, device_type: str, steps: int, timed_st
     for name in timed:
         kind, batch, width = CHECKSUM_TIMED[name]
         guards = {label: guard_for(kind, "float32", GuardConfig(checksum=c), batch=batch,
-                                   width=width) for label, c in (("off", False), ("on", True))}
+                                   width=width)
+                  for label, c in (("off", False), ("on", True), ("fused", True))}
         single = {label: guard_for(kind, "float32", config, batch=batch, width=width)
                   for label, config in CHECK_CONFIGS.items()}
         # Plain DDP: a plain loop on a model of its own (a guard with every check off
@@ -432,8 +452,12 @@ def _checksum_rank(rank: int, world: int, device_type: str, steps: int, timed_st
             bare.loss_fn(bare.model, batch(rank, step)).backward()  # type: ignore[no-untyped-call]
             opt.step()
 
+        def fused_step(step: int, g: SDCGuard = guards["fused"]) -> None:
+            with _fused_sides(device):
+                g.step(step)
+
         steppers: dict[str, Callable[[int], object]] = {
-            "plain": plain, **{k: g.step for k, g in guards.items()},
+            "plain": plain, **{k: g.step for k, g in guards.items()}, "fused": fused_step,
             **{k: g.step for k, g in single.items()}}
         times: dict[str, list[float]] = {label: [] for label in steppers}
         for r in range(7):  # rotated blocks, the first round warms up
@@ -451,18 +475,48 @@ def _checksum_rank(rank: int, world: int, device_type: str, steps: int, timed_st
                 if r:
                     times[label].append((time.perf_counter() - t0) / timed_steps)
         off, on_t = statistics.median(times["off"]), statistics.median(times["on"])
+        fused_t = statistics.median(times["fused"])
         base = statistics.median(times["plain"])
         out["timing"][name] = {"step_ms_plain": base * 1e3, "step_ms_off": off * 1e3,
                                "step_ms_checksum": on_t * 1e3, "overhead": on_t / off - 1.0,
+                               "step_ms_fused": fused_t * 1e3,
+                               "overhead_fused": fused_t / off - 1.0,
                                "guard_vs_plain": off / base - 1.0,
                                "by_check_ms": {label: statistics.median(times[label]) * 1e3
                                                for label in single},
-                               "per_step": {label: _step_profile(g, 7 * timed_steps, 5)
+                               "per_step": {label: _profiled(label, g)
                                             for label, g in guards.items()}}
         for g in (*guards.values(), *single.values()):
             g.flush()
         dist.barrier()
+    out["fused_checked"] = _fused_checked()
     return out
+
+
+@contextlib.contextmanager
+def _fused_sides(device: torch.device) -> Iterator[None]:
+    """The checksum's sides by their fused expressions (``sdc_guard.checks.sides``) on
+    ``device`` while the block runs: compiled on a GPU; run as written on the CPU (the dry
+    run: its tests compile them once, ``test_checksum_sides``)."""
+    from sdc_guard.checks import sides
+
+    if device.type == "cpu":
+        sides._compiled.setdefault("forward", sides._forward_math)
+        sides._compiled.setdefault("weight", sides._weight_math)
+        for name, form in sides.GY_FORMS.items():
+            sides._compiled.setdefault(name, form)
+    was = set(sides.FUSED_DEVICES)
+    sides.FUSED_DEVICES.add(device.type)
+    try:
+        yield
+    finally:
+        sides.FUSED_DEVICES.intersection_update(was)
+
+
+def _fused_checked() -> dict[str, bool]:
+    from sdc_guard.checks import sides
+
+    return {f"{kind}/{name}": ok for (kind, name), ok in sides._checked.items()}
 
 
 def _sides_error(guard: Any) -> list[float]:
@@ -538,6 +592,9 @@ def checksum_problems(results: list[dict[str, Any]]) -> list[str]:
     world = len(results)
     problems = []
     for r, res in enumerate(results):
+        given_up = [k for k, ok in res.get("fused_checked", {}).items() if not ok]
+        if given_up:
+            problems.append(f"rank {r}: fused sides given up (failed or disagreed): {given_up}")
         for run, v in res["clean"].items():
             if v["detections"] or v["skipped"] or v.get("sides_error", 0.0) > AUTOCAST_SIDES:
                 problems.append(f"rank {r}: {run} clean: {v}")
@@ -566,7 +623,8 @@ def check_checksum(device_type: str, world: int, steps: int = 300, timed_steps: 
             "problems": problems[:20], "timing": results[0]["timing"],
             "clean_runs": len(results[0]["clean"]), "faults": len(results[0]["faults"]),
             "autocast_sides_error": max(v["sides_error"] for r in results
-                                        for v in r["clean"].values() if "sides_error" in v)}
+                                        for v in r["clean"].values() if "sides_error" in v),
+            "fused_checked": results[0].get("fused_checked", {})}
 
 
 def _median_time(fn: Callable[[], object], device: torch.device, reps: int = 9) -> float:
@@ -652,7 +710,7 @@ def device_md(report: dict[str, Any]) -> str:
     if "clean_runs" in checksum:
         lines += ["", f"The checksum check: {checksum['clean_runs']} clean runs (each model in "
                   "float32, with TF32, in bfloat16, and the MLP and transformer in float32 under "
-                  "autocast to bfloat16), "
+                  "autocast to bfloat16; three again with the fused sides), "
                   f"{checksum['faults']} faults in linear products"
                   + (f"; under autocast its own right-hand sides kept within "
                      f"{checksum['autocast_sides_error']:.1e} of their magnitude sums (float32; "
@@ -665,24 +723,34 @@ def device_md(report: dict[str, Any]) -> str:
                   "with its default checks (off: the checksum off) and the same with the "
                   "checksum. Per guarded step, from torch's profiler over 5 steps: kernel "
                   "launches, stream syncs, copies (`cudaMemcpy*`, any direction: device to "
-                  "device too) and `.item()` reads, off / on.", "",
+                  "device too) and `.item()` reads, off / on (/ fused).", "",
+                  "The fused columns: the same with the sides' fused expressions "
+                  "(`sdc_guard.checks.sides`, compiled; off by default).", "",
                   "| workload | plain DDP (ms) | guard, default (ms) | guard vs plain | "
-                  "with the checksum (ms) | checksum overhead | launches | stream syncs | "
-                  "copies | .item() |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "with the checksum (ms) | checksum overhead | fused (ms) | fused overhead | "
+                  "launches | stream syncs | copies | .item() |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, t in timing.items():
             prof = t.get("per_step", {})
             off, on = prof.get("off", {}), prof.get("on", {})
 
-            def pair(key: str, off: dict[str, Any] = off, on: dict[str, Any] = on) -> str:
+            fused = prof.get("fused", {})
+
+            def pair(key: str, off: dict[str, Any] = off, on: dict[str, Any] = on,
+                     fused: dict[str, Any] = fused) -> str:
                 if key not in off:
                     return "-"
-                return f"{off.get(key, 0):.0f} / {on.get(key, 0):.0f}"
+                return f"{off.get(key, 0):.0f} / {on.get(key, 0):.0f}" + (
+                    f" / {fused[key]:.0f}" if key in fused else "")
 
             # (an older run counted syncs and copies together, as host_syncs)
             together = "host_syncs" in off and "stream_syncs" not in off
             lines.append(f"| {name} | {t['step_ms_plain']:.2f} | {t['step_ms_off']:.2f} | "
                          f"{t['guard_vs_plain'] * 100:+.1f}% | {t['step_ms_checksum']:.2f} | "
-                         f"{t['overhead'] * 100:+.1f}% | {pair('kernel_launches')} | "
+                         f"{t['overhead'] * 100:+.1f}% | "
+                         + (f"{t['step_ms_fused']:.2f} | {t['overhead_fused'] * 100:+.1f}% | "
+                            if "step_ms_fused" in t else "- | - | ")
+                         + f"{pair('kernel_launches')} | "
                          + (f"{pair('host_syncs')} (with the copies) | - | " if together else
                             f"{pair('stream_syncs')} | {pair('memcpy_calls')} | ")
                          + f"{pair('item_reads')} |")

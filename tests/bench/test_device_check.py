@@ -28,10 +28,14 @@ def test_dry_run_on_cpu_passes_and_writes_json(tmp_path: Path) -> None:
         assert rank["skipped"] == [6]
     checksum = report["checksum"]  # the checksum check's torch path, as a GPU runs it
     assert checksum["passed"] and checksum["problems"] == [], checksum
-    assert checksum["clean_runs"] == len(device_check.CHECKSUM_RUNS)
+    assert checksum["clean_runs"] == len(device_check.CHECKSUM_RUNS) + len(
+        device_check.CHECKSUM_FUSED_RUNS)
+    assert set(checksum["fused_checked"].values()) == {True}  # every fused form agreed
+    assert {"cpu/forward", "cpu/gx+gw", "cpu/weight"} <= set(checksum["fused_checked"])
     assert 0 < checksum["autocast_sides_error"] < device_check.AUTOCAST_SIDES  # float32 sides
-    assert checksum["faults"] == 2 * len(device_check.CHECKSUM_FAULTS)  # plain and hooked
-    assert all(t["step_ms_off"] > 0 for t in checksum["timing"].values())
+    assert checksum["faults"] == 3 * len(device_check.CHECKSUM_FAULTS)  # plain, hooked, fused
+    assert all(t["step_ms_off"] > 0 and t["step_ms_fused"] > 0
+               for t in checksum["timing"].values())
     md = (tmp_path / "DEVICE.md").read_text()
     assert "| checksum | yes |" in md and "| gloo_guard | yes |" in md
     assert "| reference MLP (512-1024-1024-10), batch 128 |" in md
