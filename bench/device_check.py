@@ -318,10 +318,14 @@ def _users_hooks(module: torch.nn.Module) -> torch.nn.Module:
     linears[-1].register_forward_hook(_halved_in_place)
     linears[-1].register_full_backward_hook(_halved_input_grad)
     return module
-CHECKSUM_TIMED = {"reference MLP (512-1024-1024-10), batch 128": ("reference", 128, 0),
-                  "MLP 16-4096-4096-4, batch 4096": ("mlp", 4096, 4096),
-                  "transformer (width 128, 2 blocks), batch 64": ("transformer", 64, 128)}
-"""name -> (model kind, batch, width) timed with the checksum on and off."""
+CHECKSUM_TIMED = {
+    "reference MLP (512-1024-1024-10), batch 128": ("reference", 128, 0, "float32"),
+    "MLP 16-4096-4096-4, batch 4096": ("mlp", 4096, 4096, "float32"),
+    "transformer (width 128, 2 blocks), batch 64": ("transformer", 64, 128, "float32"),
+    "MLP 16-4096-4096-4 in bfloat16, batch 8192": ("mlp", 8192, 4096, "bfloat16")}
+"""name -> (model kind, batch, width, dtype) timed with the checksum on and off. The last is
+where the sides' reads weigh (64 MiB activations, each read four to six times by the eager
+sides, widened and copied, once by the fused ones) and a compiled call's fixed cost does not."""
 
 
 CHECK_CONFIGS = {
@@ -433,15 +437,15 @@ def _checksum_rank(rank: int, world: int, device_type: str, steps: int, timed_st
                                   "skipped": [r.step for r in reports if r.skipped]})
     dist.barrier()
     for name in timed:
-        kind, batch, width = CHECKSUM_TIMED[name]
-        guards = {label: guard_for(kind, "float32", GuardConfig(checksum=c), batch=batch,
+        kind, batch, width, dtype = CHECKSUM_TIMED[name]
+        guards = {label: guard_for(kind, dtype, GuardConfig(checksum=c), batch=batch,
                                    width=width)
                   for label, c in (("off", False), ("on", True), ("fused", True))}
-        single = {label: guard_for(kind, "float32", config, batch=batch, width=width)
+        single = {label: guard_for(kind, dtype, config, batch=batch, width=width)
                   for label, config in CHECK_CONFIGS.items()}
         # Plain DDP: a plain loop on a model of its own (a guard with every check off
         # registers no comm hook: its model is DDP's as it is).
-        bare = guard_for(kind, "float32", GuardConfig(nonfinite=False, weights_interval=0),
+        bare = guard_for(kind, dtype, GuardConfig(nonfinite=False, weights_interval=0),
                          batch=batch, width=width)
         plain_opt = torch.optim.AdamW(bare.model.parameters(), lr=1e-3)
 
