@@ -5,6 +5,7 @@ float64; and a compiled form that fails or disagrees given up with a warning."""
 from __future__ import annotations
 
 import shutil
+import threading
 
 import pytest
 import torch
@@ -145,3 +146,29 @@ def test_a_form_that_fails_or_disagrees_is_given_up_with_a_warning(
     S.weight_sides(w, b, zero, True)  # given up: not tried again, no warning
     assert all(torch.equal(g, v) for g, v in zip(
         S.forward_sides(x, y, c, a, bs, ba, 1e-5), want, strict=True))
+
+
+@pytest.mark.timeout(280)
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+                    reason="torch.compile on the CPU needs a C++ compiler")
+def test_a_form_compiled_first_in_another_thread_agrees(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a GPU the output gradient's hook runs in autograd's device thread, not the main one.
+    monkeypatch.setattr(S, "FUSED_DEVICES", {"cpu"})
+    monkeypatch.setattr(S, "_checked", {})
+    monkeypatch.setattr(S, "_compiled", {})
+    ops = _operands(33, 20, 12, torch.float32, 5, True)
+    gy, w = ops["gy"], ops["w"]
+    assert gy is not None and w is not None
+    g = torch.Generator().manual_seed(6)
+    xe, xae = torch.randn(33, generator=g), torch.rand(33, generator=g)
+    got: list[tuple[torch.Tensor | None, ...]] = []
+    worker = threading.Thread(target=lambda: got.append(S.gy_sides(
+        gy, w.sum(1), w.abs().sum(1), 1e-5, xe, xae, torch.zeros(()))))
+    worker.start()
+    worker.join()
+    assert S._checked == {("cpu", "gx+gw"): True}
+    want = S._gy_eager(gy, w.sum(1), w.abs().sum(1), 1e-5, xe, xae, torch.zeros(()))
+    for a, b in zip(got[0], want, strict=True):
+        assert a is not None and b is not None
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
