@@ -1026,18 +1026,19 @@ class ChecksumCheck(Check, BucketListener):
             y2 = y.detach().reshape(-1, y.shape[-1])
             n = xd.shape[0]
             with _full_precision(xd):
-                w_col, w_abs_col, _, _, b_sum, b_abs = self._sides(layer)
-                if w_abs_col is not None:  # the exact bound: sum_jk |X_ik||W_jk| + sum |b|
+                if want and self.exact:  # sum_jk |X_ik||W_jk| + sum |b| bounds the identity
+                    w_col, w_abs_col, _, _, b_sum, b_abs = self._sides(layer)
+                    assert w_abs_col is not None
                     sums, rhs, bound = sides.forward_sides(
                         xd, y2, w_col, w_abs_col, b_sum, b_abs,
                         self._forward_tol(layer, xd, y.dtype))
-                else:
+                else:  # the sums the backward's identities need (and the "norm" bound's)
                     xf = xd if xd.dtype == torch.float32 else xd.float()
                     sums = torch.cat([xf.sum(1), torch.linalg.vector_norm(
                         xf, ord=1, dim=1), y2.sum(1, dtype=torch.float32)])
                 call = _Call(xd, sums, n, micro_batch=self._micro, tapped=tapped,
                              gy_dtype=y.dtype)
-                if want and w_abs_col is not None:
+                if want and self.exact:
                     self._record(layer, "forward", call.micro_batch, call.y_sum, rhs, bound)
                 elif want:
                     self._forward_norm(layer, call, xf)

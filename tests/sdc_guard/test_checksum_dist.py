@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from sdc_guard import ChecksumConfig
 from tests.launch import run_ranks
 from tests.sdc_guard import checksum_workers as W
 
@@ -276,3 +277,19 @@ def test_the_fused_sides_catch_every_product_fault_and_stay_quiet_when_clean() -
         assert 0 < r["worst_fraction_of_tolerance"] < 1, (key, r)
         assert set(r["fused"].values()) == {True}, (key, r)  # every one that ran agreed
         assert {"forward", "gx+gw", "weight"} <= set(r["fused"]), (key, r)
+
+
+@pytest.mark.parametrize("products,bound", [
+    (("input_grad", "weight_grad"), "exact"), (("forward",), "exact"),
+    (("forward", "input_grad", "weight_grad"), "norm")])
+def test_the_torch_path_checks_the_products_asked_for_with_either_bound(
+        products: tuple[str, ...], bound: str) -> None:
+    faults = [f for f in _faults(bits=(30,)) if f["product"] in products]
+    cfg = {"checksum": ChecksumConfig(products=products, bound=bound),
+           "nonfinite": False}
+    res = run_ranks(W.fault_runs, 3, faults, cfg, native=False, timeout=300)
+    _assert_caught(res, faults, "net.2")
+    others = [f for f in _faults(bits=(30,)) if f["product"] not in products][:1]
+    if others:  # a product not asked for is not the checksum's to name
+        for rank in run_ranks(W.fault_runs, 3, others, cfg, native=False, timeout=300):
+            assert [d for d in rank[0]["detections"] if d[0] == "checksum"] == []
