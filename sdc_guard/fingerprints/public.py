@@ -146,6 +146,8 @@ _BATCH_BYTES: Final = 1 << 16
 
 _segment_cache: dict[tuple[torch.device, int, tuple[int, ...]],
                      tuple[torch.Tensor, torch.Tensor]] = {}
+"""(device, unit, lanes per tensor) -> the per-lane weights ``2k+1`` and the tensors'
+boundaries in the running sum (0, then each tensor's end), on the device."""
 
 
 def _small_values(tensors: Sequence[torch.Tensor], unit: int,
@@ -153,9 +155,11 @@ def _small_values(tensors: Sequence[torch.Tensor], unit: int,
     """V of each of many small tensors, an int64 vector: the same values as ``tensor_value``.
 
     All of them go through one concatenation, one widening and one multiply by
-    per-segment weights ``2k+1`` (k counted from each tensor's start), then a sum per
-    tensor: a few ops in all instead of about 20 per tensor, which is what a model's
-    biases, norms and optimizer step counters otherwise cost. ``unit`` is 4 (tensors
+    per-segment weights ``2k+1`` (k counted from each tensor's start), then a running sum
+    whose differences at the tensors' boundaries are their sums (exact: integers wrap the
+    same in any order, so on every device alike): a few ops in all instead of about 20 per
+    tensor, which is what a model's biases, norms and optimizer step counters otherwise
+    cost. ``unit`` is 4 (tensors
     of elements up to 4 bytes, as 32-bit lanes, the last one zero-padded) or 8
     (8-byte elements, as words mapped by ``prep_words``).
     """
@@ -175,22 +179,24 @@ def _small_values(tensors: Sequence[torch.Tensor], unit: int,
         # Built once per layout on the CPU (no device-side scan), then kept on the device.
         sizes = torch.tensor(counts, dtype=torch.int64)
         segment = torch.repeat_interleave(torch.arange(len(counts)), sizes)
-        starts = torch.cumsum(sizes, 0) - sizes
-        weights = (torch.arange(segment.numel()) - starts[segment]) * 2 + 1
-        layout = (weights.to(device), segment.to(device))
+        ends = torch.cumsum(sizes, 0)
+        weights = (torch.arange(segment.numel()) - (ends - sizes)[segment]) * 2 + 1
+        bounds = torch.cat([torch.zeros(1, dtype=torch.int64), ends])
+        layout = (weights.to(device), bounds.to(device))
         if len(_segment_cache) > 64:
             _segment_cache.clear()
         _segment_cache[key] = layout
-    weights, segment = layout
+    weights, bounds = layout
     vals = torch.empty(weights.numel(), dtype=torch.int64, device=device)
     if unit == 4:
         prep_lanes(whole.view(torch.uint32), vals)
     else:
         prep_words(whole.view(torch.int64), vals)
     vals.mul_(weights)
-    if device.type == "cpu":  # index_add_ is deterministic on the CPU only
-        return torch.zeros(len(counts), dtype=torch.int64).index_add_(0, segment, vals)
-    return torch.stack([part.sum() for part in torch.split(vals, counts)])
+    # A sum per tensor in four kernels however many tensors (a sum each, on a GPU, is a
+    # launch each; index_add_ is nondeterministic there by torch's rules, if not for integers).
+    running = torch.nn.functional.pad(torch.cumsum(vals, 0), (1, 0))
+    return torch.diff(running[bounds])
 
 
 _key_cache: dict[tuple[torch.device, bool, tuple[int, ...]], torch.Tensor] = {}
