@@ -395,29 +395,25 @@ def _checksum_rank(rank: int, world: int, device_type: str, steps: int, timed_st
     on = GuardConfig(checksum=True)
     out: dict[str, Any] = {"device": str(device), "backend": dist.get_backend(), "clean": {},
                            "faults": [], "timing": {}}
+    def clean(kind: str, dtype: str) -> dict[str, Any]:
+        guard = guard_for(kind, dtype, on)
+        worst = _sides_error(guard) if dtype == "autocast" else None
+        reports = [guard.step(s) for s in range(steps)]
+        found = [d for r in reports for d in r.detections] + guard.flush()
+        return {"detections": dets(found), "skipped": [r.step for r in reports if r.skipped],
+                **({} if worst is None else {"sides_error": worst[0]})}
+
     tf32 = torch.backends.cuda.matmul.allow_tf32
     for kind, dtype, allow in CHECKSUM_RUNS:
         torch.backends.cuda.matmul.allow_tf32 = allow
         try:
-            guard = guard_for(kind, dtype, on)
-            worst = _sides_error(guard) if dtype == "autocast" else None
-            reports = [guard.step(s) for s in range(steps)]
-            found = [d for r in reports for d in r.detections] + guard.flush()
-            out["clean"][f"{kind}/{dtype}{'/tf32' if allow else ''}"] = {
-                "detections": dets(found), "skipped": [r.step for r in reports if r.skipped],
-                **({} if worst is None else {"sides_error": worst[0]})}
+            out["clean"][f"{kind}/{dtype}{'/tf32' if allow else ''}"] = clean(kind, dtype)
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
         dist.barrier()
     for kind, dtype in CHECKSUM_FUSED_RUNS:
         with _fused_sides(device):
-            guard = guard_for(kind, dtype, on)
-            worst = _sides_error(guard) if dtype == "autocast" else None
-            reports = [guard.step(s) for s in range(steps)]
-            found = [d for r in reports for d in r.detections] + guard.flush()
-        out["clean"][f"{kind}/{dtype}/fused"] = {
-            "detections": dets(found), "skipped": [r.step for r in reports if r.skipped],
-            **({} if worst is None else {"sides_error": worst[0]})}
+            out["clean"][f"{kind}/{dtype}/fused"] = clean(kind, dtype)
         dist.barrier()
     for kind in ("mlp", "mlp_hooked", "mlp/fused"):
         fused = kind.endswith("/fused")
