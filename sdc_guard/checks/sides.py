@@ -132,6 +132,8 @@ def forward_sides(x: torch.Tensor, y: torch.Tensor, c: torch.Tensor, a: torch.Te
     def eager() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _forward_eager(x, y, c, a, b_sum, b_abs, tol)
 
+    if x.device.type not in FUSED_DEVICES:
+        return eager()
     got = _fused("forward", _forward_math, x.device, eager, x, y, c, a, b_sum, b_abs,
                  _tol(x.device, tol))
     return eager() if got is None else got  # type: ignore[return-value]
@@ -197,6 +199,8 @@ def gy_sides(g: torch.Tensor, w_row: torch.Tensor | None, w_abs_row: torch.Tenso
     gw = xe is not None and xae is not None
     if not (gx or gw):
         return None, None, None, None
+    if g.device.type not in FUSED_DEVICES:
+        return eager()
     name = "gx+gw" if gx and gw else "gx" if gx else "gw"
     args = ((w_row, w_abs_row, _tol(g.device, tol)) if gx else ()) + ((xe, xae) if gw else ())
     got = _fused(name, GY_FORMS[name], g.device, eager_parts, g, *args)
