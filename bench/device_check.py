@@ -516,7 +516,7 @@ def _fused_sides(device: torch.device) -> Iterator[None]:
 def _fused_checked() -> dict[str, bool]:
     from sdc_guard.checks import sides
 
-    return {f"{kind}/{name}": ok for (kind, name), ok in sides._checked.items()}
+    return {"/".join(key): ok for key, ok in sides._checked.items()}
 
 
 def _sides_error(guard: Any) -> list[float]:

@@ -34,9 +34,9 @@ compiled call has a fixed host cost of its own; ``python -m bench.device_check``
 side by side (docs/checks/checksum.md)."""
 
 _compiled: dict[str, Any] = {}
-_checked: dict[tuple[str, str], bool] = {}
-"""(device type, expression) -> whether its first compiled result agreed with the eager
-form's (absent: not run yet)."""
+_checked: dict[tuple[str, str, str], bool] = {}
+"""(device type, expression, its first operand's dtype) -> whether the first compiled result
+agreed with the eager form's (absent: not run yet). Per dtype: each is a graph of its own."""
 _lock = threading.Lock()
 _tols: dict[tuple[torch.device, float], torch.Tensor] = {}
 
@@ -68,7 +68,8 @@ def _fused(name: str, math: Callable[..., Any], device: torch.device,
     """``math(*args)`` compiled, or None where the fused form is off for ``device``, failed to
     compile, or once disagreed with ``eager()`` (a warning says which)."""
     kind = device.type
-    if kind not in FUSED_DEVICES or _checked.get((kind, name)) is False:
+    key = (kind, name, str(args[0].dtype).removeprefix("torch."))
+    if kind not in FUSED_DEVICES or _checked.get(key) is False:
         return None
     compiling = getattr(torch.compiler, "is_compiling", None)  # (torch >= 2.3)
     if compiling is not None and compiling():
@@ -79,18 +80,18 @@ def _fused(name: str, math: Callable[..., Any], device: torch.device,
             if fn is None:
                 fn = _compiled[name] = torch.compile(math, dynamic=True, fullgraph=True)
         got: tuple[torch.Tensor | None, ...] = fn(*args)
-        if (kind, name) not in _checked:
+        if key not in _checked:
             agrees = _agree(got, eager())
-            _checked[(kind, name)] = agrees
+            _checked[key] = agrees
             if not agrees:
-                warnings.warn(f"sdc_guard: the checksum's compiled {name} sums on {kind} "
+                warnings.warn(f"sdc_guard: the checksum's compiled {name} sums ({key[2]}) on {kind} "
                               "disagreed with torch's operations; those are used.",
                               RuntimeWarning, stacklevel=3)
                 return None
         return got
     except Exception as e:  # no compiler, no triton, an unsupported torch: the eager form
-        _checked[(kind, name)] = False
-        warnings.warn(f"sdc_guard: the checksum's {name} sums did not compile on {kind} "
+        _checked[key] = False
+        warnings.warn(f"sdc_guard: the checksum's {name} sums ({key[2]}) did not compile on {kind} "
                       f"({type(e).__name__}: {str(e)[:200]}); torch's operations are used.",
                       RuntimeWarning, stacklevel=3)
         return None

@@ -31,7 +31,8 @@ def test_dry_run_on_cpu_passes_and_writes_json(tmp_path: Path) -> None:
     assert checksum["clean_runs"] == len(device_check.CHECKSUM_RUNS) + len(
         device_check.CHECKSUM_FUSED_RUNS)
     assert set(checksum["fused_checked"].values()) == {True}  # every fused form agreed
-    assert {"cpu/forward", "cpu/gx+gw", "cpu/weight"} <= set(checksum["fused_checked"])
+    assert {"cpu/forward/float32", "cpu/gx+gw/float32", "cpu/weight/float32"} <= set(
+        checksum["fused_checked"])
     assert 0 < checksum["autocast_sides_error"] < device_check.AUTOCAST_SIDES  # float32 sides
     assert checksum["faults"] == 3 * len(device_check.CHECKSUM_FAULTS)  # plain, hooked, fused
     assert all(t["step_ms_off"] > 0 and t["step_ms_fused"] > 0

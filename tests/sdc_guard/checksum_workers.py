@@ -33,6 +33,14 @@ def fused_forms() -> None:
                            **sides.GY_FORMS)
 
 
+def _fused_agreed() -> dict[str, bool]:
+    """The fused expressions run in this rank: whether each agreed (in every dtype it ran)."""
+    out: dict[str, bool] = {}
+    for (_, name, _), ok in sides._checked.items():
+        out[name] = out.get(name, True) and ok
+    return out
+
+
 def _checksum(guard: SDCGuard) -> ChecksumCheck:
     """The guard's checksum check."""
     return next(c for c in guard.checks if isinstance(c, ChecksumCheck))
@@ -100,7 +108,7 @@ def clean_run(rank: int, world: int, runs: list[tuple[str, str]], steps: int,
         out[f"{kind}/{dtype}"] = {"detections": _dets(found), "skipped": skipped,
                                   "worst_fraction_of_tolerance": worst[0],
                                   "layers": [x.name for x in check.layers],
-                                  "fused": {k: v for (_, k), v in sides._checked.items()}}
+                                  "fused": _fused_agreed()}
         dist.barrier()
     return out
 
@@ -154,7 +162,7 @@ def fault_runs(rank: int, world: int, faults: list[dict[str, Any] | list[dict[st
             "native": any(check.native_calls for check in guard.checks
                           if isinstance(check, ChecksumCheck)),
             "fused_row_sums": guard.comm.fused_row_sums,
-            "fused": {k: v for (_, k), v in sides._checked.items()},
+            "fused": _fused_agreed(),
         })
     return results
 

@@ -76,7 +76,8 @@ def _check_all(ops: dict[str, torch.Tensor | None], tol: float) -> set[str]:
             _within(got[3], gd.abs().t() @ xae, gd.abs().t() @ xae, n)
         else:
             assert got[2:] == (None, None)
-    return {k for (_, k), v in S._checked.items() if v}
+    assert all(S._checked.values()), S._checked  # every form that ran agreed
+    return {name for _, name, _ in S._checked}
 
 
 CASES = [(37, 50, 23, torch.float32, True), (5, 130, 1, torch.bfloat16, True),
@@ -136,13 +137,13 @@ def test_a_form_that_fails_or_disagrees_is_given_up_with_a_warning(
     monkeypatch.setattr(S, "_compiled", {"weight": broken, "forward": off})
     with pytest.warns(RuntimeWarning, match="did not compile"):
         c, a, _, _, bs, ba = S.weight_sides(w, b, zero, True)
-    assert S._checked == {("cpu", "weight"): False}
+    assert S._checked == {("cpu", "weight", "float32"): False}
     assert c is not None and a is not None and bs is not None and ba is not None
     want = S._forward_eager(x, y, c, a, bs, ba, 1e-5)
     with pytest.warns(RuntimeWarning, match="disagreed"):
         got = S.forward_sides(x, y, c, a, bs, ba, 1e-5)
     assert all(torch.equal(g, v) for g, v in zip(got, want, strict=True))  # the eager form
-    assert S._checked[("cpu", "forward")] is False
+    assert S._checked[("cpu", "forward", "float32")] is False
     S.weight_sides(w, b, zero, True)  # given up: not tried again, no warning
     assert all(torch.equal(g, v) for g, v in zip(
         S.forward_sides(x, y, c, a, bs, ba, 1e-5), want, strict=True))
@@ -167,7 +168,7 @@ def test_a_form_compiled_first_in_another_thread_agrees(
         gy, w.sum(1), w.abs().sum(1), 1e-5, xe, xae, torch.zeros(()))))
     worker.start()
     worker.join()
-    assert S._checked == {("cpu", "gx+gw"): True}
+    assert S._checked == {("cpu", "gx+gw", "float32"): True}
     want = S._gy_eager(gy, w.sum(1), w.abs().sum(1), 1e-5, xe, xae, torch.zeros(()))
     for a, b in zip(got[0], want, strict=True):
         assert a is not None and b is not None
