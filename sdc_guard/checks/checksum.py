@@ -1118,16 +1118,19 @@ class ChecksumCheck(Check, BucketListener):
         if not (gx or gw):
             return
         m = layer.module
-        _, _, w_row, w_abs_row, _, _ = self._sides(layer)
-        tol = tolerance(self.config.tolerance_scale, k=m.out_features,
-                        checked=2 * m.in_features + m.out_features, compute=g.dtype,
-                        operands=(m.weight.dtype,), device=g.device)
+        w_row = w_abs_row = None
+        tol = 0.0
+        if gx:  # the weight's sums (once a step) and the tolerance: the input gradient's only
+            _, _, w_row, w_abs_row, _, _ = self._sides(layer)
+            tol = tolerance(self.config.tolerance_scale, k=m.out_features,
+                            checked=2 * m.in_features + m.out_features, compute=g.dtype,
+                            operands=(m.weight.dtype,), device=g.device)
         x_rows = call.x_rows
         exact = w_abs_row is not None
         gx_rhs, gx_bound, gw_rhs, gw_bound = sides.gy_sides(
             g, w_row if gx and exact else None, w_abs_row if gx else None, tol,
             x_rows[0] if gw else None, x_rows[1] if gw else None, self._zero(g.device))
-        if gx and not exact:  # GY (W e), within ||GY_i||_2 sqrt(in) ||W||_F
+        if gx and not exact and w_row is not None:  # GY (W e), within ||GY_i||_2 sqrt(in) ||W||_F
             gf = g if g.dtype == torch.float32 else g.float()
             gx_rhs = torch.mv(gf, w_row)
             gx_bound = torch.linalg.vector_norm(gf, dim=1) * (
