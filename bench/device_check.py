@@ -501,10 +501,10 @@ def _fused_sides(device: torch.device) -> Iterator[None]:
     from sdc_guard.checks import sides
 
     if device.type == "cpu":
-        sides._compiled.setdefault("forward", sides._forward_math)
-        sides._compiled.setdefault("weight", sides._weight_math)
+        sides._FUSED.fns.setdefault("forward", sides._forward_math)
+        sides._FUSED.fns.setdefault("weight", sides._weight_math)
         for name, form in sides.GY_FORMS.items():
-            sides._compiled.setdefault(name, form)
+            sides._FUSED.fns.setdefault(name, form)
     was = set(sides.FUSED_DEVICES)
     sides.FUSED_DEVICES.add(device.type)
     try:
@@ -516,7 +516,7 @@ def _fused_sides(device: torch.device) -> Iterator[None]:
 def _fused_checked() -> dict[str, bool]:
     from sdc_guard.checks import sides
 
-    return {"/".join(key): ok for key, ok in sides._checked.items()}
+    return {"/".join(key): ok for key, ok in sides._FUSED.checked.items()}
 
 
 def _sides_error(guard: Any) -> list[float]:

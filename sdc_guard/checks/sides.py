@@ -10,9 +10,9 @@ Two forms of each:
 - **fused**, the same sums written as one expression per hook (elementwise products and
   row or column sums) that ``torch.compile`` turns into a kernel or two reading each operand
   once, widening in registers. Taken on the device types in ``FUSED_DEVICES``; compiled once
-  per expression, checked against the eager form on its first use (a compiler bug must not
-  move a checksum), and given up for the eager form, with a warning, if it fails to
-  compile or to agree.
+  per expression, checked against the eager form on its first use in each dtype, and given
+  up for the eager form, with a warning, if it fails to compile or to agree
+  (``sdc_guard.compiled``).
 
 Every sum accumulates in float32 in both forms; the tolerance's bound allows for any order of
 summation (docs/checks/checksum.md), so the two may differ in their last bits, never by more.
@@ -20,12 +20,12 @@ summation (docs/checks/checksum.md), so the two may differ in their last bits, n
 
 from __future__ import annotations
 
-import threading
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from sdc_guard.compiled import CheckedCompile
 
 FUSED_DEVICES: set[str] = set()
 """The device types whose sides take the fused expressions. None by default: on a GPU the
@@ -33,11 +33,9 @@ fused form reads each operand once where the eager one reads it four to six time
 compiled call has a fixed host cost of its own; ``python -m bench.device_check`` times both
 side by side (docs/checks/checksum.md)."""
 
-_compiled: dict[str, Any] = {}
-_checked: dict[tuple[str, str, str], bool] = {}
-"""(device type, expression, its first operand's dtype) -> whether the first compiled result
-agreed with the eager form's (absent: not run yet). Per dtype: each is a graph of its own."""
-_lock = threading.Lock()
+_FUSED = CheckedCompile()
+"""The expressions compiled by name, checked per (device type, name, the first operand's
+dtype): each dtype is a graph of its own."""
 _tols: dict[tuple[torch.device, float], torch.Tensor] = {}
 
 
@@ -66,35 +64,15 @@ def _fused(name: str, math: Callable[..., Any], device: torch.device,
            eager: Callable[[], tuple[torch.Tensor | None, ...]],
            *args: Any) -> tuple[torch.Tensor | None, ...] | None:
     """``math(*args)`` compiled, or None where the fused form is off for ``device``, failed to
-    compile, or once disagreed with ``eager()`` (a warning says which)."""
+    compile, or once disagreed with ``eager()`` (``sdc_guard.compiled``)."""
     kind = device.type
-    key = (kind, name, str(args[0].dtype).removeprefix("torch."))
-    if kind not in FUSED_DEVICES or _checked.get(key) is False:
+    if kind not in FUSED_DEVICES:
         return None
-    compiling = getattr(torch.compiler, "is_compiling", None)  # (torch >= 2.3)
-    if compiling is not None and compiling():
-        return None
-    try:
-        with _lock:
-            fn = _compiled.get(name)
-            if fn is None:
-                fn = _compiled[name] = torch.compile(math, dynamic=True, fullgraph=True)
-        got: tuple[torch.Tensor | None, ...] = fn(*args)
-        if key not in _checked:
-            agrees = _agree(got, eager())
-            _checked[key] = agrees
-            if not agrees:
-                warnings.warn(f"sdc_guard: the checksum's compiled {name} sums ({key[2]}) on {kind} "
-                              "disagreed with torch's operations; those are used.",
-                              RuntimeWarning, stacklevel=3)
-                return None
-        return got
-    except Exception as e:  # no compiler, no triton, an unsupported torch: the eager form
-        _checked[key] = False
-        warnings.warn(f"sdc_guard: the checksum's {name} sums ({key[2]}) did not compile on {kind} "
-                      f"({type(e).__name__}: {str(e)[:200]}); torch's operations are used.",
-                      RuntimeWarning, stacklevel=3)
-        return None
+    dtype = str(args[0].dtype).removeprefix("torch.")
+    got: tuple[torch.Tensor | None, ...] | None = _FUSED.run(
+        name, math, (kind, name, dtype), f"the checksum's {name} sums ({dtype}) on {kind}",
+        eager, _agree, *args)
+    return got
 
 
 # -- the forward hook: X e, |X| e, Y e; X (W^T e) + sum b; (|X| (|W|^T e) + sum |b|) tol -----

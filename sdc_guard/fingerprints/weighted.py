@@ -15,12 +15,12 @@ path gives the same value, bit for bit: the arithmetic is on integers modulo ``2
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Final
 
 import torch
 
+from sdc_guard.compiled import CheckedCompile
 from sdc_guard.fingerprints.native import active_kernel
 
 # Values per row for the row/column-sum decomposition; values per chunk on CPU
@@ -138,45 +138,24 @@ FUSED_MIN = 1 << 27
 """Values from which the fused kernel runs. On an H200 it read a 4 GiB float32 tensor at
 0.65 of a ``torch.sum`` pass's rate against the torch ops' 0.11, but a 256 MiB one no faster
 than they did (0.09 against 0.10: a fixed cost of about 0.9 ms a call)."""
-_fused_fns: dict[str, Any] = {}
-_fused_checked: dict[tuple[str, int], bool] = {}
-_fused_lock = threading.Lock()
+_FUSED = CheckedCompile()
+"""``_fused_math`` compiled per device type, checked per (device type, mode)."""
 
 
 def _fused(src: torch.Tensor, mode: int, torch_ops: Callable[[], torch.Tensor]) -> torch.Tensor | None:
     """``_fused_math`` compiled for ``src``'s device type, or None where it is off, failed to
     compile, or once gave another value than ``torch_ops`` (compared on the first use of
-    each mode: a compiler bug must not change a fingerprint; a warning says why)."""
+    each mode, bit for bit: a compiler bug must not change a fingerprint; a warning says
+    why: ``sdc_guard.compiled``)."""
     kind = src.device.type
-    if kind not in FUSED_DEVICES or _fused_checked.get((kind, mode)) is False:
-        return None
-    compiling = getattr(torch.compiler, "is_compiling", None)  # (torch >= 2.3)
-    if compiling is not None and compiling():  # inside a graph being traced: the torch ops
+    if kind not in FUSED_DEVICES:
         return None
     flat = src.view(torch.int32) if mode == 0 else src
-    try:
-        with _fused_lock:
-            fn = _fused_fns.get(kind)
-            if fn is None:
-                fn = _fused_fns[kind] = torch.compile(_fused_math, dynamic=True,
-                                                      fullgraph=True)
-        got: torch.Tensor = fn(flat, mode)
-        if (kind, mode) not in _fused_checked:
-            agrees = bool(torch.equal(got, torch_ops()))
-            _fused_checked[(kind, mode)] = agrees
-            if not agrees:
-                warnings.warn(f"sdc_guard: the compiled fingerprint kernel on {kind} gave "
-                              "another value than torch's ops; the torch ops are used.",
-                              RuntimeWarning, stacklevel=2)
-                return None
-        return got
-    except Exception as e:  # no compiler, no triton, an unsupported torch: the torch ops
-        _fused_checked[(kind, mode)] = False
-        warnings.warn(f"sdc_guard: the fingerprint kernel did not compile on {kind} "
-                      f"({type(e).__name__}: {str(e)[:200]}); the torch ops are used, at "
-                      "about a tenth of a plain sum's throughput.", RuntimeWarning,
-                      stacklevel=2)
-        return None
+    got: torch.Tensor | None = _FUSED.run(
+        kind, _fused_math, (kind, mode), f"the fingerprint kernel on {kind}", torch_ops,
+        lambda got, want: bool(torch.equal(got, want)), flat, mode,
+        fallback=", at about a tenth of a plain sum's throughput")
+    return got
 
 
 def weighted_sum(src: torch.Tensor, prep: Prep | None, *, with_sum: bool = False) -> torch.Tensor:

@@ -29,14 +29,14 @@ def fused_forms() -> None:
     the compiled kernels with them); each still checked against the eager form first."""
     disable_native()
     sides.FUSED_DEVICES.add("cpu")
-    sides._compiled.update(forward=sides._forward_math, weight=sides._weight_math,
+    sides._FUSED.fns.update(forward=sides._forward_math, weight=sides._weight_math,
                            **sides.GY_FORMS)
 
 
 def _fused_agreed() -> dict[str, bool]:
     """The fused expressions run in this rank: whether each agreed (in every dtype it ran)."""
     out: dict[str, bool] = {}
-    for (_, name, _), ok in sides._checked.items():
+    for (_, name, _), ok in sides._FUSED.checked.items():
         out[name] = out.get(name, True) and ok
     return out
 

@@ -76,8 +76,8 @@ def _check_all(ops: dict[str, torch.Tensor | None], tol: float) -> set[str]:
             _within(got[3], gd.abs().t() @ xae, gd.abs().t() @ xae, n)
         else:
             assert got[2:] == (None, None)
-    assert all(S._checked.values()), S._checked  # every form that ran agreed
-    return {name for _, name, _ in S._checked}
+    assert all(S._FUSED.checked.values()), S._FUSED.checked  # every form that ran agreed
+    return {name for _, name, _ in S._FUSED.checked}
 
 
 CASES = [(37, 50, 23, torch.float32, True), (5, 130, 1, torch.bfloat16, True),
@@ -88,14 +88,14 @@ CASES = [(37, 50, 23, torch.float32, True), (5, 130, 1, torch.bfloat16, True),
 def test_the_eager_sides_are_float32_sums(monkeypatch: pytest.MonkeyPatch, n: int, inner: int,
                                           out: int, dtype: torch.dtype, bias: bool) -> None:
     monkeypatch.setattr(S, "FUSED_DEVICES", set())
-    monkeypatch.setattr(S, "_checked", {})
+    monkeypatch.setattr(S._FUSED, "checked", {})
     assert _check_all(_operands(n, inner, out, dtype, n + inner, bias), 3e-6) == set()
 
 
 def test_the_fused_expressions_run_as_written_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(S, "FUSED_DEVICES", {"cpu"})
-    monkeypatch.setattr(S, "_checked", {})
-    monkeypatch.setattr(S, "_compiled", {"forward": S._forward_math,
+    monkeypatch.setattr(S._FUSED, "checked", {})
+    monkeypatch.setattr(S._FUSED, "fns", {"forward": S._forward_math,
                                          "weight": S._weight_math, **S.GY_FORMS})
     for n, inner, out, dtype, bias in CASES:
         assert _check_all(_operands(n, inner, out, dtype, n * out, bias), 3e-6) == {
@@ -110,18 +110,18 @@ def test_the_compiled_kernels_give_float32_sums(monkeypatch: pytest.MonkeyPatch)
     compiled by the CPU's inductor: every case, each dtype, within float32's bound; one
     compilation of each serves every size."""
     monkeypatch.setattr(S, "FUSED_DEVICES", {"cpu"})
-    monkeypatch.setattr(S, "_checked", {})
-    monkeypatch.setattr(S, "_compiled", {})
+    monkeypatch.setattr(S._FUSED, "checked", {})
+    monkeypatch.setattr(S._FUSED, "fns", {})
     for n, inner, out, dtype, bias in CASES:
         assert _check_all(_operands(n, inner, out, dtype, n + out, bias), 3e-6) == {
             "forward", "gx", "gw", "gx+gw", "weight"}
-    assert set(S._compiled) == {"forward", "gx", "gw", "gx+gw", "weight"}
+    assert set(S._FUSED.fns) == {"forward", "gx", "gw", "gx+gw", "weight"}
 
 
 def test_a_form_that_fails_or_disagrees_is_given_up_with_a_warning(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(S, "FUSED_DEVICES", {"cpu"})
-    monkeypatch.setattr(S, "_checked", {})
+    monkeypatch.setattr(S._FUSED, "checked", {})
     ops = _operands(9, 12, 5, torch.float32, 1, True)
     x, w, b, y = ops["x"], ops["w"], ops["b"], ops["y"]
     assert x is not None and w is not None and y is not None
@@ -134,16 +134,16 @@ def test_a_form_that_fails_or_disagrees_is_given_up_with_a_warning(
         got: tuple[torch.Tensor, ...] = S._forward_math(*args)
         return got[0], got[1] * 1.01, got[2]
 
-    monkeypatch.setattr(S, "_compiled", {"weight": broken, "forward": off})
+    monkeypatch.setattr(S._FUSED, "fns", {"weight": broken, "forward": off})
     with pytest.warns(RuntimeWarning, match="did not compile"):
         c, a, _, _, bs, ba = S.weight_sides(w, b, zero, True)
-    assert S._checked == {("cpu", "weight", "float32"): False}
+    assert S._FUSED.checked == {("cpu", "weight", "float32"): False}
     assert c is not None and a is not None and bs is not None and ba is not None
     want = S._forward_eager(x, y, c, a, bs, ba, 1e-5)
-    with pytest.warns(RuntimeWarning, match="disagreed"):
+    with pytest.warns(RuntimeWarning, match="another value"):
         got = S.forward_sides(x, y, c, a, bs, ba, 1e-5)
     assert all(torch.equal(g, v) for g, v in zip(got, want, strict=True))  # the eager form
-    assert S._checked[("cpu", "forward", "float32")] is False
+    assert S._FUSED.checked[("cpu", "forward", "float32")] is False
     S.weight_sides(w, b, zero, True)  # given up: not tried again, no warning
     assert all(torch.equal(g, v) for g, v in zip(
         S.forward_sides(x, y, c, a, bs, ba, 1e-5), want, strict=True))
@@ -156,8 +156,8 @@ def test_a_form_compiled_first_in_another_thread_agrees(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # On a GPU the output gradient's hook runs in autograd's device thread, not the main one.
     monkeypatch.setattr(S, "FUSED_DEVICES", {"cpu"})
-    monkeypatch.setattr(S, "_checked", {})
-    monkeypatch.setattr(S, "_compiled", {})
+    monkeypatch.setattr(S._FUSED, "checked", {})
+    monkeypatch.setattr(S._FUSED, "fns", {})
     ops = _operands(33, 20, 12, torch.float32, 5, True)
     gy, w = ops["gy"], ops["w"]
     assert gy is not None and w is not None
@@ -168,7 +168,7 @@ def test_a_form_compiled_first_in_another_thread_agrees(
         gy, w.sum(1), w.abs().sum(1), 1e-5, xe, xae, torch.zeros(()))))
     worker.start()
     worker.join()
-    assert S._checked == {("cpu", "gx+gw", "float32"): True}
+    assert S._FUSED.checked == {("cpu", "gx+gw", "float32"): True}
     want = S._gy_eager(gy, w.sum(1), w.abs().sum(1), 1e-5, xe, xae, torch.zeros(()))
     for a, b in zip(got[0], want, strict=True):
         assert a is not None and b is not None

@@ -75,8 +75,8 @@ def test_the_compiled_kernel_gives_the_reference_values(monkeypatch: pytest.Monk
     last lane, for the fingerprint and the digest."""
     monkeypatch.setattr(W, "FUSED_DEVICES", {"cpu"})
     monkeypatch.setattr(W, "FUSED_MIN", W.SMALL)
-    monkeypatch.setattr(W, "_fused_fns", {})
-    monkeypatch.setattr(W, "_fused_checked", {})
+    monkeypatch.setattr(W._FUSED, "fns", {})
+    monkeypatch.setattr(W._FUSED, "checked", {})
     with native_kernel(False):
         for dtype, n in ((torch.float32, 70_001), (torch.bfloat16, 140_003),
                          (torch.float64, 70_001), (torch.int64, 66_000),
@@ -84,32 +84,32 @@ def test_the_compiled_kernel_gives_the_reference_values(monkeypatch: pytest.Monk
             t = _random_tensor(dtype, n, seed=n)
             assert int(P.tensor_value(t).item()) & M64 == _ref_value(t), (dtype, n)
             assert int(D.digest_value(t).item()) & M64 == _ref_digest(t), (dtype, n)
-    assert W._fused_checked == {("cpu", 0): True, ("cpu", 1): True, ("cpu", 2): True}
+    assert W._FUSED.checked == {("cpu", 0): True, ("cpu", 1): True, ("cpu", 2): True}
 
 
 def test_a_kernel_that_fails_or_disagrees_is_given_up_with_a_warning(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(W, "FUSED_DEVICES", {"cpu"})
     monkeypatch.setattr(W, "FUSED_MIN", W.SMALL)
-    monkeypatch.setattr(W, "_fused_checked", {})
+    monkeypatch.setattr(W._FUSED, "checked", {})
     t = _random_tensor(torch.float32, 70_001, seed=3)
     want = _ref_value(t)
 
     def broken(flat: torch.Tensor, mode: int) -> torch.Tensor:
         raise RuntimeError("Cannot find a working triton installation")
 
-    monkeypatch.setattr(W, "_fused_fns", {"cpu": broken})
+    monkeypatch.setattr(W._FUSED, "fns", {"cpu": broken})
     with native_kernel(False):
         with pytest.warns(RuntimeWarning, match="did not compile"):
             assert int(P.tensor_value(t).item()) & M64 == want
-        assert W._fused_checked[("cpu", 0)] is False
+        assert W._FUSED.checked[("cpu", 0)] is False
         assert int(P.tensor_value(t).item()) & M64 == want  # not tried again: no warning
-        monkeypatch.setattr(W, "_fused_checked", {})
-        monkeypatch.setattr(W, "_fused_fns", {
+        monkeypatch.setattr(W._FUSED, "checked", {})
+        monkeypatch.setattr(W._FUSED, "fns", {
             "cpu": lambda flat, mode: torch.zeros(2, dtype=torch.int64)})
         with pytest.warns(RuntimeWarning, match="another value"):
             assert int(P.tensor_value(t).item()) & M64 == want
-        assert W._fused_checked[("cpu", 0)] is False
+        assert W._FUSED.checked[("cpu", 0)] is False
 
 
 @settings(max_examples=300, deadline=None)
