@@ -549,7 +549,10 @@ class ReplayAudit(Check, BucketListener):
         self._own_params = 0
         """Parameters whose gradients those buckets held (``_check_complete``)."""
         self._many_buckets = False
-        """The last audit step had more than one bucket: the exchange waits for the first."""
+        """The last step had more than one bucket: the exchange waits for the first. Learned
+        on every step the comm hook runs (``local``), not only on audit steps: the first audit
+        after the check is built (``SDCGuard.reconfigure``) would otherwise post its exchange
+        right after the replay."""
         self.exchange_with_first_bucket = True
         """Post the ring exchange with the first gradient bucket (``_send_replayed``); False:
         right after the replay, as before (``python -m bench.replay_exchange`` times both)."""
@@ -564,6 +567,8 @@ class ReplayAudit(Check, BucketListener):
         comm hook's scaling pass to digest (``after_scaling`` receives the value), or, for
         a bucket whose gradients do not tile it, digested here per gradient."""
         if not self._observing:
+            if bucket.is_last():  # learned on every step, so a new audit's first one posts early
+                self._many_buckets = bucket.index() > 0
             return None
         self._buckets += 1
         if self._send_due:

@@ -324,6 +324,21 @@ def test_with_several_buckets_the_exchange_rides_the_first_and_still_contains() 
         assert ("replay", 4, (1,)) in r["detections"] and r["skipped"] == [4]
 
 
+def test_a_new_audit_learns_the_buckets_from_the_steps_before_its_first_audit() -> None:
+    # The audit is built anew by SDCGuard(...) and by every reconfigure(); its first audit
+    # step came after steps without one (here 1 and 2; step 0 is left out). It posted that
+    # step's exchange right after the replay, having seen no bucket of its own yet: the
+    # placement that costs an oversubscribed machine ~15% of an audit, paid by every
+    # benchmark block at intervals of 2 and more. The steps before count now. A flip on
+    # that step is still localised and contained.
+    fault = {"rank": 2, "step": 3, "phase": "train", "bit": 2}
+    for r in run_ranks(workers.replay_run, 3, 5, interval=3, skip_steps=(0,), fault=fault,
+                       bucket_mb=0.001):
+        assert r["sent_with_first_bucket"] == [3], r["sent_with_first_bucket"]
+        assert ("replay", 3, (2,)) in r["detections"], r["detections"]
+        assert r["skipped"] == [3]
+
+
 @pytest.mark.parametrize("variant", [{"batchnorm": True}, {"micro": 3}])
 def test_batchnorm_and_accumulation_localise_contain_and_keep_the_blind_spot(
         variant: dict[str, Any]) -> None:
