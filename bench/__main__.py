@@ -4,7 +4,11 @@ Every number is a median over alternated repetitions measured in one run, and is
 written next to the ratio it is judged by. Results go to ``bench/results.json`` and
 ``bench/RESULTS.md`` (quoted in the README)::
 
-    python -m bench [--quick] [--out bench]
+    python -m bench [--quick] [--out bench] [--only SECTION,...]
+
+``--only`` re-measures the named sections of an earlier full run (its ``results.json``, on
+the same machine) and keeps the others; RESULTS.md then names the sections measured
+later, with the commit and date of that run.
 
 The parts: ``fingerprint`` (throughput), ``overhead`` (per check, per step and in
 blocks; the guard with its checks off beside plain DDP), ``replay`` (the replay audit
@@ -20,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,21 +43,32 @@ from bench.timing import cpu_name
 from scenarios.spec.overhead import CHECKS_OFF
 
 
+def machine_name() -> str:
+    """What ``results.json`` says it was measured on: the CPU, threads and torch."""
+    return f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions, smaller tensor")
     ap.add_argument("--out", default="bench", help="directory for results.json and RESULTS.md")
+    ap.add_argument("--only", default="",
+                    help="comma-separated sections to measure again in an earlier full run's "
+                         "results.json (same machine), keeping the others: "
+                         + ", ".join(SECTIONS))
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {
-        "machine": f"{cpu_name()}, {torch.get_num_threads()} threads, "
-                   f"torch {torch.__version__}",
-        "quick": args.quick,
-    }
-    results["fingerprint"] = fingerprint_throughput(64 if args.quick else 256,
-                                                    3 if args.quick else 9)
-    print(json.dumps(results["fingerprint"], indent=1))
+    machine = machine_name()
+    only = [s for s in args.only.split(",") if s]
+    if only:
+        results = _earlier(out / "results.json", only, machine, args.quick, ap)
+    else:
+        results = {"machine": machine, "quick": args.quick}
+    if not only or "fingerprint" in only:
+        results["fingerprint"] = fingerprint_throughput(64 if args.quick else 256,
+                                                        3 if args.quick else 9)
+        print(json.dumps(results["fingerprint"], indent=1))
     q = args.quick
     runs: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("overhead", lambda: check_overhead(3, rounds=3 if q else 24, block=3 if q else 8,
@@ -81,12 +98,54 @@ def main(argv: list[str] | None = None) -> int:
                                                         native=False)),
     ]
     for key, measure in runs:
+        if only and key not in only:
+            continue
         results[key] = measure()
         print(json.dumps(results[key], indent=1))
+    if only:
+        when = {"commit": _commit(), "date": time.strftime("%Y-%m-%d")}
+        results.setdefault("measured_later", {}).update({key: when for key in only})
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "RESULTS.md").write_text(markdown(results))
     print((out / "RESULTS.md").read_text())
     return 0
+
+
+SECTIONS = ("fingerprint", "overhead", "overhead_blocks", "guard_off", "guard_off_no_trim",
+            "checksum", "replay", "replay_no_trim", "replay_exchange", "replay_alone",
+            "overhead_world2", "replay_world2", "replay_world1", "replay_world1_torch")
+"""What ``--only`` may name: the keys of ``results.json``, in the order they are measured."""
+
+
+def _earlier(path: Path, only: list[str], machine: str, quick: bool,
+             ap: argparse.ArgumentParser) -> dict[str, Any]:
+    """The full run that ``--only`` amends; a clear error if it cannot be amended."""
+    unknown = [s for s in only if s not in SECTIONS]
+    if unknown:
+        ap.error(f"--only: unknown sections {unknown}; the sections are {', '.join(SECTIONS)}")
+    if not path.exists():
+        ap.error(f"--only amends an earlier full run, and {path} does not exist: run "
+                 "`python -m bench` without --only first")
+    results: dict[str, Any] = json.loads(path.read_text())
+    if results.get("machine") != machine or bool(results.get("quick")) != quick:
+        ap.error(f"--only: {path} was measured on {results.get('machine')!r} "
+                 f"(quick={bool(results.get('quick'))}), this run is {machine!r} "
+                 f"(quick={quick}); sections from two machines or settings are not comparable: "
+                 "run the whole bench here (without --only)")
+    return results
+
+
+def _commit() -> str:
+    """The checked-out commit (short), with '+' when the tree has changes; 'unknown' outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True,
+                               cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+" if dirty else "")
 
 
 if __name__ == "__main__":

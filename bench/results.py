@@ -235,6 +235,15 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [f"# Benchmark results ({results['machine']})", "",
              "Produced by `nox -s bench` (`python -m bench`). Medians of alternated "
              "repetitions in one run.", ""]
+    later = results.get("measured_later") or {}
+    if later:
+        runs: dict[tuple[str, str], list[str]] = {}
+        for key, when in later.items():
+            runs.setdefault((when["commit"], when["date"]), []).append(key)
+        lines += ["Measured again later, on the same machine, the rest kept from the full run "
+                  "(`python -m bench --only ...`): " + "; ".join(
+                      f"{', '.join(keys)} (commit {commit}, {date})"
+                      for (commit, date), keys in runs.items()) + ".", ""]
     fp = results["fingerprint"]
     lines += [f"## Fingerprint throughput: {fp['tensor_mib']} MiB float32, "
               f"{fp['threads']} threads", "",
