@@ -6,7 +6,9 @@ A ``CheckedCompile`` compiles each expression once (dynamic shapes, one graph: p
 recompile limit that is a failure, not a silent uncompiled run), compares its first result
 for each key with the torch operations' (a compiler bug must not move a fingerprint or a
 checksum), and gives the key up for those operations, with a warning, if it fails to compile
-or to agree. The caller runs the torch operations whenever it returns None.
+or to agree. An input that cannot tell (``agree`` answers None: the checksum's sides of data
+holding NaN or Inf) decides nothing: the torch operations serve that call and the next
+compares again. The caller runs the torch operations whenever it returns None.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ class CheckedCompile:
         self._lock = threading.Lock()
 
     def run(self, name: Hashable, math: Callable[..., Any], key: Hashable, label: str,
-            eager: Callable[[], Any], agree: Callable[[Any, Any], bool], *args: Any,
+            eager: Callable[[], Any], agree: Callable[[Any, Any], bool | None], *args: Any,
             fallback: str = "") -> Any | None:
         """``math(*args)`` compiled (as ``name``), or None where ``key`` was given up, inside a
-        graph being traced, or now: it failed to compile, or its first result disagreed with
-        ``eager()`` (``agree``). ``label`` names it in the warning; ``fallback`` says what the
-        torch operations cost instead."""
+        graph being traced, or now: it failed to compile, its first result disagreed with
+        ``eager()`` (``agree``), or this input could not tell (``agree`` None: asked again
+        on the next). ``label`` names it in the warning; ``fallback`` says what the torch
+        operations cost instead."""
         if self.checked.get(key) is False:
             return None
         compiling = getattr(torch.compiler, "is_compiling", None)  # (torch >= 2.3)
@@ -49,6 +52,8 @@ class CheckedCompile:
             got = fn(*args)
             if key not in self.checked:
                 agrees = agree(got, eager())
+                if agrees is None:  # this input cannot tell: the next one is compared
+                    return None
                 self.checked[key] = agrees
                 if not agrees:
                     warnings.warn(f"sdc_guard: {label} gave another value compiled than "

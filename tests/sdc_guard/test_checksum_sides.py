@@ -149,6 +149,37 @@ def test_a_form_that_fails_or_disagrees_is_given_up_with_a_warning(
         S.forward_sides(x, y, c, a, bs, ba, 1e-5), want, strict=True))
 
 
+def test_data_with_nan_decides_nothing_and_the_next_call_compares(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A first checked step whose data overflowed gave the fused form up for the dtype (NaN
+    # sums never agree), leaving the slower eager form for the rest of the run. Now such a
+    # call takes the eager result and the next call with finite data decides.
+    monkeypatch.setattr(S, "FUSED_DEVICES", {"cpu"})
+    monkeypatch.setattr(S._FUSED, "checked", {})
+    monkeypatch.setattr(S._FUSED, "fns", {"forward": S._forward_math})
+    ops = _operands(9, 12, 5, torch.float32, 2, True)
+    x, w, b, y = ops["x"], ops["w"], ops["b"], ops["y"]
+    assert x is not None and w is not None and b is not None and y is not None
+    c, a, bs, ba = w.sum(0), w.abs().sum(0), b.sum(), b.abs().sum()
+    bad = x.clone()
+    bad[3, 4] = float("nan")
+    got = S.forward_sides(bad, y, c, a, bs, ba, 1e-5)
+    want = S._forward_eager(bad, y, c, a, bs, ba, 1e-5)
+    for g, v in zip(got, want, strict=True):  # the eager form's, NaN where it is
+        torch.testing.assert_close(g, v, rtol=0, atol=0, equal_nan=True)
+    assert bool(got[1].isnan().any())
+    assert S._FUSED.checked == {}  # undecided
+    S.forward_sides(x, y, c, a, bs, ba, 1e-5)
+    assert S._FUSED.checked == {("cpu", "forward", "float32"): True}
+    # A kernel that turns finite data into NaN still disagrees, and is given up.
+    monkeypatch.setattr(S._FUSED, "checked", {})
+    monkeypatch.setattr(S._FUSED, "fns", {"forward": lambda *t: tuple(
+        r * float("nan") for r in S._forward_math(*t))})
+    with pytest.warns(RuntimeWarning, match="another value"):
+        S.forward_sides(x, y, c, a, bs, ba, 1e-5)
+    assert S._FUSED.checked == {("cpu", "forward", "float32"): False}
+
+
 @pytest.mark.timeout(280)
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
                     reason="torch.compile on the CPU needs a C++ compiler")
