@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     machine = machine_name()
     only = [s for s in args.only.split(",") if s]
+    when = {"commit": _commit(), "date": time.strftime("%Y-%m-%d")}  # what is measured
     if only:
         results = _earlier(out / "results.json", only, machine, args.quick, ap)
     else:
@@ -103,7 +104,6 @@ def main(argv: list[str] | None = None) -> int:
         results[key] = measure()
         print(json.dumps(results[key], indent=1))
     if only:
-        when = {"commit": _commit(), "date": time.strftime("%Y-%m-%d")}
         results.setdefault("measured_later", {}).update({key: when for key in only})
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "RESULTS.md").write_text(markdown(results))
