@@ -3,7 +3,9 @@
 Each workload runs ``INSTANCES`` guarded models with the checksum check (exact or norm
 bound) and ``INSTANCES`` models of the guard with its checks off; the configurations are
 timed in blocks of steps with no barrier between the steps (as a training loop runs), the
-order rotating round by round. The ratio is the median over rounds of each round's ratio.
+order rotating round by round, each block after one untimed step (the first after a switch
+builds the check anew: its hooks, buffers and workspaces, once in a training run). The ratio
+is the median over rounds of each round's ratio.
 
 The headline baseline is the guard with its checks off on models of its own: it never
 registered a comm hook, so the ratio is everything the check costs a user who turns it on,
@@ -93,6 +95,8 @@ def _rank(rank: int, world: int, kind: str, batch: int, rounds: int,
                 config = settings[name]
                 assert config is not None
                 switch(g, config)
+            g.step(step)  # the first step after a switch is not timed: it builds the check's
+            step += 1     # hooks and buffers, which a training run does once
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(block):
@@ -129,7 +133,8 @@ def _rank(rank: int, world: int, kind: str, batch: int, rounds: int,
 
 def checksum_overhead(world: int, rounds: int, block: int) -> dict[str, Any]:
     """Every workload of ``WORKLOADS``: step time with the checksum check against it off."""
-    out: dict[str, Any] = {"world": world, "rounds": rounds, "block": block, "workloads": {}}
+    out: dict[str, Any] = {"world": world, "rounds": rounds, "block": block,
+                           "untimed_first": True, "workloads": {}}
     for name, (kind, batch) in WORKLOADS.items():
         out["workloads"][name] = run_ranks(_rank, world, kind, batch, rounds, block,
                                            timeout=1800)[0]
@@ -145,7 +150,10 @@ def checksum_md(res: dict[str, Any]) -> list[str]:
              "docs/architecture.md). The last column compares it with the checks-off guard "
              "on the checksum's own models, whose hook stays registered: the check's own "
              "work, what it adds where another check (the non-finite check, on by default) "
-             f"has registered the hook already. Blocks of {res['block']} steps, "
+             f"has registered the hook already. Blocks of {res['block']} steps"
+             + (" after one untimed step (the first after a switch builds the check: its "
+                "hooks, buffers and workspaces, once in a training run)"
+                if res.get("untimed_first") else "") + ", "
              f"{res['rounds']} rounds, the order rotating; the median over rounds of each "
              "round's ratio (90% bootstrap interval over rounds).", "",
              "`exact` is the default bound (`ChecksumConfig.bound`); `norm` the looser one, "

@@ -28,6 +28,11 @@ def test_the_checksum_section_times_both_baselines_and_renders_its_table(
             lo, hi = b[key]
             assert lo <= hi
     table = "\n".join(section.checksum_md(res))
-    assert "(2 ranks x 1 thread)" in table and "Blocks of 2 steps, 3 rounds" in table
+    assert "(2 ranks x 1 thread)" in table and "Blocks of 2 steps after one untimed step (the " \
+        "first after a switch builds the check" in table and "once in a training run), 3 rounds" \
+        in table
+    # A run published before the untimed step says what it measured.
+    old = "\n".join(section.checksum_md({k: v for k, v in res.items() if k != "untimed_first"}))
+    assert "Blocks of 2 steps, 3 rounds" in old and "untimed" not in old
     rows = [line for line in table.splitlines() if line.startswith("| reference MLP, batch 8")]
     assert [row.split(" | ")[1] for row in rows] == ["exact", "norm"]
