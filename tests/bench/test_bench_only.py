@@ -23,7 +23,8 @@ def test_only_measures_the_named_sections_again_and_keeps_the_rest(tmp_path: Pat
         [sys.executable, "-c", "from bench.__main__ import machine_name; print(machine_name())"],
         capture_output=True, text=True, check=True).stdout.strip()
     earlier = json.loads(PUBLISHED.read_text())
-    earlier.update(machine=machine, quick=True)
+    earlier.update(machine=machine, quick=True,
+                   measured_later={"replay": {"commit": "abc1234", "date": "2026-01-01"}})
     (tmp_path / "results.json").write_text(json.dumps(earlier))
     done = _bench("--quick", "--only", "fingerprint", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]
@@ -32,11 +33,12 @@ def test_only_measures_the_named_sections_again_and_keeps_the_rest(tmp_path: Pat
     assert earlier["fingerprint"]["tensor_mib"] == 256
     for key in ("overhead", "checksum", "replay", "replay_no_trim"):
         assert after[key] == earlier[key], key
-    assert list(after["measured_later"]) == ["fingerprint"]
+    assert list(after["measured_later"]) == ["replay", "fingerprint"]  # an earlier one kept
     text = (tmp_path / "RESULTS.md").read_text()
     commit = after["measured_later"]["fingerprint"]["commit"]
     assert f"Measured again later, on the same machine, the rest kept from the full run " \
-           f"(`python -m bench --only ...`): fingerprint (commit {commit}, " in text
+           f"(`python -m bench --only ...`): replay (commit abc1234, 2026-01-01); " \
+           f"fingerprint (commit {commit}, " in text
     assert "| 1 | " in text  # the kept replay tables are rendered too
 
 
