@@ -64,8 +64,11 @@ def overhead_md(ov: dict[str, Any], *, reference: bool) -> list[str]:
     lines.append("")
     bl = ov.get("blocks")
     if bl:
-        lines += [f"Timed as a training loop runs: blocks of {bl['block']} steps with no barrier "
-                  f"between the steps, {bl['rounds']} rounds, the order rotating; the median over "
+        lines += [f"Timed as a training loop runs: blocks of {bl['block']} steps"
+                  + (" after one untimed step (the first after a switch builds the checks anew: their "
+                   "hooks and buffers, once in a training run)" if bl.get("untimed_first") else "")
+                  + f" with no barrier between the steps, {bl['rounds']} rounds, the order "
+                  "rotating; the median over "
                   "rounds of each round's ratio to the guard with its checks off (a barrier per "
                   "step, as in the table above, adds two meeting points per step and lines the "
                   "ranks' phases up, which on 3 ranks sharing 2 cores magnifies any extra work):",
@@ -104,7 +107,10 @@ def guard_off_md(go: dict[str, Any], *, reference: bool) -> list[str]:
     else:
         title = (f"## The guard with its checks off beside plain DDP: {go['world']} ranks, "
                  f"batch {go['batch']}")
-        intro = [f"Blocks of {go['block']} steps with no barrier between the steps, "
+        intro = [f"Blocks of {go['block']} steps"
+                 + (" after one untimed step (the first after a switch builds the checks anew: their "
+                   "hooks and buffers, once in a training run)" if go.get("untimed_first") else "")
+                 + " with no barrier between the steps, "
                  f"{go['rounds']} rounds, the order of the {len(configs)} configurations "
                  "rotating; each DDP construction on both sides. No check reads the gradient "
                  "buckets, so the guard registers no comm hook and DDP keeps its built-in "

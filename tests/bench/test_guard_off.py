@@ -50,3 +50,11 @@ def test_the_three_rank_guard_off_table_runs_under_the_allocator_it_is_given() -
     page = "\n".join(guard_off_md(kept, reference=True))
     assert "glibc's heap trimming off" in page and "mallopt(M_TRIM_THRESHOLD, 2147483647)" in page
     assert "Minor page faults per step" in page
+    # The default allocator's section says how the blocks were timed; a run published
+    # before the untimed first step says what it measured.
+    trimming = {**kept, "allocator": {}}
+    assert "Blocks of 2 steps after one untimed step (the first after a switch" in "\n".join(
+        guard_off_md(trimming, reference=True))
+    before = "\n".join(guard_off_md({k: v for k, v in trimming.items() if k != "untimed_first"},
+                                     reference=True))
+    assert "Blocks of 2 steps with no barrier" in before and "untimed" not in before
