@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     machine = machine_name()
     only = [s for s in args.only.split(",") if s]
-    when = {"commit": _commit(), "date": time.strftime("%Y-%m-%d")}  # what is measured
+    # What is measured: taken now, before any later edit of the tree.
+    when = {"commit": _commit(), "date": time.strftime("%Y-%m-%d")} if only else {}
     if only:
         results = _earlier(out / "results.json", only, machine, args.quick, ap)
     else:
@@ -70,8 +71,23 @@ def main(argv: list[str] | None = None) -> int:
         results["fingerprint"] = fingerprint_throughput(64 if args.quick else 256,
                                                         3 if args.quick else 9)
         print(json.dumps(results["fingerprint"], indent=1))
-    q = args.quick
-    runs: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+    runs = _runs(args.quick)
+    for key, measure in runs:
+        if only and key not in only:
+            continue
+        results[key] = measure()
+        print(json.dumps(results[key], indent=1))
+    if only:
+        results.setdefault("measured_later", {}).update({key: when for key in only})
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "RESULTS.md").write_text(markdown(results))
+    print((out / "RESULTS.md").read_text())
+    return 0
+
+
+def _runs(q: bool) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
+    """The sections after the fingerprint's, in the order they run (``q``: ``--quick``)."""
+    return [
         ("overhead", lambda: check_overhead(3, rounds=3 if q else 24, block=3 if q else 8,
                                             batch=128)),
         ("overhead_blocks", lambda: check_overhead_blocks(3, rounds=4 if q else 48,
@@ -84,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         ("checksum", lambda: checksum_overhead(3, rounds=2 if q else 12, block=4 if q else 16)),
         # The headline replay section (the issue's target): four times the rounds of the
         # others, as its per-audit-step medians moved by about 0.1 from one 12-round run to
-        # the next, and still by up to 0.1 between two 24-round runs of one commit.
+        # the next, and still by up to 0.2 between two 24-round runs of one commit.
         ("replay", lambda: replay_overhead(3, rounds=3 if q else 48, batch=128)),
         ("replay_no_trim", lambda: replay_overhead(3, rounds=3 if q else 12, batch=128,
                                                    allocator=NO_TRIM)),
@@ -99,22 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         ("replay_world1_torch", lambda: replay_overhead(1, rounds=3 if q else 12, batch=128,
                                                         native=False)),
     ]
-    for key, measure in runs:
-        if only and key not in only:
-            continue
-        results[key] = measure()
-        print(json.dumps(results[key], indent=1))
-    if only:
-        results.setdefault("measured_later", {}).update({key: when for key in only})
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "RESULTS.md").write_text(markdown(results))
-    print((out / "RESULTS.md").read_text())
-    return 0
 
 
-SECTIONS = ("fingerprint", "overhead", "overhead_blocks", "guard_off", "guard_off_no_trim",
-            "checksum", "replay", "replay_no_trim", "replay_exchange", "replay_alone",
-            "overhead_world2", "replay_world2", "replay_world1", "replay_world1_torch")
+SECTIONS = ("fingerprint", *(key for key, _ in _runs(False)))
 """What ``--only`` may name: the keys of ``results.json``, in the order they are measured."""
 
 
