@@ -27,6 +27,11 @@ def test_the_checksum_section_times_both_baselines_and_renders_its_table(
         for key in ("overhead_interval_90", "overhead_vs_hooked_interval_90"):
             lo, hi = b[key]
             assert lo <= hi
+    d = w["defaults"]  # the defaults with the check against the defaults alone
+    assert d["step_ms"] > 0 and d["step_ms_checksum"] > 0
+    assert math.isfinite(d["overhead"]) and d["overhead"] > -1.0
+    assert math.isfinite(d["cpu_overhead"]) and d["overhead_interval_90"][0] <= \
+        d["overhead_interval_90"][1]
     table = "\n".join(section.checksum_md(res))
     assert "(2 ranks x 1 thread)" in table and "Blocks of 2 steps after one untimed step (the " \
         "first after a switch builds the check" in table and "once in a training run), 3 rounds" \
@@ -35,4 +40,9 @@ def test_the_checksum_section_times_both_baselines_and_renders_its_table(
     old = "\n".join(section.checksum_md({k: v for k, v in res.items() if k != "untimed_first"}))
     assert "Blocks of 2 steps, 3 rounds" in old and "untimed" not in old
     rows = [line for line in table.splitlines() if line.startswith("| reference MLP, batch 8")]
-    assert [row.split(" | ")[1] for row in rows] == ["exact", "norm"]
+    assert [row.split(" | ")[1] for row in rows[:2]] == ["exact", "norm"]
+    assert len(rows) == 3 and rows[2].count("|") == 7  # the defaults' table: one row
+    assert "`GuardConfig(checksum=True)` against `GuardConfig()`" in table
+    # A run published before the defaults were timed renders without their table.
+    older = {**res, "workloads": {name: {k: v for k, v in w.items() if k != "defaults"}}}
+    assert "GuardConfig()" not in "\n".join(section.checksum_md(older))
