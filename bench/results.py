@@ -12,6 +12,13 @@ GUARD_OFF = CHECKS_OFF.name
 NF_EVERY = NONFINITE_EVERY_STEP.name
 
 
+def _untimed_first(section: dict[str, Any]) -> str:
+    """How a block-timed section's blocks start: after one untimed step, where it did; a run
+    published before that says nothing."""
+    return (" after one untimed step (the first after a switch builds the checks anew: their "
+            "hooks and buffers, once in a training run)" if section.get("untimed_first") else "")
+
+
 def overhead_md(ov: dict[str, Any], *, reference: bool) -> list[str]:
     lines = ["", f"## Step-time overhead: {ov['world']} ranks x 1 thread, MLP of "
              f"{ov['params']/1e6:.2f}M parameters, batch {ov['batch']}, AdamW", "",
@@ -65,8 +72,7 @@ def overhead_md(ov: dict[str, Any], *, reference: bool) -> list[str]:
     bl = ov.get("blocks")
     if bl:
         lines += [f"Timed as a training loop runs: blocks of {bl['block']} steps"
-                  + (" after one untimed step (the first after a switch builds the checks anew: their "
-                   "hooks and buffers, once in a training run)" if bl.get("untimed_first") else "")
+                  + _untimed_first(bl)
                   + f" with no barrier between the steps, {bl['rounds']} rounds, the order "
                   "rotating; the median over "
                   "rounds of each round's ratio to the guard with its checks off (a barrier per "
@@ -108,8 +114,7 @@ def guard_off_md(go: dict[str, Any], *, reference: bool) -> list[str]:
         title = (f"## The guard with its checks off beside plain DDP: {go['world']} ranks, "
                  f"batch {go['batch']}")
         intro = [f"Blocks of {go['block']} steps"
-                 + (" after one untimed step (the first after a switch builds the checks anew: their "
-                   "hooks and buffers, once in a training run)" if go.get("untimed_first") else "")
+                 + _untimed_first(go)
                  + " with no barrier between the steps, "
                  f"{go['rounds']} rounds, the order of the {len(configs)} configurations "
                  "rotating; each DDP construction on both sides. No check reads the gradient "
