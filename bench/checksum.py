@@ -5,7 +5,8 @@ bound) and ``INSTANCES`` models of the guard with its checks off; the configurat
 timed in blocks of steps with no barrier between the steps (as a training loop runs), the
 order rotating round by round, each block after one untimed step (the first after a switch
 builds the check anew: its hooks, buffers and workspaces, once in a training run). The ratio
-is the median over rounds of each round's ratio.
+is the median over whole rotations of each rotation's ratio of means
+(``bench.timing.per_rotation``).
 
 The headline baseline is the guard with its checks off on models of its own: it never
 registered a comm hook, so the ratio is everything the check costs a user who turns it on,
@@ -35,7 +36,7 @@ from bench.reference import (
     reference_mlp,
     switch,
 )
-from bench.timing import bootstrap_interval
+from bench.timing import bootstrap_interval, per_rotation, whole_rotations
 from scenarios.run.launch import run_ranks
 from scenarios.spec.models import build_model, scenario_loss, synthetic_batch
 from scenarios.spec.overhead import CHECKS_OFF, CHECKSUM, CHECKSUM_NORM
@@ -80,14 +81,16 @@ DEFAULTS = "defaults (non-finite + weights)"
 DEFAULTS_CHECKSUM = "defaults + checksum"
 """The guard's default checks without and with the checksum check (``GuardConfig()`` and
 ``GuardConfig(checksum=True)``), on the checksum's models."""
+CONFIGS = (CHECKS_OFF.name, OFF_HOOKED, CHECKSUM.name, CHECKSUM_NORM.name, DEFAULTS,
+           DEFAULTS_CHECKSUM)
+"""What a workload's rounds rotate, in this order."""
 
 
 def _rank(rank: int, world: int, kind: str, batch: int, rounds: int,
           block: int) -> dict[str, Any]:
     guards = _guards(kind, batch)  # the checksum's models (their hook stays registered)
     plain = _guards(kind, batch)   # the checks-off guard's own: never hooked
-    configs = (CHECKS_OFF.name, OFF_HOOKED, CHECKSUM.name, CHECKSUM_NORM.name, DEFAULTS,
-               DEFAULTS_CHECKSUM)
+    configs = CONFIGS
     settings = {OFF_HOOKED: CHECKS_OFF.config, CHECKSUM.name: CHECKSUM.config,
                 CHECKSUM_NORM.name: CHECKSUM_NORM.config, DEFAULTS: GuardConfig(),
                 DEFAULTS_CHECKSUM: GuardConfig(checksum=True)}
@@ -123,38 +126,54 @@ def _rank(rank: int, world: int, kind: str, batch: int, rounds: int,
     def ratio(m: dict[str, list[float]], on: str, base: str) -> float:
         return statistics.median(a / b for a, b in zip(m[on], m[base], strict=True)) - 1.0
 
-    per_round = {k: [[v] for v in vs] for k, vs in times.items()}
+    # Ratios over whole rotations of the configurations (bench.timing.per_rotation).
+    rot, rot_cpu = per_rotation(times, len(configs)), per_rotation(cpu, len(configs))
+    per_rot = {k: [[v] for v in vs] for k, vs in rot.items()}
     out: dict[str, Any] = {"step_ms_off": statistics.median(times[CHECKS_OFF.name]) * 1e3,
                            "step_ms_off_hooked": statistics.median(times[OFF_HOOKED]) * 1e3,
+                           "round_step_s": {k: [round(v, 9) for v in vs]
+                                            for k, vs in times.items()},
                            "bounds": {}}
     for name, bound in ((CHECKSUM.name, "exact"), (CHECKSUM_NORM.name, "norm")):
         out["bounds"][bound] = {
             "step_ms": statistics.median(times[name]) * 1e3,
-            "overhead": ratio(times, name, CHECKS_OFF.name),
+            "overhead": ratio(rot, name, CHECKS_OFF.name),
             "overhead_interval_90": bootstrap_interval(
-                per_round, lambda m, on=name: ratio(m, on, CHECKS_OFF.name)),
-            "cpu_overhead": ratio(cpu, name, CHECKS_OFF.name),
-            "overhead_vs_hooked": ratio(times, name, OFF_HOOKED),
+                per_rot, lambda m, on=name: ratio(m, on, CHECKS_OFF.name)),
+            "cpu_overhead": ratio(rot_cpu, name, CHECKS_OFF.name),
+            "overhead_vs_hooked": ratio(rot, name, OFF_HOOKED),
             "overhead_vs_hooked_interval_90": bootstrap_interval(
-                per_round, lambda m, on=name: ratio(m, on, OFF_HOOKED))}
+                per_rot, lambda m, on=name: ratio(m, on, OFF_HOOKED))}
     out["defaults"] = {
         "step_ms": statistics.median(times[DEFAULTS]) * 1e3,
         "step_ms_checksum": statistics.median(times[DEFAULTS_CHECKSUM]) * 1e3,
-        "overhead": ratio(times, DEFAULTS_CHECKSUM, DEFAULTS),
+        "overhead": ratio(rot, DEFAULTS_CHECKSUM, DEFAULTS),
         "overhead_interval_90": bootstrap_interval(
-            per_round, lambda m: ratio(m, DEFAULTS_CHECKSUM, DEFAULTS)),
-        "cpu_overhead": ratio(cpu, DEFAULTS_CHECKSUM, DEFAULTS)}
+            per_rot, lambda m: ratio(m, DEFAULTS_CHECKSUM, DEFAULTS)),
+        "cpu_overhead": ratio(rot_cpu, DEFAULTS_CHECKSUM, DEFAULTS)}
     return out
 
 
 def checksum_overhead(world: int, rounds: int, block: int) -> dict[str, Any]:
     """Every workload of ``WORKLOADS``: step time with the checksum check against it off."""
+    whole_rotations(rounds, len(CONFIGS))
     out: dict[str, Any] = {"world": world, "rounds": rounds, "block": block,
-                           "untimed_first": True, "workloads": {}}
+                           "untimed_first": True, "rotation_rounds": len(CONFIGS),
+                           "workloads": {}}
     for name, (kind, batch) in WORKLOADS.items():
         out["workloads"][name] = run_ranks(_rank, world, kind, batch, rounds, block,
                                            timeout=1800)[0]
     return out
+
+
+def _estimate(res: dict[str, Any]) -> str:
+    """How the ratios were estimated: over whole rotations, or (runs before them) rounds."""
+    n = res.get("rotation_rounds")
+    if not n:
+        return "the median over rounds of each round's ratio (90% bootstrap interval over rounds)."
+    return (f"the median over whole rotations ({n} rounds: every configuration once in every "
+            "position of a round, which moves a block's time) of each rotation's ratio of means "
+            "(90% bootstrap interval over rotations).")
 
 
 def checksum_md(res: dict[str, Any]) -> list[str]:
@@ -170,8 +189,7 @@ def checksum_md(res: dict[str, Any]) -> list[str]:
              + (" after one untimed step (the first after a switch builds the check: its "
                 "hooks, buffers and workspaces, once in a training run)"
                 if res.get("untimed_first") else "") + ", "
-             f"{res['rounds']} rounds, the order rotating; the median over rounds of each "
-             "round's ratio (90% bootstrap interval over rounds).", "",
+             f"{res['rounds']} rounds, the order rotating; " + _estimate(res), "",
              "`exact` is the default bound (`ChecksumConfig.bound`); `norm` the looser one, "
              "which on the CPU is also the slower: the C passes serve the exact bound only "
              "(docs/checks/checksum.md).", "",

@@ -24,7 +24,13 @@ from bench.reference import (
     reference_mlp,
     reference_runs,
 )
-from bench.timing import bootstrap_interval, seconds, split_rounds
+from bench.timing import (
+    bootstrap_interval,
+    per_rotation,
+    seconds,
+    split_rounds,
+    whole_rotations,
+)
 from scenarios.run.launch import run_ranks
 from scenarios.spec.overhead import (
     ALWAYS_ON,
@@ -157,7 +163,8 @@ def _blocks_rank(rank: int, world: int, rounds: int, block: int, batch: int,
                  allocator: dict[int, int] | None = None) -> dict[str, Any]:
     """Step time as a training loop sees it: blocks of ``block`` steps timed as a whole,
     with no barrier between the steps (a barrier per step adds two meeting points of its
-    own, and lines the ranks' phases up); the configurations rotate round by round.
+    own, and lines the ranks' phases up); the configurations rotate round by round, and
+    the ratios are medians over whole rotations (``rounds`` a multiple of ``len(configs)``).
     ``allocator``: glibc ``mallopt`` settings this rank applies first (``NO_TRIM``)."""
     apply_allocator(allocator)
     guards, runner = reference_runs(rank, batch)
@@ -191,8 +198,15 @@ def _blocks_rank(rank: int, world: int, rounds: int, block: int, batch: int,
     for g in guards:
         if g.config.nonfinite:
             g.flush()
-    per_round = {k: [[v] for v in vs] for k, vs in times.items()}
-    main_rounds = {k: [[v] for v in vs] for k, vs in main.items()}
+    # The ratios are taken over whole rotations: a block's position in its round moves its
+    # time (two configurations alternated on 3 ranks sharing 2 cores: whichever ran second
+    # paid some 0.3% more, whatever it ran), and a rotation puts every configuration in
+    # every position once.
+    by_cycle = {"times": per_rotation(times, len(configs)),
+                "main": per_rotation(main, len(configs)),
+                "cpu": per_rotation(cpu, len(configs))}
+    per_cycle = {k: [[v] for v in vs] for k, vs in by_cycle["times"].items()}
+    main_cycles = {k: [[v] for v in vs] for k, vs in by_cycle["main"].items()}
 
     def to_plain(m: dict[str, list[float]], k: str, base: str) -> float:
         return statistics.median(a / b for a, b in zip(m[k], m[base], strict=True)) - 1.0
@@ -205,37 +219,42 @@ def _blocks_rank(rank: int, world: int, rounds: int, block: int, batch: int,
              if k in names and base in names]
     """The guard with its checks off beside plain DDP built the same way."""
     guard_off_vs_plain = {
-        f"{k} / {base}": (to_plain(times, k, base),
-                          bootstrap_interval(per_round, lambda m, k=k, b=base: to_plain(m, k, b)))
+        f"{k} / {base}": (to_plain(by_cycle["times"], k, base),
+                          bootstrap_interval(per_cycle, lambda m, k=k, b=base: to_plain(m, k, b)))
         for k, base in pairs}
 
     def extra_main(m: dict[str, list[float]], k: str, base: str) -> float:
-        """Median over rounds of the main thread's extra CPU time per step, in seconds."""
+        """Median over rotations of the main thread's extra CPU time per step, in seconds."""
         return statistics.median(a - b for a, b in zip(m[k], m[base], strict=True))
 
     guard_off_main_cpu = {
-        f"{k} / {base}": (extra_main(main, k, base),
-                          bootstrap_interval(main_rounds,
+        f"{k} / {base}": (extra_main(by_cycle["main"], k, base),
+                          bootstrap_interval(main_cycles,
                                              lambda m, k=k, b=base: extra_main(m, k, b)),
                           statistics.median(main[base]))
         for k, base in pairs}
     return {
+        "rotation_rounds": len(configs),
+        "round_step_s": {k: [round(v, 9) for v in vs] for k, vs in times.items()},
+        "round_main_thread_cpu_s": {k: [round(v, 9) for v in vs] for k, vs in main.items()},
+        "round_page_faults_per_step": faults,
         "guard_off_vs_plain": guard_off_vs_plain,
         "guard_off_main_thread_cpu_extra_s": guard_off_main_cpu,
         "step_main_thread_cpu_s": {k: statistics.median(v) for k, v in main.items()},
         "page_faults_per_step": {k: statistics.median(v) for k, v in faults.items()},
         "step_s": {k: statistics.median(v) for k, v in times.items()},
         "step_cpu_s": {k: statistics.median(v) for k, v in cpu.items()},
-        "vs_guard_off": {k: ratio(times, k) for k in names if k != GUARD_OFF},
-        "vs_guard_off_interval_90": {k: bootstrap_interval(per_round, lambda m, k=k: ratio(m, k))
+        "vs_guard_off": {k: ratio(by_cycle["times"], k) for k in names if k != GUARD_OFF},
+        "vs_guard_off_interval_90": {k: bootstrap_interval(per_cycle, lambda m, k=k: ratio(m, k))
                                      for k in names if k != GUARD_OFF},
-        "cpu_vs_guard_off": {k: ratio(cpu, k) for k in names if k != GUARD_OFF},
+        "cpu_vs_guard_off": {k: ratio(by_cycle["cpu"], k) for k in names if k != GUARD_OFF},
         "untimed_first": True,
     }
 
 
 def check_overhead_blocks(world: int, rounds: int, block: int, batch: int) -> dict[str, Any]:
     """``BLOCK_CONFIGS`` timed in blocks of ``block`` steps on ``world`` ranks."""
+    whole_rotations(rounds, len(BLOCK_CONFIGS))
     res: dict[str, Any] = run_ranks(_blocks_rank, world, rounds, block, batch, timeout=1800)[0]
     res.update({"world": world, "batch": batch, "rounds": rounds, "block": block})
     return res
@@ -270,6 +289,7 @@ def check_guard_off(world: int, rounds: int, block: int, batch: int,
                     allocator: dict[int, int] | None = None) -> dict[str, Any]:
     """``configs`` timed in blocks, as ``check_overhead_blocks``; ``allocator``: glibc
     ``mallopt`` settings each rank applies before it builds its models (``NO_TRIM``)."""
+    whole_rotations(rounds, len(configs))
     res: dict[str, Any] = run_ranks(_blocks_rank, world, rounds, block, batch, configs,
                                     allocator, timeout=3600)[0]
     res.update({"world": world, "batch": batch, "rounds": rounds, "block": block,

@@ -12,6 +12,23 @@ GUARD_OFF = CHECKS_OFF.name
 NF_EVERY = NONFINITE_EVERY_STEP.name
 
 
+def _unit(section: dict[str, Any]) -> str:
+    """What a block-timed section's bootstrap resamples."""
+    return "rotations" if section.get("rotation_rounds") else "rounds"
+
+
+def _over_rounds(section: dict[str, Any], what: str) -> str:
+    """How a block-timed section's ``what`` (ratio, difference) is estimated: over whole
+    rotations of the configurations (``bench.overhead``), or, in runs before them, over
+    rounds."""
+    n = section.get("rotation_rounds")
+    if not n:
+        return f"the median over rounds of each round's {what}"
+    return (f"the median over whole rotations ({n} rounds: every configuration once in every "
+            f"position of a round, which moves a block's time) of each rotation's {what} of "
+            "means")
+
+
 def _untimed_first(section: dict[str, Any]) -> str:
     """How a block-timed section's blocks start: after one untimed step, where it did; a run
     published before that says nothing."""
@@ -74,12 +91,13 @@ def overhead_md(ov: dict[str, Any], *, reference: bool) -> list[str]:
         lines += [f"Timed as a training loop runs: blocks of {bl['block']} steps"
                   + _untimed_first(bl)
                   + f" with no barrier between the steps, {bl['rounds']} rounds, the order "
-                  "rotating; the median over "
-                  "rounds of each round's ratio to the guard with its checks off (a barrier per "
+                  "rotating; " + _over_rounds(bl, "ratio") + " to the guard with its checks off "
+                  "(a barrier per "
                   "step, as in the table above, adds two meeting points per step and lines the "
                   "ranks' phases up, which on 3 ranks sharing 2 cores magnifies any extra work):",
                   "", "| configuration | median step (ms) | vs guard, checks off | 90% interval "
-                  "(bootstrap over rounds) | CPU vs guard, checks off |", "|---|---|---|---|---|"]
+                  f"(bootstrap over {_unit(bl)}) | CPU vs guard, checks off |",
+                  "|---|---|---|---|---|"]
         for name, sec in bl["step_s"].items():
             if name == GUARD_OFF:
                 lines.append(f"| {name} | {sec*1e3:.2f} | | | |")
@@ -125,14 +143,14 @@ def guard_off_md(go: dict[str, Any], *, reference: bool) -> list[str]:
                     "moves with each loop's pattern of allocations (the page faults below)."
                     if go.get("page_faults_per_step") else "")]
     lines = ["", title, "", *intro, "",
-             "Step time: the median over rounds of each round's ratio (90% bootstrap interval)"
+             "Step time: " + _over_rounds(go, "ratio") + " (90% bootstrap interval)"
              + target + ":", "",
              "| guard, checks off / plain DDP | ratio - 1 | 90% interval |", "|---|---|---|"]
     for pair, (r, (lo, hi)) in go["guard_off_vs_plain"].items():
         lines.append(f"| {pair} | **{r*100:+.2f}%** | {lo*100:+.2f}% .. {hi*100:+.2f}% |")
-    lines += ["", "The main thread's extra CPU time per step (the median over rounds of each "
-              "round's difference; 90% bootstrap interval; as a fraction of plain DDP's main "
-              "thread CPU per step):", "",
+    lines += ["", "The main thread's extra CPU time per step (" + _over_rounds(go, "difference")
+              + "; 90% bootstrap interval; as a fraction of plain DDP's main thread CPU per "
+              "step):", "",
               "| guard, checks off / plain DDP | extra CPU per step (us) | 90% interval (us) | "
               "fraction (90% interval) |", "|---|---|---|---|"]
     for pair, (d, (lo, hi), base) in go["guard_off_main_thread_cpu_extra_s"].items():

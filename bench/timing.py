@@ -62,6 +62,23 @@ def bootstrap_interval(rounds: Rounds[T], stat: Callable[..., float],
     return stats[int(0.05 * len(stats))], stats[int(0.95 * len(stats)) - 1]
 
 
+def per_rotation(m: dict[str, list[float]], n: int) -> dict[str, list[float]]:
+    """Each configuration's mean over each whole rotation of its ``n`` configurations:
+    ``n`` consecutive rounds whose order rotates by one each round, so every configuration
+    runs once in every position of a round. A block's position in its round moves its time,
+    whatever the block runs; the rotation's mean carries every position's share equally."""
+    return {k: [statistics.fmean(v[i:i + n]) for i in range(0, len(v), n)] for k, v in m.items()}
+
+
+def whole_rotations(rounds: int, n: int) -> None:
+    """Refuse a block-timed run whose ``rounds`` are not whole rotations of ``n``
+    configurations."""
+    if rounds < 1 or rounds % n:
+        raise ValueError(f"rounds={rounds}: give a positive multiple of {n} (the "
+                         "configurations alternated), so that every configuration runs in every "
+                         "position of a round equally often")
+
+
 def split_rounds(samples: list[Any], rounds: int) -> list[list[Any]]:
     """``samples`` of ``rounds`` equal rounds, as one list per round."""
     per = len(samples) // rounds

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 
 def test_guard_off_writes_its_table_and_json(tmp_path: Path) -> None:
@@ -47,14 +50,53 @@ def test_the_three_rank_guard_off_table_runs_under_the_allocator_it_is_given() -
     (pair, (ratio, (lo, hi))), = kept["guard_off_vs_plain"].items()
     assert pair == f"{CHECKS_OFF.name} / {PLAIN_DDP_VIEWS.name}" and lo <= hi
     assert -1.0 < ratio < 1.0
+    # The ratio is estimated over whole rotations (2 rounds here), from samples kept per round.
+    assert kept["rotation_rounds"] == 2
+    assert {len(v) for v in kept["round_step_s"].values()} == {6}
+    assert {len(v) for v in kept["round_main_thread_cpu_s"].values()} == {6}
     page = "\n".join(guard_off_md(kept, reference=True))
     assert "glibc's heap trimming off" in page and "mallopt(M_TRIM_THRESHOLD, 2147483647)" in page
     assert "Minor page faults per step" in page
+    assert "the median over whole rotations (2 rounds: every configuration once" in page
     # The default allocator's section says how the blocks were timed; a run published
     # before the untimed first step says what it measured.
     trimming = {**kept, "allocator": {}}
     assert "Blocks of 2 steps after one untimed step (the first after a switch" in "\n".join(
         guard_off_md(trimming, reference=True))
-    before = "\n".join(guard_off_md({k: v for k, v in trimming.items() if k != "untimed_first"},
+    before = "\n".join(guard_off_md({k: v for k, v in trimming.items()
+                                      if k not in ("untimed_first", "rotation_rounds")},
                                      reference=True))
     assert "Blocks of 2 steps with no barrier" in before and "untimed" not in before
+    assert "the median over rounds of each round's ratio" in before and "rotation" not in before
+
+
+def test_whole_rotations_cancel_what_a_blocks_position_adds() -> None:
+    # Three configurations rotated round by round, b truly 2% slower than a, and a block's
+    # position in its round scaling its time (+5% second, -1% third): each round's ratio
+    # carries the difference of two positions, and their median is off by 1%; the ratio of
+    # each rotation's means is b's own.
+    from bench.timing import per_rotation
+
+    names = ("a", "b", "c")
+    truth = {"a": 1.0, "b": 1.02, "c": 0.9}
+    position = (1.0, 1.05, 0.99)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(9):
+        order = names[r % 3:] + names[:r % 3]
+        for p, name in enumerate(order):
+            times[name].append(truth[name] * position[p])
+    per_round = statistics.median(b / a for a, b in zip(times["a"], times["b"], strict=True))
+    assert abs(per_round - 1.02) > 0.009
+    rot = per_rotation(times, 3)
+    assert {len(v) for v in rot.values()} == {3}
+    assert all(abs(b / a - 1.02) < 1e-12 for a, b in zip(rot["a"], rot["b"], strict=True))
+
+
+def test_a_block_timed_run_refuses_rounds_that_are_not_whole_rotations() -> None:
+    from bench.overhead import BLOCK_CONFIGS, check_guard_off, check_overhead_blocks
+
+    with pytest.raises(ValueError, match=r"rounds=6: give a positive multiple of 4"):
+        check_guard_off(2, rounds=6, block=2, batch=8)
+    with pytest.raises(ValueError, match=r"rounds=0: give a positive multiple of "
+                       + str(len(BLOCK_CONFIGS))):
+        check_overhead_blocks(2, rounds=0, block=2, batch=8)
