@@ -16,7 +16,9 @@ registered (DDP cannot remove one): the ratio to it is the check's own work, wha
 where another check (the non-finite check, on by default) has registered the hook already.
 The third comparison is the one a user of the defaults makes: the guard's default checks
 (non-finite and weights, which register the hook themselves) with ``checksum=True`` against
-the same defaults without it, on the checksum's models, for the default (exact) bound.
+the same defaults without it, on the checksum's models, for the default (exact) bound; and
+beside it the same configuration with the checksum's weight sums taken in a read of its own
+instead of in the weights check's fingerprint pass (what that shared read saves).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from scenarios.run.launch import run_ranks
 from scenarios.spec.models import build_model, scenario_loss, synthetic_batch
 from scenarios.spec.overhead import CHECKS_OFF, CHECKSUM, CHECKSUM_NORM
 from sdc_guard import GuardConfig, SDCGuard
+from sdc_guard.checks import ChecksumCheck, WeightsCheck
 
 WORKLOADS = {
     "reference MLP (512-1024-1024-10), batch 128": ("mlp", 128),
@@ -81,9 +84,21 @@ DEFAULTS = "defaults (non-finite + weights)"
 DEFAULTS_CHECKSUM = "defaults + checksum"
 """The guard's default checks without and with the checksum check (``GuardConfig()`` and
 ``GuardConfig(checksum=True)``), on the checksum's models."""
+OWN_READ = "defaults + checksum, the weight read again"
+"""``GuardConfig(checksum=True)`` with the checksum's weight sums taken in its own read of each
+weight (its forward hook's), not in the weights check's (``WeightsCheck.weight_sums`` unset)."""
 CONFIGS = (CHECKS_OFF.name, OFF_HOOKED, CHECKSUM.name, CHECKSUM_NORM.name, DEFAULTS,
-           DEFAULTS_CHECKSUM)
+           DEFAULTS_CHECKSUM, OWN_READ)
 """What a workload's rounds rotate, in this order."""
+
+
+def _weight_read(guard: SDCGuard, *, shared: bool) -> None:
+    """The checksum's weight sums taken in the weights check's read (``shared``, as
+    ``build_checks`` wires it) or in its own."""
+    checksum = next(c for c in guard.checks if isinstance(c, ChecksumCheck))
+    for c in guard.checks:
+        if isinstance(c, WeightsCheck):
+            c.weight_sums = checksum.weight_sums if shared else None
 
 
 def _rank(rank: int, world: int, kind: str, batch: int, rounds: int,
@@ -93,7 +108,8 @@ def _rank(rank: int, world: int, kind: str, batch: int, rounds: int,
     configs = CONFIGS
     settings = {OFF_HOOKED: CHECKS_OFF.config, CHECKSUM.name: CHECKSUM.config,
                 CHECKSUM_NORM.name: CHECKSUM_NORM.config, DEFAULTS: GuardConfig(),
-                DEFAULTS_CHECKSUM: GuardConfig(checksum=True)}
+                DEFAULTS_CHECKSUM: GuardConfig(checksum=True),
+                OWN_READ: GuardConfig(checksum=True)}
     times: dict[str, list[float]] = {name: [] for name in configs}
     cpu: dict[str, list[float]] = {name: [] for name in configs}
     step = 0
@@ -107,6 +123,8 @@ def _rank(rank: int, world: int, kind: str, batch: int, rounds: int,
                 config = settings[name]
                 assert config is not None
                 switch(g, config)
+                if name in (DEFAULTS_CHECKSUM, OWN_READ):  # one configuration, two wirings
+                    _weight_read(g, shared=name == DEFAULTS_CHECKSUM)
             g.step(step)  # the first step after a switch is not timed: it builds the check's
             step += 1     # hooks and buffers, which a training run does once
             dist.barrier()
@@ -150,7 +168,11 @@ def _rank(rank: int, world: int, kind: str, batch: int, rounds: int,
         "overhead": ratio(rot, DEFAULTS_CHECKSUM, DEFAULTS),
         "overhead_interval_90": bootstrap_interval(
             per_rot, lambda m: ratio(m, DEFAULTS_CHECKSUM, DEFAULTS)),
-        "cpu_overhead": ratio(rot_cpu, DEFAULTS_CHECKSUM, DEFAULTS)}
+        "cpu_overhead": ratio(rot_cpu, DEFAULTS_CHECKSUM, DEFAULTS),
+        "step_ms_own_read": statistics.median(times[OWN_READ]) * 1e3,
+        "overhead_own_read": ratio(rot, OWN_READ, DEFAULTS),
+        "overhead_own_read_interval_90": bootstrap_interval(
+            per_rot, lambda m: ratio(m, OWN_READ, DEFAULTS))}
     return out
 
 
@@ -219,4 +241,13 @@ def checksum_md(res: dict[str, Any]) -> list[str]:
         lines.append(f"| {name} | {d['step_ms']:.2f} | {d['step_ms_checksum']:.2f} | "
                      f"**{d['overhead'] * 100:+.1f}%** | {lo * 100:+.1f}% .. {hi * 100:+.1f}% | "
                      f"{d['cpu_overhead'] * 100:+.1f}% |")
+    own = [(name, w["defaults"]) for name, w in res["workloads"].items()
+           if "overhead_own_read" in w["defaults"]]
+    if own:  # (runs before the weights check's read took the sums have no such column)
+        lines += ["", "The same, the checksum's weight sums taken in a read of its own (its "
+                  "forward hook's) instead of in the weights check's fingerprint pass: "
+                  + "; ".join(f"{name} **{d['overhead_own_read'] * 100:+.1f}%** "
+                              f"({d['overhead_own_read_interval_90'][0] * 100:+.1f}% .. "
+                              f"{d['overhead_own_read_interval_90'][1] * 100:+.1f}%)"
+                              for name, d in own) + " over the defaults."]
     return [*lines, ""]

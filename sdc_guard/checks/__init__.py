@@ -75,7 +75,11 @@ def build_checks(
             repair=config.repair_by_majority, repair_window_steps=config.repair_window_steps))
     checksum = config.checksum_config
     if checksum is not None:
-        checks.append(ChecksumCheck(
+        sums = ChecksumCheck(
             model, checksum, comm=comm, device=device, group=group,
-            expect_overflow=grad_scaler is not None, contain=config.skip_step_on_detection))
+            expect_overflow=grad_scaler is not None, contain=config.skip_step_on_detection)
+        checks.append(sums)
+        for weights in checks:  # the weights' sums taken in the weights check's read of them
+            if isinstance(weights, WeightsCheck):
+                weights.weight_sums = sums.weight_sums
     return checks

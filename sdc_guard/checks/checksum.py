@@ -111,6 +111,7 @@ import fnmatch
 import functools
 import logging
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,6 +130,7 @@ from sdc_guard.collectives import PendingSum, words_on
 from sdc_guard.comm_hook import BucketListener, GuardCommHook, bucket_gradients
 from sdc_guard.config import PRODUCTS, ChecksumConfig
 from sdc_guard.fingerprints.native import NativeKernel, active_kernel
+from sdc_guard.fingerprints.public import WeightSums
 from sdc_guard.report import Detection
 from sdc_guard.scaling import Flag, RowSums
 
@@ -475,6 +477,17 @@ class _Layer:
     start (``_gradient_hooked``)."""
     called: bool = False
     """The layer's forward ran in a checked step (``ChecksumCheck.uncalled``)."""
+    ask: WeightSums | None = None
+    """What the weights check's pass after the last optimizer step was asked to take into
+    ``wsum`` (``ChecksumCheck.weight_sums``), at the weight's version ``ask_key``."""
+    ask_key: tuple[int, ...] | None = None
+    pre_sums: bool = False
+    """``wsum`` holds the sums that pass took (``ask``), not yet found good or stale by a
+    failing entry (``ChecksumCheck._stale``)."""
+    fuse: bool = True
+    """The weight's sums may come from the weights check's pass: cleared for good once they
+    were found stale (the weight written between the pass and the product where its version
+    counter does not see it, through ``.data``)."""
 
 
 _OWN_GLOBAL_HOOKS: set[int] = set()
@@ -715,6 +728,12 @@ class ChecksumCheck(Check, BucketListener):
         """Per bucket index: (its buffer's address and size, the weight gradients in it)."""
         self.native_calls = 0
         """Layer calls whose products the C passes checked (the rest: torch operations)."""
+        self.pre_sums_used = 0
+        """Steps' first calls of a layer that took the weight's sums from the weights check's
+        pass (``weight_sums``) instead of reading the weight again."""
+        self.stale_sums = 0
+        """Times those sums were found stale (``_stale``): the weight written through
+        ``.data`` between the pass and the product."""
         self._forward_phase = False
         """Between a checked layer's forward and ``on_loss``: a backward now is ``loss_fn``'s."""
         self.inner_backward = False
@@ -980,10 +999,65 @@ class ChecksumCheck(Check, BucketListener):
     def _w_key(self, layer: _Layer) -> tuple[int, ...]:
         """When the weight's sums are to be taken (again): once per step, and when the
         weight or bias changed since (its version)."""
+        return (self._generation, *self._version_key(layer))
+
+    @staticmethod
+    def _version_key(layer: _Layer) -> tuple[int, ...]:
+        """The weight's (and bias's) storage and versions."""
         m = layer.module
         b = m.bias
-        return (self._generation, m.weight.data_ptr(), m.weight._version,
-                -1 if b is None else b._version)
+        return (m.weight.data_ptr(), m.weight._version, -1 if b is None else b._version)
+
+    def weight_sums(self, step: int) -> list[WeightSums]:
+        """The weight sums the weights check's fingerprint pass after ``step``'s optimizer
+        step is asked to take in the same read (``fingerprint_with_sums``; wired by
+        ``build_checks``): those the next step's first forward would otherwise read each
+        weight again for. The C path's layers (the exact bound, float32, a contiguous weight
+        no other checked layer shares), when the check is due at the next step.
+
+        The sums serve the next step's first call if the weight's version is still the
+        one they were taken at; a write through ``.data`` in between changes no version, so
+        an entry that fails against them is checked again (``_stale``)."""
+        kernel = self._kernel
+        for layer in self.layers:
+            layer.ask = None
+        if kernel is None or not self.exact or not self.due(step + 1):
+            return []
+        shared = Counter(id(layer.module.weight) for layer in self.layers)
+        asks = []
+        for layer in self.layers:
+            m = layer.module
+            w, b = m.weight, m.bias
+            if not (layer.fuse and layer.native and layer.wsum is not None
+                    and shared[id(w)] == 1 and w.dim() == 2 and w.is_contiguous()):
+                continue
+            layer.ask = WeightSums(w.detach(), None if b is None else b.detach(), layer.wsum,
+                                   kernel.threads_for(w.numel()))
+            layer.ask_key = self._version_key(layer)
+            asks.append(layer.ask)
+        return asks
+
+    def _from_pass(self, layer: _Layer) -> bool:
+        """Does ``wsum`` hold the weights check's sums of the weight at its version now?"""
+        ask = layer.ask
+        return ask is not None and ask.taken and layer.ask_key == self._version_key(layer)
+
+    def _stale(self, layer: _Layer) -> bool:
+        """An entry failed against the sums from the weights check's pass: take them again
+        by the same pass (the same threads: the same bits if the weight is what it was).
+        True if they changed: the weight was written since where its version counter does
+        not see it (through ``.data``), and the layer takes its own sums from then on."""
+        layer.pre_sums = False
+        ask, kernel = layer.ask, self._kernel
+        if ask is None or kernel is None or layer.wsum is None:
+            return False
+        before = layer.wsum.view(torch.int32).clone()
+        ask.take(kernel)
+        if torch.equal(before, layer.wsum.view(torch.int32)):
+            return False
+        layer.fuse = False
+        self.stale_sums += 1
+        return True
 
     def _on_forward(self, layer: _Layer, x: torch.Tensor, y: torch.Tensor,
                     tapped: bool) -> None:
@@ -1003,17 +1077,26 @@ class ChecksumCheck(Check, BucketListener):
             key = self._w_key(layer)
             fresh = layer.w_key != key
             layer.w_key = key
+            if fresh:  # the weights check's pass may have taken the sums already
+                layer.pre_sums = self._from_pass(layer)
+                fresh = not layer.pre_sums
+                self.pre_sums_used += int(layer.pre_sums)
             if layer.wsum is None:
                 layer.wsum = torch.empty(2 * inner + 2 * out + 2)
             wsum = layer.wsum.data_ptr()
             tol = _cpu_tolerance(self.config.tolerance_scale, inner + 1, 2 * out + inner)
-            bad = kernel.cs_fwd(x2.data_ptr(), n, inner, ldx, y2.data_ptr(), out, ldy,
-                                w.data_ptr(), w.stride(0),
-                                None if bias is None else bias.data_ptr(), wsum,
-                                wsum + (2 * inner + 2 * out) * _F32, int(fresh),
-                                ws.data_ptr(), int(want), tol, int(self.expect_overflow),
-                                _threads(n * inner), _threads(n * out),
-                                _threads(w.numel()) if fresh else 1)
+
+            def forward(fresh: bool) -> int:
+                return int(kernel.cs_fwd(
+                    x2.data_ptr(), n, inner, ldx, y2.data_ptr(), out, ldy, w.data_ptr(),
+                    w.stride(0), None if bias is None else bias.data_ptr(), wsum,
+                    wsum + (2 * inner + 2 * out) * _F32, int(fresh), ws.data_ptr(), int(want),
+                    tol, int(self.expect_overflow), _threads(n * inner), _threads(n * out),
+                    _threads(w.numel()) if fresh else 1))
+
+            bad = forward(fresh)
+            if bad and layer.pre_sums and self._stale(layer):
+                bad = forward(False)  # against the sums of the weight as it is
             call = _Call(x2, ws, n, micro_batch=self._micro, tapped=tapped, gy_dtype=y.dtype,
                          native=True)
             self.native_calls += 1
@@ -1187,6 +1270,13 @@ class ChecksumCheck(Check, BucketListener):
                             int(self.expect_overflow), _threads(g.numel()),
                             _threads(n * inner))
         call.gx_ready = side and gx is None
+        if bad and layer.pre_sums and self._stale(layer):  # again, against the sums as they are
+            bad = kernel.cs_bwd(g.data_ptr(), n, out, g.stride(0), wr, wr + out * _F32, at,
+                                0, 0, 0, 0, 1, at + _GXS * n * _F32,
+                                None if gx is None else gx.data_ptr(), inner,
+                                inner if gx is None else gx.stride(0), tol,
+                                int(self.expect_overflow), _threads(g.numel()),
+                                _threads(n * inner))
         if bad:
             self._gx_failed(layer, call, n, tol)
 
@@ -1230,9 +1320,12 @@ class ChecksumCheck(Check, BucketListener):
             if self._kernel is not None and g.dtype == torch.float32:
                 g = g if _rows_ok(g) else g.contiguous()
                 tol = _cpu_tolerance(self.config.tolerance_scale, out, 2 * inner + out)
+                # A failure against sums found stale is not counted: the right-hand side
+                # was taken from GY, gone now, so the entries cannot be checked again.
                 if self._kernel.cs_gx(g.data_ptr(), n, inner, g.stride(0),
                                       call.sums.data_ptr() + at * _F32, tol,
-                                      int(self.expect_overflow), _threads(g.numel())):
+                                      int(self.expect_overflow), _threads(g.numel())) and not (
+                                          layer.pre_sums and self._stale(layer)):
                     self._gx_failed(layer, call, n, tol)
                 return
             tol = tolerance(self.config.tolerance_scale, k=out, checked=2 * inner + out,

@@ -19,6 +19,7 @@ unrepaired (quarantine, rollback), though the state is still made whole.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.checks.base import Check
 from sdc_guard.collectives import gather_if_different, majority_outliers
-from sdc_guard.fingerprints.public import fingerprint_tensor
+from sdc_guard.fingerprints.public import WeightSums, fingerprint_tensor, fingerprint_with_sums
 from sdc_guard.fingerprints.words import to_unsigned64
 from sdc_guard.optimizers import Optimizers, each, param_groups
 from sdc_guard.report import Detection
@@ -131,17 +132,28 @@ class WeightsCheck(Check):
         self.repair_window_steps = repair_window_steps
         self.repairs: dict[int, list[int]] = {}
         """Steps at which each rank was repaired."""
+        self.weight_sums: Callable[[int], Sequence[WeightSums]] | None = None
+        """Asked after each step's optimizer step for the weight sums another check wants
+        taken in this check's read of the weights (the checksum check's ``weight_sums``,
+        wired by ``build_checks``): the fingerprint is the same with or without them."""
+        self._asks: Sequence[WeightSums] = ()
 
     def due(self, step: int) -> bool:
         return step % self.interval == 0
 
-    def local_fingerprint(self) -> torch.Tensor:
+    def local_fingerprint(self, step: int | None = None) -> torch.Tensor:
+        """This rank's fingerprint; after ``step``'s optimizer step, with the weight sums
+        asked for (``weight_sums``) taken in the same read."""
         opt = self.optimizer if self.include_optimizer_state else None
-        return fingerprint_tensor(state_tensors(self.model, opt))
+        tensors = state_tensors(self.model, opt)
+        if step is None or self.weight_sums is None:
+            return fingerprint_tensor(tensors)
+        self._asks = self.weight_sums(step)
+        return fingerprint_with_sums(tensors, self._asks)
 
     def post_step(self, step: int) -> list[Detection]:
         """Fingerprint this rank's state; one small all-reduce; a vote only on a mismatch."""
-        fp = self.local_fingerprint().to(self.device).reshape(1)
+        fp = self.local_fingerprint(step).to(self.device).reshape(1)
         gathered = gather_if_different(fp, self.group)
         if gathered is None:
             self.verified(step)
@@ -217,5 +229,7 @@ class WeightsCheck(Check):
         with torch.no_grad():
             for t in state_tensors(self.model, self.optimizer):
                 dist.broadcast(t, src=src, group=self.group)
+        for ask in self._asks:  # taken from the weights as they were
+            ask.taken = False
         return gather_if_different(self.local_fingerprint().to(self.device).reshape(1),
                                    self.group) is None

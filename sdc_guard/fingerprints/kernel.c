@@ -798,6 +798,94 @@ int64_t sdc_cs_bwd(const float* GY, int64_t n, int64_t out, int64_t ldg, const f
   return sdc_cs_gx(GX, n, in, ldx, gxs, tol, finite_only, threads_x);
 }
 
+/* The weights check's fingerprint pass over a layer's weight W (rows x cols float32,
+   contiguous) with the checksum check's sums of it taken in the same read: tiles of a few
+   rows (FW_TILE bytes, in L1) are read for the fingerprint's words and then again, from
+   cache, for the sums. */
+#define FW_TILE 16384
+typedef struct {
+  const float* W; int64_t cols, r0, r1; float *wr, *war, *s, *b; uint64_t s1, s2;
+} fw_job_t;
+
+/* Rows [r0, r1): s1 = sum v, s2 = sum i v over their uint32 lanes (i from the job's
+   first lane), r = W e and ra = |W| e of each row, s = e^T W and b = e^T |W| over them. */
+CLONES static void fw_range(fw_job_t* j) {
+  const int64_t cols = j->cols;
+  int64_t tile = cols ? FW_TILE / (4 * cols) : 1;
+  if (tile < 1) tile = 1;
+  memset(j->s, 0, sizeof(float) * (size_t)cols);
+  memset(j->b, 0, sizeof(float) * (size_t)cols);
+  uint64_t a1 = 0, a2 = 0;
+  for (int64_t i = j->r0; i < j->r1; i += tile) {
+    const int64_t i1 = j->r1 - i < tile ? j->r1 : i + tile;
+    const uint64_t lane0 = (uint64_t)((i - j->r0) * cols);
+    uint64_t c1, c2;
+    block0(j->W + i * cols, (i1 - i) * cols, &c1, &c2);
+    a1 += c1;
+    a2 += c2 + lane0 * c1;
+    if (!cols)
+      for (int64_t r = i; r < i1; ++r) j->wr[r] = j->war[r] = 0.0f;
+    for (int64_t lo = 0; lo < cols; lo += CS_COLBLOCK) {
+      const int64_t hi = cols - lo < CS_COLBLOCK ? cols : lo + CS_COLBLOCK;
+      cs_rc(j->W, cols, i, i1, lo, hi, 0, 0, j->wr, j->war, 0, 0, j->s, j->b, 1, 1, 1, 1,
+            lo > 0);
+    }
+  }
+  j->s1 = a1;
+  j->s2 = a2;
+}
+
+static void* fw_thread(void* arg) {
+  fw_range((fw_job_t*)arg);
+  return 0;
+}
+
+/* out = {sum_k (2k + 1) v_k, sum_k v_k} over W's rows * cols uint32 lanes, as
+   sdc_weighted_sum(W, rows * cols, 0, ...) gives them, and wsum = [e^T W, e^T |W| (cols
+   each), W e, |W| e (rows each)], bsum = the bias's sum and absolute sum (bias: rows
+   floats, or NULL), as sdc_cs_fwd's weight pass gives them (the float sums in another
+   order; the same bits from one call to the next with the same threads). Threads split
+   the rows. 0, or 1 on bad arguments (or no memory for the threads' column sums). */
+int sdc_fp_wsum(const float* W, int64_t rows, int64_t cols, const float* bias, float* wsum,
+                float* bsum, int threads, uint64_t* out) {
+  if (rows < 0 || cols < 0) return 1;
+  float *wc = wsum, *wac = wc + cols, *wr = wac + cols, *war = wr + rows;
+  fw_job_t jobs[MAX_THREADS];
+  int64_t per;
+  const int used = split(rows, threads, 1, &per);
+  float* scratch = 0;  /* the column sums of threads 1.. */
+  if (used > 1 && !(scratch = malloc(sizeof(float) * 2 * (size_t)cols * (size_t)used))) return 1;
+  for (int t = 0; t < used; ++t) {
+    jobs[t] = (fw_job_t){W, cols, (int64_t)t * per, 0, wr, war, wc, wac, 0, 0};
+    jobs[t].r1 = rows - jobs[t].r0 < per ? rows : jobs[t].r0 + per;
+    if (t > 0) {
+      jobs[t].s = scratch + 2 * cols * t;
+      jobs[t].b = jobs[t].s + cols;
+    }
+  }
+  if (used == 0) {
+    memset(wc, 0, sizeof(float) * 2 * (size_t)cols);
+  }
+  run_jobs(fw_thread, jobs, sizeof jobs[0], used);
+  uint64_t total = 0, plain = 0;
+  for (int t = 0; t < used; ++t) {
+    const uint64_t lo = (uint64_t)(jobs[t].r0 * cols);
+    total += (2 * lo + 1) * jobs[t].s1 + 2 * jobs[t].s2;
+    plain += jobs[t].s1;
+    for (int64_t c = 0; c < cols && t > 0; ++c) {
+      wc[c] += jobs[t].s[c];
+      wac[c] += jobs[t].b[c];
+    }
+  }
+  free(scratch);
+  out[0] = total;
+  out[1] = plain;
+  bsum[0] = bsum[1] = 0.0f;
+  if (bias && sdc_cs_rows(bias, 1, rows, rows, 0, 0, 1, 0, 0, 1, bsum, 0, bsum + 1, 0, 1))
+    return 1;
+  return 0;
+}
+
 /* Input-gradient hook: gxs[2n, 3n) = GX e (GX: n x in, ld), compared with gxs[0, n)
    within gxs[n, 2n) * tol (as sdc_cs_compare). The number of entries that fail, or -1
    on bad arguments. */

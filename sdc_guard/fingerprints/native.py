@@ -157,6 +157,10 @@ class NativeKernel:
         self.cs_gx = gx
         """``sdc_cs_gx``: the input-gradient check alone, for a ``GX`` that arrives after
         ``GY`` (a hook on the input): how many entries fail."""
+        fp_wsum = self._lib.sdc_fp_wsum
+        fp_wsum.argtypes = [P, N, N, P, P, P, C, ctypes.POINTER(ctypes.c_uint64)]
+        fp_wsum.restype = C
+        self._fp_wsum = fp_wsum
         compare = self._lib.sdc_cs_compare
         compare.argtypes = [P, P, P, N, ctypes.c_double, ctypes.c_double, ctypes.c_double, C]
         compare.restype = N
@@ -273,6 +277,27 @@ class NativeKernel:
             raise ValueError("sdc_scale_rows: blocks must lie inside the buffer, in increasing "
                              "offset, without overlapping")
         return bool(bad)
+
+    def fp_wsum_at(self, address: int, rows: int, cols: int, bias: int | None, wsum: int,
+                   bsum: int, threads: int) -> int:
+        """``words_at(address, rows * cols, 0)[0]`` of a contiguous float32 matrix, and the
+        checksum check's sums of it in the same read (``sdc_fp_wsum``): ``wsum`` gets
+        ``[e^T W, e^T |W|, W e, |W| e]`` (``2 cols + 2 rows`` float32), ``bsum`` the sum and
+        absolute sum of the ``rows`` float32 at ``bias`` (None: no bias, zeros). The sums'
+        bits are the same from one call to the next with the same ``threads``.
+
+        The caller guarantees the memory: live float32 CPU tensors of those sizes.
+        """
+        out = (ctypes.c_uint64 * 2)()
+        if self._fp_wsum(address, rows, cols, bias, wsum, bsum, threads, out) != 0:
+            raise RuntimeError("sdc_fp_wsum rejected its arguments (or found no memory for "
+                               "its threads' column sums)")
+        return int(out[0])
+
+    @staticmethod
+    def threads_for(n: int) -> int:
+        """The threads a pass over ``n`` elements takes (the word loops' rule)."""
+        return max(1, min(torch.get_num_threads(), n // _PER_THREAD))
 
     def nonfinite_at(self, address: int, n: int) -> bool:
         """Whether any of ``n`` float32 at ``address`` (a live CPU tensor's) is NaN or Inf."""

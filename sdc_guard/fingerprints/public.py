@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Final
 
 import torch
@@ -255,19 +256,69 @@ def _native_value(t: torch.Tensor, kernel: NativeKernel) -> int:
     return value
 
 
-def _native_fingerprint(tensors: list[torch.Tensor], is_list: bool) -> int | None:
+@dataclass(eq=False)
+class WeightSums:
+    """A layer's weight whose checksum sums the fingerprint pass takes in the same read
+    (``fingerprint_with_sums``): the checksum check asks, the weights check's pass answers
+    (``sdc_guard.checks.checksum``)."""
+
+    weight: torch.Tensor
+    """float32, 2-D (``rows x cols``), contiguous, on the CPU."""
+    bias: torch.Tensor | None
+    """float32, ``rows`` contiguous, on the CPU, or None."""
+    out: torch.Tensor
+    """float32, ``2 cols + 2 rows + 2``: ``[e^T W, e^T |W|, W e, |W| e]``, then the bias's
+    sum and absolute sum."""
+    threads: int
+    """The pass's threads: the sums' bits are the same from one pass to the next with the
+    same threads (``NativeKernel.fp_wsum_at``)."""
+    taken: bool = False
+    """Set when a pass wrote ``out``."""
+
+    def take(self, kernel: NativeKernel) -> int:
+        """One pass: ``out`` written; the weight's ``V`` (``tensor_value``), unsigned."""
+        rows, cols = self.weight.shape
+        at = self.out.data_ptr()
+        v = kernel.fp_wsum_at(self.weight.data_ptr(), rows, cols,
+                              None if self.bias is None else self.bias.data_ptr(), at,
+                              at + 4 * (2 * cols + 2 * rows), self.threads)
+        self.taken = True
+        return v
+
+
+def _native_fingerprint(tensors: list[torch.Tensor], is_list: bool,
+                        sums: dict[tuple[int, tuple[int, ...]], WeightSums] | None = None
+                        ) -> int | None:
     """The fingerprint, unsigned, of CPU tensors: each ``V`` by one call of the C kernel and
     the terms mixed and summed as Python ints (no tensor operation: on small tensors their
     dispatch costs many times the pass itself); None when the kernel is off or a tensor is
-    not on the CPU."""
+    not on the CPU. ``sums``: (address, shape) -> a weight whose pass also takes its
+    checksum sums (``WeightSums``)."""
     kernel = active_kernel()
     if kernel is None or any(t.device.type != "cpu" for t in tensors):
         return None
     total = mix64_int(len(tensors) + (SEED if is_list else 0))
     keys = _key_ints(is_list, tuple(_meta_word(t) for t in tensors))
     for t, k in zip(tensors, keys, strict=True):
-        total += mix64_int(_native_value(t, kernel) + k)
+        ask = sums.pop((t.data_ptr(), tuple(t.shape)), None) if sums else None
+        if ask is not None and t.dtype == torch.float32 and t.is_contiguous():
+            total += mix64_int(ask.take(kernel) + k)
+        else:
+            total += mix64_int(_native_value(t, kernel) + k)
     return mix64_int(total)
+
+
+def fingerprint_with_sums(tensors: list[torch.Tensor],
+                          sums: Sequence[WeightSums]) -> torch.Tensor:
+    """``fingerprint_tensor(tensors)``, with the checksum sums of the weights in ``sums``
+    taken in the same read where the C kernel runs (each one's ``taken`` says; one that is
+    not among ``tensors``, or is not a contiguous 2-D float32 CPU matrix, is not taken)."""
+    ask = {(s.weight.data_ptr(), tuple(s.weight.shape)): s for s in sums
+           if s.weight.dim() == 2 and s.weight.dtype == torch.float32}
+    value = _native_fingerprint(tensors, True, ask) if ask else None
+    if value is None:
+        return fingerprint_tensor(tensors)
+    return torch.tensor(to_signed64(value), dtype=torch.int64)
 
 
 def _tensors(x: torch.Tensor | Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:

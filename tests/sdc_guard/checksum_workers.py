@@ -876,3 +876,23 @@ def autocast_run(rank: int, world: int, steps: int) -> dict[str, Any]:
     found += guard.flush()
     return {"detections": _dets(found), "worst": worst[0], "forward_entries": seen[0],
             "native": check.native_calls > 0}
+
+
+def weight_sums_run(rank: int, world: int, steps: int, write_at: int | None) -> dict[str, Any]:
+    """Clean steps with the guard's defaults and the checksum on: the weights check's pass
+    takes the weights' sums for the next step's products. ``write_at``: after that step,
+    every rank scales its weights through ``.data`` (no version counter sees it), so the
+    sums that pass took are stale at the next step's products."""
+    guard = _guard("mlp", "float32", GuardConfig(checksum=True), width=32)
+    check = _checksum(guard)
+    found = []
+    for s in range(steps):
+        found += guard.step(s).detections
+        if s == write_at:
+            with torch.no_grad():
+                for p in guard.model.module.parameters():
+                    p.data.mul_(1.0 + 2.0 ** -6)
+    found += guard.flush()
+    return {"detections": _dets(found), "native": check.native_calls,
+            "pre_sums_used": check.pre_sums_used, "stale": check.stale_sums,
+            "layers": len(check.layers), "fuse": [x.fuse for x in check.layers]}

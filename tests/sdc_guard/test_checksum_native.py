@@ -344,6 +344,27 @@ def test_row_plans_are_kept_per_bucket_and_remade_when_its_tensors_change(
     assert plans.get(0, half, [(half[:600].view(30, 20), other)]) is None
 
 
+@pytest.mark.parametrize("write_at", [None, 2])
+def test_the_weights_check_pass_takes_the_weight_sums_and_a_stale_one_raises_no_alarm(
+        kernel: nat.NativeKernel, write_at: int | None) -> None:
+    # With the defaults (the weights check every step) the checksum's weight sums for each
+    # step after the first come from the weights check's fingerprint pass, not a read of
+    # their own. A write through .data after step 2 leaves the sums that pass took stale at
+    # step 3's products: each layer's first entry fails against them, the sums are taken
+    # again, found changed, and the entries pass against the new ones (no detection); the
+    # layer then takes its own sums.
+    steps = 6
+    for r in run_ranks(W.weight_sums_run, 3, steps, write_at, timeout=300):
+        assert r["detections"] == [] and r["native"] > 0
+        layers = r["layers"]
+        if write_at is None:
+            assert (r["pre_sums_used"], r["stale"]) == ((steps - 1) * layers, 0)
+            assert all(r["fuse"])
+        else:
+            assert r["stale"] == layers and not any(r["fuse"])
+            assert r["pre_sums_used"] == (write_at + 1) * layers
+
+
 def test_a_layer_seen_through_its_product_node_catches_an_input_gradient_flip() -> None:
     # From its second call on, a stock nn.Linear is seen through its addmm node (GY and this
     # call's GX in one post-hook, no tap on X): a flip in the GX that node passes on is

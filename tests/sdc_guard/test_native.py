@@ -439,3 +439,63 @@ def test_sdc_guard_isa_narrows_the_loops_and_a_typo_is_named(
         assert nat.NativeKernel(kernel.path).isa == kernel.cpu_isa
     finally:
         kernel.use_isa(before)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # the fixture is set-up only
+@given(rows=st.integers(0, 300), cols=st.integers(0, 2100), threads=st.integers(1, 4),
+       bias=st.booleans(), seed=st.integers(0, 1000))
+def test_the_fingerprint_pass_takes_a_weights_sums_and_its_value_is_unchanged(
+        native: None, rows: int, cols: int, threads: int, bias: bool, seed: int) -> None:
+    # The weights check's pass with the checksum's sums of a weight taken in the same read
+    # (sdc_fp_wsum): the fingerprint is fingerprint_tensor's to the bit, on every
+    # instruction set; the sums are the float64 ones within float32 rounding, and the same
+    # bits from one pass to the next (what the checksum's staleness test compares).
+    kernel = nat.active_kernel()
+    assert kernel is not None
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * torch.exp(torch.randn(rows, cols, generator=g))
+    b = torch.randn(rows, generator=g) if bias else None
+    other = torch.randn(5, generator=g)
+    tensors = [other, w, torch.randn(3, 4, generator=g, dtype=torch.float64)]
+    out = torch.full((2 * cols + 2 * rows + 2,), float("nan"))
+    ask = P.WeightSums(w, b, out, threads)
+    before = kernel.isa
+    try:
+        for isa in nat.ISAS[: nat.ISAS.index(kernel.cpu_isa) + 1]:
+            kernel.use_isa(isa)
+            ask.taken = False
+            assert P.fingerprint_with_sums(tensors, [ask]).item() == \
+                P.fingerprint_tensor(tensors).item()
+            assert ask.taken
+    finally:
+        kernel.use_isa(before)
+    wd = w.double()
+    want = torch.cat([wd.sum(0), wd.abs().sum(0), wd.sum(1), wd.abs().sum(1)])
+    mag = torch.cat([wd.abs().sum(0)] * 2 + [wd.abs().sum(1)] * 2)
+    length = max(rows, cols) + 2
+    assert bool(((out[:-2].double() - want).abs()
+                 <= length * 2.0 ** -24 * 1.01 * mag + 1e-30).all())
+    bd = torch.zeros(0, dtype=torch.float64) if b is None else b.double()
+    assert torch.allclose(out[-2:].double(), torch.stack([bd.sum(), bd.abs().sum()]),
+                          rtol=1e-5, atol=1e-5)
+    again = out.clone()
+    ask.take(kernel)
+    assert torch.equal(again.view(torch.int32), out.view(torch.int32))
+
+
+def test_the_fingerprint_pass_leaves_what_it_cannot_take(native: None) -> None:
+    # A weight not among the tensors, or not a contiguous float32 matrix, is fingerprinted
+    # as ever and its sums are not taken.
+    w = torch.randn(6, 8)
+    tensors = [w.t(), torch.randn(6, 8, dtype=torch.float64)]
+    asks = [P.WeightSums(w.t(), None, torch.empty(30), 1),
+            P.WeightSums(torch.randn(6, 8), None, torch.empty(30), 1),
+            P.WeightSums(tensors[1], None, torch.empty(30), 1)]
+    assert P.fingerprint_with_sums(tensors, asks).item() == P.fingerprint_tensor(tensors).item()
+    assert not any(a.taken for a in asks)
+    nat.disable_native()  # the torch path takes none either
+    ok = P.WeightSums(torch.randn(6, 8), None, torch.empty(30), 1)
+    assert P.fingerprint_with_sums([ok.weight], [ok]).item() == \
+        P.fingerprint_tensor([ok.weight]).item()
+    assert not ok.taken
