@@ -31,6 +31,7 @@ without the guard (the flag is then a separate read, and nothing is fused).
 """
 
 # No "from __future__ import annotations": DDP inspects the hook's annotations at runtime.
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -56,6 +57,12 @@ BucketCallback = Callable[[GradBucket], None]
 """Called with the bucket; may modify ``bucket.buffer()`` in place."""
 ReducedCallback = Callable[[GradBucket, torch.Tensor], None]
 """Called with the bucket and the reduced tensor; may modify the tensor in place."""
+
+
+@functools.cache
+def _half_max(dtype: torch.dtype) -> float:
+    """Half the largest finite value of ``dtype`` (a veto's sentinel is at least that)."""
+    return torch.finfo(dtype).max / 2
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -234,7 +241,7 @@ class GuardCommHook:
         if self.sentinel is None:
             return False
         values = self.sentinel.tolist()
-        half = torch.finfo(self.sentinel.dtype).max / 2
+        half = _half_max(self.sentinel.dtype)
         if any(math.isfinite(v) and abs(v) >= half for v in values):
             return True
         return not (expect_overflow or all(math.isfinite(v) for v in values))

@@ -111,7 +111,7 @@ import fnmatch
 import functools
 import logging
 import math
-from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,6 +213,7 @@ def _cpu_tolerance(scale: float, k: int, checked: int) -> float:
 
 
 _F32 = 4
+_F32_DTYPE = torch.float32
 _PER_THREAD = 1 << 20
 """Elements per thread of a native pass (below that, starting a thread costs more)."""
 
@@ -227,8 +228,9 @@ def _flat_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``t`` (float32 on the CPU, at least 1-D) as rows the C passes can read in place, and
     their stride: a 2-D matrix with unit column stride as it is, a contiguous tensor of
     more dimensions as its rows (no view made), anything else copied first."""
-    if t.dim() == 2 and _rows_ok(t):
-        return t, t.stride(0)
+    ld = _row_stride(t)
+    if ld >= 0:
+        return t, ld
     if t.dim() < 2 or not t.is_contiguous():
         t = t.reshape(-1, t.shape[-1]).contiguous()
     return t, t.shape[-1]
@@ -236,8 +238,14 @@ def _flat_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def _rows_ok(t: torch.Tensor) -> bool:
     """A 2-D float32 CPU matrix the C passes can read in place (unit column stride)."""
-    return (t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 2
-            and t.stride(1) == 1 and t.stride(0) >= t.shape[1])
+    return t.dtype is _F32_DTYPE and t.device.type == "cpu" and _row_stride(t) >= 0
+
+
+def _row_stride(t: torch.Tensor) -> int:
+    """The row stride of ``t`` if it is a 2-D matrix with unit column stride whose rows do
+    not overlap, else -1 (its dtype and device not looked at: the caller knows them)."""
+    st = t.stride()
+    return st[0] if len(st) == 2 and st[1] == 1 and st[0] >= t.shape[1] else -1
 
 
 _VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
@@ -409,7 +417,7 @@ _GXS = 5
 """Where ``sdc_cs_bwd``'s part of the workspace starts (in units of ``N``)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Layer:
     name: str
     index: int
@@ -538,16 +546,19 @@ class _FrontHook:
             self.handle = None
 
 
+_GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
+"""The running backward's graph task id (-1 outside one), where this torch has it."""
+_TOP_SAVED_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
 def _in_backward() -> bool:
     """Is a backward running (this forward call a recomputation inside it)?"""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
+    return _GRAPH_TASK is not None and _GRAPH_TASK() != -1
 
 
-def _gradient_hooked(layer: _Layer) -> bool:
-    """Does anything but this check change the weight's gradient between the product and
-    ``W.grad`` (``_Layer.gw_at_node``)? DDP's own hooks are not the tensor's."""
-    w = layer.module.weight
+def _gradient_hooked(layer: _Layer, w: torch.Tensor) -> bool:
+    """Does anything but this check change the weight ``w``'s gradient between the product
+    and ``W.grad`` (``_Layer.gw_at_node``)? DDP's own hooks are not the tensor's."""
     hooks = w._backward_hooks
     return bool(getattr(w, "_post_accumulate_grad_hooks", None)) or bool(
         hooks and any(k != layer.weight_hook for k in hooks))
@@ -570,8 +581,7 @@ def _recomputing() -> bool:
     through its output, so its calls are not the layer's (the forward's own call was
     checked). The reentrant form's recomputation, with no such hooks, is the graph its
     backward runs through: checked as a call."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    task, top = _GRAPH_TASK, _TOP_SAVED_HOOKS
     if task is None or top is None:  # not in this torch: every call counts
         return False
     if task() == -1:  # not inside a backward
@@ -700,6 +710,8 @@ class ChecksumCheck(Check, BucketListener):
         self._generation = 0
         """Counts checked steps: the weight's sums are taken at least once per step."""
         self._layer_bits = max(1, (len(self.layers) + 1).bit_length())
+        self._clean_flags = (False,) * (len(PRODUCTS) + self._layer_bits)
+        """A step's bits where no product failed (``_local_flags``)."""
         self._active = False
         self._micro = 0
         self._failures: list[_Failure] = []
@@ -768,9 +780,12 @@ class ChecksumCheck(Check, BucketListener):
             if nn.modules.module._global_forward_hooks or self._front.handle is not None:
                 self._front.keep_first()
             if (not self._active or not args or not isinstance(args[0], torch.Tensor)
-                    or args[0].numel() == 0 or _recomputing()):
+                    or args[0].numel() == 0):
                 return None  # an empty input (an expert no token was routed to): no product
-            if not _in_backward():  # (the reentrant checkpoint's recomputation runs in one)
+            if _in_backward():  # (the reentrant checkpoint's recomputation runs in one)
+                if _recomputing():
+                    return None
+            else:
                 self._forward_phase = True
             self._fresh(layer)
             x = args[0]
@@ -876,11 +891,13 @@ class ChecksumCheck(Check, BucketListener):
             return
         if self._forward_phase and self._active:
             self._inner_backward(layer)
-        if (self._active and call.native and self._kernel is not None
-                and gy.dtype == torch.float32 and (gx is None or gx.dtype == torch.float32)):
-            g = gy if _rows_ok(gy) else gy.contiguous()
-            self._gy_native(self._kernel, layer, call, g,
-                            None if gx is None else gx if _rows_ok(gx) else gx.contiguous())
+        kernel = self._kernel
+        if (self._active and call.native and kernel is not None
+                and gy.dtype is _F32_DTYPE and (gx is None or gx.dtype is _F32_DTYPE)):
+            # (on the CPU: the call's input and weight were, and the node's gradients are)
+            g = gy if _row_stride(gy) >= 0 else gy.contiguous()
+            self._gy_native(kernel, layer, call, g, None if gx is None
+                            else gx if _row_stride(gx) >= 0 else gx.contiguous())
         else:
             self._on_gy(layer, call, gy)
             if gx is not None:
@@ -1019,28 +1036,39 @@ class ChecksumCheck(Check, BucketListener):
         one they were taken at; a write through ``.data`` in between changes no version, so
         an entry that fails against them is checked again (``_stale``)."""
         kernel = self._kernel
-        for layer in self.layers:
-            layer.ask = None
         if kernel is None or not self.exact or not self.due(step + 1):
+            for layer in self.layers:
+                layer.ask = None
             return []
-        shared = Counter(id(layer.module.weight) for layer in self.layers)
+        seen: set[int] = set()
+        shared: set[int] = set()
+        for layer in self.layers:
+            w_id = id(layer.module.weight)
+            (shared if w_id in seen else seen).add(w_id)
         asks = []
         for layer in self.layers:
             m = layer.module
             w, b = m.weight, m.bias
             if not (layer.fuse and layer.native and layer.wsum is not None
-                    and shared[id(w)] == 1 and w.dim() == 2 and w.is_contiguous()):
+                    and id(w) not in shared and w.is_contiguous() and w.dim() == 2):
+                layer.ask = None
                 continue
-            layer.ask = WeightSums(w.detach(), None if b is None else b.detach(), layer.wsum,
-                                   kernel.threads_for(w.numel()))
-            layer.ask_key = self._version_key(layer)
-            asks.append(layer.ask)
+            # The same ask as last step's while it names the same tensors (only its version
+            # moves on): no objects made per step.
+            ask = layer.ask
+            threads = kernel.threads_for(w.numel())
+            if not (ask is not None and ask.weight.data_ptr() == w.data_ptr()
+                    and ask.weight.shape == w.shape and ask.out is layer.wsum
+                    and ask.threads == threads
+                    and (ask.bias is None if b is None else
+                         ask.bias is not None and ask.bias.data_ptr() == b.data_ptr()
+                         and ask.bias.shape == b.shape)):
+                ask = layer.ask = WeightSums(w.detach(), None if b is None else b.detach(),
+                                             layer.wsum, threads)
+            ask.taken = False
+            layer.ask_key = (w.data_ptr(), w._version, -1 if b is None else b._version)
+            asks.append(ask)
         return asks
-
-    def _from_pass(self, layer: _Layer) -> bool:
-        """Does ``wsum`` hold the weights check's sums of the weight at its version now?"""
-        ask = layer.ask
-        return ask is not None and ask.taken and layer.ask_key == self._version_key(layer)
 
     def _stale(self, layer: _Layer) -> bool:
         """An entry failed against the sums from the weights check's pass: take them again
@@ -1065,8 +1093,8 @@ class ChecksumCheck(Check, BucketListener):
         forward identity checked right away, while ``X`` and ``Y`` are in cache."""
         kernel = self._kernel
         want = self._want["forward"]
-        if (layer.native and kernel is not None and x.dtype == torch.float32
-                and y.dtype == torch.float32):
+        if (layer.native and kernel is not None and x.dtype is _F32_DTYPE
+                and y.dtype is _F32_DTYPE):
             x2, ldx = _flat_rows(x)  # the C passes read rows at a stride: no view for 3-D
             y2, ldy = _flat_rows(y)
             inner, out = x2.shape[-1], y2.shape[-1]
@@ -1074,34 +1102,33 @@ class ChecksumCheck(Check, BucketListener):
             ws = self._workspace(layer, _NATIVE_WS * n)
             m = layer.module
             w, bias = m.weight, m.bias
-            key = self._w_key(layer)
+            version = (w.data_ptr(), w._version, -1 if bias is None else bias._version)
+            key = (self._generation, *version)
             fresh = layer.w_key != key
             layer.w_key = key
             if fresh:  # the weights check's pass may have taken the sums already
-                layer.pre_sums = self._from_pass(layer)
+                ask = layer.ask
+                layer.pre_sums = ask is not None and ask.taken and layer.ask_key == version
                 fresh = not layer.pre_sums
-                self.pre_sums_used += int(layer.pre_sums)
-            if layer.wsum is None:
-                layer.wsum = torch.empty(2 * inner + 2 * out + 2)
-            wsum = layer.wsum.data_ptr()
+                self.pre_sums_used += layer.pre_sums
+            wsum_t = layer.wsum
+            if wsum_t is None:
+                wsum_t = layer.wsum = torch.empty(2 * inner + 2 * out + 2)
+            wsum = wsum_t.data_ptr()
             tol = _cpu_tolerance(self.config.tolerance_scale, inner + 1, 2 * out + inner)
-
-            def forward(fresh: bool) -> int:
-                return int(kernel.cs_fwd(
-                    x2.data_ptr(), n, inner, ldx, y2.data_ptr(), out, ldy, w.data_ptr(),
+            args = [x2.data_ptr(), n, inner, ldx, y2.data_ptr(), out, ldy, w.data_ptr(),
                     w.stride(0), None if bias is None else bias.data_ptr(), wsum,
                     wsum + (2 * inner + 2 * out) * _F32, int(fresh), ws.data_ptr(), int(want),
                     tol, int(self.expect_overflow), _threads(n * inner), _threads(n * out),
-                    _threads(w.numel()) if fresh else 1))
-
-            bad = forward(fresh)
+                    _threads(w.numel()) if fresh else 1]
+            bad = kernel.cs_fwd(*args)
             if bad and layer.pre_sums and self._stale(layer):
-                bad = forward(False)  # against the sums of the weight as it is
-            call = _Call(x2, ws, n, micro_batch=self._micro, tapped=tapped, gy_dtype=y.dtype,
-                         native=True)
+                args[12], args[-1] = 0, 1
+                bad = kernel.cs_fwd(*args)  # against the sums of the weight as it is
+            call = _Call(x2, ws, n, self._micro, tapped, gy_dtype=y.dtype, native=True)
             self.native_calls += 1
             if bad:
-                b0, b1 = layer.wsum[-2:].tolist()
+                b0, b1 = wsum_t[-2:].tolist()
                 self._failed(layer, "forward", call.micro_batch, ws[2 * n:3 * n],
                              ws[3 * n:4 * n], ws[4 * n:5 * n], tol, b0, b1)
         else:
@@ -1460,14 +1487,16 @@ class ChecksumCheck(Check, BucketListener):
         self._batch = None
         self._vetoed = False
         self._veto_word = None
+        kernel = self._kernel is not None
         for layer in self.layers:
             layer.calls.clear()
             layer.gw_rhs = layer.gw_bound = None
             m = layer.module
-            layer.native = self._kernel is not None and _rows_ok(m.weight) and (
-                m.bias is None or (m.bias.dtype == torch.float32 and m.bias.is_contiguous()))
-            layer.gw_step = layer.gw_checked and m.weight.requires_grad
-            layer.gw_at_node = layer.gw_step and _gradient_hooked(layer)
+            w, b = m.weight, m.bias
+            layer.native = kernel and _rows_ok(w) and (
+                b is None or (b.dtype is _F32_DTYPE and b.is_contiguous()))
+            layer.gw_step = layer.gw_checked and w.requires_grad
+            layer.gw_at_node = layer.gw_step and _gradient_hooked(layer, w)
 
     def _flags(self) -> tuple[Flag, list[_Failure]]:
         """Whether any entry failed (a host bool on the CPU, else a 0-d device bool)."""
@@ -1516,9 +1545,12 @@ class ChecksumCheck(Check, BucketListener):
         self._deferred.add(step, self._local_flags(step))
         return Verdict(found, withhold=withhold)
 
-    def _local_flags(self, step: int) -> list[bool]:
+    def _local_flags(self, step: int) -> Sequence[bool]:
         """This rank's bits for ``step``: one per product, then the first failing layer's index
         (plus one; 0 when none failed). Reads the failures on the host only when one did."""
+        if not (self._failures or self._entries):  # nothing recorded: nothing failed
+            self._batch = None
+            return self._clean_flags
         products = [False] * len(PRODUCTS)
         first = 0
         flag, failures = self._flags()
