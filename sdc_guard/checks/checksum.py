@@ -496,6 +496,10 @@ class _Layer:
     """The weight's sums may come from the weights check's pass: cleared for good once they
     were found stale (the weight written between the pass and the product where its version
     counter does not see it, through ``.data``)."""
+    w: torch.Tensor | None = None
+    """The layer's weight (``module.weight``) as the step found it (``begin_step``)."""
+    b: torch.Tensor | None = None
+    """Its bias, likewise (None without one)."""
 
 
 _OWN_GLOBAL_HOOKS: set[int] = set()
@@ -1043,30 +1047,30 @@ class ChecksumCheck(Check, BucketListener):
         seen: set[int] = set()
         shared: set[int] = set()
         for layer in self.layers:
-            w_id = id(layer.module.weight)
+            w_id = id(layer.w)
             (shared if w_id in seen else seen).add(w_id)
         asks = []
         for layer in self.layers:
-            m = layer.module
-            w, b = m.weight, m.bias
-            if not (layer.fuse and layer.native and layer.wsum is not None
-                    and id(w) not in shared and w.is_contiguous() and w.dim() == 2):
+            # (the tensors the step found: if the module got others since, the weights
+            # check's pass, which matches them by address, reads none of these)
+            w, b = layer.w, layer.b
+            if not (w is not None and layer.fuse and layer.native and layer.wsum is not None
+                    and id(w) not in shared and w.is_contiguous()):
                 layer.ask = None
                 continue
             # The same ask as last step's while it names the same tensors (only its version
             # moves on): no objects made per step.
             ask = layer.ask
-            threads = kernel.threads_for(w.numel())
-            if not (ask is not None and ask.weight.data_ptr() == w.data_ptr()
+            w_at = w.data_ptr()
+            if not (ask is not None and ask.weight.data_ptr() == w_at
                     and ask.weight.shape == w.shape and ask.out is layer.wsum
-                    and ask.threads == threads
                     and (ask.bias is None if b is None else
                          ask.bias is not None and ask.bias.data_ptr() == b.data_ptr()
                          and ask.bias.shape == b.shape)):
                 ask = layer.ask = WeightSums(w.detach(), None if b is None else b.detach(),
-                                             layer.wsum, threads)
+                                             layer.wsum, kernel.threads_for(w.numel()))
             ask.taken = False
-            layer.ask_key = (w.data_ptr(), w._version, -1 if b is None else b._version)
+            layer.ask_key = (w_at, w._version, -1 if b is None else b._version)
             asks.append(ask)
         return asks
 
@@ -1100,8 +1104,8 @@ class ChecksumCheck(Check, BucketListener):
             inner, out = x2.shape[-1], y2.shape[-1]
             n = x2.numel() // inner if inner else 0
             ws = self._workspace(layer, _NATIVE_WS * n)
-            m = layer.module
-            w, bias = m.weight, m.bias
+            w, bias = layer.w, layer.b  # (as the step found them: native says so)
+            assert w is not None
             version = (w.data_ptr(), w._version, -1 if bias is None else bias._version)
             key = (self._generation, *version)
             fresh = layer.w_key != key
@@ -1492,7 +1496,8 @@ class ChecksumCheck(Check, BucketListener):
             layer.calls.clear()
             layer.gw_rhs = layer.gw_bound = None
             m = layer.module
-            w, b = m.weight, m.bias
+            w = layer.w = m.weight
+            b = layer.b = m.bias
             layer.native = kernel and _rows_ok(w) and (
                 b is None or (b.dtype is _F32_DTYPE and b.is_contiguous()))
             layer.gw_step = layer.gw_checked and w.requires_grad
