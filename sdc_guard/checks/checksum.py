@@ -560,6 +560,11 @@ def _in_backward() -> bool:
     return _GRAPH_TASK is not None and _GRAPH_TASK() != -1
 
 
+def _versions(w: torch.Tensor, b: torch.Tensor | None) -> tuple[int, int, int]:
+    """A weight's (and bias's) storage and versions: its sums are taken again when they move."""
+    return (w.data_ptr(), w._version, -1 if b is None else b._version)
+
+
 def _gradient_hooked(layer: _Layer, w: torch.Tensor) -> bool:
     """Does anything but this check change the weight ``w``'s gradient between the product
     and ``W.grad`` (``_Layer.gw_at_node``)? DDP's own hooks are not the tensor's."""
@@ -1026,8 +1031,7 @@ class ChecksumCheck(Check, BucketListener):
     def _version_key(layer: _Layer) -> tuple[int, ...]:
         """The weight's (and bias's) storage and versions."""
         m = layer.module
-        b = m.bias
-        return (m.weight.data_ptr(), m.weight._version, -1 if b is None else b._version)
+        return _versions(m.weight, m.bias)
 
     def weight_sums(self, step: int) -> list[WeightSums]:
         """The weight sums the weights check's fingerprint pass after ``step``'s optimizer
@@ -1061,8 +1065,7 @@ class ChecksumCheck(Check, BucketListener):
             # The same ask as last step's while it names the same tensors (only its version
             # moves on): no objects made per step.
             ask = layer.ask
-            w_at = w.data_ptr()
-            if not (ask is not None and ask.weight.data_ptr() == w_at
+            if not (ask is not None and ask.weight.data_ptr() == w.data_ptr()
                     and ask.weight.shape == w.shape and ask.out is layer.wsum
                     and (ask.bias is None if b is None else
                          ask.bias is not None and ask.bias.data_ptr() == b.data_ptr()
@@ -1070,7 +1073,7 @@ class ChecksumCheck(Check, BucketListener):
                 ask = layer.ask = WeightSums(w.detach(), None if b is None else b.detach(),
                                              layer.wsum, kernel.threads_for(w.numel()))
             ask.taken = False
-            layer.ask_key = (w_at, w._version, -1 if b is None else b._version)
+            layer.ask_key = _versions(w, b)
             asks.append(ask)
         return asks
 
@@ -1106,7 +1109,7 @@ class ChecksumCheck(Check, BucketListener):
             ws = self._workspace(layer, _NATIVE_WS * n)
             w, bias = layer.w, layer.b  # (as the step found them: native says so)
             assert w is not None
-            version = (w.data_ptr(), w._version, -1 if bias is None else bias._version)
+            version = _versions(w, bias)
             key = (self._generation, *version)
             fresh = layer.w_key != key
             layer.w_key = key
