@@ -148,8 +148,15 @@ static void block2(const void* x, int64_t n, uint64_t* s1, uint64_t* s2) {
 }
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(SDC_NO_CLONES)
-/* One copy per instruction set, chosen when the library loads. */
+/* One copy per x86-64 level, chosen when the library loads: v4 (AVX-512 F, BW, CD, DQ,
+   VL) and v3 (AVX2 with FMA), so that the checksum's float loops multiply and add in one
+   instruction, on other pipes than their plain additions; a compiler without the levels
+   (GCC < 11) builds one copy per instruction set instead (SDC_ISA_CLONES, native.build). */
+#ifdef SDC_ISA_CLONES
 #define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
 #else
 #define CLONES
 #endif

@@ -25,7 +25,9 @@ Four entry points serve the checksum check with float32 passes (``sdc_cs_cols``,
 ``sdc_cs_rows``, ``sdc_cs_compare``: its products with ``W`` and ``|W|`` in one read,
 without materialising ``|W|``; ``sdc_scale_rows``: the comm hook's scaling pass that also
 sums the rows of the weight gradients in the bucket; ``sdc_guard.checks.checksum``);
-float sums in any order, which its tolerance allows.
+float sums in any order, which its tolerance allows. They (and the scaling and
+non-finite passes) are compiled for each x86-64 level (v4, v3: with fused multiply-add,
+which rounds once where a multiply then an add round twice: within the same bound).
 
 Two more entry points serve the non-finite check on float32 CPU buffers:
 ``sdc_scale_check`` (DDP's 1/world scaling, the bits of ``mul_``, with a NaN/Inf
@@ -365,7 +367,9 @@ def build(directory: Path | None = None) -> Path:
     src = Path(tmp[: -len(".so")] + ".c")
     try:
         src.write_text(source)
-        for extra in ((), ("-DSDC_NO_CLONES",)):  # a compiler without target_clones: plain
+        # A compiler without the x86-64 levels in target_clones: a copy per instruction
+        # set; without target_clones: one plain copy.
+        for extra in ((), ("-DSDC_ISA_CLONES",), ("-DSDC_NO_CLONES",)):
             proc = subprocess.run([cc, *_FLAGS, *extra, "-o", tmp, str(src)],
                                   capture_output=True, text=True, timeout=120, check=False)
             if proc.returncode == 0:

@@ -322,14 +322,17 @@ def test_scale_digest_does_not_depend_on_the_threads(native: None) -> None:
         torch.set_num_threads(before)
 
 
-def test_the_plain_build_scales_and_digests_the_same(tmp_path: Path, native: None) -> None:
+@pytest.mark.parametrize("fallback", ["-DSDC_NO_CLONES", "-DSDC_ISA_CLONES"])
+def test_the_fallback_builds_scale_and_digest_the_same(tmp_path: Path, native: None,
+                                                       fallback: str) -> None:
+    """The builds ``native.build`` falls back to on older compilers: one plain copy, or a
+    copy per instruction set (no x86-64 levels in ``target_clones``)."""
     cc = nat._compiler()
     assert cc is not None  # the fixture built the kernel
     src = tmp_path / "k.c"
     src.write_text(nat._SOURCE.read_text())
     lib = tmp_path / "k.so"
-    subprocess.run([cc, *nat._FLAGS, "-DSDC_NO_CLONES", "-o", str(lib), str(src)],
-                   check=True)
+    subprocess.run([cc, *nat._FLAGS, fallback, "-o", str(lib), str(src)], check=True)
     x = torch.randn(2 * 70_001, generator=torch.Generator().manual_seed(2))
     x[5] = float("-inf")
     plain = nat.NativeKernel(lib)
