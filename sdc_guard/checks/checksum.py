@@ -430,6 +430,10 @@ class _Layer:
     posted: bool = False
     """The call under way was seen by this check's global forward hook (``_FrontHook``):
     the layer's own forward hook leaves it."""
+    checked: bool = False
+    """The forward pre-hook found the call under way one to check (the check active, a
+    non-empty input tensor, not a recomputation) and started its micro-batch (``_fresh``):
+    the forward hook reads it (once) instead of asking again."""
     node_shape: tuple[type, int, type, int] | None = None
     """What ``_product_node`` last found: the output's node type, the views above the
     product, the product node's type, its input gradient's index. A call of the stock
@@ -786,6 +790,7 @@ class ChecksumCheck(Check, BucketListener):
         def pre(mod: nn.Module, args: tuple[Any, ...]) -> Any:
             layer.via_node = False
             layer.posted = False
+            layer.checked = False
             if nn.modules.module._global_forward_hooks or self._front.handle is not None:
                 self._front.keep_first()
             if (not self._active or not args or not isinstance(args[0], torch.Tensor)
@@ -797,6 +802,7 @@ class ChecksumCheck(Check, BucketListener):
             else:
                 self._forward_phase = True
             self._fresh(layer)
+            layer.checked = True
             x = args[0]
             # The product's node will be there (as on the last call): no tap needed. Only
             # the stock forward on a 2-D or contiguous input multiplies in one addmm/mm.
@@ -816,12 +822,10 @@ class ChecksumCheck(Check, BucketListener):
             return (tap, *args[1:])
 
         def post(mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-            if (not self._active or not args or not isinstance(out, torch.Tensor)
-                    or not isinstance(args[0], torch.Tensor) or args[0].numel() == 0
-                    or _recomputing()):
-                return
+            checked, layer.checked = layer.checked, False
+            if not (checked and isinstance(out, torch.Tensor)):
+                return  # (the pre-hook found no product to check, or a recomputation)
             layer.called = True
-            self._fresh(layer)
             x = args[0]
             backward = out.requires_grad and torch.is_grad_enabled()
             via_node, layer.via_node = layer.via_node, False
@@ -1132,7 +1136,7 @@ class ChecksumCheck(Check, BucketListener):
             if bad and layer.pre_sums and self._stale(layer):
                 args[12], args[-1] = 0, 1
                 bad = kernel.cs_fwd(*args)  # against the sums of the weight as it is
-            call = _Call(x2, ws, n, self._micro, tapped, gy_dtype=y.dtype, native=True)
+            call = _Call(x2, ws, n, self._micro, tapped, None, None, y.dtype, True)
             self.native_calls += 1
             if bad:
                 b0, b1 = wsum_t[-2:].tolist()
