@@ -1136,7 +1136,7 @@ class ChecksumCheck(Check, BucketListener):
             if bad and layer.pre_sums and self._stale(layer):
                 args[12], args[-1] = 0, 1
                 bad = kernel.cs_fwd(*args)  # against the sums of the weight as it is
-            call = _Call(x2, ws, n, self._micro, tapped, None, None, y.dtype, True)
+            call = _Call(x2, ws, n, self._micro, tapped, gy_dtype=y.dtype, native=True)
             self.native_calls += 1
             if bad:
                 b0, b1 = wsum_t[-2:].tolist()
