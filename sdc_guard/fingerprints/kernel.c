@@ -566,12 +566,14 @@ int64_t sdc_cs_compare(const float* lhs, const float* rhs, const float* bound, i
   return bad;
 }
 
+/* A 1 the compiler cannot fold (cs_rc). */
+static volatile float cs_one = 1.0f;
+
 /* Rows [i0, i1), columns [c0, c1) of A (row stride ld), each element read once: per row,
    r[i] = v . A[i][c0:c1] and ra[i] = va . |A[i][c0:c1]| (rows_on; v, va NULL: ones), and
    per column, s[c] += sum_i u[i] A[i][c] and b[c] += sum_i a[i] |A[i][c]| (cols_on; u, a
    NULL: ones). Four rows at a time: one load and store of each column accumulator serves
    four rows, eight lanes of partial sums per row dot. */
-static volatile float cs_one = 1.0f;
 static inline __attribute__((always_inline)) void cs_rc(
     const float* restrict A, int64_t ld, int64_t i0, int64_t i1, int64_t c0, int64_t c1,
     const float* restrict v, const float* restrict va, float* restrict r,
