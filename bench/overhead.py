@@ -198,15 +198,28 @@ def _blocks_rank(rank: int, world: int, rounds: int, block: int, batch: int,
     for g in guards:
         if g.config.nonfinite:
             g.flush()
+    return block_stats(names, {"times": times, "cpu": cpu, "main": main, "faults": faults})
+
+
+def block_stats(names: list[str], raw: dict[str, dict[str, list[float]]],
+                launches: int = 1) -> dict[str, Any]:
+    """The block-timed tables' numbers from each configuration's samples per round (``raw``:
+    ``times``, ``cpu``, ``main``, ``faults``), ``launches`` runs of equal rounds one after
+    another. With one launch the intervals resample whole rotations; with more, whole
+    launches: each launch's processes start with a heap of their own, and where glibc's
+    trimming faults pages in depends on that heap's history (docs/usage.md), so rounds of
+    one launch share a draw that the rotations of one run cannot sample."""
+    times, cpu, main, faults = (raw[k] for k in ("times", "cpu", "main", "faults"))
     # The ratios are taken over whole rotations: a block's position in its round moves its
     # time (two configurations alternated on 3 ranks sharing 2 cores: whichever ran second
     # paid some 0.3% more, whatever it ran), and a rotation puts every configuration in
     # every position once.
-    by_cycle = {"times": per_rotation(times, len(configs)),
-                "main": per_rotation(main, len(configs)),
-                "cpu": per_rotation(cpu, len(configs))}
-    per_cycle = {k: [[v] for v in vs] for k, vs in by_cycle["times"].items()}
-    main_cycles = {k: [[v] for v in vs] for k, vs in by_cycle["main"].items()}
+    by_cycle = {"times": per_rotation(times, len(names)),
+                "main": per_rotation(main, len(names)),
+                "cpu": per_rotation(cpu, len(names))}
+    clusters = launches if launches > 1 else len(next(iter(by_cycle["times"].values())))
+    per_cycle = {k: split_rounds(vs, clusters) for k, vs in by_cycle["times"].items()}
+    main_cycles = {k: split_rounds(vs, clusters) for k, vs in by_cycle["main"].items()}
 
     def to_plain(m: dict[str, list[float]], k: str, base: str) -> float:
         return statistics.median(a / b for a, b in zip(m[k], m[base], strict=True)) - 1.0
@@ -233,8 +246,18 @@ def _blocks_rank(rank: int, world: int, rounds: int, block: int, batch: int,
                                              lambda m, k=k, b=base: extra_main(m, k, b)),
                           statistics.median(main[base]))
         for k, base in pairs}
+    launch_cycles = {k: split_rounds(vs, launches) for k, vs in by_cycle["times"].items()}
+    per_launch = {f"{k} / {base}": [to_plain({n: v[i] for n, v in launch_cycles.items()}, k, base)
+                                    for i in range(launches)]
+                  for k, base in pairs}
+    launch_faults = {k: [statistics.median(v) for v in split_rounds(vs, launches)]
+                     for k, vs in faults.items()}
     return {
-        "rotation_rounds": len(configs),
+        "rotation_rounds": len(names),
+        "launches": launches,
+        "guard_off_vs_plain_per_launch": per_launch,
+        "page_faults_per_step_per_launch": launch_faults,
+        "round_cpu_s": {k: [round(v, 9) for v in vs] for k, vs in cpu.items()},
         "round_step_s": {k: [round(v, 9) for v in vs] for k, vs in times.items()},
         "round_main_thread_cpu_s": {k: [round(v, 9) for v in vs] for k, vs in main.items()},
         "round_page_faults_per_step": faults,
@@ -286,12 +309,22 @@ def allocator_names(allocator: dict[int, int] | None) -> dict[str, int]:
 
 def check_guard_off(world: int, rounds: int, block: int, batch: int,
                     configs: tuple[OverheadConfig, ...] = GUARD_OFF_CONFIGS,
-                    allocator: dict[int, int] | None = None) -> dict[str, Any]:
+                    allocator: dict[int, int] | None = None, launches: int = 1) -> dict[str, Any]:
     """``configs`` timed in blocks, as ``check_overhead_blocks``; ``allocator``: glibc
-    ``mallopt`` settings each rank applies before it builds its models (``NO_TRIM``)."""
-    whole_rotations(rounds, len(configs))
-    res: dict[str, Any] = run_ranks(_blocks_rank, world, rounds, block, batch, configs,
-                                    allocator, timeout=3600)[0]
+    ``mallopt`` settings each rank applies before it builds its models (``NO_TRIM``).
+    ``launches``: the rounds split over that many runs of new rank processes, one after
+    another, the intervals resampling whole launches (``block_stats``)."""
+    if launches < 1 or rounds % launches:
+        raise ValueError(f"launches={launches}: give a positive divisor of rounds={rounds}")
+    whole_rotations(rounds // launches, len(configs))
+    runs = [run_ranks(_blocks_rank, world, rounds // launches, block, batch, configs,
+                      allocator, timeout=3600)[0] for _ in range(launches)]
+    names = [oc.name for oc in configs]
+    raw = {what: {k: [x for run in runs for x in run[key][k]] for k in names}
+           for what, key in (("times", "round_step_s"), ("cpu", "round_cpu_s"),
+                             ("main", "round_main_thread_cpu_s"),
+                             ("faults", "round_page_faults_per_step"))}
+    res = block_stats(names, raw, launches)
     res.update({"world": world, "batch": batch, "rounds": rounds, "block": block,
                 "configs": [oc.name for oc in configs],
                 "allocator": allocator_names(allocator)})

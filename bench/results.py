@@ -134,22 +134,29 @@ def guard_off_md(go: dict[str, Any], *, reference: bool) -> list[str]:
         intro = [f"Blocks of {go['block']} steps"
                  + _untimed_first(go)
                  + " with no barrier between the steps, "
-                 f"{go['rounds']} rounds, the order of the {len(configs)} configurations "
-                 "rotating; each DDP construction on both sides. No check reads the gradient "
+                 f"{go['rounds']} rounds{_launches(go)}, the order of the {len(configs)} "
+                 "configurations rotating; each DDP construction on both sides. No check reads the gradient "
                  "buckets, so the guard registers no comm hook and DDP keeps its built-in "
                  "all-reduce (any hook costs DDP a pass of its own: docs/architecture.md)."
                  + (" glibc's allocator as it comes: it gives the top of its heap back to the "
                     "system and the next step faults those pages in again, a number that "
                     "moves with each loop's pattern of allocations (the page faults below)."
                     if go.get("page_faults_per_step") else "")]
+    over = " over launches" if go.get("launches", 1) > 1 else ""
     lines = ["", title, "", *intro, "",
-             "Step time: " + _over_rounds(go, "ratio") + " (90% bootstrap interval)"
+             "Step time: " + _over_rounds(go, "ratio") + f" (90% bootstrap interval{over})"
              + target + ":", "",
              "| guard, checks off / plain DDP | ratio - 1 | 90% interval |", "|---|---|---|"]
     for pair, (r, (lo, hi)) in go["guard_off_vs_plain"].items():
         lines.append(f"| {pair} | **{r*100:+.2f}%** | {lo*100:+.2f}% .. {hi*100:+.2f}% |")
+    per_launch = go.get("guard_off_vs_plain_per_launch") or {}
+    if go.get("launches", 1) > 1 and per_launch:
+        lines += ["", "Each launch's own ratio (the same median over its rotations), in the order "
+                  "they ran: " + "; ".join(
+                      f"{pair}: " + ", ".join(f"{r*100:+.2f}%" for r in rs)
+                      for pair, rs in per_launch.items()) + "."]
     lines += ["", "The main thread's extra CPU time per step (" + _over_rounds(go, "difference")
-              + "; 90% bootstrap interval; as a fraction of plain DDP's main thread CPU per "
+              + f"; 90% bootstrap interval{over}; as a fraction of plain DDP's main thread CPU per "
               "step):", "",
               "| guard, checks off / plain DDP | extra CPU per step (us) | 90% interval (us) | "
               "fraction (90% interval) |", "|---|---|---|---|"]
@@ -160,8 +167,25 @@ def guard_off_md(go: dict[str, Any], *, reference: bool) -> list[str]:
     if faults:
         lines += ["", "Minor page faults per step of this rank's process, the median over rounds: "
                   + "; ".join(f"{name} {n:.0f}" for name, n in faults.items()) + "."]
+    launch_faults = go.get("page_faults_per_step_per_launch") or {}
+    if go.get("launches", 1) > 1 and faults and launch_faults:
+        lines += ["", "The same per launch: " + "; ".join(
+            f"{name} " + ", ".join(f"{n:.0f}" for n in ns) for name, ns in launch_faults.items())
+                  + "."]
     lines.append("")
     return lines
+
+
+def _launches(section: dict[str, Any]) -> str:
+    """How a block-timed section's rounds were run: in launches of new rank processes, where
+    it was (``bench.overhead.block_stats``)."""
+    n = section.get("launches", 1)
+    if n <= 1:
+        return ""
+    return (f" in {n} launches of {section['rounds'] // n} rounds (new rank processes each time, one "
+            "after another: where glibc's trimming faults pages in depends on each process's "
+            "history, a draw the rounds of one launch share, so the intervals resample "
+            "launches)")
 
 
 def _faults(r: dict[str, Any]) -> str:

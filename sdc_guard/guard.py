@@ -291,7 +291,7 @@ class SDCGuard:
         # step more than plain DDP on the reference MLP.
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        batches = fetch_micro_batches(self.batch_for, self.rank, step, cfg.micro_batches)
+        batches = list(fetch_micro_batches(self.batch_for, self.rank, step, cfg.micro_batches))
         due = [c for c in self.checks if c.due(step)]
         self.comm.begin_step(step)
         versions = None
@@ -301,19 +301,22 @@ class SDCGuard:
             check.begin_step(step)
         losses: list[torch.Tensor] = []
         self._forwards[0] = 0
-        for i, mb in enumerate(batches):
+        for i in range(len(batches)):
+            # The micro-batch goes once its forward is done, as in a plain loop: its graph keeps
+            # what the backward needs and lets each tensor go when the backward is done with it.
+            mb, batches[i] = batches[i], None
             last = i == len(batches) - 1
             with contextlib.nullcontext() if last else self.model.no_sync():
                 with (rng_stream(cfg.seed, self.rank, step, i, self.device)
                       if cfg.deterministic else contextlib.nullcontext()):
                     loss = scalar_loss(self.loss_fn(self.model, mb))
+                del mb
                 losses.append(loss.detach())
                 for check in due:
                     check.on_loss(losses[-1])
                 scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
                 scaled.backward()
                 del loss, scaled  # the graph goes now, as in a plain loop, not after the step
-        del batches, mb  # the batch too, before the optimizer allocates its temporaries
         if self._counting is not None:
             self._refuse_bypass()
         if versions is not None:
