@@ -100,3 +100,54 @@ def test_a_block_timed_run_refuses_rounds_that_are_not_whole_rotations() -> None
     with pytest.raises(ValueError, match=r"rounds=0: give a positive multiple of "
                        + str(len(BLOCK_CONFIGS))):
         check_overhead_blocks(2, rounds=0, block=2, batch=8)
+
+
+def test_launches_are_what_the_guard_off_intervals_resample() -> None:
+    # Four launches of two rotations each; the guard with its checks off is 0%, 1%, 2% and
+    # 6% slower than plain DDP by launch (the allocator's draw of each launch's processes),
+    # the same in every rotation of a launch. Resampling rotations as if they were
+    # independent would count each launch's draw twice; the launch is the unit.
+    from bench.overhead import block_stats
+    from bench.reference import CHECKS_OFF_COPIED, PLAIN_DDP_VIEWS
+    from bench.results import guard_off_md
+    from scenarios.spec.overhead import CHECKS_OFF, PLAIN_DDP
+
+    names = [PLAIN_DDP.name, PLAIN_DDP_VIEWS.name, CHECKS_OFF.name, CHECKS_OFF_COPIED.name]
+    slower = (0.0, 0.01, 0.02, 0.06)
+    raw: dict[str, dict[str, list[float]]] = {w: {k: [] for k in names}
+                                              for w in ("times", "cpu", "main", "faults")}
+    for launch, d in enumerate(slower):
+        for _ in range(2 * len(names)):
+            for k in names:
+                t = 0.04 * (1 + d) if k == CHECKS_OFF.name else 0.04
+                raw["times"][k].append(t)
+                raw["cpu"][k].append(t)
+                raw["main"][k].append(t / 2)
+                raw["faults"][k].append(100.0 * launch)
+    res = block_stats(names, raw, launches=4)
+    pair = f"{CHECKS_OFF.name} / {PLAIN_DDP_VIEWS.name}"
+    assert res["launches"] == 4
+    assert res["guard_off_vs_plain_per_launch"][pair] == pytest.approx(list(slower))
+    ratio, (lo, hi) = res["guard_off_vs_plain"][pair]
+    assert ratio == pytest.approx(0.015)  # the median of the 8 rotations
+    # Whole launches drawn: four of them, so the interval spans most of what they measured.
+    eps = 1e-9
+    assert -eps <= lo <= 0.005 + eps and 0.04 - eps <= hi <= 0.06 + eps
+    assert res["page_faults_per_step_per_launch"][PLAIN_DDP.name] == [0, 100, 200, 300]
+    copied = f"{CHECKS_OFF_COPIED.name} / {PLAIN_DDP.name}"
+    assert res["guard_off_vs_plain_per_launch"][copied] == pytest.approx([0.0] * 4)
+    page = "\n".join(guard_off_md({**res, "world": 3, "batch": 128, "rounds": 32, "block": 16,
+                                   "configs": names, "allocator": {}}, reference=True))
+    assert "32 rounds in 4 launches of 8 rounds (new rank processes each time" in page
+    assert "(90% bootstrap interval over launches)" in page
+    assert f"{pair}: +0.00%, +1.00%, +2.00%, +6.00%" in page
+    assert f"The same per launch: {PLAIN_DDP.name} 0, 100, 200, 300" in page
+
+
+def test_a_guard_off_run_refuses_launches_that_do_not_divide_its_rounds() -> None:
+    from bench.overhead import check_guard_off
+
+    with pytest.raises(ValueError, match=r"launches=3: give a positive divisor of rounds=8"):
+        check_guard_off(2, rounds=8, block=2, batch=8, launches=3)
+    with pytest.raises(ValueError, match=r"rounds=6: give a positive multiple of 4"):
+        check_guard_off(2, rounds=12, block=2, batch=8, launches=2)
