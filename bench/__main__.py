@@ -35,12 +35,10 @@ import torch
 from bench.checksum import checksum_overhead
 from bench.fingerprint import fingerprint_throughput
 from bench.overhead import NO_TRIM, check_guard_off, check_overhead, check_overhead_blocks
-from bench.reference import PLAIN_DDP_VIEWS
 from bench.replay import replay_overhead
 from bench.replay_exchange import replay_exchange
 from bench.results import markdown
 from bench.timing import cpu_name
-from scenarios.spec.overhead import CHECKS_OFF
 
 
 def machine_name() -> str:
@@ -99,8 +97,8 @@ def _runs(q: bool) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
         ("guard_off", lambda: check_guard_off(3, rounds=8 if q else 480, block=8 if q else 16,
                                               batch=128, launches=2 if q else 10)),
         ("guard_off_no_trim", lambda: check_guard_off(
-            3, rounds=4 if q else 480, block=8 if q else 16, batch=128,
-            configs=(PLAIN_DDP_VIEWS, CHECKS_OFF), allocator=NO_TRIM)),
+            3, rounds=8 if q else 480, block=8 if q else 16, batch=128, allocator=NO_TRIM,
+            launches=2 if q else 10)),
         ("checksum", lambda: checksum_overhead(3, rounds=7 if q else 49, block=4 if q else 16)),
         # The headline replay section (the target): four times the rounds of the
         # others, as its per-audit-step medians moved by about 0.1 from one 12-round run to

@@ -127,7 +127,10 @@ def guard_off_md(go: dict[str, Any], *, reference: bool) -> list[str]:
                  f"{', '.join(f'`mallopt({k}, {v})`' for k, v in alloc.items())} (what "
                  "docs/usage.md advises for CPU training as `MALLOC_*` variables: freed "
                  "memory stays with the process, so no step faults its pages back in), "
-                 "bucket views on both sides. What is left is the guard's own work."]
+                 + ("bucket views on both sides" if len(configs) == 2 else
+                    "each DDP construction on both sides")
+                 + f"; {go['rounds']} rounds{_launches(go)}. What is left is the guard's own "
+                 "work."]
     else:
         title = (f"## The guard with its checks off beside plain DDP: {go['world']} ranks, "
                  f"batch {go['batch']}")
@@ -183,9 +186,9 @@ def _launches(section: dict[str, Any]) -> str:
     if n <= 1:
         return ""
     return (f" in {n} launches of {section['rounds'] // n} rounds (new rank processes each time, one "
-            "after another: where glibc's trimming faults pages in depends on each process's "
-            "history, a draw the rounds of one launch share, so the intervals resample "
-            "launches)")
+            "after another: what a process's heap does, where glibc's trimming faults pages in "
+            "among it, depends on that process's history, a draw the rounds of one launch "
+            "share, so the intervals resample launches)")
 
 
 def _faults(r: dict[str, Any]) -> str:
