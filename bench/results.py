@@ -138,9 +138,9 @@ def guard_off_md(go: dict[str, Any], *, reference: bool) -> list[str]:
                  + _untimed_first(go)
                  + " with no barrier between the steps, "
                  f"{go['rounds']} rounds{_launches(go)}, the order of the {len(configs)} "
-                 "configurations rotating; each DDP construction on both sides. No check reads the gradient "
-                 "buckets, so the guard registers no comm hook and DDP keeps its built-in "
-                 "all-reduce (any hook costs DDP a pass of its own: docs/architecture.md)."
+                 "configurations rotating; each DDP construction on both sides. No check reads "
+                 "the gradient buckets, so the guard registers no comm hook and DDP keeps its "
+                 "built-in all-reduce (any hook costs DDP a pass of its own: docs/architecture.md)."
                  + (" glibc's allocator as it comes: it gives the top of its heap back to the "
                     "system and the next step faults those pages in again, a number that "
                     "moves with each loop's pattern of allocations (the page faults below)."
@@ -185,10 +185,10 @@ def _launches(section: dict[str, Any]) -> str:
     n = section.get("launches", 1)
     if n <= 1:
         return ""
-    return (f" in {n} launches of {section['rounds'] // n} rounds (new rank processes each time, one "
-            "after another: what a process's heap does, where glibc's trimming faults pages in "
-            "among it, depends on that process's history, a draw the rounds of one launch "
-            "share, so the intervals resample launches)")
+    return (f" in {n} launches of {section['rounds'] // n} rounds (new rank processes each "
+            "time, one after another: how a process's heap behaves, glibc's trimming included, "
+            "depends on that process's history, a draw the rounds of one launch share, so the "
+            "intervals resample launches)")
 
 
 def _faults(r: dict[str, Any]) -> str:
