@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from bench.checksum import checksum_overhead
+from bench.checksum import checksum_launches, checksum_overhead
 from bench.fingerprint import fingerprint_throughput
 from bench.overhead import NO_TRIM, check_guard_off, check_overhead, check_overhead_blocks
 from bench.replay import replay_overhead
@@ -102,6 +102,10 @@ def _runs(q: bool) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
             3, rounds=8 if q else 480, block=8 if q else 16, batch=128, allocator=NO_TRIM,
             launches=2 if q else 10)),
         ("checksum", lambda: checksum_overhead(3, rounds=7 if q else 49, block=4 if q else 16)),
+        # The comparison alone, in launches: one process's allocator draw moved the
+        # guard_off ratios by more than their intervals (block_stats).
+        ("checksum_launches", lambda: checksum_launches(
+            3, rounds=4 if q else 480, block=4 if q else 16, launches=2 if q else 20)),
         # The headline replay section (the target): four times the rounds of the
         # others, as its per-audit-step medians moved by about 0.1 from one 12-round run to
         # the next, and still by up to 0.2 between two 24-round runs of one commit.

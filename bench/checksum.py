@@ -38,7 +38,13 @@ from bench.reference import (
     reference_mlp,
     switch,
 )
-from bench.timing import bootstrap_interval, per_rotation, whole_rotations
+from bench.timing import (
+    bootstrap_interval,
+    launch_rounds,
+    per_rotation,
+    split_rounds,
+    whole_rotations,
+)
 from scenarios.run.launch import run_ranks
 from scenarios.spec.models import build_model, scenario_loss, synthetic_batch
 from scenarios.spec.overhead import CHECKS_OFF, CHECKSUM, CHECKSUM_NORM
@@ -101,11 +107,11 @@ def _weight_read(guard: SDCGuard, *, shared: bool) -> None:
             c.weight_sums = checksum.weight_sums if shared else None
 
 
-def _rank(rank: int, world: int, kind: str, batch: int, rounds: int,
-          block: int) -> dict[str, Any]:
-    guards = _guards(kind, batch)  # the checksum's models (their hook stays registered)
-    plain = _guards(kind, batch)   # the checks-off guard's own: never hooked
-    configs = CONFIGS
+def _timed(guards: list[SDCGuard], plain: list[SDCGuard], configs: tuple[str, ...],
+           rounds: int, block: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Seconds per step, wall and CPU, of each of ``configs`` per round: ``guards`` switched
+    to each configuration in turn, ``plain`` (checks off, never hooked) for ``CHECKS_OFF``;
+    blocks of ``block`` steps after one untimed step, the order rotating round by round."""
     settings = {OFF_HOOKED: CHECKS_OFF.config, CHECKSUM.name: CHECKSUM.config,
                 CHECKSUM_NORM.name: CHECKSUM_NORM.config, DEFAULTS: GuardConfig(),
                 DEFAULTS_CHECKSUM: GuardConfig(checksum=True),
@@ -140,10 +146,20 @@ def _rank(rank: int, world: int, kind: str, batch: int, rounds: int,
     assert not any(g.comm_hook_registered for g in plain)  # the headline baseline is hookless
     for g in guards + plain:
         g.flush()
+    return times, cpu
 
-    def ratio(m: dict[str, list[float]], on: str, base: str) -> float:
-        return statistics.median(a / b for a, b in zip(m[on], m[base], strict=True)) - 1.0
 
+def _ratio(m: dict[str, list[float]], on: str, base: str) -> float:
+    """The median over ``m``'s samples (whole rotations) of ``on``'s time over ``base``'s,
+    minus one."""
+    return statistics.median(a / b for a, b in zip(m[on], m[base], strict=True)) - 1.0
+
+
+def _rank(rank: int, world: int, kind: str, batch: int, rounds: int,
+          block: int) -> dict[str, Any]:
+    configs = CONFIGS
+    # The checksum's models (their hook stays registered), and the checks-off guard's own.
+    times, cpu = _timed(_guards(kind, batch), _guards(kind, batch), configs, rounds, block)
     # Ratios over whole rotations of the configurations (bench.timing.per_rotation).
     rot, rot_cpu = per_rotation(times, len(configs)), per_rotation(cpu, len(configs))
     per_rot = {k: [[v] for v in vs] for k, vs in rot.items()}
@@ -155,24 +171,24 @@ def _rank(rank: int, world: int, kind: str, batch: int, rounds: int,
     for name, bound in ((CHECKSUM.name, "exact"), (CHECKSUM_NORM.name, "norm")):
         out["bounds"][bound] = {
             "step_ms": statistics.median(times[name]) * 1e3,
-            "overhead": ratio(rot, name, CHECKS_OFF.name),
+            "overhead": _ratio(rot, name, CHECKS_OFF.name),
             "overhead_interval_90": bootstrap_interval(
-                per_rot, lambda m, on=name: ratio(m, on, CHECKS_OFF.name)),
-            "cpu_overhead": ratio(rot_cpu, name, CHECKS_OFF.name),
-            "overhead_vs_hooked": ratio(rot, name, OFF_HOOKED),
+                per_rot, lambda m, on=name: _ratio(m, on, CHECKS_OFF.name)),
+            "cpu_overhead": _ratio(rot_cpu, name, CHECKS_OFF.name),
+            "overhead_vs_hooked": _ratio(rot, name, OFF_HOOKED),
             "overhead_vs_hooked_interval_90": bootstrap_interval(
-                per_rot, lambda m, on=name: ratio(m, on, OFF_HOOKED))}
+                per_rot, lambda m, on=name: _ratio(m, on, OFF_HOOKED))}
     out["defaults"] = {
         "step_ms": statistics.median(times[DEFAULTS]) * 1e3,
         "step_ms_checksum": statistics.median(times[DEFAULTS_CHECKSUM]) * 1e3,
-        "overhead": ratio(rot, DEFAULTS_CHECKSUM, DEFAULTS),
+        "overhead": _ratio(rot, DEFAULTS_CHECKSUM, DEFAULTS),
         "overhead_interval_90": bootstrap_interval(
-            per_rot, lambda m: ratio(m, DEFAULTS_CHECKSUM, DEFAULTS)),
-        "cpu_overhead": ratio(rot_cpu, DEFAULTS_CHECKSUM, DEFAULTS),
+            per_rot, lambda m: _ratio(m, DEFAULTS_CHECKSUM, DEFAULTS)),
+        "cpu_overhead": _ratio(rot_cpu, DEFAULTS_CHECKSUM, DEFAULTS),
         "step_ms_own_read": statistics.median(times[OWN_READ]) * 1e3,
-        "overhead_own_read": ratio(rot, OWN_READ, DEFAULTS),
+        "overhead_own_read": _ratio(rot, OWN_READ, DEFAULTS),
         "overhead_own_read_interval_90": bootstrap_interval(
-            per_rot, lambda m: ratio(m, OWN_READ, DEFAULTS))}
+            per_rot, lambda m: _ratio(m, OWN_READ, DEFAULTS))}
     return out
 
 
@@ -186,6 +202,83 @@ def checksum_overhead(world: int, rounds: int, block: int) -> dict[str, Any]:
         out["workloads"][name] = run_ranks(_rank, world, kind, batch, rounds, block,
                                            timeout=1800)[0]
     return out
+
+
+PAIR = (DEFAULTS, DEFAULTS_CHECKSUM)
+"""What ``checksum_launches`` alternates: the check turned on in the guard's defaults."""
+
+
+def _pair_rank(rank: int, world: int, batch: int, rounds: int, block: int) -> dict[str, Any]:
+    """One launch of ``checksum_launches``: ``PAIR`` on the reference MLP, per round."""
+    times, cpu = _timed(_guards("mlp", batch), [], PAIR, rounds, block)
+    return {"round_step_s": times, "round_cpu_s": cpu}
+
+
+def checksum_launches(world: int, rounds: int, block: int, launches: int,
+                      batch: int = 128) -> dict[str, Any]:
+    """``GuardConfig(checksum=True)`` against ``GuardConfig()`` on the reference MLP, timed in
+    blocks as ``checksum_overhead`` times them, the rounds split over ``launches`` runs of new
+    rank processes, one after another, the interval resampling whole launches: where glibc's
+    trimming faults pages in depends on each process's heap (``bench.overhead.block_stats``),
+    a draw that every round of one launch shares."""
+    each = launch_rounds(rounds, launches, len(PAIR))
+    runs = [run_ranks(_pair_rank, world, batch, each, block, timeout=1800)[0]
+            for _ in range(launches)]
+    times, cpu = ({k: [x for run in runs for x in run[key][k]] for k in PAIR}
+                  for key in ("round_step_s", "round_cpu_s"))
+    return {"world": world, "batch": batch, "rounds": rounds, "block": block,
+            **launch_stats(times, cpu, launches)}
+
+
+def launch_stats(times: dict[str, list[float]], cpu: dict[str, list[float]],
+                 launches: int) -> dict[str, Any]:
+    """``checksum_launches``'s numbers from ``PAIR``'s seconds per step per round, wall
+    (``times``) and CPU, ``launches`` runs of equal rounds one after another."""
+    rot, rot_cpu = per_rotation(times, len(PAIR)), per_rotation(cpu, len(PAIR))
+    clusters = launches if launches > 1 else len(rot[DEFAULTS])
+    by_launch = {k: split_rounds(vs, launches) for k, vs in rot.items()}
+
+    def over(m: dict[str, list[float]]) -> float:
+        return _ratio(m, DEFAULTS_CHECKSUM, DEFAULTS)
+
+    return {
+        "launches": launches, "rotation_rounds": len(PAIR), "untimed_first": True,
+        "step_ms": statistics.median(times[DEFAULTS]) * 1e3,
+        "step_ms_checksum": statistics.median(times[DEFAULTS_CHECKSUM]) * 1e3,
+        "overhead": over(rot),
+        "overhead_interval_90": bootstrap_interval(
+            {k: split_rounds(vs, clusters) for k, vs in rot.items()}, over),
+        "cpu_overhead": over(rot_cpu),
+        "cpu_overhead_interval_90": bootstrap_interval(
+            {k: split_rounds(vs, clusters) for k, vs in rot_cpu.items()}, over),
+        "overhead_per_launch": [over({k: v[i] for k, v in by_launch.items()})
+                                for i in range(launches)],
+        "round_step_s": {k: [round(v, 9) for v in vs] for k, vs in times.items()},
+        "round_cpu_s": {k: [round(v, 9) for v in vs] for k, vs in cpu.items()},
+    }
+
+
+def checksum_launches_md(res: dict[str, Any]) -> list[str]:
+    lo, hi = res["overhead_interval_90"]
+    clo, chi = res["cpu_overhead_interval_90"]
+    n = res["launches"]
+    return ["", f"## The checksum check in the defaults, over {n} launches ({res['world']} "
+            "ranks x 1 thread)", "",
+            "`GuardConfig(checksum=True)` against `GuardConfig()` on the reference MLP (512-1024-"
+            f"1024-10), batch {res['batch']}, the exact bound: the two alone, alternated in "
+            f"blocks of {res['block']} steps after one untimed step, {res['rounds']} rounds "
+            f"in {n} launches of {res['rounds'] // n} rounds (new rank processes each time: "
+            "where glibc's trimming faults pages in depends on each process's history, a draw "
+            "the rounds of one launch share). The overhead is the median over whole rotations "
+            "(2 rounds) of each rotation's ratio of means; its 90% bootstrap interval resamples "
+            f"whole {'launches' if n > 1 else 'rotations'}.", "",
+            "| step, defaults (ms) | step, defaults + checksum (ms) | overhead | 90% interval | "
+            "CPU overhead (90% interval) |", "|---|---|---|---|---|",
+            f"| {res['step_ms']:.2f} | {res['step_ms_checksum']:.2f} | "
+            f"**{res['overhead'] * 100:+.1f}%** | {lo * 100:+.1f}% .. {hi * 100:+.1f}% | "
+            f"{res['cpu_overhead'] * 100:+.1f}% ({clo * 100:+.1f}% .. {chi * 100:+.1f}%) |", "",
+            "Each launch's own overhead, in the order they ran: "
+            + ", ".join(f"{x * 100:+.1f}%" for x in res["overhead_per_launch"]) + ".", ""]
 
 
 def _estimate(res: dict[str, Any]) -> str:

@@ -26,6 +26,7 @@ from bench.reference import (
 )
 from bench.timing import (
     bootstrap_interval,
+    launch_rounds,
     per_rotation,
     seconds,
     split_rounds,
@@ -314,11 +315,9 @@ def check_guard_off(world: int, rounds: int, block: int, batch: int,
     ``mallopt`` settings each rank applies before it builds its models (``NO_TRIM``).
     ``launches``: the rounds split over that many runs of new rank processes, one after
     another, the intervals resampling whole launches (``block_stats``)."""
-    if launches < 1 or rounds % launches:
-        raise ValueError(f"launches={launches}: give a positive divisor of rounds={rounds}")
-    whole_rotations(rounds // launches, len(configs))
-    runs = [run_ranks(_blocks_rank, world, rounds // launches, block, batch, configs,
-                      allocator, timeout=3600)[0] for _ in range(launches)]
+    each = launch_rounds(rounds, launches, len(configs))
+    runs = [run_ranks(_blocks_rank, world, each, block, batch, configs, allocator,
+                      timeout=3600)[0] for _ in range(launches)]
     names = [oc.name for oc in configs]
     raw = {what: {k: [x for run in runs for x in run[key][k]] for k in names}
            for what, key in (("times", "round_step_s"), ("cpu", "round_cpu_s"),

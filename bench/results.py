@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.checksum import checksum_md
+from bench.checksum import checksum_launches_md, checksum_md
 from bench.reference import INSTANCES
 from scenarios.spec.overhead import CHECKS_OFF, NONFINITE, NONFINITE_EVERY_STEP
 
@@ -330,6 +330,8 @@ def markdown(results: dict[str, Any]) -> str:
         lines += guard_off_md(results["guard_off_no_trim"], reference=True)
     if results.get("checksum"):
         lines += checksum_md(results["checksum"])
+    if results.get("checksum_launches"):
+        lines += checksum_launches_md(results["checksum_launches"])
     if results.get("replay"):
         lines += replay_md(results["replay"])
     if results.get("replay_exchange"):

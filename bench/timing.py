@@ -70,6 +70,15 @@ def per_rotation(m: dict[str, list[float]], n: int) -> dict[str, list[float]]:
     return {k: [statistics.fmean(v[i:i + n]) for i in range(0, len(v), n)] for k, v in m.items()}
 
 
+def launch_rounds(rounds: int, launches: int, n: int) -> int:
+    """The rounds of each of ``launches`` runs of new rank processes that share ``rounds``
+    (whole rotations of ``n`` configurations each), or a clear error."""
+    if launches < 1 or rounds % launches:
+        raise ValueError(f"launches={launches}: give a positive divisor of rounds={rounds}")
+    whole_rotations(rounds // launches, n)
+    return rounds // launches
+
+
 def whole_rotations(rounds: int, n: int) -> None:
     """Refuse a block-timed run whose ``rounds`` are not whole rotations of ``n``
     configurations."""

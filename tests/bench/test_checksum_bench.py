@@ -54,3 +54,43 @@ def test_the_checksum_section_times_both_baselines_and_renders_its_table(
     # A run published before the defaults were timed renders without their table.
     older = {**res, "workloads": {name: {k: v for k, v in w.items() if k != "defaults"}}}
     assert "GuardConfig()" not in "\n".join(section.checksum_md(older))
+
+
+def test_the_launches_section_times_the_defaults_with_and_without_the_check() -> None:
+    res = section.checksum_launches(2, rounds=4, block=2, launches=2, batch=8)
+    assert (res["world"], res["rounds"], res["block"], res["launches"]) == (2, 4, 2, 2)
+    assert {k: len(v) for k, v in res["round_step_s"].items()} == {
+        section.DEFAULTS: 4, section.DEFAULTS_CHECKSUM: 4}  # both launches' rounds, pooled
+    assert res["step_ms"] > 0 and res["step_ms_checksum"] > 0
+    assert math.isfinite(res["overhead"]) and res["overhead"] > -1.0
+    assert len(res["overhead_per_launch"]) == 2
+    table = "\n".join(section.checksum_launches_md(res))
+    assert "over 2 launches (2 ranks x 1 thread)" in table
+    assert "4 rounds in 2 launches of 2 rounds" in table
+    assert f"**{res['overhead'] * 100:+.1f}%**" in table
+    with pytest.raises(ValueError, match=r"launches=3: give a positive divisor of rounds=4"):
+        section.checksum_launches(2, rounds=4, block=2, launches=3, batch=8)
+    with pytest.raises(ValueError, match=r"rounds=3: give a positive multiple of 2"):
+        section.checksum_launches(2, rounds=3, block=2, launches=1, batch=8)
+
+
+def test_the_launches_interval_resamples_whole_launches() -> None:
+    # Four launches of two rotations each, the check costing 0%, 1%, 2% and 3% in them; the
+    # rounds of a rotation alternate which configuration ran first (+0.3% for the second).
+    off, on = section.PAIR
+    times: dict[str, list[float]] = {off: [], on: []}
+    for cost in (0.00, 0.01, 0.02, 0.03):
+        for _ in range(2):
+            times[off] += [1.000, 1.003]
+            times[on] += [(1.0 + cost) * 1.003, 1.0 + cost]
+    res = section.launch_stats(times, times, launches=4)
+    assert [round(x, 6) for x in res["overhead_per_launch"]] == [0.0, 0.01, 0.02, 0.03]
+    assert abs(res["overhead"] - 0.015) < 1e-9  # the median over the 8 rotations
+    lo, hi = res["overhead_interval_90"]
+    assert lo <= 0.005 and hi >= 0.025  # launches drawn whole: it spans most of their spread
+    assert res["cpu_overhead_interval_90"] == res["overhead_interval_90"]
+    # One launch: the interval resamples rotations, all of them alike here.
+    one = section.launch_stats({off: [1.0, 1.0] * 4, on: [1.02, 1.02] * 4},
+                               {off: [1.0] * 8, on: [1.0] * 8}, launches=1)
+    assert [round(x, 6) for x in one["overhead_interval_90"]] == [0.02, 0.02]
+    assert one["cpu_overhead"] == 0.0
