@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -159,6 +158,9 @@ class SDCGuard:
         self._writes_checked = False
         """Has a step with the weights check or the replay audit on seen whether the model's
         forward writes its parameters (``_refuse_written``)?"""
+        self._check_start = False
+        self._check_writes = False
+        """Are those questions still to be asked, with the checks of now (``reconfigure``)?"""
         self.checks: list[Check] = []
         self.events: EventLog | None = None
         # Bound before the checks are built and the comm hook registered with DDP: a bad
@@ -247,6 +249,12 @@ class SDCGuard:
             config, model=self.model, optimizer=self.optimizer, comm=self.comm,
             loss_fn=self.loss_fn, batch_for=self.batch_for, grad_scaler=self.grad_scaler,
             group=self.group)
+        # What the next steps ask once (weighed here: a step with its checks off runs no
+        # more Python than it must, and its lines run on caches the step's products filled).
+        self._check_start = not self._start_checked and any(
+            isinstance(c, WeightsCheck) for c in self.checks)
+        self._check_writes = not self._writes_checked and any(
+            c.name in _COMPARE_REPLICAS for c in self.checks)
         self.events = events
         self._hook_if_needed()
 
@@ -279,7 +287,7 @@ class SDCGuard:
             )
         if not self._step_agreed:
             self._agree_on_step(step)
-        if not self._start_checked:
+        if self._check_start:
             self._refuse_divergent_start(step)
         for hook in self.before_step:
             hook(step)
@@ -292,39 +300,32 @@ class SDCGuard:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         batches = list(fetch_micro_batches(self.batch_for, self.rank, step, cfg.micro_batches))
-        due = [c for c in self.checks if c.due(step)]
+        due = [c for c in self.checks if c.due(step)] if self.checks else []
         self.comm.begin_step(step)
         versions = None
-        if not self._writes_checked and any(c.name in _COMPARE_REPLICAS for c in self.checks):
+        if self._check_writes:
             versions = [p._version for p in self.model.parameters()]
         for check in due:
             check.begin_step(step)
         losses: list[torch.Tensor] = []
         self._forwards[0] = 0
         for i in range(len(batches)):
-            # The micro-batch goes once its forward is done, as in a plain loop: its graph keeps
-            # what the backward needs and lets each tensor go when the backward is done with it.
-            mb, batches[i] = batches[i], None
-            last = i == len(batches) - 1
-            with contextlib.nullcontext() if last else self.model.no_sync():
-                with (rng_stream(cfg.seed, self.rank, step, i, self.device)
-                      if cfg.deterministic else contextlib.nullcontext()):
-                    loss = scalar_loss(self.loss_fn(self.model, mb))
-                del mb
-                losses.append(loss.detach())
-                for check in due:
-                    check.on_loss(losses[-1])
-                scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
-                scaled.backward()
-                del loss, scaled  # the graph goes now, as in a plain loop, not after the step
+            if i == len(batches) - 1:  # DDP all-reduces the gradients in this backward
+                self._micro_batch(batches, i, step, due, losses)
+            else:
+                with self.model.no_sync():
+                    self._micro_batch(batches, i, step, due, losses)
         if self._counting is not None:
             self._refuse_bypass()
         if versions is not None:
             self._refuse_written(versions)
 
-        verdicts = [check.pre_step(step) for check in due]
-        detections = [d for v in verdicts for d in v.detections]
-        skipped = any(v.withhold for v in verdicts) and cfg.skip_step_on_detection
+        detections: list[Detection] = []
+        skipped = False
+        if due:
+            verdicts = [check.pre_step(step) for check in due]
+            detections = [d for v in verdicts for d in v.detections]
+            skipped = any(v.withhold for v in verdicts) and cfg.skip_step_on_detection
         if not skipped:
             if self.before_optimizer_step is not None:
                 self.before_optimizer_step(self)
@@ -339,12 +340,34 @@ class SDCGuard:
             detections += check.post_step(step)
 
         mean_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
-        detections = [self._placed(d) for d in detections]
+        if detections:
+            detections = [self._placed(d) for d in detections]
         report = StepReport(step=step, loss=mean_loss, skipped=skipped,
                             detections=detections)
         for d in detections:
             self._record(d, skipped)
         return report
+
+    def _micro_batch(self, batches: list[Any], i: int, step: int, due: list[Check],
+                     losses: list[torch.Tensor]) -> None:
+        """Forward and backward of micro-batch ``i`` of ``batches``, its loss appended to
+        ``losses``. The micro-batch goes once its forward is done, as in a plain loop: its
+        graph keeps what the backward needs and lets each tensor go when the backward is
+        done with it."""
+        mb, batches[i] = batches[i], None
+        cfg = self.config
+        if cfg.deterministic:
+            with rng_stream(cfg.seed, self.rank, step, i, self.device):
+                loss = scalar_loss(self.loss_fn(self.model, mb))
+        else:
+            loss = scalar_loss(self.loss_fn(self.model, mb))
+        del mb
+        losses.append(loss.detach())
+        for check in due:
+            check.on_loss(losses[-1])
+        scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
+        scaled.backward()
+        del loss, scaled  # the graph goes now, as in a plain loop, not after the step
 
     def _refuse_divergent_start(self, step: int) -> None:
         """Do the replicas start from the same state? Asked once, at the first step with the
@@ -359,6 +382,7 @@ class SDCGuard:
         if weights is None:
             return
         self._start_checked = True
+        self._check_start = False
         words = [fingerprint_tensor(state_tensors(self.model, None)),
                  weights.local_fingerprint()]
         rows = all_gather_rows(torch.stack([w.to(self.device).reshape(()) for w in words]),
@@ -406,6 +430,7 @@ class SDCGuard:
         a neighbour's batch writes this rank's weights before its own step (every rank
         convicted at every audit step)."""
         self._writes_checked = True
+        self._check_writes = False
         named = list(self.model.named_parameters())
         written = [n for (n, p), v in zip(named, versions, strict=True) if p._version != v]
         flag = torch.tensor([int(bool(written))], dtype=torch.int64, device=self.device)

@@ -561,9 +561,11 @@ def rank0_scheduler_run(rank: int, world: int, repair: bool) -> dict[str, Any]:
                           after=lambda s: scheduler.step() if rank == 0 else None)
 
 
-def divergent_start_run(rank: int, world: int, what: str) -> dict[str, Any]:
+def divergent_start_run(rank: int, world: int, what: str, late: bool = False) -> dict[str, Any]:
     """A checkpoint's ``what`` ("parameters" or "optimizer") loaded on rank 0 only, after DDP
-    broadcast rank 0's parameters: the error and its step, and the detections before it."""
+    broadcast rank 0's parameters: the error and its step, and the detections before it.
+    ``late``: the guard built with its checks off, the defaults turned on after its first
+    step (``SDCGuard.reconfigure``)."""
     torch.manual_seed(0)
     model = DDP(make_mlp())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -580,9 +582,11 @@ def divergent_start_run(rank: int, world: int, what: str) -> dict[str, Any]:
             optimizer.load_state_dict(trained.state_dict())
             model.zero_grad(set_to_none=True)
     found: list[sdc_guard.Detection] = []
+    off = GuardConfig(nonfinite=False, weights_interval=0)
     guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for,
-                     on_detection=found.append)
-    return _until_refused(guard, found, 3)
+                     on_detection=found.append, config=off if late else None)
+    return _until_refused(guard, found, 3, after=(
+        lambda s: guard.reconfigure(GuardConfig()) if late and s == 0 else None))
 
 
 class WarmUp(nn.Module):

@@ -253,14 +253,17 @@ def test_optimizer_settings_that_differ_are_named_not_a_rank_convicted(repair: b
         assert "rank 1 0.01, rank 2 0.01" in r["error"] and "no rank is blamed" in r["error"]
 
 
-@pytest.mark.parametrize("what", ["parameters", "optimizer"])
-def test_replicas_that_start_apart_are_named_not_a_rank_convicted(what: str) -> None:
+@pytest.mark.parametrize(("what", "late"), [("parameters", False), ("optimizer", False),
+                                            ("parameters", True)])
+def test_replicas_that_start_apart_are_named_not_a_rank_convicted(what: str, late: bool) -> None:
     # A checkpoint loaded under `if rank == 0` after DDP's construction broadcast: the
     # weights check convicted rank 0 at the first step and repair by majority overwrote the
     # loaded weights with the others'. The first step compares the replicas' state before
     # anything runs and raises on every rank, naming what differs and where.
-    for r in run_ranks(workers.divergent_start_run, 3, what):
-        assert r["at"] == 0 and r["detections"] == [], r
+    # Late: the weights check turned on after a step with the checks off (reconfigure) asks
+    # at its own first step.
+    for r in run_ranks(workers.divergent_start_run, 3, what, late):
+        assert r["at"] == int(late) and r["detections"] == [], r
         named = "parameters" if what == "parameters" else "optimizer states"
         assert f"their {named} differ before the first step (ranks [0] differ" in r["error"]
         assert "load_state_dict" in r["error"] and "CheckpointManager.restore" in r["error"]
