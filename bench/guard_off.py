@@ -2,10 +2,10 @@
 directly.
 
 With its checks off the guard registers no comm hook (DDP keeps its built-in all-reduce), so
-what it adds to a plain training loop is its step loop: the batch and micro-batch split, the
-checks' empty lists, the loss read back for the report. Three ranks sharing two cores time
-that at +0.5% with a 90% interval two points wide (``bench/RESULTS.md``): the noise of the
-machine, not the guard. Here one process (one rank of gloo, one thread) times the guard's
+what it adds to a plain training loop is its step loop: the batch and micro-batch split,
+the checks asked whether they are due, the loss kept for the report. Three ranks sharing two
+cores time that beside plain DDP with intervals as wide as the target (``bench/RESULTS.md``):
+the noise of the machine. Here one process (one rank of gloo, one thread) times the guard's
 ``step`` and the same plain loop on the same model in alternated blocks, in the main thread's
 CPU time, and reports the difference per step beside the plain step, on the reference MLP
 and on a tiny model, where the loop's own cost is all there is to see: a fixed cost per
