@@ -261,6 +261,58 @@ def test_swapping_two_unequal_elements_changes_fingerprint(dtype: torch.dtype, n
     assert fingerprint(t) != fingerprint(u)
 
 
+@settings(max_examples=400, deadline=None)
+@given(dtype=st.sampled_from([*DTYPES[:-1], torch.complex64, torch.complex128]),
+       n=st.integers(1, 300), data=st.data())
+def test_any_two_bit_flips_change_fingerprint(dtype: torch.dtype, n: int,
+                                              data: st.DataObject) -> None:
+    # Two flipped bits anywhere in one tensor, on both paths (the proof in
+    # sdc_guard/fingerprints/public.py): near each other (one element, a neighbour, the
+    # same bit of two elements) as often as far apart.
+    seed = data.draw(st.integers(0, 2**31))
+    t = (_random_tensor(dtype.to_real(), 2 * n, seed).view(dtype) if dtype.is_complex
+         else _random_tensor(dtype, n, seed))
+    nbits = 8 * t.numel() * t.element_size()
+    first = data.draw(st.integers(0, nbits - 1))
+    near = st.integers(max(0, first - 128), min(nbits - 1, first + 128))
+    same_bit = st.sampled_from(range(first % (8 * t.element_size()), nbits,
+                                     8 * t.element_size()))
+    second = data.draw(st.one_of(st.integers(0, nbits - 1), near, same_bit)
+                       .filter(lambda b: b != first))
+    raw = t.reshape(-1).view(torch.uint8).clone()
+    for b in (first, second):
+        raw[b // 8] ^= 1 << (b % 8)
+    u = raw.view(dtype)
+    for native in (True, False):
+        with native_kernel(native):
+            assert fingerprint(t) != fingerprint(u), (first, second)
+            assert fingerprint([t, t]) != fingerprint([t, u])
+
+
+def test_the_documented_cancelling_burst() -> None:
+    # What is not guaranteed (docs/fingerprint.md): flips whose weighted changes cancel.
+    # The same bit of 4 adjacent float32 lanes that held 0, 1, 1, 0 there changes V by
+    # 2**31 ((2k+1) - (2k+3) - (2k+5) + (2k+7)) = 0, wherever the burst starts; held
+    # 0, 0, 1, 1 (any other pattern) it is seen.
+    for k in range(0, 5):
+        x = torch.ones(12)
+        x[k + 1:k + 3] = -1.0  # signs +, -, -, + at k .. k+3
+        y = x.clone()
+        y.view(torch.int32)[k:k + 4] ^= -(1 << 31)
+        assert torch.equal(y[k:k + 4], -x[k:k + 4]) and y.sum() == x.sum()
+        for native in (True, False):
+            with native_kernel(native):
+                assert fingerprint(y) == fingerprint(x)
+        x[k + 1], x[k + 3] = x[k + 3].item(), x[k + 1].item()  # signs +, +, -, -
+        y = x.clone()
+        y[k:k + 4] = -x[k:k + 4]
+        assert fingerprint(y) != fingerprint(x)
+    # three bits: bit 4 of lane 0 down and its bit 6 up (+3 * 2**4), bit 4 of lane 1 down
+    lanes = torch.tensor([0x10, 0x10, 7], dtype=torch.int32)
+    changed = torch.tensor([0x40, 0x00, 7], dtype=torch.int32)
+    assert fingerprint(lanes) == fingerprint(changed)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_sign_only_swaps_that_defeat_a_plain_weighted_sum(dtype: torch.dtype) -> None:
     # Words that differ only in their top bits: a single odd-weighted sum over raw
