@@ -42,6 +42,7 @@ from bench.timing import (
     bootstrap_interval,
     launch_rounds,
     per_rotation,
+    resampled,
     split_rounds,
     whole_rotations,
 )
@@ -235,7 +236,6 @@ def launch_stats(times: dict[str, list[float]], cpu: dict[str, list[float]],
     """``checksum_launches``'s numbers from ``PAIR``'s seconds per step per round, wall
     (``times``) and CPU, ``launches`` runs of equal rounds one after another."""
     rot, rot_cpu = per_rotation(times, len(PAIR)), per_rotation(cpu, len(PAIR))
-    clusters = launches if launches > 1 else len(rot[DEFAULTS])
     by_launch = {k: split_rounds(vs, launches) for k, vs in rot.items()}
 
     def over(m: dict[str, list[float]]) -> float:
@@ -246,11 +246,9 @@ def launch_stats(times: dict[str, list[float]], cpu: dict[str, list[float]],
         "step_ms": statistics.median(times[DEFAULTS]) * 1e3,
         "step_ms_checksum": statistics.median(times[DEFAULTS_CHECKSUM]) * 1e3,
         "overhead": over(rot),
-        "overhead_interval_90": bootstrap_interval(
-            {k: split_rounds(vs, clusters) for k, vs in rot.items()}, over),
+        "overhead_interval_90": bootstrap_interval(resampled(rot, launches), over),
         "cpu_overhead": over(rot_cpu),
-        "cpu_overhead_interval_90": bootstrap_interval(
-            {k: split_rounds(vs, clusters) for k, vs in rot_cpu.items()}, over),
+        "cpu_overhead_interval_90": bootstrap_interval(resampled(rot_cpu, launches), over),
         "overhead_per_launch": [over({k: v[i] for k, v in by_launch.items()})
                                 for i in range(launches)],
         "round_step_s": {k: [round(v, 9) for v in vs] for k, vs in times.items()},

@@ -28,6 +28,7 @@ from bench.timing import (
     bootstrap_interval,
     launch_rounds,
     per_rotation,
+    resampled,
     seconds,
     split_rounds,
     whole_rotations,
@@ -218,9 +219,8 @@ def block_stats(names: list[str], raw: dict[str, dict[str, list[float]]],
     by_cycle = {"times": per_rotation(times, len(names)),
                 "main": per_rotation(main, len(names)),
                 "cpu": per_rotation(cpu, len(names))}
-    clusters = launches if launches > 1 else len(next(iter(by_cycle["times"].values())))
-    per_cycle = {k: split_rounds(vs, clusters) for k, vs in by_cycle["times"].items()}
-    main_cycles = {k: split_rounds(vs, clusters) for k, vs in by_cycle["main"].items()}
+    per_cycle = resampled(by_cycle["times"], launches)
+    main_cycles = resampled(by_cycle["main"], launches)
 
     def to_plain(m: dict[str, list[float]], k: str, base: str) -> float:
         return statistics.median(a / b for a, b in zip(m[k], m[base], strict=True)) - 1.0

@@ -94,6 +94,14 @@ def split_rounds(samples: list[Any], rounds: int) -> list[list[Any]]:
     return [samples[i * per:(i + 1) * per] for i in range(rounds)]
 
 
+def resampled(rotations: dict[str, list[float]], launches: int) -> dict[str, list[list[float]]]:
+    """Each configuration's per-rotation values grouped into the units a bootstrap
+    interval resamples: whole launches when the run had several (each launch's processes
+    share a draw the rotations of one launch cannot sample), else single rotations."""
+    units = launches if launches > 1 else len(next(iter(rotations.values())))
+    return {k: split_rounds(vs, units) for k, vs in rotations.items()}
+
+
 def publish(out: str | Path, name: str, res: dict[str, Any], lines: list[str]) -> None:
     """A stand-alone benchmark's ending: ``res`` to ``OUT/name.json``, its table printed."""
     path = Path(out)
