@@ -573,13 +573,15 @@ static volatile float cs_one = 1.0f;
    r[i] = v . A[i][c0:c1] and ra[i] = va . |A[i][c0:c1]| (rows_on; v, va NULL: ones), and
    per column, s[c] += sum_i u[i] A[i][c] and b[c] += sum_i a[i] |A[i][c]| (cols_on; u, a
    NULL: ones). Four rows at a time: one load and store of each column accumulator serves
-   four rows, eight lanes of partial sums per row dot. */
+   four rows, eight lanes of partial sums per row dot. pf (elements; 0: none): a line
+   pf elements past each one read is prefetched into the outer caches (sdc_fp_wsum's next
+   tiles, fetched while this one is summed). */
 static inline __attribute__((always_inline)) void cs_rc(
     const float* restrict A, int64_t ld, int64_t i0, int64_t i1, int64_t c0, int64_t c1,
     const float* restrict v, const float* restrict va, float* restrict r,
     float* restrict ra, const float* restrict u, const float* restrict a,
     float* restrict s, float* restrict b, const int rows_on, const int cols_on,
-    const int v_ones, const int u_ones, const int acc_rows) {
+    const int v_ones, const int u_ones, const int acc_rows, const int64_t pf) {
   /* The column sums of ones multiply by a 1 the compiler cannot see (cs_one): a fused
      multiply-add by 1 is the addition to the bit, and it runs on the multiply pipes, which
      the row sums' additions leave idle (half the additions of a pass of sums alone). */
@@ -603,6 +605,8 @@ static inline __attribute__((always_inline)) void cs_rc(
         w[q] = cs_load(x[q] + c);
         m[q] = CS_ABS(w[q]);
       }
+      if (pf && ((c - c0) & 15) == 0)  /* a 64-byte line every other vector */
+        for (int q = 0; q < CS_UNROLL; ++q) __builtin_prefetch(x[q] + c + pf, 0, 1);
       if (rows_on) {
         if (v_ones) {
           for (int q = 0; q < CS_UNROLL; ++q) { rv[q] += w[q]; qv[q] += m[q]; }
@@ -646,6 +650,7 @@ static inline __attribute__((always_inline)) void cs_rc(
     cs_v8 rv = {0}, qv = {0};
     for (int64_t c = c0; c < body; c += 8) {
       const cs_v8 w = cs_load(xi + c), m = CS_ABS(w);
+      if (pf && ((c - c0) & 15) == 0) __builtin_prefetch(xi + c + pf, 0, 1);
       if (rows_on) {
         rv += v_ones ? w : cs_load(v + c) * w;
         qv += v_ones ? m : cs_load(va + c) * m;
@@ -695,7 +700,7 @@ CLONES static void cs_rc_range(const rc_job_t* j) {
     const int64_t hi = j->c1 - lo < CS_COLBLOCK ? j->c1 : lo + CS_COLBLOCK;
     const int acc = lo > j->c0;
 #define CS_RC(R, C, V, U) cs_rc(j->A, j->ld, 0, j->rows, lo, hi, j->v, j->va, j->r, j->ra, \
-                                j->u, j->a, j->s, j->b, R, C, V, U, acc)
+                                j->u, j->a, j->s, j->b, R, C, V, U, acc, 0)
     if (rows_on && cols_on && v_ones && u_ones) CS_RC(1, 1, 1, 1);
     else if (rows_on && cols_on && !v_ones && !u_ones) CS_RC(1, 1, 0, 0);
     else if (rows_on && !cols_on && v_ones) CS_RC(1, 0, 1, 1);
@@ -815,8 +820,11 @@ int64_t sdc_cs_bwd(const float* GY, int64_t n, int64_t out, int64_t ldg, const f
 /* The weights check's fingerprint pass over a layer's weight W (rows x cols float32,
    contiguous) with the checksum check's sums of it taken in the same read: tiles of a few
    rows (FW_TILE bytes, in L1) are read for the fingerprint's words and then again, from
-   cache, for the sums. */
+   cache, for the sums. The sums wait on the floating-point pipes, not on memory, so while a
+   tile is summed the tile FW_AHEAD tiles on is prefetched: the next tiles' reads then find
+   it in cache instead of waiting on L3 or memory. */
 #define FW_TILE 16384
+#define FW_AHEAD 2
 typedef struct {
   const float* W; int64_t cols, r0, r1; float *wr, *war, *s, *b; uint64_t s1, s2;
 } fw_job_t;
@@ -842,7 +850,7 @@ CLONES static void fw_range(fw_job_t* j) {
     for (int64_t lo = 0; lo < cols; lo += CS_COLBLOCK) {
       const int64_t hi = cols - lo < CS_COLBLOCK ? cols : lo + CS_COLBLOCK;
       cs_rc(j->W, cols, i, i1, lo, hi, 0, 0, j->wr, j->war, 0, 0, j->s, j->b, 1, 1, 1, 1,
-            lo > 0);
+            lo > 0, FW_AHEAD * (i1 - i) * cols);
     }
   }
   j->s1 = a1;
