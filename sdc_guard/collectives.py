@@ -137,6 +137,9 @@ def flag_words(flags: Sequence[bool], rank: int, world: int) -> list[int]:
 
 def flag_rows(words: Sequence[int], k: int, world: int) -> list[list[int]]:
     """Every rank's ``k`` flags (row ``r``: rank ``r``) from the summed ``flag_words``."""
+    if not any(words):  # (the usual case: no flag raised, no bit to pick out)
+        return [[0] * k for _ in range(world)]
+
     def bit(pos: int) -> int:
         return (words[pos // _BITS] >> (pos % _BITS)) & 1
     return [[bit(i * world + r) for i in range(k)] for r in range(world)]

@@ -226,13 +226,14 @@ def _threads(elements: int) -> int:
 
 def _flat_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``t`` (float32 on the CPU, at least 1-D) as rows the C passes can read in place, and
-    their stride: a 2-D matrix with unit column stride as it is, a contiguous tensor of
-    more dimensions as its rows (no view made), anything else copied first."""
+    their stride: a contiguous tensor as its rows (no view made; the usual case, asked
+    first), a 2-D matrix with unit column stride as it is, anything else copied first."""
+    if t.is_contiguous():
+        return t, t.shape[-1]
     ld = _row_stride(t)
     if ld >= 0:
         return t, ld
-    if t.dim() < 2 or not t.is_contiguous():
-        t = t.reshape(-1, t.shape[-1]).contiguous()
+    t = t.reshape(-1, t.shape[-1]).contiguous()
     return t, t.shape[-1]
 
 
@@ -554,6 +555,23 @@ class _FrontHook:
             self.handle = None
 
 
+_is_compiling = torch.compiler.is_compiling
+
+
+def _eager(hook: Any) -> Any:
+    """``hook``, run eagerly where torch.compile traces it: torch.compile meets a call of
+    ``torch.compiler.disable(hook)`` there (a graph break), while a module called eagerly
+    calls ``hook`` itself, without the disabling wrapper's own work (it saves and restores
+    the frame evaluator on every call: a few microseconds a hook in a training step)."""
+    hidden = torch.compiler.disable(hook)  # type: ignore[no-untyped-call]
+
+    def run(*args: Any) -> Any:
+        if _is_compiling():
+            return hidden(*args)
+        return hook(*args)
+    return run
+
+
 _GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
 """The running backward's graph task id (-1 outside one), where this torch has it."""
 _TOP_SAVED_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -866,9 +884,9 @@ class ChecksumCheck(Check, BucketListener):
                 out.register_hook(  # type: ignore[no-untyped-call]
                     lambda gy: self._on_gy(layer, call, gy))
 
-        # Hidden from torch.compile: traced, the hooks' reads of ``self._active`` would give
-        # the train step and the replay (checks idle) different graphs, whose kernels need
-        # not agree bit for bit; run eagerly, they split both the same way.
+        # Hidden from torch.compile (``_eager``): traced, the hooks' reads of ``self._active``
+        # would give the train step and the replay (checks idle) different graphs, whose
+        # kernels need not agree bit for bit; run eagerly, they split both the same way.
         # The forward hook runs first (prepend): it sees the product's own output, before a
         # forward hook of the user's replaces it or changes it in place.
         # The user's global forward hooks run before any of the module's: then the check's
@@ -883,11 +901,9 @@ class ChecksumCheck(Check, BucketListener):
             layer.posted = True
             post(mod, args, out)
 
-        eager = torch.compiler.disable
-        layer.handles.append(m.register_forward_pre_hook(eager(pre)))  # type: ignore[no-untyped-call]
-        first = eager(own)  # type: ignore[no-untyped-call]
-        layer.handles.append(m.register_forward_hook(first, prepend=True))
-        self._front.posts[m] = eager(front)  # type: ignore[no-untyped-call]
+        layer.handles.append(m.register_forward_pre_hook(_eager(pre)))
+        layer.handles.append(m.register_forward_hook(_eager(own), prepend=True))
+        self._front.posts[m] = _eager(front)
         if layer.gw_checked and m.weight.requires_grad and not self.bucket_weight_grad:
             handle = m.weight.register_hook(  # type: ignore[no-untyped-call]
                 lambda gw: self._on_gw(layer, gw))
@@ -908,9 +924,8 @@ class ChecksumCheck(Check, BucketListener):
         if (self._active and call.native and kernel is not None
                 and gy.dtype is _F32_DTYPE and (gx is None or gx.dtype is _F32_DTYPE)):
             # (on the CPU: the call's input and weight were, and the node's gradients are)
-            g = gy if _row_stride(gy) >= 0 else gy.contiguous()
-            self._gy_native(kernel, layer, call, g, None if gx is None
-                            else gx if _row_stride(gx) >= 0 else gx.contiguous())
+            self._gy_native(kernel, layer, call, *_flat_rows(gy),
+                            *((None, 0) if gx is None else _flat_rows(gx)))
         else:
             self._on_gy(layer, call, gy)
             if gx is not None:
@@ -1113,8 +1128,8 @@ class ChecksumCheck(Check, BucketListener):
             ws = self._workspace(layer, _NATIVE_WS * n)
             w, bias = layer.w, layer.b  # (as the step found them: native says so)
             assert w is not None
-            version = _versions(w, bias)
-            key = (self._generation, *version)
+            version = (w.data_ptr(), w._version, -1 if bias is None else bias._version)
+            key = (self._generation, *version)  # (_versions, inline: a hook runs it every call)
             fresh = layer.w_key != key
             layer.w_key = key
             if fresh:  # the weights check's pass may have taken the sums already
@@ -1127,7 +1142,7 @@ class ChecksumCheck(Check, BucketListener):
                 wsum_t = layer.wsum = torch.empty(2 * inner + 2 * out + 2)
             wsum = wsum_t.data_ptr()
             tol = _cpu_tolerance(self.config.tolerance_scale, inner + 1, 2 * out + inner)
-            args = [x2.data_ptr(), n, inner, ldx, y2.data_ptr(), out, ldy, w.data_ptr(),
+            args = [x2.data_ptr(), n, inner, ldx, y2.data_ptr(), out, ldy, version[0],
                     w.stride(0), None if bias is None else bias.data_ptr(), wsum,
                     wsum + (2 * inner + 2 * out) * _F32, int(fresh), ws.data_ptr(), int(want),
                     tol, int(self.expect_overflow), _threads(n * inner), _threads(n * out),
@@ -1222,8 +1237,7 @@ class ChecksumCheck(Check, BucketListener):
         if self._forward_phase:
             self._inner_backward(layer)
         if call.native and self._kernel is not None and gy.dtype == torch.float32:
-            g = gy if gy.dim() == 2 else gy.reshape(-1, gy.shape[-1])  # pointers only: no detach
-            self._gy_native(self._kernel, layer, call, g if _rows_ok(g) else g.contiguous())
+            self._gy_native(self._kernel, layer, call, *_flat_rows(gy))  # (no detach: pointers)
             return
         g = gy.detach().reshape(-1, gy.shape[-1])
         with _full_precision(g):
@@ -1268,16 +1282,16 @@ class ChecksumCheck(Check, BucketListener):
             layer.gw_dtype = g.dtype
 
     def _gy_native(self, kernel: NativeKernel, layer: _Layer, call: _Call, g: torch.Tensor,
-                   gx: torch.Tensor | None = None) -> None:
+                   ldg: int, gx: torch.Tensor | None = None, ldx: int = 0) -> None:
         """``_on_gy`` (and ``_on_gx``, given ``gx``) by the C passes, in one call
         (``sdc_cs_bwd``): one read of ``GY`` for the input gradient's right-hand side and
         bound, ``GY (W e)`` and ``|GY| (|W| e)`` (``W``'s sums from the forward), and the
         weight gradient's, ``GY^T (X e)`` and ``|GY|^T (|X| e)``; then ``GX``'s row sums
         compared. Without ``gx`` the input gradient's sides stay in the workspace
-        (``_on_gx``)."""
-        m = layer.module
-        n, out = g.shape
-        inner = m.in_features
+        (``_on_gx``). ``g`` and ``gx`` as ``_flat_rows`` gives them, with their row strides."""
+        out = g.shape[-1]
+        n = call.rows
+        inner = layer.module.in_features
         call.gy_dtype = g.dtype
         gw = add = 0
         gw_at = gwb_at = 0
@@ -1300,21 +1314,19 @@ class ChecksumCheck(Check, BucketListener):
         at = ws.data_ptr()
         wr = layer.wsum.data_ptr() + 2 * inner * _F32
         tol = _cpu_tolerance(self.config.tolerance_scale, out, 2 * inner + out)
-        gx = gx if side else None  # an input gradient not asked for is not compared
-        bad = kernel.cs_bwd(g.data_ptr(), n, out, g.stride(0), wr, wr + out * _F32, at,
-                            gw_at, gwb_at, gw, add, int(side), at + _GXS * n * _F32,
-                            None if gx is None else gx.data_ptr(), inner,
-                            inner if gx is None else gx.stride(0), tol,
-                            int(self.expect_overflow), _threads(g.numel()),
-                            _threads(n * inner))
-        call.gx_ready = side and gx is None
+        if gx is None or not side:  # an input gradient not asked for is not compared
+            gx_at, ldx = None, inner
+        else:
+            gx_at = gx.data_ptr()
+        g_at, threads = g.data_ptr(), (_threads(n * out), _threads(n * inner))
+        bad = kernel.cs_bwd(g_at, n, out, ldg, wr, wr + out * _F32, at, gw_at, gwb_at, gw, add,
+                            int(side), at + _GXS * n * _F32, gx_at, inner, ldx, tol,
+                            int(self.expect_overflow), *threads)
+        call.gx_ready = side and gx_at is None
         if bad and layer.pre_sums and self._stale(layer):  # again, against the sums as they are
-            bad = kernel.cs_bwd(g.data_ptr(), n, out, g.stride(0), wr, wr + out * _F32, at,
-                                0, 0, 0, 0, 1, at + _GXS * n * _F32,
-                                None if gx is None else gx.data_ptr(), inner,
-                                inner if gx is None else gx.stride(0), tol,
-                                int(self.expect_overflow), _threads(g.numel()),
-                                _threads(n * inner))
+            bad = kernel.cs_bwd(g_at, n, out, ldg, wr, wr + out * _F32, at, 0, 0, 0, 0, 1,
+                                at + _GXS * n * _F32, gx_at, inner, ldx, tol,
+                                int(self.expect_overflow), *threads)
         if bad:
             self._gx_failed(layer, call, n, tol)
 
@@ -1503,8 +1515,9 @@ class ChecksumCheck(Check, BucketListener):
             layer.calls.clear()
             layer.gw_rhs = layer.gw_bound = None
             m = layer.module
-            w = layer.w = m.weight
-            b = layer.b = m.bias
+            params = m._parameters  # (what m.weight and m.bias read, without the detour)
+            w = layer.w = params["weight"] if "weight" in params else m.weight
+            b = layer.b = params["bias"] if "bias" in params else m.bias
             layer.native = kernel and _rows_ok(w) and (
                 b is None or (b.dtype is _F32_DTYPE and b.is_contiguous()))
             layer.gw_step = layer.gw_checked and w.requires_grad

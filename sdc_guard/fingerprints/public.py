@@ -78,8 +78,8 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Final
+from dataclasses import dataclass, field
+from typing import Any, Final
 
 import torch
 
@@ -293,34 +293,39 @@ class WeightSums:
     same threads (``NativeKernel.fp_wsum_at``)."""
     taken: bool = False
     """Set when a pass wrote ``out``."""
+    _args: tuple[Any, ...] | None = field(default=None, init=False, repr=False)
+    """``fp_wsum_at``'s arguments, found at the first pass (the tensors do not change: a
+    weight that does is asked for anew)."""
 
     def take(self, kernel: NativeKernel) -> int:
         """One pass: ``out`` written; the weight's ``V`` (``tensor_value``), unsigned."""
-        rows, cols = self.weight.shape
-        at = self.out.data_ptr()
-        v = kernel.fp_wsum_at(self.weight.data_ptr(), rows, cols,
-                              None if self.bias is None else self.bias.data_ptr(), at,
-                              at + 4 * (2 * cols + 2 * rows), self.threads)
+        args = self._args
+        if args is None:
+            rows, cols = self.weight.shape
+            at = self.out.data_ptr()
+            args = self._args = (self.weight.data_ptr(), rows, cols,
+                                 None if self.bias is None else self.bias.data_ptr(), at,
+                                 at + 4 * (2 * cols + 2 * rows), self.threads)
         self.taken = True
-        return v
+        return kernel.fp_wsum_at(*args)
 
 
 def _native_fingerprint(tensors: list[torch.Tensor], is_list: bool,
-                        sums: dict[tuple[int, tuple[int, ...]], WeightSums] | None = None
-                        ) -> int | None:
+                        sums: dict[int, WeightSums] | None = None) -> int | None:
     """The fingerprint, unsigned, of CPU tensors: each ``V`` by one call of the C kernel and
     the terms mixed and summed as Python ints (no tensor operation: on small tensors their
     dispatch costs many times the pass itself); None when the kernel is off or a tensor is
-    not on the CPU. ``sums``: (address, shape) -> a weight whose pass also takes its
-    checksum sums (``WeightSums``)."""
+    not on the CPU. ``sums``: address -> a weight whose pass also takes its checksum sums
+    (``WeightSums``), if the tensor there has its shape."""
     kernel = active_kernel()
     if kernel is None or any(t.device.type != "cpu" for t in tensors):
         return None
     total = mix64_int(len(tensors) + (SEED if is_list else 0))
     keys = _key_ints(is_list, tuple(_meta_word(t) for t in tensors))
     for t, k in zip(tensors, keys, strict=True):
-        ask = sums.pop((t.data_ptr(), tuple(t.shape)), None) if sums else None
-        if ask is not None and t.dtype == torch.float32 and t.is_contiguous():
+        ask = sums.pop(t.data_ptr(), None) if sums else None
+        if (ask is not None and ask.weight.shape == t.shape and t.dtype == torch.float32
+                and t.is_contiguous()):
             total += mix64_int(ask.take(kernel) + k)
         else:
             total += mix64_int(_native_value(t, kernel) + k)
@@ -332,7 +337,7 @@ def fingerprint_with_sums(tensors: list[torch.Tensor],
     """``fingerprint_tensor(tensors)``, with the checksum sums of the weights in ``sums``
     taken in the same read where the C kernel runs (each one's ``taken`` says; one that is
     not among ``tensors``, or is not a contiguous 2-D float32 CPU matrix, is not taken)."""
-    ask = {(s.weight.data_ptr(), tuple(s.weight.shape)): s for s in sums
+    ask = {s.weight.data_ptr(): s for s in sums
            if s.weight.dim() == 2 and s.weight.dtype == torch.float32}
     value = _native_fingerprint(tensors, True, ask) if ask else None
     if value is None:
