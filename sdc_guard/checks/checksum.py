@@ -396,6 +396,8 @@ class _Call:
     """Seen without the product's node, with the weight's gradient hooked: ``GY``, kept from
     the output's hook until the node that passes the weight its gradient has run
     (``ChecksumCheck._on_weight_edge``)."""
+    plan: _Plan | None = None
+    """The C path's: its forward call's plan (``_Plan``), which keeps its backward's too."""
 
     @property
     def x_rows(self) -> torch.Tensor:
@@ -408,6 +410,51 @@ class _Call:
         """float32 ``N``: the output's row sums."""
         n = self.rows
         return self.sums[2 * n:3 * n]
+
+
+@dataclass(slots=True)
+class _Plan:
+    """What the C forward call of a layer's call needs that ``X``'s and ``Y``'s sizes fix
+    (``ChecksumCheck._plan``): kept from step to step, so that a hook does not work them out
+    again (a checked step's Python is much of what the check costs)."""
+
+    x_shape: torch.Size
+    y_shape: torch.Size
+    n: int
+    ws: torch.Tensor
+    """The call's workspace (``_Layer.pool``)."""
+    sizes: tuple[int, int, int]
+    """``N``, ``in`` and ``X``'s row stride."""
+    y_sizes: tuple[int, int]
+    """``out`` and ``Y``'s row stride."""
+    sums: tuple[int, int]
+    """The addresses of the weight's sums and of the bias's (``_Layer.wsum``)."""
+    work: tuple[int]
+    """The workspace's address."""
+    tol: float
+    threads: tuple[int, int]
+    """The passes' threads over ``X`` and over ``Y``."""
+    bwd: _Backward | None = None
+    """The backward call's, found at its first (``ChecksumCheck._gy_native``)."""
+    x2: torch.Tensor | None = None
+    y2: torch.Tensor | None = None
+    """A plan made for one call only: ``X`` and ``Y`` as the C passes read them (copies of
+    tensors whose rows are not evenly spaced)."""
+
+
+@dataclass(slots=True)
+class _Backward:
+    """What the C backward call of a layer's call needs that its sizes fix (``_Plan.bwd``)."""
+
+    out: int
+    sums: tuple[int, int, int]
+    """The addresses of ``W e``, ``|W| e`` (``_Layer.wsum``) and of the workspace."""
+    gxs: int
+    """The address of the input gradient's part of the workspace."""
+    inner: int
+    tol: float
+    threads: tuple[int, int]
+    """The passes' threads over ``GY`` and over ``GX``."""
 
 
 _NATIVE_WS = 8
@@ -467,11 +514,15 @@ class _Layer:
     gw_rows: int = 0
     gw_dtype: torch.dtype | None = None
     """The dtype the weight gradient was computed in (its output's gradient's)."""
+    plans: list[_Plan] = field(default_factory=list)
+    """The C forward calls' plans, by the call's index in the micro-batch (``_Plan``)."""
     pool: list[torch.Tensor] = field(default_factory=list)
     """The C path's workspaces, one per call of the layer in a micro-batch, kept from step to
     step (an allocation per call is a dispatch and, often, fresh pages)."""
     gw_buf: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     """The C path's weight-gradient sides (right-hand side, bound) and ``GW e``, kept."""
+    gw_at: tuple[int, int] = (0, 0)
+    """The addresses of ``gw_buf``'s sides."""
     handles: list[Any] = field(default_factory=list)
     gw_step: bool = False
     """The weight-gradient identity is checked in this step: ``gw_checked``, and the weight
@@ -1121,11 +1172,13 @@ class ChecksumCheck(Check, BucketListener):
         want = self._want["forward"]
         if (layer.native and kernel is not None and x.dtype is _F32_DTYPE
                 and y.dtype is _F32_DTYPE):
-            x2, ldx = _flat_rows(x)  # the C passes read rows at a stride: no view for 3-D
-            y2, ldy = _flat_rows(y)
-            inner, out = x2.shape[-1], y2.shape[-1]
-            n = x2.numel() // inner if inner else 0
-            ws = self._workspace(layer, _NATIVE_WS * n)
+            i = len(layer.calls)
+            plan = layer.plans[i] if i < len(layer.plans) else None
+            if not (plan is not None and plan.x_shape == x.shape and plan.y_shape == y.shape
+                    and x.is_contiguous() and y.is_contiguous()):
+                plan = self._plan(layer, x, y)
+            x2, n, ws = plan.x2 if plan.x2 is not None else x, plan.n, plan.ws
+            y_at = plan.y2.data_ptr() if plan.y2 is not None else y.data_ptr()
             w, bias = layer.w, layer.b  # (as the step found them: native says so)
             assert w is not None
             version = (w.data_ptr(), w._version, -1 if bias is None else bias._version)
@@ -1137,26 +1190,27 @@ class ChecksumCheck(Check, BucketListener):
                 layer.pre_sums = ask is not None and ask.taken and layer.ask_key == version
                 fresh = not layer.pre_sums
                 self.pre_sums_used += layer.pre_sums
-            wsum_t = layer.wsum
-            if wsum_t is None:
-                wsum_t = layer.wsum = torch.empty(2 * inner + 2 * out + 2)
-            wsum = wsum_t.data_ptr()
-            tol = _cpu_tolerance(self.config.tolerance_scale, inner + 1, 2 * out + inner)
-            args = [x2.data_ptr(), n, inner, ldx, y2.data_ptr(), out, ldy, version[0],
-                    w.stride(0), None if bias is None else bias.data_ptr(), wsum,
-                    wsum + (2 * inner + 2 * out) * _F32, int(fresh), ws.data_ptr(), int(want),
-                    tol, int(self.expect_overflow), _threads(n * inner), _threads(n * out),
-                    _threads(w.numel()) if fresh else 1]
-            bad = kernel.cs_fwd(*args)
-            if bad and layer.pre_sums and self._stale(layer):
-                args[12], args[-1] = 0, 1
-                bad = kernel.cs_fwd(*args)  # against the sums of the weight as it is
-            call = _Call(x2, ws, n, self._micro, tapped, gy_dtype=y.dtype, native=True)
+            # (the weight's address, row stride and bias are read by the C call only when
+            # it takes the weight's sums, fresh)
+            w_args = ((version[0], w.stride(0), None if bias is None else bias.data_ptr(), 1)
+                      if fresh else (0, plan.sizes[1], None, 0))
+            bad = kernel.cs_fwd(x2.data_ptr(), *plan.sizes, y_at, *plan.y_sizes, *w_args[:3],
+                                *plan.sums, w_args[3], *plan.work, int(want), plan.tol,
+                                int(self.expect_overflow), *plan.threads,
+                                _threads(w.numel()) if fresh else 1)
+            if bad and layer.pre_sums and self._stale(layer):  # against the sums of the
+                bad = kernel.cs_fwd(x2.data_ptr(), *plan.sizes, y_at,   # weight as it is
+                                    *plan.y_sizes, 0, plan.sizes[1], None, *plan.sums, 0,
+                                    *plan.work, int(want), plan.tol,
+                                    int(self.expect_overflow), *plan.threads, 1)
+            call = _Call(x2, ws, n, self._micro, tapped, gy_dtype=y.dtype, native=True,
+                         plan=plan)
             self.native_calls += 1
             if bad:
-                b0, b1 = wsum_t[-2:].tolist()
+                assert layer.wsum is not None
+                b0, b1 = layer.wsum[-2:].tolist()
                 self._failed(layer, "forward", call.micro_batch, ws[2 * n:3 * n],
-                             ws[3 * n:4 * n], ws[4 * n:5 * n], tol, b0, b1)
+                             ws[3 * n:4 * n], ws[4 * n:5 * n], plan.tol, b0, b1)
         else:
             xd = x.detach().reshape(-1, x.shape[-1])
             y2 = y.detach().reshape(-1, y.shape[-1])
@@ -1179,6 +1233,33 @@ class ChecksumCheck(Check, BucketListener):
                 elif want:
                     self._forward_norm(layer, call, xf)
         layer.calls.append(call)
+
+    def _plan(self, layer: _Layer, x: torch.Tensor, y: torch.Tensor) -> _Plan:
+        """The C forward call's arguments that the sizes of ``X`` and ``Y`` fix, for the
+        layer's next call in this micro-batch: kept (``_Layer.plans``) where both are
+        contiguous, the usual case, else made for this call (with copies if need be)."""
+        x2, ldx = _flat_rows(x)  # the C passes read rows at a stride: no view for 3-D
+        y2, ldy = _flat_rows(y)
+        inner, out = x2.shape[-1], y2.shape[-1]
+        n = x2.numel() // inner if inner else 0
+        ws = self._workspace(layer, _NATIVE_WS * n)
+        wsum_t = layer.wsum
+        if wsum_t is None:
+            wsum_t = layer.wsum = torch.empty(2 * inner + 2 * out + 2)
+        wsum = wsum_t.data_ptr()
+        kept = x2 is x and y2 is y and x.is_contiguous() and y.is_contiguous()
+        plan = _Plan(x.shape, y.shape, n, ws, (n, inner, ldx), (out, ldy),
+                     (wsum, wsum + (2 * inner + 2 * out) * _F32), (ws.data_ptr(),),
+                     _cpu_tolerance(self.config.tolerance_scale, inner + 1, 2 * out + inner),
+                     (_threads(n * inner), _threads(n * out)),
+                     x2=None if kept else x2, y2=None if kept else y2)
+        if kept:
+            i = len(layer.calls)
+            if i < len(layer.plans):
+                layer.plans[i] = plan
+            else:
+                layer.plans.append(plan)
+        return plan
 
     @staticmethod
     def _workspace(layer: _Layer, size: int) -> torch.Tensor:
@@ -1289,44 +1370,49 @@ class ChecksumCheck(Check, BucketListener):
         weight gradient's, ``GY^T (X e)`` and ``|GY|^T (|X| e)``; then ``GX``'s row sums
         compared. Without ``gx`` the input gradient's sides stay in the workspace
         (``_on_gx``). ``g`` and ``gx`` as ``_flat_rows`` gives them, with their row strides."""
-        out = g.shape[-1]
         n = call.rows
-        inner = layer.module.in_features
         call.gy_dtype = g.dtype
         gw = add = 0
         gw_at = gwb_at = 0
         if layer.gw_step and not layer.gw_at_node:
             if layer.gw_rhs is None or layer.gw_bound is None:
                 if layer.gw_buf is None:
-                    buf = torch.empty(3, out)
+                    buf = torch.empty(3, g.shape[-1])
                     layer.gw_buf = (buf[0], buf[1], buf[2])
+                    layer.gw_at = (buf[0].data_ptr(), buf[1].data_ptr())
                 layer.gw_rhs, layer.gw_bound = layer.gw_buf[0], layer.gw_buf[1]
+                gw_at, gwb_at = layer.gw_at
             else:  # another call of the layer in this micro-batch: its share adds on
                 add = 1
+                gw_at, gwb_at = layer.gw_rhs.data_ptr(), layer.gw_bound.data_ptr()
             gw = 1
-            gw_at, gwb_at = layer.gw_rhs.data_ptr(), layer.gw_bound.data_ptr()
             layer.gw_rows += n
             layer.gw_dtype = g.dtype
         side = call.tapped
         if not (gw or side) or layer.wsum is None:
             return
-        ws = call.sums
-        at = ws.data_ptr()
-        wr = layer.wsum.data_ptr() + 2 * inner * _F32
-        tol = _cpu_tolerance(self.config.tolerance_scale, out, 2 * inner + out)
-        if gx is None or not side:  # an input gradient not asked for is not compared
-            gx_at, ldx = None, inner
-        else:
-            gx_at = gx.data_ptr()
-        g_at, threads = g.data_ptr(), (_threads(n * out), _threads(n * inner))
-        bad = kernel.cs_bwd(g_at, n, out, ldg, wr, wr + out * _F32, at, gw_at, gwb_at, gw, add,
-                            int(side), at + _GXS * n * _F32, gx_at, inner, ldx, tol,
-                            int(self.expect_overflow), *threads)
+        plan = call.plan
+        fixed = plan.bwd if plan is not None else None
+        if fixed is None:  # what the call's sizes fix (kept with its forward's plan)
+            out, inner = g.shape[-1], layer.module.in_features
+            at = call.sums.data_ptr()
+            wr = layer.wsum.data_ptr() + 2 * inner * _F32
+            fixed = _Backward(out, (wr, wr + out * _F32, at), at + _GXS * n * _F32, inner,
+                              _cpu_tolerance(self.config.tolerance_scale, out, 2 * inner + out),
+                              (_threads(n * out), _threads(n * inner)))
+            if plan is not None:
+                plan.bwd = fixed
+        out, inner, tol = fixed.out, fixed.inner, fixed.tol
+        gx_at = gx.data_ptr() if gx is not None and side else None  # (an input gradient not
+        ldx = ldx if gx_at is not None else inner                    # asked for: not compared)
+        g_at = g.data_ptr()
+        bad = kernel.cs_bwd(g_at, n, out, ldg, *fixed.sums, gw_at, gwb_at, gw, add, int(side),
+                            fixed.gxs, gx_at, inner, ldx, tol, int(self.expect_overflow),
+                            *fixed.threads)
         call.gx_ready = side and gx_at is None
         if bad and layer.pre_sums and self._stale(layer):  # again, against the sums as they are
-            bad = kernel.cs_bwd(g_at, n, out, ldg, wr, wr + out * _F32, at, 0, 0, 0, 0, 1,
-                                at + _GXS * n * _F32, gx_at, inner, ldx, tol,
-                                int(self.expect_overflow), *threads)
+            bad = kernel.cs_bwd(g_at, n, out, ldg, *fixed.sums, 0, 0, 0, 0, 1, fixed.gxs, gx_at,
+                                inner, ldx, tol, int(self.expect_overflow), *fixed.threads)
         if bad:
             self._gx_failed(layer, call, n, tol)
 
@@ -1515,9 +1601,8 @@ class ChecksumCheck(Check, BucketListener):
             layer.calls.clear()
             layer.gw_rhs = layer.gw_bound = None
             m = layer.module
-            params = m._parameters  # (what m.weight and m.bias read, without the detour)
-            w = layer.w = params["weight"] if "weight" in params else m.weight
-            b = layer.b = params["bias"] if "bias" in params else m.bias
+            w = layer.w = m.weight
+            b = layer.b = m.bias
             layer.native = kernel and _rows_ok(w) and (
                 b is None or (b.dtype is _F32_DTYPE and b.is_contiguous()))
             layer.gw_step = layer.gw_checked and w.requires_grad
