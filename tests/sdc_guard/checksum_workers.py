@@ -167,6 +167,35 @@ def fault_runs(rank: int, world: int, faults: list[dict[str, Any] | list[dict[st
     return results
 
 
+def switching_layout(rank: int, world: int, steps: int,
+                     faults: list[dict[str, Any]]) -> dict[str, Any]:
+    """The mlp with ``net.2``'s input contiguous on even steps and, the same values, with a
+    column stride on odd ones (a forward hook on ``net.1`` copies it so): the C forward's
+    plan kept, then made for one call, then kept again (``checksum._Plan``). ``faults``
+    armed at once (each with its own step)."""
+    guard = _guard("mlp", "float32", GuardConfig(checksum=True, weights_interval=0))
+    model = guard.model.module
+    odd = [False]
+
+    def relayout(mod: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor | None:
+        return out.t().contiguous().t() if odd[0] else None
+
+    model.net[1].register_forward_hook(relayout)
+    handles = [arm(Fault(**f), guard=guard) for f in faults]
+    reports = []
+    for step in range(steps):
+        odd[0] = step % 2 == 1
+        reports.append(guard.step(step))
+    found = [d for r in reports for d in r.detections] + guard.flush()
+    for h in handles:
+        h.remove()
+    check = _checksum(guard)
+    return {"detections": _dets(found), "layers": [d.evidence.get("ranks", {}) for d in found],
+            "skipped": [r.step for r in reports if r.skipped],
+            "fired": [rec["step"] for h in handles for rec in h.records],
+            "native": check.native_calls, "plans": len(check.layers[1].plans)}
+
+
 class LoraLinear(nn.Linear):
     """A LoRA-style subclass: its output is not ``F.linear(x, weight, bias)``."""
 

@@ -377,6 +377,26 @@ def test_a_layer_seen_through_its_product_node_catches_an_input_gradient_flip() 
         assert all(r["node_ok"]) and r["unseen"] == 0
 
 
+def test_a_layer_whose_input_layout_switches_keeps_its_plan_and_catches_faults(
+        kernel: nat.NativeKernel) -> None:
+    # net.2's input alternates between contiguous and strided from step to step: the C
+    # forward's arguments come from the kept plan, then from one made for the call, then
+    # from the kept one again. Clean steps stay clean; a flip in the forward product on a
+    # strided step and one in the input gradient on the contiguous step after are both
+    # caught in their step, on rank 1, and withheld everywhere.
+    faults = [{"site": "linear_product", "product": "forward", "rank": 1, "target": "net.2",
+               "bits": (30,), "step": 5},
+              {"site": "linear_product", "product": "input_grad", "rank": 1,
+               "target": "net.2", "bits": (30,), "step": 8}]
+    res = run_ranks(W.switching_layout, 3, 10, faults, timeout=300)
+    assert res[1]["fired"] == [5, 8]
+    for r in res:
+        assert r["detections"] == [("checksum", 5, (1,)), ("checksum", 8, (1,))], r
+        assert [x["1"]["products"] for x in r["layers"]] == [["forward"], ["input_grad"]]
+        assert r["skipped"] == [5, 8]
+        assert r["native"] > 0 and r["plans"] == 1
+
+
 def test_a_tied_weight_leaves_its_weight_gradient_unchecked_and_raises_no_alarm() -> None:
     res = run_ranks(W.tied_run, 2, 6, timeout=300)
     for r in res:
