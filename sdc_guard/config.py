@@ -28,7 +28,8 @@ class ChecksumConfig:
     interval: int = 1
     """Check every N-th step (steps with ``step % N == 0``)."""
     tolerance_scale: float = 1.0
-    """Multiplies the rounding-error bound (module doc). Below 1 risks false positives."""
+    """Multiplies the rounding-error bound (``docs/checks/checksum.md``). Below 1 risks false
+    positives."""
     exchange_interval: int = 8
     """Steps whose flags travel in one word (the detection arrives 1 to N steps late)."""
     bound: str = "exact"
@@ -77,11 +78,11 @@ class GuardConfig:
     nonfinite_exchange_interval: int = 8
     """The non-finite check's flags of N steps travel in one small all-reduce, started at
     the end of the N steps and collected a step later, never waited for
-    (``sdc_guard.checks.nonfinite``). Containment does not wait for it: a rank withholds
+    (``docs/checks/nonfinite.md``). Containment does not wait for it: a rank withholds
     its own step at once when its reduced gradients are non-finite. The detection, with
     its own step and suspects, is reported when the word arrives: 1 to N steps later.
-    1 = a word every step. Each word is a collective, and on an oversubscribed CPU host
-    even one that nobody waits for costs 1-3% of a step (``bench/RESULTS.md``)."""
+    1 = a word every step. Each word is a collective, and on a host whose cores the ranks
+    share even one that nobody waits for costs step time (``bench/RESULTS.md``)."""
 
     weights_interval: int = 1
     """Compare fingerprints of the updated weights across ranks every N steps (0 = off)."""
@@ -91,7 +92,7 @@ class GuardConfig:
 
     checksum: bool | ChecksumConfig = False
     """Checksums of every ``nn.Linear`` product (forward, input and weight gradients), every
-    step, contained in the step (``sdc_guard.checks.checksum``). True = ``ChecksumConfig()``;
+    step, contained in the step (``docs/checks/checksum.md``). True = ``ChecksumConfig()``;
     a ``ChecksumConfig`` chooses layers, products, interval and tolerance scale."""
 
     include_optimizer_state: bool = True
@@ -100,7 +101,7 @@ class GuardConfig:
     repair_by_majority: bool = True
     """When the weights check's suspects are a strict minority, repair their parameters and
     optimizer state in place by a broadcast from the majority and verify it with a second
-    vote (``sdc_guard.checks.weights``): reported with ``Detection.repaired``, no quarantine,
+    vote (``docs/checks/weights.md``): reported with ``Detection.repaired``, no quarantine,
     no rollback. False: report only."""
 
     repair_window_steps: int = 1000
@@ -111,8 +112,8 @@ class GuardConfig:
     """Containment: withhold ``optimizer.step()`` on every rank when a pre-step check fires."""
 
     deterministic: bool = False
-    """Deterministic kernels and one RNG stream per (rank, step, micro-batch); see
-    ``sdc_guard.determinism``. Required by the replay audit."""
+    """Deterministic kernels and one RNG stream per (rank, step, micro-batch). Required by
+    the replay audit, which compares recomputations bit for bit (``docs/checks/replay.md``)."""
 
     seed: int = 0
     """Root seed of the per-(rank, step, micro-batch) random streams."""
@@ -126,7 +127,7 @@ class GuardConfig:
 
     node_name_env: str = "NODE_NAME"
     """The environment variable that holds this rank's Kubernetes node name (the downward API's
-    ``spec.nodeName``); without it, the hostname names the node (``sdc_guard.topology``)."""
+    ``spec.nodeName``); without it, the hostname names the node (``docs/quarantine.md``)."""
 
     pod_name_env: str = "POD_NAME"
     """The environment variable that holds this rank's pod name (``metadata.name``)."""

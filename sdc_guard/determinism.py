@@ -127,14 +127,14 @@ def rng_stream(
 
     What ``torch.random.fork_rng(devices=[device])`` does for the CPU generator (and
     ``device``'s, on CUDA), without its accelerator lookup: this runs every training step
-    in deterministic mode and again in every replay, where that lookup cost more than the
-    generator's state (about 0.1 ms a call, with the caches cold after a step).
+    in deterministic mode and again in every replay, where that lookup costs more than
+    saving and restoring the generator's state (the caches are cold after a step).
 
     Python's ``random`` module and NumPy's global generator (``np.random.*``, when NumPy's
     random module is loaded) get the stream too: a layer that draws from them (a LayerDrop
     written with ``random.uniform``, as some models do) would otherwise compute another
     rank's batch differently in the replay, and every audit would convict a healthy rank.
-    Their states come back afterwards as well (about 0.1 ms together).
+    Their states come back afterwards as well.
     """
     cpu = torch.default_generator
     s = stream_seed(seed, rank, step, micro)
@@ -143,7 +143,7 @@ def rng_stream(
     py_state = random.getstate()
     np_random = sys.modules.get("numpy.random")
     np_state = np_random.get_state() if np_random is not None else None
-    # Not torch.manual_seed: on CPU-only builds its lazy CUDA seeding costs ~0.4 ms a call.
+    # Not torch.manual_seed: on CPU-only builds its lazy CUDA seeding costs more than the seed.
     cpu.manual_seed(s)
     try:
         random.seed(s)
@@ -236,7 +236,7 @@ def module_state_kept(module: torch.nn.Module) -> Iterator[None]:
     place, or a list inside a dict that it appends to, is not put back).
     (Buffers are the caller's: it restores them itself.)
     Attributes whose names start with ``_`` are torch's own and left alone. Which attributes
-    are plain is found once per model (``_plain_names``); then about 0.1 us per attribute."""
+    are plain is found once per model (``_plain_names``); later calls only visit those."""
     saved = []
     generators = []
     tensors: list[tuple[list[Any], str, torch.Tensor, int, torch.Tensor | None]] = []

@@ -25,10 +25,10 @@ class Detection:
     """A sentence for humans: what differed and why these suspects."""
     evidence: dict[str, Any] = field(default_factory=dict, compare=False)
     """Machine-readable evidence (fingerprints per rank, flags per rank, ...). On a suspect
-    rank it also holds ``"telemetry"``: that rank's own GPU snapshot (``sdc_guard.telemetry``)."""
+    rank it also holds ``"telemetry"``: that rank's own GPU snapshot (``docs/quarantine.md``)."""
     suspect_nodes: tuple[str, ...] = ()
-    """The nodes of ``suspect_ranks`` (``sdc_guard.topology``: the Kubernetes node name, or the
-    hostname without one), filled in by the guard."""
+    """The nodes of ``suspect_ranks`` (the Kubernetes node name, or the hostname without one:
+    ``GuardConfig.node_name_env``), filled in by the guard."""
     repaired: bool = False
     """The weights check repaired the suspects' state in place from the majority and verified
     it (``GuardConfig.repair_by_majority``): no quarantine, no suspect window."""

@@ -47,7 +47,8 @@ def host_words(buf: torch.Tensor) -> bool:
 def _bad(buf: torch.Tensor) -> torch.Tensor:
     """A 0-d bool tensor: does ``buf`` hold a NaN or Inf? One read pass, no host sync.
 
-    ``isfinite(sum)`` is about 20x cheaper than ``isfinite(buf).all()``. NaN and Inf
+    ``isfinite(sum)`` reads the buffer once and writes one value, where
+    ``isfinite(buf).all()`` writes a flag per element and reads them again. NaN and Inf
     always propagate through a sum; a finite buffer must not overflow it, so the sum is
     accumulated in a wider type: float32 for float16 (an fp16 sum overflows at 65504),
     float64 for float32 and bfloat16 (their sums overflow at 3.4e38, which the veto
@@ -64,7 +65,7 @@ def _bad(buf: torch.Tensor) -> torch.Tensor:
     else:  # integer buffers cannot hold non-finite values
         return torch.zeros((), dtype=torch.bool, device=buf.device)
     # s * 0 is 0 for a finite s and NaN for a NaN or an Inf: two kernels on a device,
-    # where ~isfinite(s) launches five (isfinite is (s == s) * (|s| != inf)).
+    # fewer than ~isfinite(s) launches (isfinite is (s == s) * (|s| != inf)).
     return s.mul(0) != 0
 
 

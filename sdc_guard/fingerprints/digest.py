@@ -2,8 +2,8 @@
 
 The replay audit compares two computations of the same gradients, where a swap is
 not a fault model, so it uses this digest rather than the fingerprint: no widening
-pass, about 2x faster. Single-element changes are still guaranteed to change it;
-swaps of elements that differ only in their top bits are not. D is linear, so D of
+pass, so one read of the bytes fewer. Single-element changes are still guaranteed to
+change it; swaps of elements that differ only in their top bits are not. D is linear, so D of
 tensors laid end to end is a sum of per-tensor parts (``digest_parts``,
 ``concat_digest``): one flat DDP bucket or its separate gradients give the same.
 """
@@ -23,7 +23,7 @@ from sdc_guard.fingerprints.words import MASK64, to_signed64
 def digest_value(t: torch.Tensor) -> torch.Tensor:
     """D = sum_k (2k+1) X_k (mod 2**64) over the raw 64-bit words X_k of t's bytes.
 
-    No widening or transform pass: about 3x cheaper than ``tensor_value``. Any
+    No widening or transform pass, so cheaper than ``tensor_value``. Any
     single-element change is still guaranteed to change D (an element of s <= 8
     bytes at byte offset o of word k changes X_k by d * 2**(8o), 0 < |d| < 2**(8s),
     whose 2-adic valuation is at most 63, so (2k+1) * that is never 0 modulo 2**64),
@@ -148,9 +148,9 @@ its Python float, exactly (a bfloat16 is the top half of its float32)."""
 def _loss_bits(t: torch.Tensor) -> int:
     """The bits of a one-element CPU loss as a signed integer of its size.
 
-    One ``.item()``: right after a backward pass, every tensor op costs tens of microseconds
-    (the caches hold the step's data, not the dispatcher's code). A NaN goes through the
-    tensor's own bits: a Python float does not keep every NaN payload.
+    One ``.item()``: right after a backward pass every tensor op is dear (the caches hold
+    the step's data, not the dispatcher's code). A NaN goes through the tensor's own bits:
+    a Python float does not keep every NaN payload.
     """
     value = t.item()
     form = _BITS.get(t.dtype)

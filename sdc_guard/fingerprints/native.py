@@ -1,8 +1,8 @@
 """The C kernel (``kernel.c`` beside this file): built on first use, loaded with ctypes.
 
 torch has no fused position-weighted integer reduction, so the pure-torch path
-reads each chunk three times (widen, row sums, column sums) and reaches about a
-third of ``torch.sum``'s speed. This kernel reads the data once, as 64-bit words: per
+reads each chunk three times (widen, row sums, column sums), where ``torch.sum``
+reads it once. This kernel reads the data once, as 64-bit words: per
 vector lane it keeps running sums ``P += v; Q += P`` (two additions per vector,
 no multiply), from which ``sum v`` and ``sum i * v`` follow exactly modulo
 2**64. Float32 and other 4-byte lanes are not widened: a word ``X`` is
@@ -15,28 +15,29 @@ which path ran.
 The word loops are written once with GCC/Clang vector extensions and compiled for
 each x86 instruction set (AVX-512F, AVX2, the SSE2 baseline); the widest the CPU
 has up to AVX2 runs by default (``DEFAULT_ISA``: the loops wait on memory, and wider
-vectors only lower the clock on many Xeons), another on request
+vectors read no faster and lower the core clock on some CPUs), another on request
 (``NativeKernel.use_isa``, ``SDC_GUARD_ISA=avx512f``), so that one machine can also
 measure another's code. They ask for
 each cache line 4 KiB before they read it (software prefetch): without it a core
 alternates between waiting for memory and adding, well short of the bandwidth.
 
-Four entry points serve the checksum check with float32 passes (``sdc_cs_cols``,
-``sdc_cs_rows``, ``sdc_cs_compare``: its products with ``W`` and ``|W|`` in one read,
-without materialising ``|W|``; ``sdc_scale_rows``: the comm hook's scaling pass that also
-sums the rows of the weight gradients in the bucket; ``sdc_guard.checks.checksum``);
-float sums in any order, which its tolerance allows. They (and the scaling and
+Other entry points serve the checksum check (``sdc_guard.checks.checksum``) with float32
+passes: its products with ``W`` and ``|W|`` in one read, without materialising ``|W|``
+(``sdc_cs_cols``, ``sdc_cs_rows``), its hooks' checks in one call each (``sdc_cs_fwd``,
+``sdc_cs_bwd``, ``sdc_cs_gx``, ``sdc_cs_compare``), and the comm hook's scaling pass that
+also sums the rows of the weight gradients in the bucket (``sdc_scale_rows``); float sums
+in any order, which its tolerance allows. They (and the scaling and
 non-finite passes) are compiled for each x86-64 level (v4, v3: with fused multiply-add,
 which rounds once where a multiply then an add round twice: within the same bound).
 
-Two more entry points serve the non-finite check on float32 CPU buffers:
+Entry points serve the non-finite check on float32 CPU buffers too:
 ``sdc_scale_check`` (DDP's 1/world scaling, the bits of ``mul_``, with a NaN/Inf
 flag, in one pass) and ``sdc_nonfinite`` (the flag alone, read only). Their
 flags come back as Python bools: no tensor op, no host sync.
 
 It is plain C with no dependency (not even torch's headers): the system C
-compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) builds it in well under a
-second, once per machine and source version, into a per-user cache
+compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) builds it once per machine
+and source version, into a per-user cache
 (``$SDC_GUARD_CACHE``, else ``$XDG_CACHE_HOME/sdc_guard``, else
 ``~/.cache/sdc_guard``; if that is not writable, a private ``sdc_guard-<uid>``
 directory under the system temp dir). Ranks that build at the same time each write their own
@@ -73,8 +74,8 @@ ISAS = ("baseline", "avx2", "avx512f")
 DEFAULT_ISA = "avx2"
 """What runs unless ``SDC_GUARD_ISA`` asks otherwise (or the CPU's widest, if narrower).
 The loops are bound by memory, not by adding: 512-bit vectors read no faster, and on
-many Xeons they lower the core clock (on the bench's AVX-512 Xeon with 2 threads the
-AVX-512 code is the slower one: ``bench/RESULTS.md``)."""
+some CPUs they lower the core clock (``bench/RESULTS.md`` times every path, each forced
+in turn)."""
 
 # Below this many elements per thread, one more thread costs more than it saves.
 _PER_THREAD = 1 << 18

@@ -66,8 +66,8 @@ Only the final 8 bytes leave the device, and only when ``fingerprint`` (not
 ``fingerprint_tensor``) is called.
 
 On the CPU a small C kernel (``sdc_guard.fingerprints.native``, source ``kernel.c``,
-built with the system C compiler on first use, in well under a second) computes the same
-sums in one read pass, about 3x faster, at the speed of ``torch.sum``, and the few words
+built with the system C compiler on first use) computes the same sums in one read pass
+where the torch path takes three (so about as fast as ``torch.sum``), and the few words
 per tensor are mixed as Python ints (no tensor operation); the values are identical
 either way. Without a compiler, or with ``SDC_GUARD_NATIVE=0``, the torch path runs
 (``native_enabled()`` says which). The replay audit uses a cheaper linear digest of raw
@@ -177,11 +177,10 @@ def _small_values(tensors: Sequence[torch.Tensor], unit: int,
     All of them go through one concatenation, one widening and one multiply by
     per-segment weights ``2k+1`` (k counted from each tensor's start), then a running sum
     whose differences at the tensors' boundaries are their sums (exact: integers wrap the
-    same in any order, so on every device alike): a few ops in all instead of about 20 per
-    tensor, which is what a model's biases, norms and optimizer step counters otherwise
-    cost. ``unit`` is 4 (tensors
-    of elements up to 4 bytes, as 32-bit lanes, the last one zero-padded) or 8
-    (8-byte elements, as words mapped by ``prep_words``).
+    same in any order, so on every device alike): a few ops in all instead of a pass of
+    ops per tensor, which is what a model's biases, norms and optimizer step counters
+    otherwise cost. ``unit`` is 4 (tensors of elements up to 4 bytes, as 32-bit lanes, the
+    last one zero-padded) or 8 (8-byte elements, as words mapped by ``prep_words``).
     """
     pieces: list[torch.Tensor] = []
     counts: list[int] = []
@@ -213,8 +212,9 @@ def _small_values(tensors: Sequence[torch.Tensor], unit: int,
     else:
         prep_words(whole.view(torch.int64), vals)
     vals.mul_(weights)
-    # A sum per tensor in four kernels however many tensors (a sum each, on a GPU, is a
-    # launch each; index_add_ is nondeterministic there by torch's rules, if not for integers).
+    # A sum per tensor in a fixed number of kernels however many tensors (a sum each, on a
+    # GPU, is a launch each; index_add_ is nondeterministic there by torch's rules, if not
+    # for integers).
     running = torch.nn.functional.pad(torch.cumsum(vals, 0), (1, 0))
     return torch.diff(running[bounds])
 

@@ -7,8 +7,9 @@ fuses (``_fused``; compiled once per mode, checked against the torch ops on its 
 use, and given up for the torch ops if it fails to compile or to agree). Elsewhere, or
 without a compiler, torch ops: with the values laid out as rows of ``P``,
 ``sum_k (2k+1) v_k = 2P * sum_r r R_r + sum_c (2c+1) C_c`` where ``R`` are row sums and
-``C`` column sums, done chunk by chunk so the second pass reads from cache (on a GPU,
-about a tenth of a plain sum's throughput: a widened copy and two reads of it). Every
+``C`` column sums, done chunk by chunk so the second pass reads from cache (on a GPU
+that is a widened copy and two reads of it, well short of one read pass:
+``bench/DEVICE.md``). Every
 path gives the same value, bit for bit: the arithmetic is on integers modulo ``2**64``.
 """
 
@@ -26,8 +27,8 @@ from sdc_guard.fingerprints.native import active_kernel
 # Values per row for the row/column-sum decomposition; values per chunk on CPU
 # (2**20 lanes: the chunk's int64 copy, 8 MiB, is read twice from cache); row groups
 # per chunk for the column sums. Short rows keep the column sums' accumulators in
-# registers: 128 is about 1.6x faster than 1024 here, 1 or 2 threads (tuned with
-# every combination of 2**17..2**22 lanes, rows of 32..4096 and 1..8 groups).
+# registers (chosen over every combination of 2**17..2**22 lanes, rows of 32..4096
+# and 1..8 groups, on 1 and 2 threads).
 _ROW: Final = 128
 _CHUNK: Final = 1 << 20
 _GROUPS: Final = 2
@@ -135,9 +136,9 @@ def _fused_math(src: torch.Tensor, mode: int) -> torch.Tensor:
 FUSED_DEVICES: set[str] = {"cuda"}
 """The device types whose weighted sums take ``torch.compile``'s fused kernel (``_fused``)."""
 FUSED_MIN = 1 << 27
-"""Values from which the fused kernel runs. On an H200 it read a 4 GiB float32 tensor at
-0.65 of a ``torch.sum`` pass's rate against the torch ops' 0.11, but a 256 MiB one no faster
-than they did (0.09 against 0.10: a fixed cost of about 0.9 ms a call)."""
+"""Values from which the fused kernel runs. It reads a large tensor in one pass where the
+torch ops take three, but each call has a fixed cost that a smaller tensor's pass does not
+repay (``bench/DEVICE.md``: the 256 MiB and 4096 MiB rows)."""
 _FUSED = CheckedCompile()
 """``_fused_math`` compiled per device type, checked per (device type, mode)."""
 
