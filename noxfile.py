@@ -1,4 +1,4 @@
-"""Developer sessions: ``nox -s tests`` (default), ``nox -s lint``, ``nox -s bench``, ``nox -s inject``."""
+"""Developer sessions: ``nox -s tests`` (default), ``lint``, ``bench``, ``inject``, ``docs``."""
 
 from __future__ import annotations
 
@@ -69,6 +69,13 @@ def guard_off(session: nox.Session) -> None:
     """The guard's own cost per step with its checks off, measured directly; bench/guard_off.json."""
     _install(session)
     session.run("python", "-m", "bench.guard_off", *session.posargs)
+
+
+@nox.session(default=False)
+def docs(session: nox.Session) -> None:
+    """The API reference from the docstrings (pdoc) into docs/_build/api; fails on a broken one."""
+    session.install(*CONSTRAINTS, "-e", ".", "pdoc")
+    session.run("python", "docs/build_api.py", *session.posargs)
 
 
 @nox.session(default=False)
