@@ -47,7 +47,7 @@ def lint(session: nox.Session) -> None:
         _install(session)
     where = [] if tests_python is None else ["--python-executable", str(tests_python)]
     session.run("ruff", "check", ".")
-    session.run("mypy", *where, "sdc_guard", "injectors", "scenarios", "bench", "tests")
+    session.run("mypy", *where, "sdc_guard", "injectors", "scenarios", "bench", "kube_standin", "tests")
 
 
 @nox.session(default=False)

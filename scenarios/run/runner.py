@@ -24,9 +24,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from kube_standin import StandInAPIServer
 from scenarios.report.outcome import classify, failed_row
 from scenarios.report.summary import fit_replay_overhead
-from scenarios.run.kubeapi import StandInAPIServer
 from scenarios.run.pool import PoolError, WorkerPool
 from scenarios.run.rank import Command, Golden, Overhead, Prepare, Trial
 from scenarios.run.shards import overhead_share, plan_key, shard_of

@@ -28,7 +28,7 @@ faults to inject into it::
     [quarantine]                 # optional: each rank runs as if on its own node (node-<rank>)
     max_nodes = 1                # and a sdc_guard KubeQuarantine acts on every detection,
     max_fraction = 0.34          # against a loopback Kubernetes API stand-in started per trial
-    dry_run = false              # (scenarios.run.kubeapi); the report shows the cordons
+    dry_run = false              # (kube_standin); the report shows the cordons
 
     [recovery]                   # optional: trials roll back (or repair) and train to the end;
     checkpoint_every = 4         # the last state is compared with golden's bit for bit

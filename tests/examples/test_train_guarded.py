@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from scenarios.run.kubeapi import StandInAPIServer
+from kube_standin import StandInAPIServer
 from sdc_guard.remediation import EXIT_QUARANTINED
 
 pytestmark = pytest.mark.timeout(240)

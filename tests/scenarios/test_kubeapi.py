@@ -24,7 +24,7 @@ pytest.importorskip("jsonpatch")
 import urllib3  # noqa: E402 - after the skips: the client and urllib3 come together
 from kubernetes.client.exceptions import ApiException  # noqa: E402
 
-from scenarios.run.kubeapi import StandInAPIServer  # noqa: E402
+from kube_standin import StandInAPIServer  # noqa: E402
 
 MERGE = "application/merge-patch+json"
 SMP = "application/strategic-merge-patch+json"

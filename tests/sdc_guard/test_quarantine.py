@@ -1,5 +1,5 @@
 """KubeQuarantine and ``python -m sdc_guard quarantine`` in one process, through the official
-client over HTTP, against the loopback stand-in (``scenarios.run.kubeapi``): the error paths,
+client over HTTP, against the loopback stand-in (``kube_standin``): the error paths,
 idempotence, the rate limit, the breaker across a restart, ownership on release."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from scenarios.run.kubeapi import StandInAPIServer
+from kube_standin import StandInAPIServer
 from sdc_guard import Detection
 from sdc_guard.__main__ import main as cli
 from sdc_guard.remediation import KubeQuarantine

@@ -1,5 +1,5 @@
 """Guarded 3-rank trainings that quarantine through the official client, over HTTP, on the
-loopback stand-in for the Kubernetes API server (``scenarios.run.kubeapi``)."""
+loopback stand-in for the Kubernetes API server (``kube_standin``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from scenarios.run.kubeapi import StandInAPIServer
+from kube_standin import StandInAPIServer
 from sdc_guard import read_events
 from sdc_guard.remediation.evidence import EVIDENCE, MARKER, TAINT_KEY, parse_entries
 from tests import workers

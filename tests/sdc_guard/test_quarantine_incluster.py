@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from scenarios.run.kubeapi import StandInAPIServer
+from kube_standin import StandInAPIServer
 from sdc_guard import Detection
 from sdc_guard.remediation import KubeQuarantine
 from sdc_guard.remediation.api import KubeError, NodeAPI, load_client
