@@ -9,19 +9,20 @@ from pathlib import Path
 
 import pytest
 
-PUBLISHED = Path(__file__).parents[2] / "bench" / "results.json"
+ROOT = Path(__file__).resolve().parents[2]  # the harness runs from the clone's root
+PUBLISHED = ROOT / "bench" / "results.json"
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True,
-                          text=True, timeout=240)
+                          text=True, timeout=240, cwd=ROOT)
 
 
 @pytest.mark.timeout(300)
 def test_only_measures_the_named_sections_again_and_keeps_the_rest(tmp_path: Path) -> None:
     machine = subprocess.run(
         [sys.executable, "-c", "from bench.__main__ import machine_name; print(machine_name())"],
-        capture_output=True, text=True, check=True).stdout.strip()
+        capture_output=True, text=True, check=True, cwd=ROOT).stdout.strip()
     earlier = json.loads(PUBLISHED.read_text())
     earlier.update(machine=machine, quick=True,
                    measured_later={"replay": {"commit": "abc1234", "date": "2026-01-01"}})

@@ -5,15 +5,18 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[2]  # the harness runs from the clone's root
 
 
 @pytest.mark.timeout(300)
 def test_the_replay_table_under_the_allocator_it_is_given() -> None:
     out = subprocess.run([sys.executable, "-m", "bench.replay", "--world", "1", "--rounds",
                           "1", "--no-trim"], check=True, capture_output=True, text=True,
-                         timeout=300).stdout
+                         timeout=300, cwd=ROOT).stdout
     assert "glibc's heap trimming off, 1 rounds" in out
     assert "`mallopt(M_TRIM_THRESHOLD, 2147483647)`" in out
     rows = re.findall(r"^\| (\d+) \| [\d.]+ \| [\d.]+ \| \*\*(-?[\d.]+)\*\* \| "
@@ -27,7 +30,7 @@ def test_the_replay_table_under_the_allocator_it_is_given() -> None:
     off = int(re.search(r"replay off: (\d+) per step", out).group(1))  # type: ignore[union-attr]
     assert off < 300
     bad = subprocess.run([sys.executable, "-m", "bench.replay", "--rounds", "0"],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "--world and --rounds must be at least 1" in bad.stderr
 
 

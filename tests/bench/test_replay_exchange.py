@@ -10,11 +10,13 @@ from pathlib import Path
 from bench.replay_exchange import table
 from bench.results import markdown
 
+ROOT = Path(__file__).resolve().parents[2]  # the harness runs from the clone's root
+
 
 def test_replay_exchange_writes_its_table_and_json(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "bench.replay_exchange", "--world", "2",
                           "--rounds", "2", "--block", "1", "--out", str(tmp_path)],
-                         check=True, capture_output=True, text=True, timeout=300).stdout
+                         check=True, capture_output=True, text=True, timeout=300, cwd=ROOT).stdout
     res = json.loads((tmp_path / "replay_exchange.json").read_text())
     assert set(res["placements"]) == {"first bucket", "after the replay"}
     for e in res["placements"].values():
@@ -31,5 +33,5 @@ def test_replay_exchange_writes_its_table_and_json(tmp_path: Path) -> None:
     assert "## Where the replay audit posts its ring exchange" in page
     assert "\n".join(table(res)) in page
     bad = subprocess.run([sys.executable, "-m", "bench.replay_exchange", "--rounds", "1"],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "needs --world >= 2, --rounds >= 2" in bad.stderr
