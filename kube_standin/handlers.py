@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 from kube_standin.auth import Access
-from kube_standin.patch import PATCH_TYPES, STRATEGIC_MERGE_PATCH, patched
+from kube_standin.patch import PATCH_TYPES, patched
 from kube_standin.routes import ALLOWED_METHODS, Route, verb
 from kube_standin.schema import (
     KUBE_VERSION,
@@ -33,7 +33,6 @@ from kube_standin.status import (
     err_unsupported_media,
     failure,
     goq,
-    gov,
     invalid_value,
     not_supported,
 )
@@ -132,8 +131,7 @@ def _patch_node(store: Store, route: Route, query: dict[str, list[str]], content
     result, more = store.update_node(
         route.name, route.subresource,
         lambda current: patched(content_type, current, patch, strict=strict, warnings=warnings),
-        dry_run=dry_run, validation=validation, put=False,
-        shown=(lambda raw: gov(patch)) if content_type == STRATEGIC_MERGE_PATCH else None)
+        dry_run=dry_run, validation=validation, put=False)
     return ok(result, warnings=warnings + more)
 
 

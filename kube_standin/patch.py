@@ -1,5 +1,10 @@
-"""The PATCH bodies served: JSON patch (RFC 6902), JSON merge patch (RFC 7386) and strategic
-merge patch (:mod:`kube_standin.strategic`).
+"""The PATCH bodies served: JSON patch (RFC 6902) and JSON merge patch (RFC 7386).
+
+These are the patch types the product sends (``sdc_guard.remediation`` writes JSON patches
+whose first operation pins ``metadata.resourceVersion``) or that tests use to change a node
+the way another tool would (merge patch). A strategic-merge patch is not served: the request
+is answered 415, as the real server answers one for a type that has no strategic-merge
+schema (a custom resource); see the package docstring.
 
 :func:`patched` computes the document a patch produces from the stored object, with the
 server's error for a body it cannot apply; what it produces is then decoded, checked and
@@ -11,13 +16,11 @@ from __future__ import annotations
 from typing import Any
 
 from kube_standin.schema import json_kind
-from kube_standin.status import APIError, err_bad_request, err_generic, err_internal, failure
-from kube_standin.strategic import SMPError, strategic_merge
+from kube_standin.status import APIError, err_bad_request, err_generic, failure
 
 JSON_PATCH = "application/json-patch+json"
 MERGE_PATCH = "application/merge-patch+json"
-STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
-PATCH_TYPES = (JSON_PATCH, MERGE_PATCH, STRATEGIC_MERGE_PATCH)
+PATCH_TYPES = (JSON_PATCH, MERGE_PATCH)
 """The content types a PATCH may carry, in the order the 415 message lists them."""
 
 _MAX_JSON_PATCH_OPS = 10000
@@ -30,25 +33,13 @@ def patched(content_type: str, current: dict[str, Any], patch: Any, *, strict: b
     JSON-patch operations are appended to ``warnings``."""
     if content_type == JSON_PATCH:
         return apply_json_patch(current, patch, strict, warnings)
-    if content_type == MERGE_PATCH:
-        if strict and not isinstance(patch, dict) and patch is not None:
-            what = json_kind(patch)
-            raise err_bad_request(f"error decoding patch: json: cannot unmarshal {what} into Go "
-                                  "value of type map[string]interface {}")
-        if patch is None or (not isinstance(patch, (dict, list))):
-            raise err_bad_request("Invalid JSON Patch")
-        return merge_patch(current, patch)
-    if not isinstance(patch, dict) and patch is not None:
-        raise err_bad_request(f"json: cannot unmarshal {json_kind(patch)} into Go value of type "
-                              "map[string]interface {}")
-    try:
-        return strategic_merge(current, patch or {}, "Node")
-    except SMPError as e:
-        if e.code == 400:
-            raise err_bad_request(str(e)) from None
-        if e.code == 422:
-            raise err_generic(422, str(e)) from None
-        raise err_internal(str(e)) from None
+    if strict and not isinstance(patch, dict) and patch is not None:
+        what = json_kind(patch)
+        raise err_bad_request(f"error decoding patch: json: cannot unmarshal {what} into Go "
+                              "value of type map[string]interface {}")
+    if patch is None or (not isinstance(patch, (dict, list))):
+        raise err_bad_request("Invalid JSON Patch")
+    return merge_patch(current, patch)
 
 
 # -- JSON merge patch (evanphx/json-patch MergePatch) ---------------------------------------------

@@ -23,13 +23,11 @@ KUBE_VERSION = "v1.37.0"
 
 @dataclass(frozen=True)
 class _F:
-    """One struct field: JSON name, type, ``omitempty``/``omitzero``, patch strategy and merge key."""
+    """One struct field: JSON name, type, ``omitempty``/``omitzero``."""
 
     name: str
     type: str
     omit: str = "omitempty"
-    strategy: str = ""
-    key: str = ""
 
 
 def _fields(*specs: tuple[Any, ...]) -> tuple[_F, ...]:
@@ -39,15 +37,15 @@ def _fields(*specs: tuple[Any, ...]) -> tuple[_F, ...]:
 # Transcribed from k8s.io/api core/v1 and events/v1, apimachinery meta/v1 (field order = JSON order).
 # Types: string, bool, int32, int64, Time, MicroTime, Quantity, any; "*T", "[]T", "map[string]T";
 # otherwise a struct below. Required fields (no omitempty) have omit "".
-SCHEMA: dict[str, tuple[_F, ...]] = {
+_SCHEMA: dict[str, tuple[_F, ...]] = {
     "ObjectMeta": _fields(
         ("name", "string"), ("generateName", "string"), ("namespace", "string"), ("selfLink", "string"),
         ("uid", "string"), ("resourceVersion", "string"), ("generation", "int64"),
         ("creationTimestamp", "Time", "omitzero"), ("deletionTimestamp", "*Time"),
         ("deletionGracePeriodSeconds", "*int64"), ("labels", "map[string]string"),
         ("annotations", "map[string]string"),
-        ("ownerReferences", "[]OwnerReference", "omitempty", "merge", "uid"),
-        ("finalizers", "[]string", "omitempty", "merge"), ("managedFields", "[]ManagedFieldsEntry")),
+        ("ownerReferences", "[]OwnerReference"), ("finalizers", "[]string"),
+        ("managedFields", "[]ManagedFieldsEntry")),
     "OwnerReference": _fields(
         ("apiVersion", "string", ""), ("kind", "string", ""), ("name", "string", ""), ("uid", "string", ""),
         ("controller", "*bool"), ("blockOwnerDeletion", "*bool")),
@@ -58,7 +56,7 @@ SCHEMA: dict[str, tuple[_F, ...]] = {
         ("kind", "string"), ("apiVersion", "string"), ("metadata", "ObjectMeta"), ("spec", "NodeSpec"),
         ("status", "NodeStatus")),
     "NodeSpec": _fields(
-        ("podCIDR", "string"), ("podCIDRs", "[]string", "omitempty", "merge"), ("providerID", "string"),
+        ("podCIDR", "string"), ("podCIDRs", "[]string"), ("providerID", "string"),
         ("unschedulable", "bool"), ("taints", "[]Taint"), ("configSource", "*NodeConfigSource"),
         ("externalID", "string"), ("podPreemptionPolicy", "*NodePodPreemptionPolicy")),
     "NodePodPreemptionPolicy": _fields(("disableResizePreemption", "[]string"),),
@@ -70,8 +68,7 @@ SCHEMA: dict[str, tuple[_F, ...]] = {
         ("kubeletConfigKey", "string", "")),
     "NodeStatus": _fields(
         ("capacity", "map[string]Quantity"), ("allocatable", "map[string]Quantity"), ("phase", "string"),
-        ("conditions", "[]NodeCondition", "omitempty", "merge", "type"),
-        ("addresses", "[]NodeAddress", "omitempty", "merge", "type"),
+        ("conditions", "[]NodeCondition"), ("addresses", "[]NodeAddress"),
         ("daemonEndpoints", "NodeDaemonEndpoints"), ("nodeInfo", "NodeSystemInfo"),
         ("images", "[]ContainerImage"), ("volumesInUse", "[]string"), ("volumesAttached", "[]AttachedVolume"),
         ("config", "*NodeConfigStatus"), ("runtimeHandlers", "[]NodeRuntimeHandler"),
@@ -117,7 +114,7 @@ SCHEMA: dict[str, tuple[_F, ...]] = {
         ("deprecatedLastTimestamp", "Time"), ("deprecatedCount", "int32")),
     "EventsV1EventSeries": _fields(("count", "int32", ""), ("lastObservedTime", "MicroTime", "")),
 }
-FIELD_INDEX = {t: {f.name: f for f in fs} for t, fs in SCHEMA.items()}
+_FIELD_INDEX = {t: {f.name: f for f in fs} for t, fs in _SCHEMA.items()}
 _GO_TYPE_NAMES = {"EventsV1Event": "v1.Event", "EventsV1EventSeries": "v1.EventSeries"}
 _QUANTITY_RE = re.compile(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$")
 _DATE_TIME = r"^(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})"
@@ -160,7 +157,7 @@ def _zero(t: str) -> Any:
         return 0
     if t in ("Time", "MicroTime", "any") or t.startswith(("*", "[]", "map[")):
         return None
-    return {f.name: _zero(f.type) for f in SCHEMA[t]}
+    return {f.name: _zero(f.type) for f in _SCHEMA[t]}
 
 
 def _parse_time(raw: str, micro: bool) -> _dt.datetime:
@@ -239,7 +236,7 @@ class _Decoder:
         if not isinstance(raw, dict):
             raise self._mismatch(raw, t, path)
         out = _zero(t)
-        index = FIELD_INDEX[t]
+        index = _FIELD_INDEX[t]
         for k, v in raw.items():
             sub = f"{path}.{k}" if path else k
             f = index.get(k)
@@ -259,7 +256,7 @@ def _omitted(f: _F, v: Any) -> bool:
     t = f.type
     if f.omit == "omitzero" and t in ("Time", "MicroTime"):
         return v is None
-    if not f.omit or t in ("Time", "MicroTime") or t in SCHEMA:
+    if not f.omit or t in ("Time", "MicroTime") or t in _SCHEMA:
         return False
     if t.startswith("*") or t == "any":
         return v is None
@@ -277,9 +274,9 @@ def _encode(t: str, v: Any) -> Any:
         return None if v is None else {k: _encode(t[11:], v[k]) for k in sorted(v)}
     if t in ("Time", "MicroTime"):
         return None if v is None else format_time(v, t == "MicroTime")
-    if t not in SCHEMA:
+    if t not in _SCHEMA:
         return v
-    return {f.name: _encode(f.type, v[f.name]) for f in SCHEMA[t] if not _omitted(f, v[f.name])}
+    return {f.name: _encode(f.type, v[f.name]) for f in _SCHEMA[t] if not _omitted(f, v[f.name])}
 
 
 def roundtrip(t: str, raw: Any) -> tuple[dict[str, Any], list[str]]:

@@ -203,14 +203,11 @@ class Store:
             return copy.deepcopy(ev)
 
     def update_node(self, name: str, subresource: str, produce: Callable[[dict[str, Any]], Any], *,
-                    dry_run: bool, validation: str, put: bool,
-                    shown: Callable[[Any], str] | None = None) -> tuple[dict[str, Any], list[str]]:
+                    dry_run: bool, validation: str, put: bool) -> tuple[dict[str, Any], list[str]]:
         """``patcher.patchResource``/``Store.Update`` for a node: produce, decode, check, validate,
         store. ``produce(copy of the stored node)`` is the new object (a PATCH: the patched
         document, under the lock, so a JSON patch's ``test`` sees the stored version; a PUT: the
-        body, ``put``); ``shown(document)``: how a patch's decoding error shows it (its JSON).
-        Returns the node answered and the warnings."""
-        show = shown or (lambda raw: json.dumps(raw, separators=(",", ":")))
+        body, ``put``). Returns the node answered and the warnings."""
         with self._lock:
             current = self._nodes.get(name)
             if current is None:
@@ -227,13 +224,15 @@ class Store:
             except DecodeError as e:
                 if put:
                     raise err_bad_request(f'Node in version "v1" cannot be handled as a Node: {e}') from None
-                raise err_invalid("", "", [invalid_value("patch", show(raw), str(e))]) from None
+                shown = json.dumps(raw, separators=(",", ":"))
+                raise err_invalid("", "", [invalid_value("patch", shown, str(e))]) from None
             warnings = [f'unknown field "{u}"' for u in unknown]
             if unknown and validation == "Strict":
                 detail = "strict decoding error: " + ", ".join(warnings)
                 if put:
                     raise err_bad_request(f'Node in version "v1" cannot be handled as a Node: {detail}')
-                raise err_invalid("", "", [invalid_value("patch", show(raw), detail)])
+                shown = json.dumps(raw, separators=(",", ":"))
+                raise err_invalid("", "", [invalid_value("patch", shown, detail)])
             if validation == "Ignore":
                 warnings = []
             obj = typed(obj, "Node", "v1")

@@ -1,8 +1,9 @@
 """The Kubernetes API server stand-in, driven by the official ``kubernetes`` client over HTTP (no mocks).
 
 What is asserted is what a real kube-apiserver answers (status codes, Status reasons and messages,
-strategic-merge list semantics, optimistic concurrency, dry run), because code tested against the
-stand-in must behave the same against a cluster.
+merge-patch list semantics, optimistic concurrency, dry run), because code tested against the
+stand-in must behave the same against a cluster. A strategic-merge patch is answered 415 (the
+product never sends one; see ``kube_standin``).
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ def test_unknown_path_and_verb(srv: StandInAPIServer) -> None:
     assert (code, body["reason"]) == (405, "MethodNotAllowed")
 
 
-# -- the three patch types ------------------------------------------------------------------------
+# -- the patch types ------------------------------------------------------------------------------
 def test_merge_patch_maps_merge_null_deletes_lists_replace(api: Any, srv: StandInAPIServer) -> None:
     before = srv.node("n1")
     out = api.patch_node("n1", {"metadata": {"labels": {"pool": None, "rack": "r7"}},
@@ -171,11 +172,25 @@ def test_merge_patch_maps_merge_null_deletes_lists_replace(api: Any, srv: StandI
     assert srv.requests[-1].content_type == MERGE and srv.requests[-1].status == 200
 
 
-def test_strategic_merge_replaces_the_taint_list(api: Any, srv: StandInAPIServer) -> None:
-    # spec.taints has no patchStrategy: sending only our taint drops the one another tool set.
-    out = api.patch_node("n1", {"spec": {"taints": [OUR_TAINT]}}, _content_type=SMP)
+def test_a_merge_patch_of_our_taint_alone_drops_the_others(api: Any, srv: StandInAPIServer) -> None:
+    # A list in a merge patch replaces the stored one: sending only our taint drops the one
+    # another tool set (what a test of the quarantine must be able to catch).
+    out = api.patch_node("n1", {"spec": {"taints": [OUR_TAINT]}}, _content_type=MERGE)
     assert [t.key for t in out.spec.taints] == [OUR_TAINT["key"]]
     assert [t["key"] for t in srv.node("n1")["spec"]["taints"]] == [OUR_TAINT["key"]]
+
+
+def test_a_strategic_merge_patch_is_415_and_changes_nothing(api: Any, srv: StandInAPIServer) -> None:
+    before = srv.node("n1")
+    for patch_node in (api.patch_node, api.patch_node_status):
+        with pytest.raises(ApiException) as info:
+            patch_node("n1", {"spec": {"taints": [OUR_TAINT]}}, _content_type=SMP)
+        body = _status(info)
+        assert info.value.status == 415 and body["reason"] == "UnsupportedMediaType"
+        assert body["message"] == ("the body of the request was in an unknown format - accepted media "
+                                   f"types include: {JSON_PATCH}, {MERGE}")
+        assert srv.requests[-1].content_type == SMP and srv.requests[-1].status == 415
+    assert srv.node("n1") == before
 
 
 def test_merge_patch_with_the_full_list_keeps_other_taints(api: Any, srv: StandInAPIServer) -> None:
@@ -190,23 +205,23 @@ def test_merge_patch_with_the_full_list_keeps_other_taints(api: Any, srv: StandI
     assert cleared.spec.taints is None and "taints" not in srv.node("n1")["spec"]
 
 
-def test_strategic_merge_merges_conditions_by_type(api: Any, srv: StandInAPIServer) -> None:
+def test_the_status_is_written_through_its_subresource_only(api: Any, srv: StandInAPIServer) -> None:
     cond = {"type": "SDCSuspect", "status": "True", "reason": "Fingerprint", "message": "rank 3"}
-    out = api.patch_node_status("n1", {"status": {"conditions": [cond]}}, _content_type=SMP)
-    # The others are kept; a new key goes first (mergeSortedSlice: items unknown to the server lead).
-    assert [c.type for c in out.status.conditions] == ["SDCSuspect", "MemoryPressure", "DiskPressure",
-                                                       "PIDPressure", "Ready"]
-    upd = api.patch_node_status("n1", {"status": {"conditions": [{"type": "SDCSuspect", "status": "False"}]}},
-                                _content_type=SMP)
-    suspect = next(c for c in upd.status.conditions if c.type == "SDCSuspect")
-    assert (suspect.status, suspect.reason) == ("False", "Fingerprint")  # merged into, not replaced
-    gone = api.patch_node_status(
-        "n1", {"status": {"conditions": [{"type": "SDCSuspect", "$patch": "delete"}]}}, _content_type=SMP)
-    assert "SDCSuspect" not in [c.type for c in gone.status.conditions]
-    # Through the main resource the status is not writable (nodeStrategy.PrepareForUpdate).
-    same = api.patch_node("n1", {"status": {"conditions": [cond]}}, _content_type=SMP)
-    assert "SDCSuspect" not in [c.type for c in same.status.conditions]
-    assert same.metadata.resource_version == gone.metadata.resource_version  # a no-op is not written
+    add = [{"op": "add", "path": "/status/conditions/-", "value": cond}]
+    out = api.patch_node_status("n1", add, _content_type=JSON_PATCH)
+    assert [c.type for c in out.status.conditions] == ["MemoryPressure", "DiskPressure", "PIDPressure",
+                                                       "Ready", "SDCSuspect"]
+    # ... and never the spec (nodeStrategy.PrepareForUpdate for /status).
+    spec = api.patch_node_status("n1", [{"op": "add", "path": "/spec/unschedulable", "value": True}],
+                                 _content_type=JSON_PATCH)
+    assert spec.spec.unschedulable is None
+    assert spec.metadata.resource_version == out.metadata.resource_version  # a no-op is not written
+    # Through the main resource the status is not writable: the patch changes nothing.
+    drop = [{"op": "remove", "path": "/status/conditions/4"}]
+    same = api.patch_node("n1", drop, _content_type=JSON_PATCH)
+    assert "SDCSuspect" in [c.type for c in same.status.conditions]
+    assert same.metadata.resource_version == out.metadata.resource_version
+    assert srv.node("n1")["status"]["conditions"][-1]["type"] == "SDCSuspect"
 
 
 def test_json_patch_applies_and_a_failed_test_is_422(api: Any, srv: StandInAPIServer) -> None:
