@@ -72,6 +72,13 @@ def guard_off(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
+def compare(session: nox.Session) -> None:
+    """The bench's headline ratios of two trees, interleaved (-- --before DIR); bench/COMPARE.md."""
+    _install(session)
+    session.run("python", "-m", "bench.compare", *session.posargs)
+
+
+@nox.session(default=False)
 def docs(session: nox.Session) -> None:
     """The API reference from the docstrings (pdoc) into docs/_build/api; fails on a broken one."""
     session.install(*CONSTRAINTS, "-e", ".", "pdoc")
