@@ -9,12 +9,12 @@ replay audit recomputing on the same module), and where start-of-step
 callbacks go (the step hooks). Two constructors cover the two ways to train:
 
 * ``InjectionContext.for_guard(guard)``: under ``SDCGuard.step``. The step is
-  ``guard.comm.step`` (set by the guard before each forward), start-of-step
+  ``guard.backend.step`` (set by the guard before each forward), start-of-step
   sites join ``guard.before_step``, records go to ``guard.log_event``.
 * ``InjectionContext.plain(model, ...)``: a user's own loop. The loop calls
   ``ctx.begin_step(step)`` (or ``handle.begin_step(step)``, the same thing)
   at the start of each step, before the forward; the gradient sites need a
-  ``sdc_guard.comm_hook.GuardCommHook`` registered on the DDP model::
+  ``sdc_guard.parallel.ddp.GuardCommHook`` registered on the DDP model::
 
       comm = GuardCommHook()
       ddp.register_comm_hook(comm, GuardCommHook.hook)
@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from sdc_guard.comm_hook import GuardCommHook
 from sdc_guard.events import EventLog
 from sdc_guard.optimizers import Optimizers, as_optimizers
+from sdc_guard.parallel.ddp import GuardCommHook
 
 if TYPE_CHECKING:
     from sdc_guard.guard import SDCGuard
@@ -86,7 +86,7 @@ class InjectionContext:
         optimizers = () if optimizer is None else as_optimizers(optimizer, "optimizer")
         if comm is not None and not isinstance(comm, GuardCommHook):
             raise TypeError(
-                "comm must be the sdc_guard.comm_hook.GuardCommHook registered on the DDP model "
+                "comm must be the sdc_guard.parallel.ddp.GuardCommHook registered on the DDP model "
                 f"(or None), got {type(comm).__name__}."
             )
         for name, v in (("rank", rank), ("world_size", world_size)):
@@ -121,7 +121,7 @@ class InjectionContext:
     @classmethod
     def for_guard(cls, guard: SDCGuard) -> InjectionContext:
         """Inject under ``guard.step``: its comm hook, its ``before_step`` list, its event log."""
-        comm = guard.comm
+        comm = guard.backend
         return cls(
             guard.model,
             optimizer=guard.optimizer,

@@ -7,12 +7,12 @@ Public API (stable): ``fingerprint``, ``fingerprint_tensor``, ``GuardConfig``, `
 """
 
 from sdc_guard.checkpoint import CheckpointManager
-from sdc_guard.checks.weights import state_tensors
 from sdc_guard.config import ChecksumConfig, GuardConfig
 from sdc_guard.events import EventLog, read_events
 from sdc_guard.fingerprints import fingerprint, fingerprint_tensor, native_enabled, native_kernel
 from sdc_guard.guard import SDCGuard
 from sdc_guard.report import Detection, StepReport
+from sdc_guard.state import state_tensors
 from sdc_guard.types import BatchFor, LossFn
 
 __all__ = [

@@ -13,14 +13,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.checkpoint import CheckpointManager
 from sdc_guard.checks import Check, build_checks
-from sdc_guard.checks.weights import WeightsCheck, state_tensors
-from sdc_guard.collectives import STEPS_FIX, all_gather_rows, majority_outliers, steps_disagree
-from sdc_guard.comm_hook import CommHook, GuardCommHook
+from sdc_guard.collectives import STEPS_FIX, all_gather_rows, steps_disagree
 from sdc_guard.config import GuardConfig
 from sdc_guard.determinism import enable_determinism, rng_stream
 from sdc_guard.events import EventLog
-from sdc_guard.fingerprints.public import fingerprint_tensor
 from sdc_guard.optimizers import Optimizers, as_optimizers
+from sdc_guard.parallel.ddp import CommHook, GuardCommHook
 from sdc_guard.remediation import Remediation
 from sdc_guard.report import Detection, StepReport
 from sdc_guard.telemetry import gpu_snapshot
@@ -42,11 +40,6 @@ def _sparse_gradients(model: torch.nn.Module) -> bool:
     ``nn.EmbeddingBag`` with ``sparse=True``)?"""
     return any(isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag) and m.sparse
                and m.weight.requires_grad for m in model.modules())
-
-
-_COMPARE_REPLICAS = ("weights", "replay")
-"""The checks that compare the replicas' state or computation: a forward that writes its
-parameters makes them differ without a fault (``SDCGuard._refuse_written``)."""
 
 
 class SDCGuard:
@@ -141,10 +134,12 @@ class SDCGuard:
                 "SDCGuard(model=...) already has a DDP comm hook registered, and DDP takes one "
                 "per model: build the DDP model without it and pass it to the guard instead, "
                 "SDCGuard(..., comm_hook=my_hook, comm_hook_state=my_state).")
-        self.comm = GuardCommHook(process_group, inner_hook=comm_hook,
-                                  inner_state=comm_hook_state,
-                                  sparse_gradients=_sparse_gradients(model))
-        self._hooked = False
+        self.backend = GuardCommHook(process_group, model=model, inner_hook=comm_hook,
+                                     inner_state=comm_hook_state,
+                                     sparse_gradients=_sparse_gradients(model))
+        """How gradients are observed and reduced, the containment channel and the group the
+        checks compare within (``sdc_guard.parallel``: DDP's comm hook here). Fault injectors
+        add their gradient callbacks to it."""
         self._step_agreed = False
         """Have the ranks been seen at one step (``_agree_on_step``) since the last restore?"""
         self._forwards = [0]
@@ -153,11 +148,11 @@ class SDCGuard:
         """The hook that counts them (removed then: a hook on DDP itself would take every
         call of the model off its fast path)."""
         self._start_checked = False
-        """Has the first step with the weights check on seen every replica start from the same
-        state (``_refuse_divergent_start``)?"""
+        """Has the first step with a check that ``checks_start`` asked it whether the replicas
+        start from the same state (``Check.check_start``)?"""
         self._writes_checked = False
-        """Has a step with the weights check or the replay audit on seen whether the model's
-        forward writes its parameters (``_refuse_written``)?"""
+        """Has a step with a check that ``compares_replicas`` seen whether the model's forward
+        writes its parameters (``_refuse_written``)?"""
         self._check_start = False
         self._check_writes = False
         """Are those questions still to be asked, with the checks of now (``reconfigure``)?"""
@@ -176,6 +171,8 @@ class SDCGuard:
         if checkpoints is not None and not isinstance(checkpoints, CheckpointManager):
             raise TypeError(f"SDCGuard(checkpoints=...) must be a sdc_guard.CheckpointManager, "
                             f"got {type(checkpoints).__name__}.")
+        if self.checkpoints is not None and self.checkpoints is not checkpoints:
+            self.checkpoints.bind(None)
         self.checkpoints = checkpoints
         if checkpoints is not None:
             checkpoints.bind(self)
@@ -240,40 +237,31 @@ class SDCGuard:
                     "event_log=None") from e
         if config.deterministic:
             enable_determinism(config.seed)
-        for check in self.checks:
+        for check in self.checks:  # each unsubscribes what it subscribed
             check.close()
-        old = {id(c) for c in self.checks}  # other listeners (a benchmark's) stay subscribed
-        self.comm.listeners[:] = [x for x in self.comm.listeners if id(x) not in old]
         self.config = config
         self.checks = build_checks(
-            config, model=self.model, optimizer=self.optimizer, comm=self.comm,
-            loss_fn=self.loss_fn, batch_for=self.batch_for, grad_scaler=self.grad_scaler,
-            group=self.group)
+            config, model=self.model, optimizer=self.optimizer, backend=self.backend,
+            loss_fn=self.loss_fn, batch_for=self.batch_for, grad_scaler=self.grad_scaler)
         # What the next steps ask once (weighed here: a step with its checks off runs no
         # more Python than it must, and its lines run on caches the step's products filled).
         self._check_start = not self._start_checked and any(
-            isinstance(c, WeightsCheck) for c in self.checks)
+            c.checks_start for c in self.checks)
         self._check_writes = not self._writes_checked and any(
-            c.name in _COMPARE_REPLICAS for c in self.checks)
+            c.compares_replicas for c in self.checks)
         self.events = events
-        self._hook_if_needed()
+        self.backend.attach()
+
+    @property
+    def comm(self) -> GuardCommHook:
+        """``backend`` under the name fault injectors and harnesses first knew it by."""
+        return self.backend
 
     @property
     def comm_hook_registered(self) -> bool:
-        """Is the guard's comm hook registered with DDP (``_hook_if_needed``)?"""
-        return self._hooked
-
-    def _hook_if_needed(self) -> None:
-        """Register the comm hook with DDP the first time something needs the gradient
-        buckets: a check that subscribed, a fault injector's gradient callback, or the
-        user's own hook. Until then DDP runs its built-in all-reduce, which scales each
-        gradient while it copies it into its bucket: any comm hook costs one more pass
-        (docs/architecture.md), and checks that never read a bucket do not pay it. DDP
-        cannot remove a hook: once registered it stays, bit-identical either way."""
-        c = self.comm
-        if not self._hooked and (c.listeners or c.before or c.after or c.inner_hook is not None):
-            self.model.register_comm_hook(c, GuardCommHook.hook)
-            self._hooked = True
+        """Is the guard's comm hook registered with DDP (``GuardCommHook.attach``: only once
+        something needs the gradient buckets)?"""
+        return self.backend.attached
 
     # -- the step ---------------------------------------------------------------------------
     def step(self, step: int) -> StepReport:
@@ -288,11 +276,15 @@ class SDCGuard:
         if not self._step_agreed:
             self._agree_on_step(step)
         if self._check_start:
-            self._refuse_divergent_start(step)
+            self._start_checked = True
+            self._check_start = False
+            for check in self.checks:
+                if check.checks_start:
+                    check.check_start(step)
         for hook in self.before_step:
             hook(step)
-        if not self._hooked:  # a fault injector may have joined the comm hook's lists
-            self._hook_if_needed()
+        if not self.backend.attached:  # a fault injector may have joined the backend's lists
+            self.backend.attach()
         cfg = self.config
         # The gradients go before the batch comes, as in a plain loop: fetched first, the
         # batch took memory that glibc then trimmed and faulted back in, some 100 pages a
@@ -301,7 +293,7 @@ class SDCGuard:
             opt.zero_grad(set_to_none=True)
         batches = list(fetch_micro_batches(self.batch_for, self.rank, step, cfg.micro_batches))
         due = [c for c in self.checks if c.due(step)] if self.checks else []
-        self.comm.begin_step(step)
+        self.backend.begin_step(step)
         versions = None
         if self._check_writes:
             versions = [p._version for p in self.model.parameters()]
@@ -368,42 +360,6 @@ class SDCGuard:
         scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
         scaled.backward()
         del loss, scaled  # the graph goes now, as in a plain loop, not after the step
-
-    def _refuse_divergent_start(self, step: int) -> None:
-        """Do the replicas start from the same state? Asked once, at the first step with the
-        weights check on, before anything of the step runs (one all-gather of two words).
-
-        DDP broadcasts rank 0's parameters when it is built and never again: a checkpoint
-        loaded after that on some ranks only (``if rank == 0: model.module.load_state_dict(...)``,
-        or the optimizer's state) leaves the replicas apart. The weights check would then
-        convict the ranks outside the majority at the first step, and repair by majority
-        would overwrite the loaded weights with the others'."""
-        weights = next((c for c in self.checks if isinstance(c, WeightsCheck)), None)
-        if weights is None:
-            return
-        self._start_checked = True
-        self._check_start = False
-        words = [fingerprint_tensor(state_tensors(self.model, None)),
-                 weights.local_fingerprint()]
-        rows = all_gather_rows(torch.stack([w.to(self.device).reshape(()) for w in words]),
-                               self.group).tolist()
-        if all(row == rows[0] for row in rows):
-            return
-        what = ("parameters" if any(row[0] != rows[0][0] for row in rows)
-                else "optimizer states")
-        column = 0 if what == "parameters" else 1
-        odd = majority_outliers([row[column] for row in rows])
-        where = (f"ranks {list(odd)} differ from the others" if odd
-                 else "no majority of the ranks agrees")
-        raise ValueError(
-            f"SDCGuard.step({step}): the replicas do not start from the same state: their "
-            f"{what} differ before the first step ({where}). DDP broadcasts rank 0's "
-            "parameters when it is built and never again, so state loaded afterwards on some "
-            "ranks only (if rank == 0: model.module.load_state_dict(...) or "
-            "optimizer.load_state_dict(...)) leaves the replicas apart, and the weights check "
-            "would convict a healthy rank (repair by majority would overwrite the loaded "
-            "state). Load it on every rank (sdc_guard.CheckpointManager.restore does), or load "
-            "the weights before wrapping the model in DDP.")
 
     def _count_forward(self, module: Any, args: Any) -> None:
         self._forwards[0] += 1
@@ -483,6 +439,10 @@ class SDCGuard:
                                                  "telemetry": gpu_snapshot(self.device)})
         return d
 
+    def verified(self) -> tuple[int | None, dict[str, int]]:
+        """``clean_through``, and each check's own (what a ``CheckpointManager`` records)."""
+        return self.clean_through, {c.name: c.clean_through for c in self.checks}
+
     @property
     def clean_through(self) -> int | None:
         """The newest step every enabled check has verified clean (-1: none yet; None: no
@@ -503,12 +463,7 @@ class SDCGuard:
         if not d.repaired:  # a repaired detection neither quarantines nor opens a window
             try:
                 if self.checkpoints is not None:
-                    through = self.clean_through
-                    start = d.step if through is None else min(d.step, through + 1)
-                    since = (d.evidence.get("repair") or {}).get("since")
-                    if since is not None:  # a permanent fault, repaired before: its first sign
-                        start = min(start, since)
-                    self.checkpoints.record_detection(d, start)
+                    self.checkpoints.record_detection(d, verified_through=self.clean_through)
             finally:  # a window that could not be recorded still quarantines, then raises
                 if self.remediation is not None:
                     self.remediation.act(d)

@@ -15,16 +15,16 @@ from sdc_guard.checks.replay import (
     replay_term_host,
 )
 from sdc_guard.checks.sides import FUSED_DEVICES as SIDES_FUSED_DEVICES
-from sdc_guard.checks.weights import state_tensors
 from sdc_guard.collectives import PendingSum, flag_rows, flag_words
-from sdc_guard.comm_hook import BucketListener
 from sdc_guard.determinism import derive_seed, rng_stream
 from sdc_guard.fingerprints.digest import digest_value, loss_word
 from sdc_guard.fingerprints.public import tensor_value, tensor_values
 from sdc_guard.fingerprints.weighted import DEVICE_CHUNK, INT_OF_SIZE
 from sdc_guard.fingerprints.weighted import FUSED_DEVICES as FINGERPRINT_FUSED_DEVICES
 from sdc_guard.fingerprints.words import to_signed64, to_unsigned64
+from sdc_guard.parallel.base import BucketListener
 from sdc_guard.scaling import check_nonfinite, fused_unscale_ok, scale_and_check
+from sdc_guard.state import state_tensors
 
 __all__ = [
     "DEVICE_CHUNK",

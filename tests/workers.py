@@ -24,8 +24,8 @@ from injectors import Fault, InjectionContext, InjectionHandle, arm
 from sdc_guard import CheckpointManager, GuardConfig, SDCGuard
 from sdc_guard.checks.checksum import ChecksumCheck
 from sdc_guard.checks.replay import ReplayAudit
-from sdc_guard.comm_hook import BucketListener, GuardCommHook
 from sdc_guard.fingerprints.words import to_unsigned64
+from sdc_guard.parallel import BucketListener, GuardCommHook
 
 
 def make_mlp(seed: int = 0, width: int = 32, act: type[nn.Module] = nn.ReLU) -> nn.Module:
@@ -113,15 +113,15 @@ def guarded_run(rank: int, world: int, steps: int, fault: dict[str, Any] | None 
         guard.before_step.append(flip)
     if fault.get("site") == "grad_nan" and rank in fault.get("ranks", [fault.get("rank")]):
         def nan(bucket: Any) -> None:
-            if guard.comm.step == fault["step"]:
+            if guard.backend.step == fault["step"]:
                 bucket.buffer()[0] = float("nan")
-        guard.comm.before.append(nan)
+        guard.backend.before.append(nan)
     if fault.get("site") == "reduced_nan" and rank in fault["ranks"]:
         # A fault in this rank's copy of the all-reduced gradients of the last bucket.
         def corrupt(bucket: Any, out: torch.Tensor) -> None:
-            if guard.comm.step == fault["step"] and bucket.is_last():
+            if guard.backend.step == fault["step"] and bucket.is_last():
                 out[0] = float("nan")
-        guard.comm.after.append(corrupt)
+        guard.backend.after.append(corrupt)
     reports = []
     step_s = []
     for s in range(steps):
@@ -256,25 +256,34 @@ def _replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
     own all-reduce hook); ``contain``: ``skip_step_on_detection``; ``bucket_mb``: DDP's bucket
     cap (tiny: several buckets); ``first_bucket``: ``ReplayAudit.exchange_with_first_bucket``.
     The result counts the audit's own collectives
-    (``"collectives"``: its one-word agreements and its gathers) and names the steps whose
+    (``"collectives"``: its one-word agreements and its gathers, and the backend's veto
+    words where no sentinel can carry the veto) and names the steps whose
     ring exchange was posted from the comm hook, with the first bucket
     (``"sent_with_first_bucket"``).
     """
     from sdc_guard.checks import replay as replay_module
+    from sdc_guard.parallel import ddp as ddp_module
 
-    counts = {"agreements": 0, "gathers": 0}
+    counts = {"agreements": 0, "gathers": 0, "veto_words": 0}
     names = vars(replay_module)  # the names the audit calls, counted where it looks them up
     real_sum, real_gather = names["PendingSum"], names["all_gather_rows"]
+    backend_names = vars(ddp_module)  # the backend's own word (a veto with no sentinel)
+    real_backend_sum = backend_names["PendingSum"]
 
     def counted_sum(*a: Any, **k: Any) -> Any:
         counts["agreements"] += 1
         return real_sum(*a, **k)
+
+    def counted_backend_sum(*a: Any, **k: Any) -> Any:
+        counts["veto_words"] += 1
+        return real_backend_sum(*a, **k)
 
     def counted_gather(*a: Any, **k: Any) -> Any:
         counts["gathers"] += 1
         return real_gather(*a, **k)
 
     names["PendingSum"], names["all_gather_rows"] = counted_sum, counted_gather
+    backend_names["PendingSum"] = counted_backend_sum
     torch.manual_seed(0)
     model = DDP(DropMLP(batchnorm, running, host_random), bucket_cap_mb=bucket_mb)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -291,9 +300,9 @@ def _replay_run(rank: int, world: int, steps: int, *, interval: int = 1,
     if fault.get("site") == "grad_nan":
         if fault["rank"] == rank:
             def nan(bucket: Any) -> None:
-                if guard.comm.step == fault["step"]:
+                if guard.backend.step == fault["step"]:
                     bucket.buffer()[0] = float("nan")
-            guard.comm.before.append(nan)
+            guard.backend.before.append(nan)
     elif fault and fault["rank"] == rank:
         def flip(mod: nn.Module, inp: Any, out: torch.Tensor) -> torch.Tensor:
             s = current["step"]
@@ -835,9 +844,9 @@ def _nonfinite_origin_run(rank: int, origin: str, checksum: bool) -> dict[str, A
                      config=GuardConfig(checksum=checksum))
     if origin == "hardware" and rank == 1:
         def nan(bucket: Any) -> None:
-            if guard.comm.step == 2:
+            if guard.backend.step == 2:
                 bucket.buffer()[0] = float("nan")
-        guard.comm.before.append(nan)
+        guard.backend.before.append(nan)
     reports = [guard.step(s) for s in range(5)]
     found = [(d.check, d.step, d.suspect_ranks, d.detail)
              for d in [d for r in reports for d in r.detections] + guard.flush()]
@@ -996,11 +1005,11 @@ def replay_layout_run(rank: int, world: int, steps: int, *, width: int,
         summed.append(to_unsigned64(int(replay._own_grad)) == want)
         step_words.clear()
 
-    guard.comm.subscribe(Compare())
+    guard.backend.subscribe(Compare())
     reports = [guard.step(s) for s in range(steps)]
     return {"detections": _summary(reports) + _flushed(guard.flush()), "same": same,
             "summed": summed,
-            "fused": guard.comm.fused_digests, "native": sdc_guard.native_enabled(),
+            "fused": guard.backend.fused_digests, "native": sdc_guard.native_enabled(),
             "flat_buckets": [p is not None for p in replay._plans.values()]}
 
 
@@ -1019,9 +1028,9 @@ def hooks_run(rank: int, world: int, mode: str) -> dict[str, Any]:
                      config=GuardConfig(), **kwargs)
     if rank == 1:
         def poison(bucket: Any) -> None:
-            if guard.comm.step == 2:
+            if guard.backend.step == 2:
                 bucket.buffer()[0] = float("inf") if mode == "scaler" else float("nan")
-        guard.comm.before.append(poison)
+        guard.backend.before.append(poison)
     reports = [guard.step(s) for s in range(5)]
     out: dict[str, Any] = {"detections": _summary(reports) + _flushed(guard.flush()),
                            "final": sdc_guard.fingerprint(list(model.module.parameters())),
@@ -1080,18 +1089,18 @@ def guard_trials(rank: int, world: int, trials: list[dict[str, Any]]) -> list[di
         optimizer = make_optimizer(model, trial.get("opt", "adamw"))
         guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=padded_batch_for,
                          config=GuardConfig(**trial.get("cfg", {})))
-        lists_before = (list(guard.before_step), list(guard.comm.before), list(guard.comm.after))
+        lists_before = (list(guard.before_step), list(guard.backend.before), list(guard.backend.after))
         handles = [arm(f, guard=guard) for f in trial.get("faults", [])]
         grads: dict[int, list[int]] = {}
-        _grad_observer(guard.comm, lambda g=guard: g.comm.step, grads)
+        _grad_observer(guard.backend, lambda g=guard: g.backend.step, grads)
         reports = [guard.step(s) for s in range(trial["steps"])]
         flushed = guard.flush()
-        guard.comm.before.pop()  # the observer
+        guard.backend.before.pop()  # the observer
         for h in handles:
             h.remove()
         clean = (_same_items(guard.before_step, lists_before[0])
-                 and _same_items(guard.comm.before, lists_before[1])
-                 and _same_items(guard.comm.after, lists_before[2])
+                 and _same_items(guard.backend.before, lists_before[1])
+                 and _same_items(guard.backend.after, lists_before[2])
                  and _no_module_hooks(model.module))
         results.append({
             "detections": [(d.check, d.step, d.suspect_ranks)
@@ -1216,7 +1225,7 @@ def recovery_run(rank: int, world: int, steps: int, ckpt_dir: str, *, every: int
 
     if fault is not None and fault.get("after_step"):
         # after the step's backward, before its optimizer step: this replica's state only
-        guard.before_optimizer_step = lambda g: flip() if fires(g.comm.step) else None
+        guard.before_optimizer_step = lambda g: flip() if fires(g.backend.step) else None
     elif fault is not None:  # before the forward: it reaches every replica via the gradient
         guard.before_step.append(lambda step: flip() if fires(step) else None)
     detections: list[tuple[str, int, tuple[int, ...], bool]] = []

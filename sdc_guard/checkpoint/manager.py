@@ -1,84 +1,55 @@
-"""Checkpoints that know the suspect window: save, verify, restore the last clean state.
+"""``CheckpointManager``: save, verify and restore checkpoints; refuse those inside a suspect window.
 
-::
-
-    ckpt = sdc_guard.CheckpointManager(directory, keep=3)
-    guard = sdc_guard.SDCGuard(..., checkpoints=ckpt)    # records suspect windows
-    ckpt.save(step, model, optimizer)                     # collective: every rank calls
-    start = ckpt.restore(model, optimizer)                # the step to train next
-    ckpt.save(step, model, optimizer, extra={"lr": scheduler, "scaler": scaler})
-    start = ckpt.restore(model, optimizer, extra={"lr": scheduler, "scaler": scaler})
-    ckpt.save(step, model, optimizer, background=True)   # written on a thread; ckpt.wait()
-
-**What a checkpoint holds.** The model's and the optimizer's ``state_dict``, every rank's
-random-number-generator states (torch CPU and CUDA, Python's ``random``, NumPy's when it is
-installed; they differ per rank), the step, the guard's verification state
-(``SDCGuard.clean_through`` and each check's), and the 64-bit fingerprint of the parameters
-and optimizer state (``sdc_guard.fingerprint`` over ``state_tensors``), checked again after
-loading. With ``extra``, each named object's ``state_dict()`` too (an LR scheduler, a
-``GradScaler``, a stateful data loader: anything with ``state_dict`` and ``load_state_dict``),
-every rank's, restored on that rank after the model and the optimizer. Rank 0 writes it (DDP
-replicas are identical; the ranks' RNG states and extra states are gathered first):
-``step-000000120.pt`` and its manifest ``step-000000120.json`` (size, SHA-256, fingerprint,
-generation). Both are written to a temporary name, fsynced and renamed; the
-manifest is written last and is the commit point, so a killed save leaves no checkpoint
-that looks whole. Loading uses ``torch.load(weights_only=True)``: no arbitrary unpickling.
-
-**The suspect window.** Every check knows the newest step it has verified clean (the
-weights check: its last passing vote; the replay audit: its last passing audit; the
-non-finite check: every step whose flags it has collected). On a detection at step d that
-was not repaired in place, the window starts at ``min(d, SDCGuard.clean_through + 1)``: after
-the newest step *every* enabled check verified. The manager records the detection and the
-window in ``windows.json`` in its directory (a restarted job sees it) and from then on
-refuses to restore any checkpoint of that timeline saved at a step inside the window, and
-saves no new checkpoint until the run is restored (its state is suspect). A checkpoint taken
-between replay audits is only as clean as the last audit before it.
-
-**Timelines.** ``restore`` starts a new generation: checkpoints saved after it belong to
-the new timeline, which the old windows do not cover.
-
-**Keeping.** The newest ``keep`` checkpoints stay, and, whatever ``keep`` says, so does the
-newest one that every enabled check has verified clean. A corrupt or missing checkpoint is
-logged at ERROR with the file and the reason, and the next older one is used; with none
-usable, ``restore`` returns 0 (train from scratch) and says so.
-
-The directory must be storage that every rank and every replacement pod can read (a
-ReadWriteMany PersistentVolumeClaim in ``deploy/pytorchjob.yaml``).
+It knows models, optimizers and ``state_dict`` objects, never the guard: what it needs of
+one comes through the small ``Verifier`` protocol, asked on the caller's thread. The
+package's doc (``sdc_guard.checkpoint``) describes the files and the rules.
 """
-
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
-import os
-import random
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from sdc_guard.checks.weights import state_tensors
+from sdc_guard.checkpoint.files import CheckpointError, rng_state, set_rng_state, write_atomic
+from sdc_guard.checkpoint.windows import SuspectWindows
 from sdc_guard.fingerprints import fingerprint
 from sdc_guard.optimizers import Optimizers, as_optimizers, load_state_dict, state_dict
+from sdc_guard.state import state_tensors
 
 if TYPE_CHECKING:
-    from sdc_guard.guard import SDCGuard
     from sdc_guard.report import Detection
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1
-WINDOWS = "windows.json"
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used; the message names the file and the reason."""
+class Verifier(Protocol):
+    """What a manager needs of whatever verifies the run (``SDCGuard(checkpoints=...)``
+    hands itself through ``bind``). Asked only on the thread that calls ``save`` or
+    ``restore``, never from a background write."""
+
+    group: dist.ProcessGroup | None
+    """The replica set the verifier's collectives span: the manager's must be the same."""
+
+    def verified(self) -> tuple[int | None, dict[str, int]]:
+        """The newest step every enabled check has verified clean (-1: none yet; None: no
+        check is enabled), and each check's own."""
+        ...
+
+    def rewind(self, step: int) -> None:
+        """The run was restored to the state after ``step``, a checkpoint verified clean."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,8 +89,6 @@ def _extra_states(extra: Mapping[str, Any] | None, where: str) -> dict[str, Any]
         if where != "save":
             continue
         state = obj.state_dict()
-        import io
-
         buf = io.BytesIO()
         try:
             torch.save(state, buf)
@@ -166,48 +135,6 @@ def _refuse_other_model(file: Path, module: torch.nn.Module, saved: Mapping[str,
         "(the same architecture and sizes), or give a new model a directory of its own.")
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def rng_state(device: torch.device | None = None) -> dict[str, Any]:
-    """This rank's random-number-generator states, in types ``weights_only`` loading accepts."""
-    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if device is not None and device.type == "cuda":
-        out["cuda"] = torch.cuda.get_rng_state(device)
-    try:
-        import numpy as np
-    except ImportError:
-        return out
-    name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
-    out["numpy"] = [str(name), torch.from_numpy(np.asarray(keys).astype(np.int64)), int(pos),
-                    int(has_gauss), float(gauss)]
-    return out
-
-
-def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
-    torch.set_rng_state(state["torch"])
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    if "cuda" in state and device is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
-    if "numpy" in state:
-        import numpy as np
-
-        name, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-
-
 class CheckpointManager:
     """Save, verify and restore checkpoints; refuse those inside a suspect window."""
 
@@ -222,43 +149,44 @@ class CheckpointManager:
         self.directory = Path(directory)
         self.keep = keep
         self.group = group
-        self.guard: SDCGuard | None = None
-        self._cached: dict[str, Any] | None = None
+        self.verifier: Verifier | None = None
+        """Says which steps are verified clean, and is told of a restore (``bind``)."""
+        self.windows = SuspectWindows(self.directory)
+        """The suspect windows recorded beside the checkpoints (``windows.json``)."""
         self._writer: threading.Thread | None = None
         self._write_error: tuple[Path, BaseException] | None = None
         self.directory.mkdir(parents=True, exist_ok=True)
 
-    # -- the guard's side ------------------------------------------------------------------
-    def bind(self, guard: SDCGuard) -> None:
-        """Called by ``SDCGuard(..., checkpoints=self)``. The manager's group must be the
-        guard's: its collectives and its writer (the group's rank 0) are that replica set's."""
-        if self.group is not guard.group:
+    # -- the verifier's side ---------------------------------------------------------------
+    def bind(self, verifier: Verifier | None) -> None:
+        """Ask ``verifier`` which steps are verified clean at each ``save``, and tell it of
+        each ``restore`` (``SDCGuard(..., checkpoints=self)`` binds the guard; None unbinds).
+        Its group must be the manager's: the collectives and the writer (the group's rank 0)
+        are that replica set's."""
+        if verifier is not None and self.group is not verifier.group:
             raise ValueError(
                 "SDCGuard(checkpoints=...): the CheckpointManager's group is not the guard's "
                 "process_group, so its collectives and its writer would span other ranks. "
                 "Build it with the same group, CheckpointManager(directory, "
                 "group=process_group), and a directory of that replica set's own.")
-        self.guard = guard
+        self.verifier = verifier
 
-    def record_detection(self, d: Detection, window_start: int) -> None:
-        """A detection at ``d.step`` that was not repaired: its suspect window starts at
-        ``window_start``. Rank 0 writes it to ``windows.json``; every rank calls it."""
-        state = self._state()
-        entry = {"start": window_start, "generation": state["generation"], "check": d.check,
-                 "step": d.step, "suspect_ranks": list(d.suspect_ranks),
-                 "suspect_nodes": list(d.suspect_nodes), "time": time.time(), "open": True}
+    def record_detection(self, d: Detection, *, verified_through: int | None) -> None:
+        """A detection at ``d.step`` that was not repaired, when every enabled check had
+        verified the run clean through ``verified_through`` (None: no check keeps such a
+        step): its suspect window opens (``SuspectWindows.start_of``). Rank 0 writes it to
+        ``windows.json``; every rank calls it."""
+        start = SuspectWindows.start_of(d, verified_through)
         log.warning("sdc-guard: suspect window from step %d (%s detection at step %d): "
                     "checkpoints from step %d of generation %d on will not be restored",
-                    window_start, d.check, d.step, window_start, state["generation"])
-        state["windows"].append(entry)
-        if self._rank() == 0:
-            self._write_state(state)
-        self._cached = state
+                    start, d.check, d.step, start, self.windows.generation)
+        self.windows.record(d, start, writer=self._rank() == 0)
 
     # -- saving ----------------------------------------------------------------------------
     def save(self, step: int, model: torch.nn.Module, optimizer: Optimizers, *,
              extra: Mapping[str, Any] | None = None,
-             background: bool = False) -> CheckpointInfo | None:
+             background: bool = False,
+             verified_through: int | None = None) -> CheckpointInfo | None:
         """Checkpoint the state after ``step``. Collective (the ranks' RNG states and
         ``extra`` states are gathered); rank 0 writes. ``extra``: named objects with
         ``state_dict`` and ``load_state_dict`` (an LR scheduler, a ``GradScaler``) saved
@@ -267,9 +195,21 @@ class CheckpointManager:
         the next ``save`` and ``restore`` wait for it). Returns the manifest on rank 0 (with
         ``background``, the one about to be committed), None elsewhere and when refused (an
         open suspect window: the state is suspect until a restore). ``optimizer``: one, or a
-        list of several (each one's ``state_dict``, in that order: ``sdc_guard.optimizers``)."""
+        list of several (each one's ``state_dict``, in that order). ``verified_through``: for a
+        manager used without a guard, the newest step your own verification found clean
+        (the newest checkpoint at or before it is kept whatever ``keep`` says); with a guard
+        bound, the guard says it."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"CheckpointManager.save(step): an int >= 0, got {step!r}.")
+        if verified_through is not None and (isinstance(verified_through, bool) or not
+                                             isinstance(verified_through, int)):
+            raise ValueError(f"CheckpointManager.save(verified_through=...): an int step or "
+                             f"None, got {verified_through!r}.")
+        if verified_through is not None and self.verifier is not None:
+            raise ValueError(
+                "CheckpointManager.save(verified_through=...): this manager is bound to a "
+                "guard (SDCGuard(checkpoints=...)), whose checks say which steps are verified; "
+                "leave verified_through out, or use a manager of its own without the guard.")
         if not isinstance(background, bool):
             raise ValueError(f"CheckpointManager.save(background=...): a bool, got "
                              f"{background!r}.")
@@ -279,8 +219,12 @@ class CheckpointManager:
         gathered: list[Any] = [None] * self._world()
         dist.all_gather_object(gathered, (rng_state(device), local_extra), group=self.group)
         rngs = [g[0] for g in gathered]
-        state = self._state()
-        opened = [w for w in state["windows"] if w["open"]]
+        opened = self.windows.opened()
+        generation = self.windows.generation
+        if self.verifier is not None:  # read here, on the caller's thread, never by the writer
+            through, per_check = self.verifier.verified()
+        else:
+            through, per_check = verified_through, {}
         if opened:
             log.warning("sdc-guard: not saving step %d: a suspect window is open since step %d "
                         "(restore a checkpoint first)", step, opened[0]["start"])
@@ -291,38 +235,33 @@ class CheckpointManager:
                 consolidate(to=self._writer_in(getattr(opt, "process_group", None)))
         if self._rank() != 0:
             return None
-        guard = self.guard
         payload = {
-            "format": FORMAT, "step": step, "generation": state["generation"],
+            "format": FORMAT, "step": step, "generation": generation,
             "model": _module(model).state_dict(), "optimizer": state_dict(optimizer),
             "rng": rngs, "world_size": self._world(), "extra": [g[1] for g in gathered],
-            "guard": None if guard is None else {
-                "clean_through": guard.clean_through,
-                "checks": {c.name: c.clean_through for c in guard.checks}},
+            "guard": None if self.verifier is None and through is None else {
+                "clean_through": through, "checks": per_check},
         }
         fp = f"{fingerprint(state_tensors(_module(model), optimizer, every=True)):016x}"
-        import io
-
         buf = io.BytesIO()
         torch.save(payload, buf)
         data = buf.getvalue()
-        name = f"step-{step:09d}-g{state['generation']}"
+        name = f"step-{step:09d}-g{generation}"
         file = self.directory / f"{name}.pt"
         manifest = self.directory / f"{name}.json"
-        info = CheckpointInfo(step=step, generation=state["generation"], file=file,
+        info = CheckpointInfo(step=step, generation=generation, file=file,
                               manifest=manifest, size=len(data),
                               sha256=hashlib.sha256(data).hexdigest(), fingerprint=fp,
-                              clean_through=None if guard is None else guard.clean_through,
-                              saved_at=time.time())
+                              clean_through=through, saved_at=time.time())
         record = json.dumps({
             "format": FORMAT, "step": step, "generation": info.generation, "file": file.name,
             "size": info.size, "sha256": info.sha256, "fingerprint": fp,
             "clean_through": info.clean_through, "saved_at": info.saved_at}, indent=1).encode()
 
         def commit() -> None:  # the data, then the manifest: the commit point
-            _write_atomic(file, data)
-            _write_atomic(manifest, record)
-            self._prune()
+            write_atomic(file, data)
+            write_atomic(manifest, record)
+            self._prune(through, generation)
 
         if not background:
             commit()
@@ -370,10 +309,7 @@ class CheckpointManager:
 
     def refused(self, info: CheckpointInfo) -> dict[str, Any] | None:
         """The suspect window that forbids ``info``, or None."""
-        for w in self._state()["windows"]:
-            if info.generation <= w["generation"] and info.step >= w["start"]:
-                return dict(w)
-        return None
+        return self.windows.refusing(info.generation, info.step)
 
     def restore(self, model: torch.nn.Module, optimizer: Optimizers, *,
                 extra: Mapping[str, Any] | None = None) -> int:
@@ -427,13 +363,7 @@ class CheckpointManager:
             if len(set(picks)) != 1:
                 raise CheckpointError(f"ranks chose different checkpoints to restore: {picks}; "
                                       "is the directory shared storage every rank reads?")
-        state = self._state()
-        state["generation"] += 1
-        for w in state["windows"]:
-            w["open"] = False
-        if self._rank() == 0:
-            self._write_state(state)
-        self._cached = state
+        self.windows.new_timeline(writer=self._rank() == 0)
         if chosen is None:
             if self._rank() == 0:  # every rank made the same choice (checked above)
                 log.error("sdc-guard: no usable checkpoint in %s: training starts from scratch "
@@ -448,8 +378,8 @@ class CheckpointManager:
             log.warning("sdc-guard: %s was saved by %d ranks, this job has %d; RNG states not "
                         "restored", info.file, len(rngs), self._world())
         self._load_extra(info, payload, extra)
-        if self.guard is not None:
-            self.guard.rewind(info.step)
+        if self.verifier is not None:
+            self.verifier.rewind(info.step)
         if self._rank() == 0:
             log.warning("sdc-guard: restored %s (step %d); training resumes at step %d",
                         info.file, info.step, info.step + 1)
@@ -507,8 +437,6 @@ class CheckpointManager:
         if digest != info.sha256:
             raise CheckpointError(f"checkpoint {info.file}: SHA-256 {digest[:16]}... is not "
                                   f"the recorded {info.sha256[:16]}...: the file is corrupt")
-        import io
-
         try:
             payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as e:  # an unpickling refusal or a damaged archive
@@ -520,11 +448,10 @@ class CheckpointManager:
         return payload
 
     # -- bookkeeping -----------------------------------------------------------------------
-    def _prune(self) -> None:
-        """Keep the newest ``keep``, and the newest checkpoint verified clean by every check."""
+    def _prune(self, clean_through: int | None, generation: int) -> None:
+        """Keep the newest ``keep``, and the newest checkpoint of ``generation`` verified clean
+        by every check (through ``clean_through``, as ``save`` read it)."""
         infos = self.checkpoints()
-        clean_through = self.guard.clean_through if self.guard is not None else None
-        generation = self._state()["generation"]
         protected = next((c for c in infos if c.generation == generation
                           and clean_through is not None and c.step <= clean_through
                           and self.refused(c) is None), None)
@@ -533,23 +460,6 @@ class CheckpointManager:
                 continue
             for p in (c.manifest, c.file):  # the manifest first: never a manifest without data
                 p.unlink(missing_ok=True)
-
-    def _state(self) -> dict[str, Any]:
-        if self._cached is not None:
-            return self._cached
-        path = self.directory / WINDOWS
-        state: dict[str, Any] = {"generation": 0, "windows": []}
-        if path.exists():
-            try:
-                state = json.loads(path.read_text())
-            except (OSError, ValueError) as e:
-                raise CheckpointError(f"{path} is unreadable ({e}); it records the suspect "
-                                      "windows: repair or remove it") from e
-        self._cached = state
-        return state
-
-    def _write_state(self, state: dict[str, Any]) -> None:
-        _write_atomic(self.directory / WINDOWS, json.dumps(state, indent=1).encode())
 
     def _writer_in(self, group: dist.ProcessGroup | None) -> int:
         """The writer's (this manager's rank 0's) rank in ``group`` (None: the default

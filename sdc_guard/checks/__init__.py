@@ -8,17 +8,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.checks.base import Check, Verdict
 from sdc_guard.checks.checksum import ChecksumCheck
 from sdc_guard.checks.nonfinite import NeighbourRecompute, NonFiniteCheck
 from sdc_guard.checks.replay import ReplayAudit
-from sdc_guard.checks.weights import WeightsCheck, state_tensors
-from sdc_guard.comm_hook import GuardCommHook
+from sdc_guard.checks.weightpass import WeightPass
+from sdc_guard.checks.weights import WeightsCheck
 from sdc_guard.config import ChecksumConfig, GuardConfig
 from sdc_guard.optimizers import Optimizers
+from sdc_guard.parallel.base import Backend
+from sdc_guard.state import state_tensors
 from sdc_guard.types import BatchFor, LossFn
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "NonFiniteCheck",
     "ReplayAudit",
     "Verdict",
+    "WeightPass",
     "WeightsCheck",
     "build_checks",
     "state_tensors",
@@ -39,18 +41,20 @@ def build_checks(
     *,
     model: DistributedDataParallel,
     optimizer: Optimizers,
-    comm: GuardCommHook,
+    backend: Backend,
     loss_fn: LossFn,
     batch_for: BatchFor | None,
     grad_scaler: Any,
-    group: dist.ProcessGroup | None,
 ) -> list[Check]:
     """The enabled checks, in the order their verdicts run: non-finite, replay, weights,
     checksum (its hooks switch on in its ``begin_step``, after the replay's recomputation).
 
-    Checks that need the gradients subscribe to ``comm`` as they are built.
+    Checks that need the gradients subscribe to ``backend`` as they are built. The weights
+    check and the checksum check share one read of the weights (``WeightPass``).
     """
     device = next(model.parameters()).device
+    group = backend.group
+    weight_pass = WeightPass()
     checks: list[Check] = []
     if config.nonfinite:
         recompute = None if batch_for is None else NeighbourRecompute(
@@ -58,28 +62,26 @@ def build_checks(
             micro_batches=config.micro_batches,
             seed=config.seed if config.deterministic else None, device=device, group=group)
         checks.append(NonFiniteCheck(
-            comm, device=device, group=group, expect_overflow=grad_scaler is not None,
+            backend, device=device, group=group, expect_overflow=grad_scaler is not None,
             exchange_interval=config.nonfinite_exchange_interval, recompute=recompute))
     if config.replay_interval:
         if batch_for is None:
             raise ValueError("GuardConfig.replay_interval needs batch_for.")
         checks.append(ReplayAudit(
             model, interval=config.replay_interval, loss_fn=loss_fn, batch_for=batch_for,
-            comm=comm, seed=config.seed, micro_batch_count=config.micro_batches, group=group,
+            backend=backend, seed=config.seed, micro_batch_count=config.micro_batches, group=group,
             scale=grad_scaler.scale if grad_scaler is not None else None,
             contain=config.skip_step_on_detection))
     if config.weights_interval:
         checks.append(WeightsCheck(
             model, optimizer, interval=config.weights_interval,
             include_optimizer_state=config.include_optimizer_state, device=device, group=group,
-            repair=config.repair_by_majority, repair_window_steps=config.repair_window_steps))
+            repair=config.repair_by_majority, repair_window_steps=config.repair_window_steps,
+            weight_pass=weight_pass))
     checksum = config.checksum_config
     if checksum is not None:
-        sums = ChecksumCheck(
-            model, checksum, comm=comm, device=device, group=group,
-            expect_overflow=grad_scaler is not None, contain=config.skip_step_on_detection)
-        checks.append(sums)
-        for weights in checks:  # the weights' sums taken in the weights check's read of them
-            if isinstance(weights, WeightsCheck):
-                weights.weight_sums = sums.weight_sums
+        checks.append(ChecksumCheck(
+            model, checksum, backend=backend, device=device, group=group,
+            expect_overflow=grad_scaler is not None, contain=config.skip_step_on_detection,
+            weight_pass=weight_pass))
     return checks

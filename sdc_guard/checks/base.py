@@ -2,6 +2,7 @@
 
 ``SDCGuard.step`` only sequences its checks (``sdc_guard.guard``)::
 
+    c.check_start(step)                  # once, at the first step, if c.checks_start
     due = [c for c in checks if c.due(step)]
     c.begin_step(step)                   # before the forward (the replay replays here)
     c.on_loss(loss)                      # each micro-batch's loss, before its backward
@@ -11,9 +12,14 @@
     c.flush()                            # after the last step: detections still due
     c.close()                            # replaced by a reconfigure: unhook
 
-A check that needs the gradients subscribes to the comm hook when it is built
-(``sdc_guard.comm_hook.BucketListener``); it never calls back into the hook or
-the guard, and the guard shares no mutable state with it.
+A check declares what it needs as attributes of this protocol (``compares_replicas``,
+``checks_start``), never by a name the guard looks for. A check that needs the
+gradients subscribes to the backend when it is built and unsubscribes in ``close``
+(``sdc_guard.parallel.base.GradientListener``: gradient events, and the step's
+containment answer as the ``vetoed`` event); it never calls back into the backend or
+the guard, and the guard shares no mutable state with it. Two checks that share work
+share an object both subscribe to (``sdc_guard.checks.weightpass.WeightPass``), built
+by ``build_checks``.
 """
 
 from __future__ import annotations
@@ -45,6 +51,15 @@ class Check:
     """What the model is computing for this check right now: "train", or e.g. "replay"
     while the replay audit recomputes a neighbour's batch (fault injectors read it)."""
 
+    compares_replicas: bool = False
+    """Does this check compare the replicas' state or computation? A forward that writes
+    its parameters in place makes them differ without a fault, so the guard refuses one
+    (once, at the first step) when any enabled check does."""
+
+    checks_start: bool = False
+    """Does this check ask, at the first step, whether the replicas start alike
+    (``check_start``)?"""
+
     clean_through: int = -1
     """The newest step through which this check has verified the run clean (-1: none yet).
     It stops at the check's first detection and moves again only after ``rewind`` (a
@@ -66,6 +81,11 @@ class Check:
         """The run was restored to the state after ``step`` (a checkpoint verified clean)."""
         self.clean_through = step
         self._tainted = False
+
+    def check_start(self, step: int) -> None:
+        """Once per guard, at the first step with a check that ``checks_start``, before
+        anything of the step runs: raise ``ValueError`` if the run cannot be checked from
+        here (collective: every rank raises alike)."""
 
     def due(self, step: int) -> bool:
         """Does this check look at ``step``? The guard calls the methods below only then."""

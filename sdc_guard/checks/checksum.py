@@ -66,7 +66,8 @@ docs/checks/checksum.md).
 **Contained in the step, with no new collective.** A rank whose products fail
 writes the largest finite value of the dtype into its own slot (element
 ``rank``) of the step's last gradient bucket, after the non-finite scan and
-before the all-reduce (``GuardCommHook``: the *veto sentinel*). The all-reduce
+before the all-reduce (the DDP backend's *veto sentinel*,
+``sdc_guard.parallel.ddp``). The all-reduce
 then carries it to every rank, where that element is at least half the largest
 finite value (no real gradient is): every rank withholds its optimizer step,
 the same step, without a word exchanged. The sentinel is finite, also when
@@ -74,8 +75,9 @@ several ranks veto at once (each writes its own slot), so the non-finite check
 does not report it, and a ``GradScaler`` does not see an overflow (the guard
 skips its ``step`` and ``update``: the scale is kept). With a comm hook of the
 user's own (which may compress or keep state), the sentinel is not written:
-the veto travels in a one-word all-reduce started just before the last
-gradient all-reduce and waited for before the optimizer step instead.
+the backend carries the veto in a one-word all-reduce started just before the
+last gradient all-reduce and waited for before the optimizer step instead.
+The check only answers ``veto`` and reads the answer it is handed (``vetoed``).
 ``GuardConfig.skip_step_on_detection=False`` turns containment off (nothing is
 written into the gradients).
 
@@ -118,21 +120,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._C._distributed_c10d import GradBucket
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import parametrize
 
 from sdc_guard.checks import sides
 from sdc_guard.checks.base import Check, Verdict
 from sdc_guard.checks.flagword import DeferredFlags
-from sdc_guard.checks.weights import ddp_ignored
-from sdc_guard.collectives import PendingSum, words_on
-from sdc_guard.comm_hook import BucketListener, GuardCommHook, bucket_gradients
+from sdc_guard.checks.weightpass import WeightPass
 from sdc_guard.config import PRODUCTS, ChecksumConfig
 from sdc_guard.fingerprints.native import NativeKernel, active_kernel
 from sdc_guard.fingerprints.public import WeightSums
+from sdc_guard.parallel.base import (
+    Backend,
+    Bucket,
+    Containment,
+    GradientListener,
+    bucket_gradients,
+)
 from sdc_guard.report import Detection
 from sdc_guard.scaling import Flag, RowSums
+from sdc_guard.state import ddp_ignored
 
 log = logging.getLogger(__name__)
 
@@ -739,7 +746,7 @@ class _Entries:
     """The tolerance: ``|lhs - rhs|`` may not exceed it."""
 
 
-class ChecksumCheck(Check, BucketListener):
+class ChecksumCheck(Check, GradientListener):
     """Checksums of every checked linear layer's three products; see the module doc."""
 
     name = "checksum"
@@ -750,18 +757,20 @@ class ChecksumCheck(Check, BucketListener):
         model: nn.Module,
         config: ChecksumConfig,
         *,
-        comm: GuardCommHook,
+        backend: Backend,
         device: torch.device,
         group: dist.ProcessGroup | None = None,
         expect_overflow: bool = False,
         contain: bool = True,
+        weight_pass: WeightPass | None = None,
     ) -> None:
         self.config = config
         self.device = device
         self.group = group
         self.expect_overflow = expect_overflow
         self.contain = contain
-        self.comm = comm
+        self._backend = backend
+        self._weight_pass = weight_pass
         self.exact = config.bound == "exact"
         inner = model.module if isinstance(model, DistributedDataParallel) else model
         self.layers = [_Layer(n, i, m) for i, (n, m) in
@@ -807,8 +816,8 @@ class ChecksumCheck(Check, BucketListener):
         self._deferred = DeferredFlags(len(PRODUCTS) + self._layer_bits, config.exchange_interval,
                                        device=device, group=group)
         """Every rank's bits per step (``_local_flags``), judged a step after they travel."""
-        self._veto_word: PendingSum | None = None
-        self._vetoed = False
+        self._answer: Containment | None = None
+        """This step's containment answer (``vetoed``)."""
         self.bucket_weight_grad = self._kernel is not None and all(
             layer.module.weight.dtype == torch.float32 for layer in self.layers)
         """The weight-gradient identity is checked on the local gradient bucket, its row
@@ -844,7 +853,9 @@ class ChecksumCheck(Check, BucketListener):
         Logged once as a warning."""
         for layer in self.layers:
             self._hook(layer)
-        comm.subscribe(self)
+        backend.subscribe(self)
+        if weight_pass is not None:  # the weights' sums taken in the weights check's read
+            weight_pass.subscribe(self.weight_sums)
 
     # -- hooks --------------------------------------------------------------------------------
     def _hook(self, layer: _Layer) -> None:
@@ -1022,6 +1033,9 @@ class ChecksumCheck(Check, BucketListener):
 
     def close(self) -> None:
         """Remove every hook this check added (``SDCGuard.reconfigure`` calls it)."""
+        self._backend.unsubscribe(self)
+        if self._weight_pass is not None:
+            self._weight_pass.unsubscribe(self.weight_sums)
         for layer in self.layers:
             for h in layer.handles:
                 h.remove()
@@ -1104,11 +1118,11 @@ class ChecksumCheck(Check, BucketListener):
         return _versions(m.weight, m.bias)
 
     def weight_sums(self, step: int) -> list[WeightSums]:
-        """The weight sums the weights check's fingerprint pass after ``step``'s optimizer
-        step is asked to take in the same read (``fingerprint_with_sums``; wired by
-        ``build_checks``): those the next step's first forward would otherwise read each
-        weight again for. The C path's layers (the exact bound, float32, a contiguous weight
-        no other checked layer shares), when the check is due at the next step.
+        """The weight sums the shared pass over the weights after ``step``'s optimizer step
+        (``WeightPass``, which this check subscribes to) is asked to take in the same read:
+        those the next step's first forward would otherwise read each weight again for. The
+        C path's layers (the exact bound, float32, a contiguous weight no other checked
+        layer shares), when the check is due at the next step.
 
         The sums serve the next step's first call if the weight's version is still the
         one they were taken at; a write through ``.data`` in between changes no version, so
@@ -1501,7 +1515,7 @@ class ChecksumCheck(Check, BucketListener):
         layer.gw_rhs = layer.gw_bound = None
         layer.gw_rows = 0
 
-    def row_sums(self, bucket: GradBucket) -> list[RowSums] | None:
+    def row_sums(self, bucket: Bucket) -> list[RowSums] | None:
         """The checked layers' weight gradients in this local bucket, whose row sums the
         comm hook's scaling pass takes (``bucket_weight_grad``)."""
         if not (self.bucket_weight_grad and self._active):
@@ -1516,7 +1530,7 @@ class ChecksumCheck(Check, BucketListener):
             self._rows_pending.append((layer, out))
         return requests or None
 
-    def _weights_in(self, bucket: GradBucket) -> list[tuple[_Layer, torch.Tensor]]:
+    def _weights_in(self, bucket: Bucket) -> list[tuple[_Layer, torch.Tensor]]:
         """The checked layers' weight gradients in the bucket: views of its buffer, found once
         per buffer (DDP keeps a bucket's buffer from step to step; it may rebuild them once)."""
         buf = bucket.buffer()
@@ -1532,7 +1546,7 @@ class ChecksumCheck(Check, BucketListener):
             known = self._bucket_weights[index] = (key, found)
         return known[1]
 
-    def after_scaling(self, bucket: GradBucket, flag: Flag | None,
+    def after_scaling(self, bucket: Bucket, flag: Flag | None,
                       digest: int | torch.Tensor | None) -> None:
         """The weight-gradient identity of the layers ``row_sums`` asked for."""
         pending, self._rows_pending = self._rows_pending, []
@@ -1594,8 +1608,7 @@ class ChecksumCheck(Check, BucketListener):
         self._failures = []
         self._entries = []
         self._batch = None
-        self._vetoed = False
-        self._veto_word = None
+        self._answer = None
         kernel = self._kernel is not None
         for layer in self.layers:
             layer.calls.clear()
@@ -1627,12 +1640,10 @@ class ChecksumCheck(Check, BucketListener):
         if not self.contain:
             return None
         flag, _ = self._flags()
-        if not self.comm.carries_veto:  # a user's hook, or a sparse bucket: no sentinel
-            word = (words_on([int(flag)], self.device) if isinstance(flag, bool)  # (no sync)
-                    else flag.to(torch.int64).reshape(1))
-            self._veto_word = PendingSum(word, self.group)
-            return None
         return flag
+
+    def vetoed(self, answer: Containment) -> None:
+        self._answer = answer
 
     def pre_step(self, step: int) -> Verdict:
         if self._active:  # no veto was asked for (no gradient all-reduce ran)
@@ -1646,12 +1657,9 @@ class ChecksumCheck(Check, BucketListener):
                             "nn.MultiheadAttention does with out_proj) is never checked",
                             self.uncalled, step)
         found = self._deferred.collect(self)
-        if self._veto_word is not None:
-            withhold = self._veto_word.wait() > 0
-        elif self.contain:
-            withhold = self.comm.vetoed(expect_overflow=self.expect_overflow)
-        else:
-            withhold = False
+        answer, self._answer = self._answer, None
+        withhold = (answer is not None and self.contain
+                    and answer.read(expect_overflow=self.expect_overflow))
         self._deferred.add(step, self._local_flags(step))
         return Verdict(found, withhold=withhold)
 

@@ -64,9 +64,9 @@ from torch._C._distributed_c10d import GradBucket
 from sdc_guard.checks.base import Check, Verdict
 from sdc_guard.checks.flagword import DeferredFlags
 from sdc_guard.collectives import COMMUNICATING_LOSS, collectives_issued
-from sdc_guard.comm_hook import BucketListener, GuardCommHook
 from sdc_guard.determinism import buffers_saved, buffers_set, module_state_kept, rng_stream
 from sdc_guard.fingerprints.native import active_kernel
+from sdc_guard.parallel.base import Backend, GradientListener
 from sdc_guard.report import Detection
 from sdc_guard.scaling import Flag, check_nonfinite, host_words
 from sdc_guard.types import BatchFor, LossFn, fetch_micro_batches, recomputed_loss
@@ -116,7 +116,7 @@ class NeighbourRecompute:
         return False
 
 
-class NonFiniteCheck(Check, BucketListener):
+class NonFiniteCheck(Check, GradientListener):
     """NaN/Inf in the local and the reduced gradients, every step; see the module doc."""
 
     name = "nonfinite"
@@ -124,7 +124,7 @@ class NonFiniteCheck(Check, BucketListener):
 
     def __init__(
         self,
-        comm: GuardCommHook,
+        backend: Backend,
         *,
         device: torch.device,
         group: dist.ProcessGroup | None = None,
@@ -149,7 +149,11 @@ class NonFiniteCheck(Check, BucketListener):
         (a list: ``append`` is atomic, and two buckets' callbacks may run on two threads)."""
         self._reduced_device: list[torch.Tensor] = []
         """Reduced buckets whose flag ``host_flags`` computes (not host float32 words)."""
-        comm.subscribe(self)
+        self._backend = backend
+        backend.subscribe(self)
+
+    def close(self) -> None:
+        self._backend.unsubscribe(self)
 
     # -- per bucket, from the comm hook ----------------------------------------------------
     def after_scaling(self, bucket: GradBucket, flag: Flag | None,

@@ -25,13 +25,13 @@ one bucket), r sends its two replayed words to n point to point, and receives
 the replay of its own batch from r - 1; both travel beside the bucket
 all-reduces. In the comm hook, just before the step's last
 gradient all-reduce, each rank compares its own words with the replay it
-received; a difference *vetoes* the step: the rank writes the veto sentinel
-into its last bucket (``GuardCommHook._veto``), the all-reduce that runs anyway
-carries it to every rank, and every rank withholds the step. Only then (or
-when a non-finite gradient reached the sentinel, which could hide a veto) do
-the ranks gather every rank's four words (``all_gather_rows``) and compare
-each edge bit for bit. With a user's comm hook (the sentinel could not survive
-it), with ``skip_step_on_detection=False`` or with one rank, the ranks agree
+received; a difference *vetoes* the step through the backend's containment
+channel (``GradientListener.veto``; under DDP a sentinel in the last bucket, which
+the all-reduce that runs anyway carries to every rank, or a word of its own under
+a user's comm hook), and every rank withholds the step. Only then (or when a
+non-finite gradient reached the sentinel, which could hide a veto) do the ranks
+gather every rank's four words (``all_gather_rows``) and compare each edge bit
+for bit. With ``skip_step_on_detection=False`` or with one rank, the ranks agree
 instead through a one-word all-reduce started before the last gradient
 all-reduce and waited for before the optimizer step: its sum is 0 exactly
 when every edge agrees (``replay_term_host``).
@@ -77,11 +77,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._C._distributed_c10d import GradBucket
 from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.checks.base import Check, Verdict
-from sdc_guard.checks.weights import ddp_ignored
 from sdc_guard.collectives import (
     COMMUNICATING_LOSS,
     STEPS_FIX,
@@ -91,7 +89,6 @@ from sdc_guard.collectives import (
     gather_if_different,
     steps_disagree,
 )
-from sdc_guard.comm_hook import BucketListener, GuardCommHook, bucket_gradients
 from sdc_guard.determinism import (
     SavedBuffers,
     buffers_saved,
@@ -111,8 +108,16 @@ from sdc_guard.fingerprints.digest import (
 )
 from sdc_guard.fingerprints.public import fingerprint, fingerprint_tensor
 from sdc_guard.fingerprints.words import MASK64, mix64, mix64_int, to_signed64, to_unsigned64
+from sdc_guard.parallel.base import (
+    Backend,
+    Bucket,
+    Containment,
+    GradientListener,
+    bucket_gradients,
+)
 from sdc_guard.report import Detection
 from sdc_guard.scaling import Flag
+from sdc_guard.state import ddp_ignored
 from sdc_guard.types import BatchFor, LossFn, fetch_micro_batches, recomputed_loss
 
 _FEW_SPANS = 8
@@ -171,7 +176,7 @@ class BucketPlan:
     """int64, per gradient: its word offset in parameter order minus its offset in the buffer."""
     spans: list[tuple[int, int, int]]
     """(start, end, word offset in parameter order) per gradient: what the comm hook's
-    scaling pass digests (``sdc_guard.comm_hook.DigestSpans``)."""
+    scaling pass digests (``sdc_guard.parallel.base.DigestSpans``)."""
     last: torch.Tensor
     """int64, per gradient: the index of its last word in the buffer (the spans tile it)."""
 
@@ -465,7 +470,7 @@ def _refuse_unshared(module: nn.Module, ignored: set[int],
             "(GuardConfig(replay_interval=0)).")
 
 
-class ReplayAudit(Check, BucketListener):
+class ReplayAudit(Check, GradientListener):
     """The ring replay audit, every ``interval`` steps; see the module doc."""
 
     name = "replay"
@@ -477,7 +482,7 @@ class ReplayAudit(Check, BucketListener):
         interval: int,
         loss_fn: LossFn,
         batch_for: BatchFor,
-        comm: GuardCommHook,
+        backend: Backend,
         seed: int,
         micro_batch_count: int,
         group: dist.ProcessGroup | None = None,
@@ -532,10 +537,12 @@ class ReplayAudit(Check, BucketListener):
         self._step_buffers: SavedBuffers = []
         """The module's buffers as this audit step began (after DDP's buffer broadcast, when
         the owner's forward makes one): what every replay of the step starts from."""
-        self.comm = comm
+        self._backend = backend
         # The fast path (module doc): the replayed words go to their owner point to point,
-        # the owner compares and vetoes; it needs our own all-reduce to carry the veto.
-        self.wants_veto = contain and comm.carries_veto and self.world > 1
+        # the owner compares and vetoes through the backend's containment channel.
+        self.wants_veto = contain and self.world > 1
+        self._answer: Containment | None = None
+        """This step's containment answer (``vetoed``), when the veto was asked."""
         self._exchange: list[Any] = []
         self._peer = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._sent: torch.Tensor | None = None
@@ -556,13 +563,21 @@ class ReplayAudit(Check, BucketListener):
         self.exchange_with_first_bucket = True
         """Post the ring exchange with the first gradient bucket (``_send_replayed``); False:
         right after the replay, as before (``python -m bench.replay_exchange`` times both)."""
-        comm.subscribe(self)
+        backend.subscribe(self)
+
+    compares_replicas = True
 
     def due(self, step: int) -> bool:
         return step % self.interval == 0
 
+    def close(self) -> None:
+        self._backend.unsubscribe(self)
+
+    def vetoed(self, answer: Containment) -> None:
+        self._answer = answer
+
     # -- own computation, seen in the comm hook --------------------------------------------
-    def local(self, bucket: GradBucket) -> BucketPlan | None:
+    def local(self, bucket: Bucket) -> BucketPlan | None:
         """On audit steps, the bucket's share of the own gradient word: its spans, for the
         comm hook's scaling pass to digest (``after_scaling`` receives the value), or, for
         a bucket whose gradients do not tile it, digested here per gradient."""
@@ -585,7 +600,7 @@ class ReplayAudit(Check, BucketListener):
             self._add_own(self._digest([g for _, g in kept], [i for i, _ in kept]))
         return plan
 
-    def after_scaling(self, bucket: GradBucket, flag: Flag | None,
+    def after_scaling(self, bucket: Bucket, flag: Flag | None,
                       digest: int | torch.Tensor | None) -> None:
         if digest is not None:
             self._add_own(digest)
@@ -593,7 +608,7 @@ class ReplayAudit(Check, BucketListener):
     def _add_own(self, part: Word) -> None:
         self._own_grad = add_words(self._own_grad, part)
 
-    def _plan(self, bucket: GradBucket, idx: list[int]) -> BucketPlan | None:
+    def _plan(self, bucket: Bucket, idx: list[int]) -> BucketPlan | None:
         """Where the bucket's gradients lie in its flat buffer (cached), or None.
 
         With a plan the bucket's share of the gradient word comes from the buffer
@@ -843,7 +858,8 @@ class ReplayAudit(Check, BucketListener):
         try:
             if self._veto_asked:  # the owners compared: a veto (or a non-finite value in
                 # the sentinel's slots, which may hide one) sends every rank to the gather
-                if not self.comm.vetoed():
+                answer, self._answer = self._answer, None
+                if answer is None or not answer.read():
                     self.verified(step)
                     return Verdict()
             else:

@@ -19,57 +19,19 @@ unrepaired (quarantine, rollback), though the state is still made whole.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.checks.base import Check
-from sdc_guard.collectives import gather_if_different, majority_outliers
-from sdc_guard.fingerprints.public import WeightSums, fingerprint_tensor, fingerprint_with_sums
+from sdc_guard.checks.weightpass import WeightPass
+from sdc_guard.collectives import all_gather_rows, gather_if_different, majority_outliers
+from sdc_guard.fingerprints.public import fingerprint_tensor
 from sdc_guard.fingerprints.words import to_unsigned64
-from sdc_guard.optimizers import Optimizers, each, param_groups
+from sdc_guard.optimizers import Optimizers, param_groups
 from sdc_guard.report import Detection
-
-
-def ddp_ignored(model: torch.nn.Module) -> set[int]:
-    """``id`` of each parameter that DDP leaves to each rank (named in the module's
-    ``_ddp_params_and_buffers_to_ignore``): never broadcast nor all-reduced, so its replicas
-    may differ by design. ``model``: the DDP model or the module inside it."""
-    module = model.module if isinstance(model, DistributedDataParallel) else model
-    names = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-    if not names:
-        return set()
-    return {id(p) for n, p in module.named_parameters() if n in names}
-
-
-def state_tensors(
-    model: torch.nn.Module, optimizer: Optimizers | None, *, every: bool = False
-) -> list[torch.Tensor]:
-    """The replicated state in canonical order: parameters, then optimizer state tensors
-    (of each optimizer in turn, when several are given).
-
-    Parameters that DDP ignores (``ddp_ignored``), and their optimizer state, are not
-    replicated and are left out, unless ``every`` (a checkpoint's own fingerprint). So is
-    the state of an optimizer that shards it over the ranks (``ZeroRedundancyOptimizer``,
-    known by its ``consolidate_state_dict``): each rank holds another part."""
-    skip = set() if every else ddp_ignored(model)
-    tensors = [p.detach() for _, p in model.named_parameters() if id(p) not in skip]
-    for opt in () if optimizer is None else each(optimizer):
-        if callable(getattr(opt, "consolidate_state_dict", None)):
-            continue
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if id(p) in skip:
-                    continue
-                st = opt.state.get(p) or {}
-                for key in sorted(st, key=str):
-                    v = st[key]
-                    if isinstance(v, torch.Tensor):
-                        tensors.append(v.detach())
-    return tensors
+from sdc_guard.state import state_tensors
 
 
 def hyperparameters(optimizer: Optimizers) -> list[dict[str, Any]]:
@@ -109,6 +71,8 @@ class WeightsCheck(Check):
     """Replicas' weights (and optimizer state) compared after the step, every ``interval``."""
 
     name = "weights"
+    compares_replicas = True
+    checks_start = True
 
     def __init__(
         self,
@@ -121,6 +85,7 @@ class WeightsCheck(Check):
         group: dist.ProcessGroup | None = None,
         repair: bool = False,
         repair_window_steps: int = 1000,
+        weight_pass: WeightPass | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -132,24 +97,48 @@ class WeightsCheck(Check):
         self.repair_window_steps = repair_window_steps
         self.repairs: dict[int, list[int]] = {}
         """Steps at which each rank was repaired."""
-        self.weight_sums: Callable[[int], Sequence[WeightSums]] | None = None
-        """Asked after each step's optimizer step for the weight sums another check wants
-        taken in this check's read of the weights (the checksum check's ``weight_sums``,
-        wired by ``build_checks``): the fingerprint is the same with or without them."""
-        self._asks: Sequence[WeightSums] = ()
+        self.weight_pass = WeightPass() if weight_pass is None else weight_pass
+        """The read of the weights this check runs after each step it is due at; other
+        checks may have sums taken in it (``WeightPass.subscribe``)."""
 
     def due(self, step: int) -> bool:
         return step % self.interval == 0
 
     def local_fingerprint(self, step: int | None = None) -> torch.Tensor:
-        """This rank's fingerprint; after ``step``'s optimizer step, with the weight sums
-        asked for (``weight_sums``) taken in the same read."""
+        """This rank's fingerprint; after ``step``'s optimizer step, by the shared pass
+        (``weight_pass``), which takes its subscribers' sums in the same read."""
         opt = self.optimizer if self.include_optimizer_state else None
-        tensors = state_tensors(self.model, opt)
-        if step is None or self.weight_sums is None:
-            return fingerprint_tensor(tensors)
-        self._asks = self.weight_sums(step)
-        return fingerprint_with_sums(tensors, self._asks)
+        return self.weight_pass.fingerprint(state_tensors(self.model, opt), step)
+
+    def check_start(self, step: int) -> None:
+        """Do the replicas start from the same state? Asked once, at the first step with this
+        check on, before anything of the step runs (one all-gather of two words).
+
+        DDP broadcasts rank 0's parameters when it is built and never again: a checkpoint
+        loaded after that on some ranks only (``if rank == 0: model.module.load_state_dict(...)``,
+        or the optimizer's state) leaves the replicas apart. This check would then convict
+        the ranks outside the majority at the first step, and repair by majority would
+        overwrite the loaded weights with the others'."""
+        words = [fingerprint_tensor(state_tensors(self.model, None)), self.local_fingerprint()]
+        rows = all_gather_rows(torch.stack([w.to(self.device).reshape(()) for w in words]),
+                               self.group).tolist()
+        if all(row == rows[0] for row in rows):
+            return
+        what = ("parameters" if any(row[0] != rows[0][0] for row in rows)
+                else "optimizer states")
+        column = 0 if what == "parameters" else 1
+        odd = majority_outliers([row[column] for row in rows])
+        where = (f"ranks {list(odd)} differ from the others" if odd
+                 else "no majority of the ranks agrees")
+        raise ValueError(
+            f"SDCGuard.step({step}): the replicas do not start from the same state: their "
+            f"{what} differ before the first step ({where}). DDP broadcasts rank 0's "
+            "parameters when it is built and never again, so state loaded afterwards on some "
+            "ranks only (if rank == 0: model.module.load_state_dict(...) or "
+            "optimizer.load_state_dict(...)) leaves the replicas apart, and the weights check "
+            "would convict a healthy rank (repair by majority would overwrite the loaded "
+            "state). Load it on every rank (sdc_guard.CheckpointManager.restore does), or load "
+            "the weights before wrapping the model in DDP.")
 
     def post_step(self, step: int) -> list[Detection]:
         """Fingerprint this rank's state; one small all-reduce; a vote only on a mismatch."""
@@ -229,7 +218,6 @@ class WeightsCheck(Check):
         with torch.no_grad():
             for t in state_tensors(self.model, self.optimizer):
                 dist.broadcast(t, src=src, group=self.group)
-        for ask in self._asks:  # taken from the weights as they were
-            ask.taken = False
+        self.weight_pass.invalidate()  # its sums were taken from the weights as they were
         return gather_if_different(self.local_fingerprint().to(self.device).reshape(1),
                                    self.group) is None

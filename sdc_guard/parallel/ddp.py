@@ -1,8 +1,9 @@
-"""The guard's DDP communication hook: the one place gradients are seen before and after the all-reduce.
+"""The DDP backend: the guard's comm hook, the one place gradients are seen before and after the all-reduce.
 
-The hook does not judge anything: it runs the fused scaling pass
-(``sdc_guard.scaling``) and dispatches per-bucket events to the listeners that
-subscribed when they were built (the checks, ``BucketListener``) and to the fault
+``GuardCommHook`` implements ``sdc_guard.parallel.base.Backend`` for
+``DistributedDataParallel``. It does not judge anything: it runs the fused scaling
+pass (``sdc_guard.scaling``) and dispatches per-bucket events to the listeners that
+subscribed when they were built (the checks, ``GradientListener``) and to the fault
 injectors' callbacks. Per bucket, in this order::
 
     before-callbacks (fault injectors: site "gradient_before_allreduce")
@@ -12,9 +13,11 @@ injectors' callbacks. Per bucket, in this order::
        (if a listener wants the flag) and digests the spans returned, or sums the
        rows asked for, in one read of the bucket; what it cannot fuse is read first
     -> listener.after_scaling(bucket, flag, digest)
-    -> on the step's last bucket: listener.before_last_allreduce()
+    -> on the step's last bucket: listener.before_last_allreduce(), then
+       listener.veto() (the containment channel: ``GuardCommHook._veto``)
     -> the all-reduce (ours, or the user's own comm hook)
     -> after-callbacks (fault injectors: site "gradient_after_allreduce")
+    -> on the last bucket: listener.vetoed(answer), the step's containment answer
     -> listener.reduced(bucket, result), on the communication thread
 
 Our default all-reduce reproduces DDP's built-in reducer bit for bit: the
@@ -34,17 +37,17 @@ without the guard (the flag is then a separate read, and nothing is fused).
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket
 
+from sdc_guard.collectives import PendingSum, words_on
+from sdc_guard.parallel.base import Containment, GradientListener
 from sdc_guard.scaling import (
     Flag,
     RowPlans,
-    RowSums,
-    Spans,
     can_fuse_digest,
     check_nonfinite,
     row_sums,
@@ -65,117 +68,76 @@ def _half_max(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).max / 2
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Does ``t`` fill its memory without gaps or overlaps, in some order of its dims?"""
-    expected = 1
-    for d in sorted(range(t.dim()), key=t.stride):
-        if t.size(d) != 1 and t.stride(d) != expected:
-            return False
-        expected *= t.size(d)
-    return True
+class _SentinelAnswer:
+    """The containment answer carried by the last bucket's reduced sentinel slots."""
+
+    __slots__ = ("_answer", "slots")
+
+    def __init__(self, slots: torch.Tensor) -> None:
+        self.slots = slots
+        self._answer: dict[bool, bool] = {}
+
+    def read(self, *, expect_overflow: bool = False) -> bool:
+        """One of the slots at least half the dtype's largest finite value (no gradient is
+        that large; a corrupt one that is deserves the same), else a non-finite slot (a
+        non-finite gradient, which could hide a veto): True, unless a ``GradScaler`` is
+        there to skip the step itself."""
+        got = self._answer.get(expect_overflow)
+        if got is None:
+            values = self.slots.tolist()
+            half = _half_max(self.slots.dtype)
+            got = any(math.isfinite(v) and abs(v) >= half for v in values) or not (
+                expect_overflow or all(math.isfinite(v) for v in values))
+            self._answer[expect_overflow] = got
+        return got
 
 
-def bucket_gradients(bucket: GradBucket) -> list[torch.Tensor]:
-    """The bucket's gradients as views of its buffer with their parameters' strides.
+class _WordAnswer:
+    """The containment answer carried by a word of its own (an int64 SUM all-reduce)."""
 
-    ``GradBucket.gradients()`` views every gradient as contiguous, but DDP lays a gradient
-    out in its bucket with its parameter's strides when those are dense (a transposed
-    weight, a ``channels_last`` convolution): read through that view, the gradient's
-    elements come in another order than its parameter's (the replay audit's gradient word
-    then differed from every recomputation's, every edge of the ring disagreeing)."""
-    grads, params = bucket.gradients(), bucket.parameters()
-    if len(grads) != len(params):  # a sparse gradient's bucket lists no dense view
-        return grads
-    out = []
-    for p, g in zip(params, grads, strict=True):
-        if (g.layout == torch.strided and p.layout == torch.strided and p.dim() > 1
-                and p.stride() != g.stride() and _dense(p)):
-            g = g.as_strided(p.shape, p.stride())
-        out.append(g)
-    return out
+    __slots__ = ("pending",)
 
+    def __init__(self, pending: PendingSum) -> None:
+        self.pending = pending
 
-class DigestSpans(Protocol):
-    """Which words of a bucket a listener wants digested, and how to digest them without
-    the C kernel (the same value, by torch ops)."""
-
-    @property
-    def spans(self) -> Spans: ...
-
-    def digest(self, buf: torch.Tensor) -> torch.Tensor: ...
-
-
-class BucketListener:
-    """What a check can subscribe to in the comm hook. Every method is optional (no-op).
-
-    The hook calls these and nothing else; a listener never calls back into the hook.
-    """
-
-    wants_flag: bool = False
-    """Set to have the scaling pass flag NaN/Inf in each local bucket (``after_scaling``)."""
-
-    def local(self, bucket: GradBucket) -> DigestSpans | None:
-        """The local words, before the scaling pass (read only). Return spans to have the
-        pass digest them (their digest comes to ``after_scaling``)."""
-        return None
-
-    def row_sums(self, bucket: GradBucket) -> list[RowSums] | None:
-        """Matrices in the local bucket (2-D views into its buffer) whose float32 row sums,
-        before the scaling, the pass should write into the tensors given with them (ready
-        in ``after_scaling``)."""
-        return None
-
-    def after_scaling(self, bucket: GradBucket, flag: Flag | None,
-                      digest: int | torch.Tensor | None) -> None:
-        """After the scaling pass: the local NaN/Inf flag (if ``wants_flag``), the digest of
-        the spans ``local`` returned (an unsigned int from the C kernel, else a 0-d int64
-        tensor), or None."""
-
-    def before_last_allreduce(self) -> None:
-        """Once per step, before the last bucket's all-reduce: every local bucket has been
-        seen, and a small collective started here rides the meeting point the gradient
-        all-reduce needs anyway."""
-
-    def reduced(self, bucket: GradBucket, out: torch.Tensor) -> None:
-        """The bucket's reduced result, on the communication thread (read only)."""
-
-    wants_veto: bool = False
-    """Set to be asked, once per step, whether this rank withholds the step (``veto``)."""
-
-    def veto(self) -> Flag | None:
-        """Before the last bucket's all-reduce, after ``before_last_allreduce``: True (or a
-        0-d device bool) to withhold the step on every rank through the veto sentinel
-        (``GuardCommHook.vetoed``); None or False otherwise."""
-        return None
+    def read(self, *, expect_overflow: bool = False) -> bool:
+        return self.pending.wait() > 0
 
 
 class GuardCommHook:
-    """State and hook function for ``DistributedDataParallel.register_comm_hook``."""
+    """The DDP backend (``sdc_guard.parallel.base.Backend``): the state and function of
+    ``DistributedDataParallel.register_comm_hook``, the veto sentinel, and the word that
+    carries the veto where no sentinel can travel."""
 
     def __init__(
         self,
         process_group: dist.ProcessGroup | None = None,
         *,
+        model: Any = None,
         inner_hook: CommHook | None = None,
         inner_state: Any = None,
         sparse_gradients: bool = False,
     ) -> None:
-        self.process_group = process_group
+        self.group = process_group
+        """The group the hook all-reduces within and the checks compare within: under DDP
+        every member holds a replica of the same state."""
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
+        self.model = model
+        """The DDP model ``attach`` registers this hook with (None: the caller registers it)."""
         self.inner_hook = inner_hook
         self.inner_state = inner_state
         self.carries_veto = inner_hook is None and not sparse_gradients
         """Can the veto sentinel ride the step's last bucket (``_veto``)? Not under a user's
         hook (it may compress or keep state), and not where a gradient is sparse
         (``nn.Embedding(sparse=True)``: DDP gives it a bucket of its own, the last when the
-        embedding is the model's first layer, with no dense slot to write). Listeners then
-        withhold the step by a word of their own."""
+        embedding is the model's first layer, with no dense slot to write). The veto then
+        travels as a word of its own."""
         self.before: list[BucketCallback] = []
         """Fault injectors' callbacks on the local bucket (may modify it)."""
         self.after: list[ReducedCallback] = []
         """Fault injectors' callbacks on the reduced result (may modify it)."""
-        self.listeners: list[BucketListener] = []
+        self.listeners: list[GradientListener] = []
         self.fused_digests = 0
         """How many listener digests the scaling pass has computed."""
         self.fused_row_sums = 0
@@ -183,37 +145,71 @@ class GuardCommHook:
         self._row_plans = RowPlans()
         self.step = -1
         """The step being computed (set by ``begin_step``; fault injectors read it)."""
-        self.sentinel: torch.Tensor | None = None
-        """The sentinel's slots in this step's reduced last bucket (its first ``world``
-        elements), when a listener wants vetoes."""
+        self._answer_due = False
+        """A listener was asked for its veto this step and the sentinel carries the answer
+        (pushed with the last bucket's reduced result)."""
+        self.attached = False
+        """Is the hook registered with DDP (``attach``)?"""
 
-    def subscribe(self, listener: BucketListener) -> None:
+    def subscribe(self, listener: GradientListener) -> None:
         """Dispatch per-bucket events to ``listener`` from now on (checks, when built)."""
         self.listeners.append(listener)
+
+    def unsubscribe(self, listener: GradientListener) -> None:
+        """Stop dispatching events to ``listener`` (a check that is closed)."""
+        self.listeners[:] = [x for x in self.listeners if x is not listener]
+
+    def attach(self) -> None:
+        """Register the hook with DDP the first time something needs the gradient buckets: a
+        listener, a fault injector's callback, or the user's own hook. Until then DDP runs
+        its built-in all-reduce, which scales each gradient while it copies it into its
+        bucket: any comm hook costs one more pass (docs/architecture.md), and checks that
+        never read a bucket do not pay it. DDP cannot remove a hook: once registered it
+        stays, bit-identical either way."""
+        if self.attached or self.model is None:
+            return
+        if self.listeners or self.before or self.after or self.inner_hook is not None:
+            self.model.register_comm_hook(self, GuardCommHook.hook)
+            self.attached = True
 
     def begin_step(self, step: int) -> None:
         """Call before the forward pass of ``step``."""
         self.step = step
-        self.sentinel = None
+        self._answer_due = False
 
     def _veto(self, bucket: GradBucket) -> None:
-        """The veto sentinel: a listener that withholds the step writes the dtype's largest
-        finite value into the last bucket, after the scaling pass (so the local non-finite
-        scan never sees it) and before the all-reduce, which carries it to every rank
-        (``vetoed``). Each rank writes its own slot, element ``rank`` of the bucket: two
-        ranks vetoing in one step then leave two finite sentinels, not one sum that
-        overflows to Inf (which the non-finite check would report as a fault in the
-        reduction, and a ``GradScaler`` as an overflow). Only with our own all-reduce: a
-        user's hook may compress or keep state, and its listeners veto by a word of their
-        own instead."""
-        if not self.carries_veto:
-            for lst in self.listeners:
-                if lst.wants_veto:
-                    lst.veto()
+        """Ask the listeners that want to whether this rank withholds the step, and carry the
+        answer to every rank (``GradientListener.vetoed``).
+
+        With our own all-reduce the answer rides the last bucket as a sentinel: a rank that
+        withholds writes the dtype's largest finite value into the bucket, after the scaling
+        pass (so the local non-finite scan never sees it) and before the all-reduce, which
+        carries it to every rank. Each rank writes its own slot, element ``rank`` of the
+        bucket: two ranks vetoing in one step then leave two finite sentinels, not one sum
+        that overflows to Inf (which the non-finite check would report as a fault in the
+        reduction, and a ``GradScaler`` as an overflow). Under a user's hook (it may
+        compress or keep state) or a sparse last bucket, the answer travels as one int64
+        word of its own instead, when some listener takes part this step."""
+        asked = [lst for lst in self.listeners if lst.wants_veto]
+        if not asked:
             return
-        flags = [f for lst in self.listeners if lst.wants_veto
-                 if (f := lst.veto()) is not None and f is not False]
-        if not flags:
+        flags = [f for lst in asked if (f := lst.veto()) is not None]
+        raised = [f for f in flags if f is not False]
+        if not self.carries_veto:
+            if not flags:  # every listener sits this step out (alike on every rank)
+                return
+            device = bucket.buffer().device
+            if all(isinstance(f, bool) for f in raised):
+                word = words_on([int(bool(raised))], device)  # no tensor op, no sync
+            else:
+                word = torch.stack([torch.as_tensor(f, device=device)
+                                    for f in raised]).any().to(torch.int64).reshape(1)
+            answer = _WordAnswer(PendingSum(word, self.group, in_place=True))
+            for lst in asked:
+                lst.vetoed(answer)
+            return
+        self._answer_due = True
+        if not raised:
             return
         if bucket.buffer().layout != torch.strided:
             raise RuntimeError(
@@ -225,26 +221,16 @@ class GuardCommHook:
         slot = self.rank % flat.numel()  # a bucket smaller than the world shares its slots
         mine = flat[slot:slot + 1]
         big = torch.finfo(mine.dtype).max
-        if all(isinstance(f, bool) for f in flags):
+        if all(isinstance(f, bool) for f in raised):
             mine.fill_(big)
             return
-        flag = torch.stack([torch.as_tensor(f, device=mine.device) for f in flags]).any()
+        flag = torch.stack([torch.as_tensor(f, device=mine.device) for f in raised]).any()
         mine.copy_(torch.where(flag, torch.full_like(mine, big), mine))  # no host sync
 
-    def vetoed(self, *, expect_overflow: bool = False) -> bool:
-        """Did some rank veto this step (``veto``)? Read from this rank's copy of the reduced
-        sentinel's slots: one of them at least half the dtype's largest finite value (no
-        gradient is that large; a corrupt one that is deserves the same). Else a non-finite
-        slot (a non-finite gradient, which could hide a veto): True, unless a
-        ``GradScaler`` is there to skip the step itself. One host read (a sync on a
-        device)."""
-        if self.sentinel is None:
-            return False
-        values = self.sentinel.tolist()
-        half = _half_max(self.sentinel.dtype)
-        if any(math.isfinite(v) and abs(v) >= half for v in values):
-            return True
-        return not (expect_overflow or all(math.isfinite(v) for v in values))
+    @staticmethod
+    def answer_of(slots: torch.Tensor) -> Containment:
+        """The containment answer that reduced sentinel ``slots`` carry."""
+        return _SentinelAnswer(slots)
 
     def _local(self, bucket: GradBucket) -> None:
         """Listeners' local reads, then the scaling pass with what they asked fused in."""
@@ -284,7 +270,7 @@ class GuardCommHook:
 
     def _allreduce(self, bucket: GradBucket) -> torch.futures.Future[Any]:
         """The in-place SUM all-reduce of the bucket; its future's value is ``[buffer]``."""
-        work = dist.all_reduce(bucket.buffer(), group=self.process_group, async_op=True)
+        work = dist.all_reduce(bucket.buffer(), group=self.group, async_op=True)
         if work is None:  # pragma: no cover - async_op=True always returns a Work handle
             raise RuntimeError("torch.distributed.all_reduce(async_op=True) returned no Work")
         fut: torch.futures.Future[Any] = work.get_future()
@@ -313,9 +299,11 @@ class GuardCommHook:
             out: torch.Tensor = value[0] if isinstance(value, list) else value
             for cb in state.after:
                 cb(bucket, out)
-            if last and state.carries_veto and any(
-                    lst.wants_veto for lst in state.listeners):
-                state.sentinel = out.view(-1)[:state.world_size]
+            if last and state._answer_due:
+                answer = _SentinelAnswer(out.view(-1)[:state.world_size])
+                for lst in state.listeners:
+                    if lst.wants_veto:
+                        lst.vetoed(answer)
             for lst in state.listeners:
                 lst.reduced(bucket, out)
             return out

@@ -161,7 +161,7 @@ def fault_runs(rank: int, world: int, faults: list[dict[str, Any] | list[dict[st
                                                                strict=True)),
             "native": any(check.native_calls for check in guard.checks
                           if isinstance(check, ChecksumCheck)),
-            "fused_row_sums": guard.comm.fused_row_sums,
+            "fused_row_sums": guard.backend.fused_row_sums,
             "fused": _fused_agreed(),
         })
     return results

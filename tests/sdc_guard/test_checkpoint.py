@@ -127,7 +127,7 @@ def test_the_suspect_window_refuses_checkpoints_inside_it_and_survives_a_restart
         if s == 1:
             at_1 = _state(model, opt)
     d = Detection("replay", 3, (1,), "", {})
-    ckpt.record_detection(d, window_start=2)
+    ckpt.record_detection(d, verified_through=1)  # the window opens at step 2
     assert ckpt.save(4, model, opt) is None  # the state is suspect: no new checkpoint
     again = CheckpointManager(ckpt.directory, keep=10)  # a restarted job reads windows.json
     refused = [c.step for c in again.checkpoints() if again.refused(c)]
@@ -333,3 +333,75 @@ def test_a_quantisation_aware_model_restores_into_a_fresh_one(one_rank: None,
     assert ckpt.restore(fresh, fresh_opt) == 2
     a, b = model.module.state_dict(), fresh.module.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
+
+
+@pytest.mark.parametrize(
+    ("step", "verified", "since", "start"),
+    [
+        (5, 2, None, 3),      # after the newest step every check verified
+        (5, None, None, 5),   # no check keeps a verified step: the detection's own
+        (5, 7, None, 5),      # verified past it (a check that lags less): never after d.step
+        (9, 8, 4, 4),         # repaired before from step 4: a permanent fault's first sign
+    ])
+def test_the_window_rule_lives_with_the_windows(step: int, verified: int | None,
+                                                since: int | None, start: int) -> None:
+    evidence = {} if since is None else {"repair": {"since": since}}
+    d = Detection("weights", step, (1,), "", evidence)
+    assert sdc_guard.checkpoint.SuspectWindows.start_of(d, verified) == start
+
+
+class _Verifier:
+    """A verifier of our own (the Verifier protocol): no guard."""
+
+    group = None
+
+    def __init__(self) -> None:
+        self.through: int | None = -1
+        self.rewound: list[int] = []
+
+    def verified(self) -> tuple[int | None, dict[str, int]]:
+        return self.through, {"mine": -1 if self.through is None else self.through}
+
+    def rewind(self, step: int) -> None:
+        self.rewound.append(step)
+
+
+def test_a_manager_takes_what_it_needs_as_values_and_a_small_protocol(setup: Any) -> None:
+    model, opt, ckpt = setup
+    ckpt.keep = 1
+    # Without a verifier: save(verified_through=) keeps the newest verified checkpoint.
+    for s in range(4):
+        _train(model, opt, range(s, s + 1))
+        ckpt.save(s, model, opt, verified_through=1)
+    assert [c.step for c in ckpt.checkpoints()] == [3, 1]
+    # A bound verifier is asked on save's thread; a background write prunes with the value
+    # read then, not with what the verifier says while the write runs.
+    v = _Verifier()
+    ckpt.bind(v)
+    v.through = 3
+    _train(model, opt, range(4, 5))
+    info = ckpt.save(4, model, opt, background=True)
+    v.through = None  # changes after save returned: the writer must not read it
+    ckpt.wait()
+    assert info is not None and info.clean_through == 3
+    assert [c.step for c in ckpt.checkpoints()] == [4, 3]
+    with pytest.raises(ValueError, match="verified_through"):
+        ckpt.save(5, model, opt, verified_through=4)
+    assert ckpt.restore(model, opt) == 5 and v.rewound == [4]
+
+
+def test_the_checkpoint_package_imports_nothing_of_the_guard() -> None:
+    # What its modules import, read from their source (sdc_guard/__init__ imports the guard
+    # itself, so sys.modules after an import could not tell).
+    import ast
+
+    root = Path(sdc_guard.__file__).parent / "checkpoint"
+    imported: set[str] = set()
+    for f in root.glob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module)
+            elif isinstance(node, ast.Import):
+                imported.update(a.name for a in node.names)
+    ours = sorted(m for m in imported if m.startswith("sdc_guard"))
+    assert ours and not [m for m in ours if m.startswith(("sdc_guard.guard", "sdc_guard.checks"))], ours

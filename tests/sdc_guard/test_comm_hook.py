@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 import sdc_guard.scaling as sc
 from sdc_guard.checks.nonfinite import NonFiniteCheck
-from sdc_guard.comm_hook import BucketListener, GuardCommHook
 from sdc_guard.fingerprints.digest import host_spans_digest
 from sdc_guard.fingerprints.native import native_enabled
+from sdc_guard.parallel import BucketListener, GuardCommHook
 from sdc_guard.scaling import Flag
 
 SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, -3.4e38, 65504.0,
@@ -240,7 +240,6 @@ def test_the_torch_flag_does_not_call_a_finite_buffer_non_finite(dtype: torch.dt
     ])
 def test_the_sentinel_slots_say_whether_some_rank_vetoed(one_rank: None, slots: list[float],
                                                          scaler: bool, vetoed: bool) -> None:
-    hook = GuardCommHook()
-    assert not hook.vetoed()  # no veto asked this step
-    hook.sentinel = torch.tensor(slots, dtype=torch.float32)
-    assert hook.vetoed(expect_overflow=scaler) is vetoed
+    answer = GuardCommHook.answer_of(torch.tensor(slots, dtype=torch.float32))
+    assert answer.read(expect_overflow=scaler) is vetoed
+    assert answer.read(expect_overflow=scaler) is vetoed  # read again: the same answer

@@ -25,18 +25,22 @@ def test_clean_audit_steps_make_no_collective_of_their_own() -> None:
     # gather, on 6 clean audit steps; a fault costs one gather (and the arbitration's).
     clean = run_ranks(workers.replay_run, 3, 6)
     assert all(r["detections"] == [] for r in clean)
-    assert all(r["collectives"] == {"agreements": 0, "gathers": 0} for r in clean)
+    assert all(r["collectives"] == {"agreements": 0, "gathers": 0, "veto_words": 0}
+               for r in clean)
     fault = {"rank": 1, "step": 2, "phase": "train", "bit": 2}
     for r in run_ranks(workers.replay_run, 3, 4, fault=fault):
         assert ("replay", 2, (1,)) in r["detections"] and r["skipped"] == [2]
         assert r["collectives"]["agreements"] == 0 and r["collectives"]["gathers"] >= 1
-    # Where the veto sentinel cannot travel (a user's comm hook) or must not be written
-    # (report only), one one-word agreement per audit step, and the same verdicts.
+    # Where the veto sentinel cannot travel (a user's comm hook: the backend carries the
+    # veto in a word of its own) or must not be written (report only: the audit's own
+    # agreement), one one-word all-reduce per audit step, and the same verdicts.
     for kwargs in ({"user_hook": True}, {"contain": False}):
         res = run_ranks(workers.replay_run, 3, 4, fault=fault, **kwargs)
         for r in res:
             assert ("replay", 2, (1,)) in r["detections"], (kwargs, r["detections"])
-            assert r["collectives"]["agreements"] == 4
+            words = r["collectives"]
+            assert (words["veto_words"], words["agreements"]) == (
+                (4, 0) if kwargs.get("user_hook") else (0, 4)), (kwargs, words)
             assert r["skipped"] == ([2] if kwargs.get("user_hook") else [])
 
 

@@ -1,0 +1,67 @@
+"""Checkpoints that know the suspect window: save, verify, restore the last clean state.
+
+::
+
+    ckpt = sdc_guard.CheckpointManager(directory, keep=3)
+    guard = sdc_guard.SDCGuard(..., checkpoints=ckpt)    # records suspect windows
+    ckpt.save(step, model, optimizer)                     # collective: every rank calls
+    start = ckpt.restore(model, optimizer)                # the step to train next
+    ckpt.save(step, model, optimizer, extra={"lr": scheduler, "scaler": scaler})
+    start = ckpt.restore(model, optimizer, extra={"lr": scheduler, "scaler": scaler})
+    ckpt.save(step, model, optimizer, background=True)   # written on a thread; ckpt.wait()
+
+**What a checkpoint holds.** The model's and the optimizer's ``state_dict``, every rank's
+random-number-generator states (torch CPU and CUDA, Python's ``random``, NumPy's when it is
+installed; they differ per rank), the step, the verification state (the newest step every
+check verified clean, and each check's: asked of the bound guard when ``save`` is called,
+or ``save(..., verified_through=step)`` without a guard), and the 64-bit fingerprint of the
+parameters and optimizer state (``sdc_guard.fingerprint`` over ``state_tensors``), checked again after
+loading. With ``extra``, each named object's ``state_dict()`` too (an LR scheduler, a
+``GradScaler``, a stateful data loader: anything with ``state_dict`` and ``load_state_dict``),
+every rank's, restored on that rank after the model and the optimizer. Rank 0 writes it (DDP
+replicas are identical; the ranks' RNG states and extra states are gathered first):
+``step-000000120.pt`` and its manifest ``step-000000120.json`` (size, SHA-256, fingerprint,
+generation). Both are written to a temporary name, fsynced and renamed; the
+manifest is written last and is the commit point, so a killed save leaves no checkpoint
+that looks whole. Loading uses ``torch.load(weights_only=True)``: no arbitrary unpickling.
+
+**The suspect window.** Every check knows the newest step it has verified clean (the
+weights check: its last passing vote; the replay audit: its last passing audit; the
+non-finite check: every step whose flags it has collected). On a detection at step d that
+was not repaired in place, the window starts at ``min(d, SDCGuard.clean_through + 1)``: after
+the newest step *every* enabled check verified (``SuspectWindows.start_of`` owns the rule).
+The manager records the detection and the window in ``windows.json`` in its directory (a
+restarted job sees it) and from then on refuses to restore any checkpoint of that timeline
+saved at a step inside the window, and saves no new checkpoint until the run is restored
+(its state is suspect). A checkpoint taken between replay audits is only as clean as the last audit before it.
+
+**Timelines.** ``restore`` starts a new generation: checkpoints saved after it belong to
+the new timeline, which the old windows do not cover.
+
+**Keeping.** The newest ``keep`` checkpoints stay, and, whatever ``keep`` says, so does the
+newest one that every enabled check has verified clean. A corrupt or missing checkpoint is
+logged at ERROR with the file and the reason, and the next older one is used; with none
+usable, ``restore`` returns 0 (train from scratch) and says so.
+
+The directory must be storage that every rank and every replacement pod can read (a
+ReadWriteMany PersistentVolumeClaim in ``deploy/pytorchjob.yaml``).
+"""
+
+
+from __future__ import annotations
+
+from sdc_guard.checkpoint.files import CheckpointError, rng_state, set_rng_state
+from sdc_guard.checkpoint.manager import FORMAT, CheckpointInfo, CheckpointManager, Verifier
+from sdc_guard.checkpoint.windows import WINDOWS, SuspectWindows
+
+__all__ = [
+    "FORMAT",
+    "WINDOWS",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "SuspectWindows",
+    "Verifier",
+    "rng_state",
+    "set_rng_state",
+]
