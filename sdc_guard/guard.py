@@ -45,8 +45,8 @@ def _sparse_gradients(model: torch.nn.Module) -> bool:
 class SDCGuard:
     """Runs forward, backward, the checks and the optimizer step of a DDP model.
 
-    It coordinates; the checks (``sdc_guard.checks``, one protocol: ``checks.base``)
-    know themselves. ``guard.step(step)`` does, in order: the ``before_step`` hooks;
+    It coordinates; the checks (one protocol each: docs/architecture.md, "The check
+    protocol") know themselves. ``guard.step(step)`` does, in order: the ``before_step`` hooks;
     ``begin_step`` of every check due at this step (the replay audit replays its
     ring neighbour's batch here); zero the gradients; per micro-batch,
     ``loss_fn(model, batch)``, the checks' ``on_loss`` and backward (the comm hook
@@ -118,7 +118,7 @@ class SDCGuard:
             process_group, node_env=config.node_name_env, pod_env=config.pod_name_env,
             device=self.device)
         """Every rank's hostname, pod and node, and what decides its kernels' bits (its compute
-        signature), gathered once here (``sdc_guard.topology``)."""
+        signature), gathered once here (docs/quarantine.md)."""
         mismatch = self.topology.compute_mismatch()
         if mismatch is not None:
             log.warning(
@@ -138,7 +138,8 @@ class SDCGuard:
                                      inner_state=comm_hook_state,
                                      sparse_gradients=_sparse_gradients(model))
         """How gradients are observed and reduced, the containment channel and the group the
-        checks compare within (``sdc_guard.parallel``: DDP's comm hook here). Fault injectors
+        checks compare within (docs/architecture.md, "The backend seam": DDP's comm hook
+        here). Fault injectors
         add their gradient callbacks to it."""
         self._step_agreed = False
         """Have the ranks been seen at one step (``_agree_on_step``) since the last restore?"""
@@ -162,7 +163,7 @@ class SDCGuard:
         # argument must not leave the model hooked (DDP takes one hook, once).
         self.set_remediation(remediation)
         self.checkpoints: CheckpointManager | None = None
-        """Told of every unrepaired detection and its suspect window (``sdc_guard.checkpoint``)."""
+        """Told of every unrepaired detection and its suspect window (docs/recovery.md)."""
         self.set_checkpoints(checkpoints)
         self.reconfigure(config)
 
@@ -287,8 +288,7 @@ class SDCGuard:
             self.backend.attach()
         cfg = self.config
         # The gradients go before the batch comes, as in a plain loop: fetched first, the
-        # batch took memory that glibc then trimmed and faulted back in, some 100 pages a
-        # step more than plain DDP on the reference MLP.
+        # batch took memory that glibc then trimmed and faulted back in at every step.
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         batches = list(fetch_micro_batches(self.batch_for, self.rank, step, cfg.micro_batches))
@@ -420,7 +420,7 @@ class SDCGuard:
         """Detections still due after the last ``step``. Collective: call once on every rank.
 
         The non-finite check sends its flags every ``nonfinite_exchange_interval`` steps and
-        collects them a step later (``sdc_guard.checks.nonfinite``); the words still out are
+        collects them a step later (docs/checks/nonfinite.md); the words still out are
         sent and collected here. Detections are recorded like any other (event log,
         ``on_detection``).
         """
@@ -446,7 +446,7 @@ class SDCGuard:
     @property
     def clean_through(self) -> int | None:
         """The newest step every enabled check has verified clean (-1: none yet; None: no
-        check is enabled). A suspect window starts after it (``sdc_guard.checkpoint``)."""
+        check is enabled). A suspect window starts after it (docs/recovery.md)."""
         return min((c.clean_through for c in self.checks), default=None)
 
     def rewind(self, step: int) -> None:

@@ -127,7 +127,7 @@ Word = int | torch.Tensor
 """One of the audit's 64-bit words: an unsigned Python int when computed on the host (the
 C kernel's digests, a CPU loss's bits), else a 0-d int64 tensor on the device. On the CPU
 the audit's words stay Python integers from digest to comparison: a tensor op costs
-3-10x more between the step's large products (on caches they filled) than in a loop."""
+more between the step's large products, on the caches they filled, than in a loop."""
 
 
 def add_words(a: Word | None, b: Word) -> Word:
@@ -428,8 +428,8 @@ def _refuse_sync_batchnorm(module: nn.Module) -> None:
     batch, so a batch cannot be recomputed alone. In the replay each rank contributes its
     neighbour's statistics, the same set in another order, which the merge (a running
     combination, row by row) rounds differently: every edge would disagree in the last
-    bits, at every audit step. Derived from how the merge works; no GPU here to run it
-    (DDP refuses SyncBatchNorm on the CPU)."""
+    bits, at every audit step. Derived from how the merge works (DDP refuses
+    SyncBatchNorm on the CPU, so no CPU test runs it)."""
     names = [n for n, m in module.named_modules() if isinstance(m, nn.SyncBatchNorm)]
     if names:
         raise ValueError(
@@ -562,7 +562,7 @@ class ReplayAudit(Check, GradientListener):
         right after the replay."""
         self.exchange_with_first_bucket = True
         """Post the ring exchange with the first gradient bucket (``_send_replayed``); False:
-        right after the replay, as before (``python -m bench.replay_exchange`` times both)."""
+        right after the replay (``python -m bench.replay_exchange`` times both)."""
         backend.subscribe(self)
 
     compares_replicas = True
