@@ -93,19 +93,21 @@ DEFAULTS_CHECKSUM = "defaults + checksum"
 ``GuardConfig(checksum=True)``), on the checksum's models."""
 OWN_READ = "defaults + checksum, the weight read again"
 """``GuardConfig(checksum=True)`` with the checksum's weight sums taken in its own read of each
-weight (its forward hook's), not in the weights check's (``WeightsCheck.weight_sums`` unset)."""
+weight (its forward hook's), not in the weights check's (unsubscribed from its ``WeightPass``)."""
 CONFIGS = (CHECKS_OFF.name, OFF_HOOKED, CHECKSUM.name, CHECKSUM_NORM.name, DEFAULTS,
            DEFAULTS_CHECKSUM, OWN_READ)
 """What a workload's rounds rotate, in this order."""
 
 
 def _weight_read(guard: SDCGuard, *, shared: bool) -> None:
-    """The checksum's weight sums taken in the weights check's read (``shared``, as
-    ``build_checks`` wires it) or in its own."""
+    """The checksum's weight sums taken in the weights check's read (``shared``: subscribed
+    to its ``WeightPass``, as ``build_checks`` wires it) or in its own."""
     checksum = next(c for c in guard.checks if isinstance(c, ChecksumCheck))
     for c in guard.checks:
         if isinstance(c, WeightsCheck):
-            c.weight_sums = checksum.weight_sums if shared else None
+            c.weight_pass.unsubscribe(checksum.weight_sums)
+            if shared:
+                c.weight_pass.subscribe(checksum.weight_sums)
 
 
 def _timed(guards: list[SDCGuard], plain: list[SDCGuard], configs: tuple[str, ...],
