@@ -6,5 +6,5 @@ arguments with defaults: ``device`` (``"cuda"``; ``"cpu"`` runs the same test on
 gloo where ranks talk) and ``record``, a dict the test fills with what it found. pytest runs
 them under the ``cuda`` marker and skips them where ``torch.cuda.is_available()`` is False
 (``conftest.py``); ``python -m bench.device_check`` imports and runs them on a machine that may
-lack pytest, and writes each ``record`` into its JSON beside its timings (its ``DEVICE_TESTS``).
+lack pytest, and writes each ``record`` into its JSON beside its timings (its ``device_tests``).
 """
