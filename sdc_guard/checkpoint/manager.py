@@ -29,7 +29,8 @@ from sdc_guard.state import state_tensors
 if TYPE_CHECKING:
     from sdc_guard.report import Detection
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("sdc_guard.checkpoint")
+"""The package's logger, one name for every module in it (a harness filters its records)."""
 
 FORMAT = 1
 
