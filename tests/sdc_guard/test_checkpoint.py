@@ -405,3 +405,23 @@ def test_the_checkpoint_package_imports_nothing_of_the_guard() -> None:
                 imported.update(a.name for a in node.names)
     ours = sorted(m for m in imported if m.startswith("sdc_guard"))
     assert ours and not [m for m in ours if m.startswith(("sdc_guard.guard", "sdc_guard.checks"))], ours
+
+
+def test_a_filter_on_the_checkpoint_logger_sees_its_records(setup: Any, caplog: Any) -> None:
+    # A harness silences the from-scratch record with a filter on "sdc_guard.checkpoint";
+    # a filter on a logger does not see its children's records, so the name must be that.
+    model, opt, ckpt = setup
+    seen: list[str] = []
+    logger = logging.getLogger("sdc_guard.checkpoint")
+
+    def keep(record: logging.LogRecord) -> bool:
+        seen.append(getattr(record, "sdc_event", ""))
+        return True
+
+    logger.addFilter(keep)
+    try:
+        with caplog.at_level(logging.ERROR, logger="sdc_guard.checkpoint"):
+            assert ckpt.restore(model, opt) == 0
+    finally:
+        logger.removeFilter(keep)
+    assert CheckpointManager.FROM_SCRATCH in seen
