@@ -171,7 +171,7 @@ def switching_layout(rank: int, world: int, steps: int,
                      faults: list[dict[str, Any]]) -> dict[str, Any]:
     """The mlp with ``net.2``'s input contiguous on even steps and, the same values, with a
     column stride on odd ones (a forward hook on ``net.1`` copies it so): the C forward's
-    plan kept, then made for one call, then kept again (``checksum._Plan``). ``faults``
+    plan kept, then made for one call, then kept again (``checksum.state.Plan``). ``faults``
     armed at once (each with its own step)."""
     guard = _guard("mlp", "float32", GuardConfig(checksum=True, weights_interval=0))
     model = guard.model.module
