@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pickle
 from collections import Counter
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,6 +51,22 @@ def all_gather_rows(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
     out = [torch.empty_like(t) for _ in range(world)]
     dist.all_gather(out, t.contiguous(), group=group)
     return torch.stack(out)
+
+
+def gather_objects(obj: object, group: dist.ProcessGroup | None = None, *,
+                   device: torch.device | None = None) -> list[Any]:
+    """Every rank's picklable ``obj`` (item r: rank r's), as ``all_gather_object`` gives them,
+    without NumPy: torch's object collectives read the bytes back through NumPy, which is not
+    a dependency of sdc_guard. The pickled bytes travel as a uint8 tensor on ``device`` (the
+    model's: a CUDA device under NCCL; None: the CPU); two collectives, the sizes first."""
+    data = pickle.dumps(obj)
+    dev = torch.device("cpu") if device is None else device
+    sizes = all_gather_rows(torch.tensor([len(data)], dtype=torch.int64, device=dev),
+                            group)[:, 0].tolist()
+    buf = torch.zeros(max(sizes), dtype=torch.uint8, device=dev)
+    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+    rows = all_gather_rows(buf, group).cpu()
+    return [pickle.loads(bytes(rows[r, :n].tolist())) for r, n in enumerate(sizes)]
 
 
 class PendingSum:

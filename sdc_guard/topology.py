@@ -1,7 +1,7 @@
 """Where each rank runs: hostname, pod and Kubernetes node, gathered once when the guard starts.
 
 A detection names ranks; a quarantine acts on nodes. The guard gathers every rank's place
-once (one ``all_gather_object`` at construction, never on the detection path) and maps
+once (one gather of pickled bytes at construction, never on the detection path) and maps
 suspect ranks to ``Detection.suspect_nodes`` with it.
 
 The node name comes from the downward API (``NODE_NAME`` from ``spec.nodeName``) and the pod
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from sdc_guard.collectives import gather_objects
 from sdc_guard.determinism import compute_signature, signature_mismatch
 
 
@@ -86,17 +87,16 @@ def gather_topology(group: dist.ProcessGroup | None = None, *, node_env: str = "
                     pod_env: str = "POD_NAME", namespace_env: str = "POD_NAMESPACE",
                     device: torch.device | None = None) -> Topology:
     """Every rank's place and, given the model's ``device``, its compute signature.
-    Collective (one ``all_gather_object``): call on every rank."""
+    Collective (``collectives.gather_objects``): call on every rank."""
     rank = dist.get_rank(group)
     mine = local_place(rank, node_env=node_env, pod_env=pod_env, namespace_env=namespace_env)
     sent = {**mine.to_json(),
             "compute": None if device is None else compute_signature(device)}
-    out: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, sent, group=group)
+    out = gather_objects(sent, group, device=device)
     places = []
     compute = []
     for r, rec in enumerate(out):
-        if not isinstance(rec, dict):  # pragma: no cover - all_gather_object fills every slot
+        if not isinstance(rec, dict):  # pragma: no cover - every rank sends its place
             raise RuntimeError(f"gather_topology: rank {r} sent {rec!r}, not its place")
         if rec["compute"] is not None:
             compute.append({str(k): str(v) for k, v in rec["compute"].items()})

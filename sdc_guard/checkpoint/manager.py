@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from sdc_guard.checkpoint.files import CheckpointError, rng_state, set_rng_state, write_atomic
 from sdc_guard.checkpoint.windows import SuspectWindows
+from sdc_guard.collectives import gather_objects
 from sdc_guard.fingerprints import fingerprint
 from sdc_guard.optimizers import Optimizers, as_optimizers, load_state_dict, state_dict
 from sdc_guard.state import state_tensors
@@ -217,8 +218,7 @@ class CheckpointManager:
         self.wait()  # one write at a time; a failed background write raises here
         local_extra = _extra_states(extra, "save")
         device = next(model.parameters()).device
-        gathered: list[Any] = [None] * self._world()
-        dist.all_gather_object(gathered, (rng_state(device), local_extra), group=self.group)
+        gathered = gather_objects((rng_state(device), local_extra), self.group, device=device)
         rngs = [g[0] for g in gathered]
         opened = self.windows.opened()
         generation = self.windows.generation
@@ -358,9 +358,8 @@ class CheckpointManager:
             chosen = (info, payload)
             break
         if self._world() > 1:  # every rank must resume from the same checkpoint
-            picks: list[Any] = [None] * self._world()
-            dist.all_gather_object(picks, None if chosen is None else chosen[0].manifest.name,
-                                   group=self.group)
+            picks = gather_objects(None if chosen is None else chosen[0].manifest.name,
+                                   self.group, device=device)
             if len(set(picks)) != 1:
                 raise CheckpointError(f"ranks chose different checkpoints to restore: {picks}; "
                                       "is the directory shared storage every rank reads?")

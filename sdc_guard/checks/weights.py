@@ -26,7 +26,12 @@ import torch.distributed as dist
 
 from sdc_guard.checks.base import Check
 from sdc_guard.checks.weightpass import WeightPass
-from sdc_guard.collectives import all_gather_rows, gather_if_different, majority_outliers
+from sdc_guard.collectives import (
+    all_gather_rows,
+    gather_if_different,
+    gather_objects,
+    majority_outliers,
+)
 from sdc_guard.fingerprints.public import fingerprint_tensor
 from sdc_guard.fingerprints.words import to_unsigned64
 from sdc_guard.optimizers import Optimizers, param_groups
@@ -199,8 +204,7 @@ class WeightsCheck(Check):
         any fault: the odd rank would be convicted (repaired, then a permanent fault). One
         gather of every rank's settings, on a mismatch only; the error is raised on every
         rank alike (they all hold the same gathered settings)."""
-        everyone: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(everyone, hyperparameters(self.optimizer), group=self.group)
+        everyone = gather_objects(hyperparameters(self.optimizer), self.group, device=self.device)
         differ = settings_differ(everyone)
         if differ:
             raise ValueError(
