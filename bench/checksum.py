@@ -50,7 +50,7 @@ from scenarios.run.launch import run_ranks
 from scenarios.spec.models import build_model, scenario_loss, synthetic_batch
 from scenarios.spec.overhead import CHECKS_OFF, CHECKSUM, CHECKSUM_NORM
 from sdc_guard import GuardConfig, SDCGuard
-from sdc_guard.checks import ChecksumCheck, WeightsCheck
+from sdc_guard.internal import ChecksumCheck, WeightsCheck
 
 WORKLOADS = {
     "reference MLP (512-1024-1024-10), batch 128": ("mlp", 128),

@@ -13,7 +13,7 @@ import torch
 
 from bench.timing import alternate
 from sdc_guard import fingerprint, fingerprint_tensor, native_enabled, native_kernel
-from sdc_guard.fingerprints.native import ISAS, active_kernel
+from sdc_guard.internal import ISAS, active_kernel
 
 GIB = 1024**3
 

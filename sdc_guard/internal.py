@@ -1,12 +1,14 @@
 """The internal interface that the benchmarks and the device checks time and verify.
 
 Not a stable API: these are the parts under the public one (the fused scaling pass,
-the non-finite flags word, the replay digest), named here, in one place, so that
+the non-finite flags word, the replay digest, the kernel's instruction sets, the checks
+whose wiring the checksum bench switches), named here, in one place, so that
 ``bench/`` never reaches into private modules. Users need none of it.
 """
 
 from __future__ import annotations
 
+from sdc_guard.checks import ChecksumCheck, WeightsCheck
 from sdc_guard.checks.replay import (
     BucketPlan,
     ReplayAudit,
@@ -18,6 +20,7 @@ from sdc_guard.checks.sides import FUSED_DEVICES as SIDES_FUSED_DEVICES
 from sdc_guard.collectives import PendingSum, flag_rows, flag_words
 from sdc_guard.determinism import derive_seed, rng_stream
 from sdc_guard.fingerprints.digest import digest_value, loss_word
+from sdc_guard.fingerprints.native import ISAS, active_kernel
 from sdc_guard.fingerprints.public import tensor_value, tensor_values
 from sdc_guard.fingerprints.weighted import DEVICE_CHUNK, INT_OF_SIZE
 from sdc_guard.fingerprints.weighted import FUSED_DEVICES as FINGERPRINT_FUSED_DEVICES
@@ -30,11 +33,15 @@ __all__ = [
     "DEVICE_CHUNK",
     "FINGERPRINT_FUSED_DEVICES",
     "INT_OF_SIZE",
+    "ISAS",
     "SIDES_FUSED_DEVICES",
     "BucketListener",
     "BucketPlan",
+    "ChecksumCheck",
     "PendingSum",
     "ReplayAudit",
+    "WeightsCheck",
+    "active_kernel",
     "check_nonfinite",
     "derive_seed",
     "digest_value",
