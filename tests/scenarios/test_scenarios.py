@@ -474,3 +474,26 @@ def test_muon_state_keys_follow_the_parameter(tmp_path: Path) -> None:
     with pytest.raises(ScenarioError, match=r"one of \['exp_avg', 'exp_avg_sq'\] for optimizer "
                        "'muon' on 'net.0.bias'"):
         load_scenario(p)
+
+
+def test_the_harness_names_the_extra_when_a_dependency_is_missing() -> None:
+    # A dependency of the harness extra made unfindable: one line naming the extra, no
+    # traceback, a non-zero exit.
+    import subprocess
+    import sys
+
+    import scenarios.__main__ as entry
+
+    assert "pandas" in entry.HARNESS and entry.missing_harness() == []
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run(
+        [sys.executable, "-c",
+         "import sys, runpy; sys.modules['pandas'] = None; "
+         "import importlib.util as u; real = u.find_spec; "
+         "u.find_spec = lambda n, *a: None if n == 'pandas' else real(n, *a); "
+         "runpy.run_module('scenarios', run_name='__main__')",
+         "campaign", "scenarios/configs/default.toml", "--quick"],
+        cwd=root, capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode != 0
+    assert "pip install -e '.[harness]'" in run.stderr and "pandas" in run.stderr
+    assert "Traceback" not in run.stderr
