@@ -243,3 +243,30 @@ def test_the_sentinel_slots_say_whether_some_rank_vetoed(one_rank: None, slots: 
     answer = GuardCommHook.answer_of(torch.tensor(slots, dtype=torch.float32))
     assert answer.read(expect_overflow=scaler) is vetoed
     assert answer.read(expect_overflow=scaler) is vetoed  # read again: the same answer
+
+
+def test_checks_unsubscribe_themselves_and_others_stay(one_rank: None) -> None:
+    # The guard never edits the backend's listeners: a check that is replaced unsubscribes
+    # itself in close(), and a listener of someone else's stays subscribed.
+    import sdc_guard
+    from tests import workers
+
+    model = torch.nn.parallel.DistributedDataParallel(workers.make_mlp())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = sdc_guard.SDCGuard(model, opt, loss_fn=workers.loss_fn,
+                               batch_for=workers.batch_for,
+                               config=sdc_guard.GuardConfig(checksum=True))
+    mine = BucketListener()
+    guard.backend.subscribe(mine)
+
+    def subscribed() -> list[Any]:
+        return [x for x in guard.backend.listeners if x is not mine]
+
+    first = list(guard.checks)
+    assert {type(x).__name__ for x in subscribed()} == {"NonFiniteCheck", "ChecksumCheck"}
+    guard.reconfigure(sdc_guard.GuardConfig(nonfinite=False))
+    assert subscribed() == [] and mine in guard.backend.listeners
+    guard.reconfigure(sdc_guard.GuardConfig())
+    assert [type(x).__name__ for x in subscribed()] == ["NonFiniteCheck"]
+    assert not any(x in first for x in subscribed())
+    guard.step(0)  # the backend still dispatches to what is subscribed
