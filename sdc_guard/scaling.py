@@ -172,8 +172,8 @@ def row_sums(requests: Sequence[RowSums]) -> None:
     for view, out in requests:
         if (kernel is not None and host_words(out) and view.dtype == torch.float32
                 and view.device.type == "cpu" and view.is_contiguous()):
-            kernel.cs_rows(view.data_ptr(), view.shape[0], view.shape[1], view.shape[1], None,
-                           None, 1, None, None, 0, out.data_ptr(), None, None, None, 1)
+            kernel.cs_rows(A=view.data_ptr(), n=view.shape[0], cols=view.shape[1],
+                           ld=view.shape[1], k=1, ka=0, r0=out.data_ptr())
         else:
             out.copy_(view.sum(1, dtype=torch.float32))
 

@@ -3,7 +3,7 @@
 ``public``: ``fingerprint`` / ``fingerprint_tensor`` (order-sensitive, 64-bit);
 ``digest``: the replay audit's linear word digest; ``words``: 64-bit helpers;
 ``weighted``: the odd-weighted sum under both; ``native``: the C kernel
-(``kernel.c``), built on first use, and the switch that turns it off.
+(the sources in ``kernel/``), built on first use, and the switch that turns it off.
 """
 
 from sdc_guard.fingerprints.native import native_enabled, native_kernel

@@ -1,4 +1,5 @@
-"""The C kernel (``kernel.c`` beside this file): built on first use, loaded with ctypes.
+"""The C kernel (the sources in ``kernel/`` beside this file): built on first use into one
+shared library, loaded with ctypes.
 
 torch has no fused position-weighted integer reduction, so the pure-torch path
 reads each chunk three times (widen, row sums, column sums), where ``torch.sum``
@@ -29,6 +30,16 @@ also sums the rows of the weight gradients in the bucket (``sdc_scale_rows``); f
 in any order, which its tolerance allows. They (and the scaling and
 non-finite passes) are compiled for each x86-64 level (v4, v3: with fused multiply-add,
 which rounds once where a multiply then an add round twice: within the same bound).
+
+The sources are split by owner (``kernel/common.h`` lists them): ``fingerprint.c`` (the
+fingerprint's and the replay digest's word sums), ``scaling.c`` (the comm hook's scaling
+pass), ``checksum.c`` (the checksum check's passes), ``threads.c``. An entry point with a
+long list of arguments takes a pointer to an argument struct declared in ``common.h`` and
+mirrored here field for field (``CsColsArgs``, ``CsRowsArgs``, ``CsFwdArgs``,
+``CsBwdArgs``): built with keyword arguments, and for the checksum's hooks built once per
+plan and kept by the caller, which sets only the fields a call changes. The checksum's
+entry points are methods of ``NativeKernel`` with keyword-only arguments, or taking their
+struct (``cs_fwd``, ``cs_bwd``: the hooks' calls).
 
 Entry points serve the non-finite check on float32 CPU buffers too:
 ``sdc_scale_check`` (DDP's 1/world scaling, the bits of ``mul_``, with a NaN/Inf
@@ -66,8 +77,15 @@ import torch
 
 _log = logging.getLogger("sdc_guard")
 
-_SOURCE = Path(__file__).with_name("kernel.c")
-"""The kernel's C source, shipped as package data."""
+_KERNEL = Path(__file__).with_name("kernel")
+"""The kernel's C sources (``common.h`` and a ``.c`` file per owner), shipped as package
+data and compiled together into one shared library."""
+
+
+def sources(directory: Path | None = None) -> list[Path]:
+    """The kernel's source files (``.c`` and ``.h``) in ``directory`` (default: the shipped
+    ones), in a fixed order: what the build compiles and what its cache key covers."""
+    return sorted(p for p in (directory or _KERNEL).iterdir() if p.suffix in (".c", ".h"))
 
 ISAS = ("baseline", "avx2", "avx512f")
 """The word loops' instruction sets, narrowest first (baseline: SSE2 on x86-64)."""
@@ -81,21 +99,149 @@ in turn)."""
 _PER_THREAD = 1 << 18
 
 
-def _refused(result: int, fn: Any, args: tuple[Any, ...]) -> int:
-    """``errcheck`` of the checksum passes: their outputs are unwritten when they refuse."""
-    if result != 0:
-        raise ValueError(f"{fn.__name__}: refused its arguments (a negative size, a row "
-                         f"stride below the columns, more than 2 vectors, or ones mixed with "
-                         f"vectors); got {args[1:4]} and k, ka = {args[6]}, {args[9]}")
-    return result
+_P, _N, _C, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
 
 
-def _count(result: int, fn: Any, args: tuple[Any, ...]) -> int:
-    """``errcheck`` of the checksum hooks' calls, which return a count of failing entries."""
-    if result < 0:
-        raise ValueError(f"{fn.__name__}: refused its arguments (a negative size or a row "
-                         f"stride below the columns); got sizes {args[1:4]}")
-    return result
+def _refused(name: str, sizes: tuple[int, ...], k: int, ka: int) -> ValueError:
+    """The error of a checksum pass that refused its arguments (its outputs are unwritten)."""
+    return ValueError(f"{name}: refused its arguments (a negative size, a row stride below the "
+                      f"columns, more than 2 vectors, or ones mixed with vectors); got "
+                      f"{sizes} and k, ka = {k}, {ka}")
+
+
+def _count_refused(name: str, sizes: tuple[int, ...]) -> ValueError:
+    """The error of a checksum hook's call that refused its arguments."""
+    return ValueError(f"{name}: refused its arguments (a negative size or a row stride below "
+                      f"the columns); got sizes {sizes}")
+
+
+class CsColsArgs(ctypes.Structure):
+    """``sdc_cs_cols_args`` (``kernel/common.h``): over ``A`` (``rows x cols``, row stride
+    ``ld``), ``s_p (+)= u_p^T A`` for ``p < k`` and ``b_p (+)= a_p^T |A|`` for ``p < ka``
+    (an address of None: a vector of ones); bit ``p`` of ``acc_mask`` adds to ``s_p`` what
+    it holds, bit ``2 + p`` to ``b_p`` (else overwritten)."""
+
+    _fields_ = [("A", _P), ("rows", _N), ("cols", _N), ("ld", _N), ("u0", _P), ("u1", _P),
+                ("k", _C), ("a0", _P), ("a1", _P), ("ka", _C), ("s0", _P), ("s1", _P),
+                ("b0", _P), ("b1", _P), ("acc_mask", _C), ("threads", _C)]
+    A: int | None
+    rows: int
+    cols: int
+    ld: int
+    k: int
+    ka: int
+
+
+class CsRowsArgs(ctypes.Structure):
+    """``sdc_cs_rows_args``: over the ``n`` rows of ``A`` (``n x cols``, row stride ``ld``),
+    ``r_p[i] = v_p . A[i]`` for ``p < k`` and ``ra_p[i] = va_p . |A[i]|`` for ``p < ka``
+    (every ``v_p`` None, meaning ones, or none; likewise ``va_p``; or, with ``k = ka = 2``,
+    the first of each None and the second not)."""
+
+    _fields_ = [("A", _P), ("n", _N), ("cols", _N), ("ld", _N), ("v0", _P), ("v1", _P),
+                ("k", _C), ("va0", _P), ("va1", _P), ("ka", _C), ("r0", _P), ("r1", _P),
+                ("ra0", _P), ("ra1", _P), ("threads", _C)]
+    A: int | None
+    n: int
+    cols: int
+    ld: int
+    k: int
+    ka: int
+
+
+class CsFwdArgs(ctypes.Structure):
+    """``sdc_cs_fwd_args``: the checksum check's forward hook of ``Y = X W^T + b`` in one
+    call (``X``: ``n x inner``, row stride ``ldx``; ``Y``: ``n x out``, ``ldy``). With
+    ``w_fresh``, first the weight's pass over ``W`` (``out x inner``, ``ldw``; ``bias``:
+    ``out`` floats or None) on ``threads_w`` threads: ``wsum = [e^T W, e^T |W|, W e,
+    |W| e]``, ``bsum`` = the bias's sum and absolute sum. ``res`` (``5 n`` floats) gets
+    ``[X e, |X| e, Y e, X (e^T W)^T, |X| (e^T |W|)^T]``; with ``check``, the forward
+    identity compared within ``tol`` (``finite_only``: only a finite difference fails).
+
+    Built once per plan of a layer's call (``sdc_guard.checks.checksum.state.Plan``); a
+    call sets ``X``, ``Y`` and the weight's fields."""
+
+    _fields_ = [("X", _P), ("n", _N), ("inner", _N), ("ldx", _N), ("Y", _P), ("out", _N),
+                ("ldy", _N), ("W", _P), ("ldw", _N), ("bias", _P), ("w_fresh", _C),
+                ("threads_w", _C), ("wsum", _P), ("bsum", _P), ("res", _P), ("check", _C),
+                ("finite_only", _C), ("tol", _D), ("threads_x", _C), ("threads_y", _C)]
+    X: int | None
+    n: int
+    inner: int
+    ldx: int
+    Y: int | None
+    out: int
+    ldy: int
+    W: int | None
+    ldw: int
+    bias: int | None
+    w_fresh: int
+    threads_w: int
+    wsum: int | None
+    bsum: int | None
+    res: int | None
+    check: int
+    finite_only: int
+    tol: float
+    threads_x: int
+    threads_y: int
+
+    def __init__(self, *, n: int, inner: int, ldx: int, out: int, ldy: int, wsum: int,
+                 bsum: int, res: int, check: int, finite_only: int, tol: float,
+                 threads_x: int = 1, threads_y: int = 1, X: int | None = None,
+                 Y: int | None = None, W: int | None = None, ldw: int | None = None,
+                 bias: int | None = None, w_fresh: int = 0, threads_w: int = 1) -> None:
+        super().__init__(X, n, inner, ldx, Y, out, ldy, W, inner if ldw is None else ldw, bias,
+                         w_fresh, threads_w, wsum, bsum, res, check, finite_only, tol,
+                         threads_x, threads_y)
+
+
+class CsBwdArgs(ctypes.Structure):
+    """``sdc_cs_bwd_args``: the backward hook of that call, given ``GY`` (``n x out``,
+    ``ldg``), ``wr = W e`` and ``war = |W| e`` (the forward's ``wsum``) and
+    ``x_rows = [X e, |X| e]`` (its ``res``). ``gx_side``: ``gxs[0, n) = GY wr`` and
+    ``gxs[n, 2n) = |GY| war``; ``gw``: ``gw_rhs (+)= GY^T (X e)``,
+    ``gw_bound (+)= |GY|^T (|X| e)`` (``gw_add``: added to what they hold). Then, with
+    ``GX`` (``n x inner``, ``ldx``; None: it comes later, ``NativeKernel.cs_gx``),
+    ``gxs[2n, 3n) = GX e`` compared within the bound times ``tol``.
+
+    Built once per plan of a layer's call (``state.BackwardPlan``); a call sets ``GY``,
+    ``ldg``, ``GX``, ``ldx`` and the products' fields."""
+
+    _fields_ = [("GY", _P), ("n", _N), ("out", _N), ("ldg", _N), ("wr", _P), ("war", _P),
+                ("x_rows", _P), ("gw_rhs", _P), ("gw_bound", _P), ("gw", _C), ("gw_add", _C),
+                ("gx_side", _C), ("gxs", _P), ("GX", _P), ("inner", _N), ("ldx", _N),
+                ("tol", _D), ("finite_only", _C), ("threads_g", _C), ("threads_x", _C)]
+    GY: int | None
+    n: int
+    out: int
+    ldg: int
+    wr: int | None
+    war: int | None
+    x_rows: int | None
+    gw_rhs: int | None
+    gw_bound: int | None
+    gw: int
+    gw_add: int
+    gx_side: int
+    gxs: int | None
+    GX: int | None
+    inner: int
+    ldx: int
+    tol: float
+    finite_only: int
+    threads_g: int
+    threads_x: int
+
+    def __init__(self, *, n: int, out: int, inner: int, wr: int, war: int, x_rows: int,
+                 gxs: int, tol: float, finite_only: int, threads_g: int = 1,
+                 threads_x: int = 1, GY: int | None = None, ldg: int | None = None,
+                 GX: int | None = None, ldx: int | None = None, gw_rhs: int | None = None,
+                 gw_bound: int | None = None, gw: int = 0, gw_add: int = 0,
+                 gx_side: int = 0) -> None:
+        super().__init__(GY, n, out, out if ldg is None else ldg, wr, war, x_rows, gw_rhs,
+                         gw_bound, gw, gw_add, gx_side, gxs, GX, inner,
+                         inner if ldx is None else ldx, tol, finite_only, threads_g, threads_x)
 
 
 class NativeKernel:
@@ -122,53 +268,35 @@ class NativeKernel:
         nonfinite.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
         nonfinite.restype = ctypes.c_int
         self._nonfinite = nonfinite
-        P, N, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        P, N, C, D = _P, _N, _C, _D
         cols = self._lib.sdc_cs_cols
-        cols.argtypes = [P, N, N, N, P, P, C, P, P, C, P, P, P, P, C, C]
+        cols.argtypes = [ctypes.POINTER(CsColsArgs)]
         cols.restype = C
-        cols.errcheck = _refused  # type: ignore[assignment]
-        self.cs_cols = cols
-        """``sdc_cs_cols`` (``kernel.c``): ``s_p (+)= u_p^T A``, ``b_p (+)= a_p^T |A|`` in one pass
-        over a float32 matrix (the checksum check's products with ``W`` and ``GY``)."""
+        self._cs_cols = cols
         rows = self._lib.sdc_cs_rows
-        rows.argtypes = [P, N, N, N, P, P, C, P, P, C, P, P, P, P, C]
+        rows.argtypes = [ctypes.POINTER(CsRowsArgs)]
         rows.restype = C
-        rows.errcheck = _refused  # type: ignore[assignment]
-        self.cs_rows = rows
-        """``sdc_cs_rows``: ``r_p[i] = v_p . A[i]``, ``ra_p[i] = va_p . |A[i]|`` per row."""
-        D = ctypes.c_double
+        self._cs_rows = rows
         fwd = self._lib.sdc_cs_fwd
-        fwd.argtypes = [P, N, N, N, P, N, N, P, N, P, P, P, C, P, C, D, C, C, C, C]
+        fwd.argtypes = [ctypes.POINTER(CsFwdArgs)]
         fwd.restype = N
-        fwd.errcheck = _count  # type: ignore[assignment]
-        self.cs_fwd = fwd
-        """``sdc_cs_fwd``: the checksum check's forward hook in one call (the weight's sums
-        once per version; the row sums of ``X``, ``|X|`` and ``Y`` and the forward's two
-        sides, compared): how many forward entries fail."""
+        self._cs_fwd = fwd
         bwd = self._lib.sdc_cs_bwd
-        bwd.argtypes = [P, N, N, N, P, P, P, P, P, C, C, C, P, P, N, N, D, C, C, C]
+        bwd.argtypes = [ctypes.POINTER(CsBwdArgs)]
         bwd.restype = N
-        bwd.errcheck = _count  # type: ignore[assignment]
-        self.cs_bwd = bwd
-        """``sdc_cs_bwd``: its backward hook in one call (one pass over ``GY`` for both
-        gradients' right-hand sides, then ``GX``'s row sums compared): how many
-        input-gradient entries fail."""
+        self._cs_bwd = bwd
         gx = self._lib.sdc_cs_gx
         gx.argtypes = [P, N, N, N, P, D, C, C]
         gx.restype = N
-        gx.errcheck = _count  # type: ignore[assignment]
-        self.cs_gx = gx
-        """``sdc_cs_gx``: the input-gradient check alone, for a ``GX`` that arrives after
-        ``GY`` (a hook on the input): how many entries fail."""
+        self._cs_gx = gx
         fp_wsum = self._lib.sdc_fp_wsum
         fp_wsum.argtypes = [P, N, N, P, P, P, C, ctypes.POINTER(ctypes.c_uint64)]
         fp_wsum.restype = C
         self._fp_wsum = fp_wsum
         compare = self._lib.sdc_cs_compare
-        compare.argtypes = [P, P, P, N, ctypes.c_double, ctypes.c_double, ctypes.c_double, C]
+        compare.argtypes = [P, P, P, N, D, D, D, C]
         compare.restype = N
-        self.cs_compare = compare
-        """``sdc_cs_compare``: how many entries fail ``|lhs - rhs| <= bound * tol``."""
+        self._cs_compare = compare
         scale_rows = self._lib.sdc_scale_rows
         scale_rows.argtypes = [P, N, ctypes.c_float, P, C, C]
         scale_rows.restype = C
@@ -281,18 +409,80 @@ class NativeKernel:
                              "offset, without overlapping")
         return bool(bad)
 
-    def fp_wsum_at(self, address: int, rows: int, cols: int, bias: int | None, wsum: int,
+    # -- the checksum check's passes (checksum.c) ----------------------------------------
+    # The caller guarantees the memory: every address is a live float32 CPU tensor's, of
+    # the sizes given.
+    def cs_cols(self, *, A: int | None, rows: int, cols: int, ld: int, k: int, ka: int,
+                u0: int | None = None, u1: int | None = None, a0: int | None = None,
+                a1: int | None = None, s0: int | None = None, s1: int | None = None,
+                b0: int | None = None, b1: int | None = None, acc_mask: int = 0,
+                threads: int = 1) -> None:
+        """``sdc_cs_cols`` (``CsColsArgs``): ``s_p (+)= u_p^T A``, ``b_p (+)= a_p^T |A|`` in one
+        pass over a float32 matrix (the checksum check's products with ``W`` and ``GY``).
+        ``ValueError`` when it refuses its arguments (its outputs unwritten)."""
+        args = CsColsArgs(A, rows, cols, ld, u0, u1, k, a0, a1, ka, s0, s1, b0, b1, acc_mask,
+                          threads)
+        if self._cs_cols(args) != 0:
+            raise _refused("sdc_cs_cols", (rows, cols, ld), k, ka)
+
+    def cs_rows(self, *, A: int | None, n: int, cols: int, ld: int, k: int, ka: int,
+                v0: int | None = None, v1: int | None = None, va0: int | None = None,
+                va1: int | None = None, r0: int | None = None, r1: int | None = None,
+                ra0: int | None = None, ra1: int | None = None, threads: int = 1) -> None:
+        """``sdc_cs_rows`` (``CsRowsArgs``): ``r_p[i] = v_p . A[i]``, ``ra_p[i] = va_p . |A[i]|``
+        per row. ``ValueError`` when it refuses its arguments (its outputs unwritten)."""
+        args = CsRowsArgs(A, n, cols, ld, v0, v1, k, va0, va1, ka, r0, r1, ra0, ra1, threads)
+        if self._cs_rows(args) != 0:
+            raise _refused("sdc_cs_rows", (n, cols, ld), k, ka)
+
+    def cs_fwd(self, args: CsFwdArgs) -> int:
+        """``sdc_cs_fwd``: the checksum check's forward hook in one call (the weight's sums
+        once per version; the row sums of ``X``, ``|X|`` and ``Y`` and the forward's two
+        sides, compared): how many forward entries fail. ``ValueError`` on arguments it
+        refuses."""
+        bad: int = self._cs_fwd(args)
+        if bad < 0:
+            raise _count_refused("sdc_cs_fwd", (args.n, args.inner, args.ldx))
+        return bad
+
+    def cs_bwd(self, args: CsBwdArgs) -> int:
+        """``sdc_cs_bwd``: its backward hook in one call (one pass over ``GY`` for both
+        gradients' right-hand sides, then ``GX``'s row sums compared): how many
+        input-gradient entries fail. ``ValueError`` on arguments it refuses."""
+        bad: int = self._cs_bwd(args)
+        if bad < 0:
+            raise _count_refused("sdc_cs_bwd", (args.n, args.out, args.ldg))
+        return bad
+
+    def cs_gx(self, *, GX: int, n: int, inner: int, ld: int, gxs: int, tol: float,
+              finite_only: bool, threads: int = 1) -> int:
+        """``sdc_cs_gx``: the input-gradient check alone, for a ``GX`` (``n x inner``, row
+        stride ``ld``) that arrives after ``GY`` (a hook on the input): ``gxs[2n, 3n)`` gets
+        ``GX e``, compared with ``gxs[0, n)`` within ``gxs[n, 2n)`` times ``tol``. How many
+        entries fail; ``ValueError`` on arguments it refuses."""
+        bad: int = self._cs_gx(GX, n, inner, ld, gxs, tol, int(finite_only), threads)
+        if bad < 0:
+            raise _count_refused("sdc_cs_gx", (n, inner, ld))
+        return bad
+
+    def cs_compare(self, *, lhs: int, rhs: int, bound: int, n: int, tol: float,
+                   finite_only: bool, rhs0: float = 0.0, bound0: float = 0.0) -> int:
+        """``sdc_cs_compare``: how many of the ``n`` entries fail
+        ``|lhs - (rhs + rhs0)| <= (bound + bound0) * tol`` (in double; only an entry with a
+        finite bound can fail, and with ``finite_only`` only a finite difference)."""
+        bad: int = self._cs_compare(lhs, rhs, bound, n, rhs0, bound0, tol, int(finite_only))
+        return bad
+
+    def fp_wsum_at(self, *, W: int, rows: int, cols: int, bias: int | None, wsum: int,
                    bsum: int, threads: int) -> int:
-        """``words_at(address, rows * cols, 0)[0]`` of a contiguous float32 matrix, and the
+        """``words_at(W, rows * cols, 0)[0]`` of a contiguous float32 matrix, and the
         checksum check's sums of it in the same read (``sdc_fp_wsum``): ``wsum`` gets
         ``[e^T W, e^T |W|, W e, |W| e]`` (``2 cols + 2 rows`` float32), ``bsum`` the sum and
         absolute sum of the ``rows`` float32 at ``bias`` (None: no bias, zeros). The sums'
         bits are the same from one call to the next with the same ``threads``.
-
-        The caller guarantees the memory: live float32 CPU tensors of those sizes.
         """
         out = (ctypes.c_uint64 * 2)()
-        if self._fp_wsum(address, rows, cols, bias, wsum, bsum, threads, out) != 0:
+        if self._fp_wsum(W, rows, cols, bias, wsum, bsum, threads, out) != 0:
             raise RuntimeError("sdc_fp_wsum rejected its arguments (or found no memory for "
                                "its threads' column sums)")
         return int(out[0])
@@ -355,9 +545,8 @@ def build(directory: Path | None = None) -> Path:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC, or install cc, gcc or clang)")
-    source = _SOURCE.read_text()
-    key = hashlib.sha256("\0".join([source, cc, *_FLAGS, platform.machine(),
-                                    platform.system()]).encode()).hexdigest()[:16]
+    files = {p.name: p.read_text() for p in sources()}
+    key = _key(files, cc)
     directory = directory or _cache_dir()
     target = directory / f"weighted_sum-{key}.so"
     if target.exists():
@@ -365,23 +554,47 @@ def build(directory: Path | None = None) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp.so", dir=directory)
     os.close(fd)
-    src = Path(tmp[: -len(".so")] + ".c")
+    src = Path(tmp[: -len(".so")] + ".src")
     try:
-        src.write_text(source)
+        src.mkdir()
+        for name, text in files.items():  # the sources the key was taken of, compiled
+            (src / name).write_text(text)
         # A compiler without the x86-64 levels in target_clones: a copy per instruction
         # set; without target_clones: one plain copy.
         for extra in ((), ("-DSDC_ISA_CLONES",), ("-DSDC_NO_CLONES",)):
-            proc = subprocess.run([cc, *_FLAGS, *extra, "-o", tmp, str(src)],
-                                  capture_output=True, text=True, timeout=120, check=False)
+            proc = compile_kernel(cc, Path(tmp), extra, src)
             if proc.returncode == 0:
                 break
         else:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
         os.replace(tmp, target)  # atomic: ranks building at once never see a partial file
     finally:
-        src.unlink(missing_ok=True)
+        shutil.rmtree(src, ignore_errors=True)
         Path(tmp).unlink(missing_ok=True)
     return target
+
+
+def _key(files: dict[str, str], cc: str) -> str:
+    """The built library's cache key: every source file's name and text, the compiler, its
+    flags and the platform."""
+    parts = [*(f"{name}\0{text}" for name, text in sorted(files.items())), cc, *_FLAGS,
+             platform.machine(), platform.system()]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def cache_key(cc: str) -> str:
+    """The cache key ``build`` gives the library of the kernel's sources as they are now."""
+    return _key({p.name: p.read_text() for p in sources()}, cc)
+
+
+def compile_kernel(cc: str, library: Path, extra: tuple[str, ...] = (),
+                   directory: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Compile the kernel's sources in ``directory`` (default: the shipped ones) into the
+    shared ``library`` with ``cc``, ``extra`` flags after the usual ones (``-DSDC_NO_CLONES``,
+    ``-DSDC_ISA_CLONES``: the fallbacks ``build`` tries); the compiler's result."""
+    units = [str(p) for p in sources(directory) if p.suffix == ".c"]
+    return subprocess.run([cc, *_FLAGS, *extra, "-o", str(library), *units],
+                          capture_output=True, text=True, timeout=120, check=False)
 
 
 _kernel: NativeKernel | None = None

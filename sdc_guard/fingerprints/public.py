@@ -65,7 +65,7 @@ of the 64 sign patterns of their imaginary parts.
 Only the final 8 bytes leave the device, and only when ``fingerprint`` (not
 ``fingerprint_tensor``) is called.
 
-On the CPU a small C kernel (``sdc_guard.fingerprints.native``, source ``kernel.c``,
+On the CPU a small C kernel (``sdc_guard.fingerprints.native``, sources in ``kernel/``,
 built with the system C compiler on first use) computes the same sums in one read pass
 where the torch path takes three (so about as fast as ``torch.sum``), and the few words
 per tensor are mixed as Python ints (no tensor operation); the values are identical
@@ -293,7 +293,7 @@ class WeightSums:
     same threads (``NativeKernel.fp_wsum_at``)."""
     taken: bool = False
     """Set when a pass wrote ``out``."""
-    _args: tuple[Any, ...] | None = field(default=None, init=False, repr=False)
+    _args: dict[str, Any] | None = field(default=None, init=False, repr=False)
     """``fp_wsum_at``'s arguments, found at the first pass (the tensors do not change: a
     weight that does is asked for anew)."""
 
@@ -303,11 +303,12 @@ class WeightSums:
         if args is None:
             rows, cols = self.weight.shape
             at = self.out.data_ptr()
-            args = self._args = (self.weight.data_ptr(), rows, cols,
-                                 None if self.bias is None else self.bias.data_ptr(), at,
-                                 at + 4 * (2 * cols + 2 * rows), self.threads)
+            args = self._args = {
+                "W": self.weight.data_ptr(), "rows": rows, "cols": cols,
+                "bias": None if self.bias is None else self.bias.data_ptr(), "wsum": at,
+                "bsum": at + 4 * (2 * cols + 2 * rows), "threads": self.threads}
         self.taken = True
-        return kernel.fp_wsum_at(*args)
+        return kernel.fp_wsum_at(**args)
 
 
 def _native_fingerprint(tensors: list[torch.Tensor], is_list: bool,

@@ -58,9 +58,10 @@ def test_cols_pass_is_within_the_float32_bound(kernel: nat.NativeKernel, rows: i
     s = [torch.randn(cols, generator=g) for _ in range(2)]
     b = [torch.rand(cols, generator=g) for _ in range(2)]
     before = [t.clone() for t in s + b]
-    assert kernel.cs_cols(a.data_ptr() if rows else base.data_ptr(), rows, cols, cols + pad,
-                          *map(_ptr, u), k, *map(_ptr, va), ka, *(t.data_ptr() for t in s),
-                          *(t.data_ptr() for t in b), acc, threads) == 0
+    kernel.cs_cols(A=a.data_ptr() if rows else base.data_ptr(), rows=rows, cols=cols,
+                   ld=cols + pad, u0=_ptr(u[0]), u1=_ptr(u[1]), k=k, a0=_ptr(va[0]),
+                   a1=_ptr(va[1]), ka=ka, s0=s[0].data_ptr(), s1=s[1].data_ptr(),
+                   b0=b[0].data_ptr(), b1=b[1].data_ptr(), acc_mask=acc, threads=threads)
     ad = a.double()
     for p in range(2):
         for signed, vec, out, bit, prior in ((True, u[p], s[p], p, before[p]),
@@ -92,9 +93,10 @@ def test_rows_pass_is_within_the_float32_bound(kernel: nat.NativeKernel, n: int,
     va = [None if abs_ones else torch.rand(cols, generator=g) for _ in range(2)]
     r = [torch.full((n,), math.nan) for _ in range(2)]
     ra = [torch.full((n,), math.nan) for _ in range(2)]
-    assert kernel.cs_rows(a.data_ptr() if n else base.data_ptr(), n, cols, cols + pad,
-                          *map(_ptr, v), k, *map(_ptr, va), ka, *(t.data_ptr() for t in r),
-                          *(t.data_ptr() for t in ra), threads) == 0
+    kernel.cs_rows(A=a.data_ptr() if n else base.data_ptr(), n=n, cols=cols, ld=cols + pad,
+                   v0=_ptr(v[0]), v1=_ptr(v[1]), k=k, va0=_ptr(va[0]), va1=_ptr(va[1]), ka=ka,
+                   r0=r[0].data_ptr(), r1=r[1].data_ptr(), ra0=ra[0].data_ptr(),
+                   ra1=ra[1].data_ptr(), threads=threads)
     ad = a.double()
     for p in range(2):
         for signed, vec, out in ((True, v[p], r[p]), (False, va[p], ra[p])):
@@ -113,13 +115,14 @@ def test_rows_pass_refuses_ones_mixed_with_vectors_and_bad_shapes(
     a = torch.randn(4, 8)
     v = torch.randn(8)
     r = torch.empty(2, 4)
-    ptrs = (r[0].data_ptr(), r[1].data_ptr(), None, None)
+    r0, r1 = r[0].data_ptr(), r[1].data_ptr()
     with pytest.raises(ValueError, match="ones mixed with vectors"):
-        kernel.cs_rows(a.data_ptr(), 4, 8, 8, v.data_ptr(), None, 2, None, None, 0, *ptrs, 1)
+        kernel.cs_rows(A=a.data_ptr(), n=4, cols=8, ld=8, v0=v.data_ptr(), k=2, ka=0, r0=r0,
+                       r1=r1)
     with pytest.raises(ValueError, match="row stride below the columns"):
-        kernel.cs_rows(a.data_ptr(), 4, 8, 7, None, None, 1, None, None, 0, *ptrs, 1)
+        kernel.cs_rows(A=a.data_ptr(), n=4, cols=8, ld=7, k=1, ka=0, r0=r0, r1=r1)
     with pytest.raises(ValueError, match="more than 2 vectors"):
-        kernel.cs_cols(a.data_ptr(), 4, 8, 8, None, None, 3, None, None, 0, *ptrs, 0, 1)
+        kernel.cs_cols(A=a.data_ptr(), rows=4, cols=8, ld=8, k=3, ka=0, s0=r0, s1=r1)
 
 
 def test_compare_counts_failures_nan_and_the_scalers_overflow(kernel: nat.NativeKernel) -> None:
@@ -128,8 +131,9 @@ def test_compare_counts_failures_nan_and_the_scalers_overflow(kernel: nat.Native
     bound = torch.tensor([0.0, 0.1, 1.0, 1.0, 2.0, 0.25])
 
     def count(rhs0: float, bound0: float, tol: float, finite_only: int) -> int:
-        return int(kernel.cs_compare(lhs.data_ptr(), rhs.data_ptr(), bound.data_ptr(), 6, rhs0,
-                                 bound0, tol, finite_only))
+        return kernel.cs_compare(lhs=lhs.data_ptr(), rhs=rhs.data_ptr(), bound=bound.data_ptr(),
+                                 n=6, rhs0=rhs0, bound0=bound0, tol=tol,
+                                 finite_only=bool(finite_only))
 
     # |diff|: 0, 0.5, nan, inf, 1, 0.5 against bound * tol: 0, 0.1, 1, 1, 2, 0.25
     assert count(0.0, 0.0, 1.0, 0) == 4  # 0.5 > 0.1, nan, inf, 0.5 > 0.25
@@ -203,10 +207,11 @@ def test_the_hooks_single_calls_give_the_sums_and_count_the_entries_that_fail(
 
     def fwd(fresh: int, check: int) -> int:
         bs = wsum.data_ptr() + 4 * (2 * inner + 2 * out)
-        return int(kernel.cs_fwd(x.data_ptr(), n, inner, inner + pad, y_base.data_ptr(), out,
-                             out + pad, w.data_ptr(), inner + pad, _ptr(b), wsum.data_ptr(), bs,
-                             fresh, res.data_ptr(), check, tol, 0, threads, threads,
-                             threads))
+        return kernel.cs_fwd(nat.CsFwdArgs(
+            X=x.data_ptr(), n=n, inner=inner, ldx=inner + pad, Y=y_base.data_ptr(), out=out,
+            ldy=out + pad, W=w.data_ptr(), ldw=inner + pad, bias=_ptr(b), wsum=wsum.data_ptr(),
+            bsum=bs, w_fresh=fresh, res=res.data_ptr(), check=check, tol=tol, finite_only=0,
+            threads_x=threads, threads_y=threads, threads_w=threads))
 
     assert fwd(1, 1) == 0
     wd, xd, yd = w.double(), x.double(), y_base.double()[:, :out]
@@ -251,11 +256,12 @@ def test_the_hooks_single_calls_give_the_sums_and_count_the_entries_that_fail(
     gx[:, :inner] = gy @ w
 
     def bwd(with_gx: bool) -> int:
-        return int(kernel.cs_bwd(gy.data_ptr(), n, out, out + pad, wr.data_ptr(), war.data_ptr(),
-                             res.data_ptr(), gw_buf[0].data_ptr(), gw_buf[1].data_ptr(),
-                             int(gw > 0), int(gw == 2), int(side), res[5 * n:].data_ptr(),
-                             gx.data_ptr() if with_gx else None, inner, inner + pad, tol, 0,
-                             threads, threads))
+        return kernel.cs_bwd(nat.CsBwdArgs(
+            GY=gy.data_ptr(), n=n, out=out, ldg=out + pad, wr=wr.data_ptr(), war=war.data_ptr(),
+            x_rows=res.data_ptr(), gw_rhs=gw_buf[0].data_ptr(), gw_bound=gw_buf[1].data_ptr(),
+            gw=int(gw > 0), gw_add=int(gw == 2), gx_side=int(side), gxs=res[5 * n:].data_ptr(),
+            GX=gx.data_ptr() if with_gx else None, inner=inner, ldx=inner + pad, tol=tol,
+            finite_only=0, threads_g=threads, threads_x=threads))
 
     assert bwd(side) == 0
     gyd = gy.double()
@@ -273,21 +279,28 @@ def test_the_hooks_single_calls_give_the_sums_and_count_the_entries_that_fail(
         gxd = gx.double()[:, :inner]
         assert _within(gxl, gxd @ ones_in, gxd.abs() @ ones_in, inner)
         gs = res[5 * n:].data_ptr()
-        assert kernel.cs_gx(gx.data_ptr(), n, inner, inner + pad, gs, tol, 0, threads) == 0
+        assert kernel.cs_gx(GX=gx.data_ptr(), n=n, inner=inner, ld=inner + pad, gxs=gs, tol=tol,
+                            finite_only=False, threads=threads) == 0
         gx[n // 2, inner // 2] += 1e3 * float(gxb[n // 2]) + 1e3
-        assert kernel.cs_gx(gx.data_ptr(), n, inner, inner + pad, gs, tol, 0, threads) == 1
+        assert kernel.cs_gx(GX=gx.data_ptr(), n=n, inner=inner, ld=inner + pad, gxs=gs, tol=tol,
+                            finite_only=False, threads=threads) == 1
         assert bwd(True) == 1
         gx[n // 2, inner // 2] = math.nan  # a NaN fails, unless only finite differences do
-        assert kernel.cs_gx(gx.data_ptr(), n, inner, inner + pad, gs, tol, 0, threads) == 1
-        assert kernel.cs_gx(gx.data_ptr(), n, inner, inner + pad, gs, tol, 1, threads) == 0
+        assert kernel.cs_gx(GX=gx.data_ptr(), n=n, inner=inner, ld=inner + pad, gxs=gs, tol=tol,
+                            finite_only=False, threads=threads) == 1
+        assert kernel.cs_gx(GX=gx.data_ptr(), n=n, inner=inner, ld=inner + pad, gxs=gs, tol=tol,
+                            finite_only=True, threads=threads) == 0
     else:
         assert bool(res[5 * n:].isnan().all())  # nothing of the input gradient's
     with pytest.raises(ValueError, match=r"sdc_cs_fwd: refused .* got sizes"):
-        kernel.cs_fwd(x.data_ptr(), n, inner, inner + pad, y_base.data_ptr(), out, out + pad,
-                      w.data_ptr(), inner - 1, None, wsum.data_ptr(), wsum.data_ptr(), 1,
-                      res.data_ptr(), 1, tol, 0, 1, 1, 1)
+        kernel.cs_fwd(nat.CsFwdArgs(
+            X=x.data_ptr(), n=n, inner=inner, ldx=inner + pad, Y=y_base.data_ptr(), out=out,
+            ldy=out + pad, W=w.data_ptr(), ldw=inner - 1, wsum=wsum.data_ptr(),
+            bsum=wsum.data_ptr(), w_fresh=1, res=res.data_ptr(), check=1, tol=tol,
+            finite_only=0))
     with pytest.raises(ValueError, match="refused"):  # a row stride below the columns
-        kernel.cs_gx(x.data_ptr(), n, inner, inner - 1, res.data_ptr(), tol, 0, 1)
+        kernel.cs_gx(GX=x.data_ptr(), n=n, inner=inner, ld=inner - 1, gxs=res.data_ptr(), tol=tol,
+                     finite_only=False)
 
 
 @pytest.mark.parametrize("threads", [1, 3])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
+import shutil
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -122,6 +122,26 @@ def test_the_build_is_cached_and_written_atomically(tmp_path: Path) -> None:
                                              sum(range(1000))]
 
 
+def test_the_cache_key_covers_every_kernel_source(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # The library is built from every file in kernel/ (a header and a .c file per owner):
+    # a change to any of them is a new library, never the old one found in the cache.
+    src = tmp_path / "kernel"
+    shutil.copytree(nat._KERNEL, src)
+    monkeypatch.setattr(nat, "_KERNEL", src)
+    names = {p.name for p in nat.sources()}
+    assert {"common.h", "threads.c", "fingerprint.c", "scaling.c", "checksum.c"} <= names
+    base = nat.cache_key("cc")
+    for p in nat.sources():
+        text = p.read_text()
+        p.write_text(text + "\n/* changed */\n")
+        assert nat.cache_key("cc") != base, p.name
+        p.write_text(text)
+    assert nat.cache_key("cc") == base
+    (src / "extra.c").write_text("int sdc_extra;\n")  # a new file counts too
+    assert nat.cache_key("cc") != base
+
+
 def test_no_compiler_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("SDC_GUARD_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "/nonexistent/cc")
@@ -154,10 +174,11 @@ def test_a_failed_build_falls_back_to_torch_with_one_warning(
     if nat._compiler() is None:
         pytest.skip("no C compiler here")
     monkeypatch.setenv("SDC_GUARD_CACHE", str(tmp_path / "cache"))
-    (tmp_path / "src").mkdir()
-    broken = tmp_path / "src" / "kernel.c"
-    broken.write_text(nat._SOURCE.read_text() + "\n#error broken on purpose\n")
-    monkeypatch.setattr(nat, "_SOURCE", broken)
+    broken = tmp_path / "src"
+    shutil.copytree(nat._KERNEL, broken)
+    (broken / "checksum.c").write_text((nat._KERNEL / "checksum.c").read_text()
+                                       + "\n#error broken on purpose\n")
+    monkeypatch.setattr(nat, "_KERNEL", broken)
     monkeypatch.setattr(nat, "_tried", False)
     monkeypatch.setattr(nat, "_warned", False)
     monkeypatch.setattr(nat, "_kernel", None)
@@ -178,11 +199,9 @@ def test_the_plain_build_without_target_clones_gives_the_same_values(
     cc = nat._compiler()
     if cc is None:
         pytest.skip("no C compiler here")
-    src = tmp_path / "k.c"
-    src.write_text(nat._SOURCE.read_text())
     lib = tmp_path / "k.so"
-    subprocess.run([cc, *nat._FLAGS, "-DSDC_NO_CLONES", "-o", str(lib), str(src)],
-                   check=True)
+    built = nat.compile_kernel(cc, lib, ("-DSDC_NO_CLONES",))
+    assert built.returncode == 0, built.stderr
     plain = nat.NativeKernel(lib)
     monkeypatch.setattr(nat, "_native", None)
     monkeypatch.setattr(nat, "_native_resolved", True)  # the torch path below
@@ -329,10 +348,9 @@ def test_the_fallback_builds_scale_and_digest_the_same(tmp_path: Path, native: N
     copy per instruction set (no x86-64 levels in ``target_clones``)."""
     cc = nat._compiler()
     assert cc is not None  # the fixture built the kernel
-    src = tmp_path / "k.c"
-    src.write_text(nat._SOURCE.read_text())
     lib = tmp_path / "k.so"
-    subprocess.run([cc, *nat._FLAGS, fallback, "-o", str(lib), str(src)], check=True)
+    built = nat.compile_kernel(cc, lib, (fallback,))
+    assert built.returncode == 0, built.stderr
     x = torch.randn(2 * 70_001, generator=torch.Generator().manual_seed(2))
     x[5] = float("-inf")
     plain = nat.NativeKernel(lib)

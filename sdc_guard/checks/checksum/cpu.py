@@ -28,7 +28,7 @@ from sdc_guard.checks.checksum.state import (
     Plan,
     versions,
 )
-from sdc_guard.fingerprints.native import NativeKernel
+from sdc_guard.fingerprints.native import CsBwdArgs, CsFwdArgs, NativeKernel
 from sdc_guard.fingerprints.public import WeightSums
 
 F32_DTYPE = torch.float32
@@ -138,14 +138,14 @@ class CpuPath(CheckState):
         """The forward hook's sums of ``X`` and ``Y`` (and of ``W``, once per step) and the
         forward identity compared, in one C call (``sdc_cs_fwd``), while ``X`` and ``Y`` are
         in cache."""
-        want = self._want["forward"]
         i = len(layer.calls)
         plan = layer.plans[i] if i < len(layer.plans) else None
         if not (plan is not None and plan.x_shape == x.shape and plan.y_shape == y.shape
                 and x.is_contiguous() and y.is_contiguous()):
             plan = self._plan(layer, x, y)
-        x2, n, ws, at = plan.x2 if plan.x2 is not None else x, plan.n, plan.ws, plan.at
-        y_at = plan.y2.data_ptr() if plan.y2 is not None else y.data_ptr()
+        x2, n, ws, args = plan.x2 if plan.x2 is not None else x, plan.n, plan.ws, plan.fwd
+        args.X = x2.data_ptr()
+        args.Y = plan.y2.data_ptr() if plan.y2 is not None else y.data_ptr()
         w, bias = layer.w, layer.b  # (as the step found them: native says so)
         assert w is not None
         version = (w.data_ptr(), w._version, -1 if bias is None else bias._version)
@@ -157,19 +157,16 @@ class CpuPath(CheckState):
             layer.pre_sums = ask is not None and ask.taken and layer.ask_key == version
             fresh = not layer.pre_sums
             self.pre_sums_used += layer.pre_sums
-        # (the weight's address, row stride and bias are read by the C call only when it
-        # takes the weight's sums, fresh)
-        w_args = ((version[0], w.stride(0), None if bias is None else bias.data_ptr(), 1)
-                  if fresh else (0, plan.sizes[1], None, 0))
-        bad = kernel.cs_fwd(x2.data_ptr(), *plan.sizes, y_at, *plan.y_sizes, *w_args[:3],
-                            at.wsum, at.bsum, w_args[3], plan.work, int(want), plan.tol,
-                            int(self.expect_overflow), *plan.threads,
-                            threads(w.numel()) if fresh else 1)
-        if bad and layer.pre_sums and self._stale(layer):  # against the sums of the
-            bad = kernel.cs_fwd(x2.data_ptr(), *plan.sizes, y_at,   # weight as it is
-                                *plan.y_sizes, 0, plan.sizes[1], None, at.wsum, at.bsum, 0,
-                                plan.work, int(want), plan.tol,
-                                int(self.expect_overflow), *plan.threads, 1)
+        if fresh:  # (the weight's fields are read by the C call only when it takes its sums)
+            args.W = version[0]
+            args.ldw = w.stride(0)
+            args.bias = None if bias is None else bias.data_ptr()
+            args.threads_w = threads(w.numel())
+        args.w_fresh = fresh
+        bad = kernel.cs_fwd(args)
+        if bad and layer.pre_sums and self._stale(layer):  # against the sums of the weight
+            args.w_fresh = 0                               # as it is
+            bad = kernel.cs_fwd(args)
         call = Call(x2, ws, n, self._micro, tapped, gy_dtype=y.dtype, native=True, plan=plan)
         self.native_calls += 1
         if bad:
@@ -177,7 +174,7 @@ class CpuPath(CheckState):
             assert bufs is not None
             b0, b1 = bufs.wsum[-2:].tolist()
             self._failed(layer, "forward", call.micro_batch, ws[2 * n:3 * n],
-                         ws[3 * n:4 * n], ws[4 * n:5 * n], plan.tol, b0, b1)
+                         ws[3 * n:4 * n], ws[4 * n:5 * n], args.tol, b0, b1)
         return call
 
     def _plan(self, layer: Layer, x: torch.Tensor, y: torch.Tensor) -> Plan:
@@ -193,10 +190,15 @@ class CpuPath(CheckState):
         if bufs is None:
             bufs = layer.buffers = NativeBuffers.make(inner, out)
         kept = x2 is x and y2 is y and x.is_contiguous() and y.is_contiguous()
-        plan = Plan(x.shape, y.shape, n, ws, ws.data_ptr(), (n, inner, ldx), (out, ldy),
-                    bufs.at, cpu_tolerance(self.config.tolerance_scale, inner + 1, 2 * out + inner),
-                    (threads(n * inner), threads(n * out)),
-                    x2=None if kept else x2, y2=None if kept else y2)
+        at = bufs.at
+        fwd = CsFwdArgs(
+            n=n, inner=inner, ldx=ldx, out=out, ldy=ldy, ldw=inner, wsum=at.wsum, bsum=at.bsum,
+            res=ws.data_ptr(), check=int(self._want["forward"]),
+            finite_only=int(self.expect_overflow),
+            tol=cpu_tolerance(self.config.tolerance_scale, inner + 1, 2 * out + inner),
+            threads_x=threads(n * inner), threads_y=threads(n * out))
+        plan = Plan(x.shape, y.shape, n, ws, fwd, x2=None if kept else x2,
+                    y2=None if kept else y2)
         if kept:
             i = len(layer.calls)
             if i < len(layer.plans):
@@ -232,7 +234,6 @@ class CpuPath(CheckState):
         bufs = layer.buffers
         if bufs is None:  # (a call on the C path made them in its forward)
             return
-        at = bufs.at
         n = call.rows
         call.gy_dtype = g.dtype
         gw = add = 0
@@ -240,7 +241,7 @@ class CpuPath(CheckState):
         if layer.gw_step and not layer.gw_at_node:
             if layer.gw_rhs is None or layer.gw_bound is None:
                 layer.gw_rhs, layer.gw_bound = bufs.gw[0], bufs.gw[1]
-                gw_at, gwb_at = at.gw_rhs, at.gw_bound
+                gw_at, gwb_at = bufs.at.gw_rhs, bufs.at.gw_bound
             else:  # another call of the layer in this micro-batch: its share adds on
                 add = 1
                 gw_at, gwb_at = layer.gw_rhs.data_ptr(), layer.gw_bound.data_ptr()
@@ -253,27 +254,43 @@ class CpuPath(CheckState):
         plan = call.plan
         fixed = plan.bwd if plan is not None else None
         if fixed is None:  # what the call's sizes fix (kept with its forward's plan)
-            out, inner = g.shape[-1], layer.module.in_features
-            work = call.sums.data_ptr()
-            fixed = BackwardPlan(out, inner, work, work + GXS * n * F32,
-                                 cpu_tolerance(self.config.tolerance_scale, out, 2 * inner + out),
-                                 (threads(n * out), threads(n * inner)))
+            fixed = self._backward_plan(layer, call, g.shape[-1])
             if plan is not None:
                 plan.bwd = fixed
-        out, inner, tol = fixed.out, fixed.inner, fixed.tol
+        args, inner = fixed.args, fixed.inner
         gx_at = gx.data_ptr() if gx is not None and side else None  # (an input gradient not
-        ldx = ldx if gx_at is not None else inner                    # asked for: not compared)
-        g_at = g.data_ptr()
-        bad = kernel.cs_bwd(g_at, n, out, ldg, at.w_row, at.w_abs_row, fixed.x_rows, gw_at,
-                            gwb_at, gw, add, int(side), fixed.gxs, gx_at, inner, ldx, tol,
-                            int(self.expect_overflow), *fixed.threads)
+        args.GY = g.data_ptr()                                       # asked for: not compared)
+        args.ldg = ldg
+        args.GX = gx_at
+        args.ldx = ldx if gx_at is not None else inner
+        args.gw_rhs = gw_at
+        args.gw_bound = gwb_at
+        args.gw = gw
+        args.gw_add = add
+        args.gx_side = side
+        bad = kernel.cs_bwd(args)
         call.gx_ready = side and gx_at is None
         if bad and layer.pre_sums and self._stale(layer):  # again, against the sums as they are
-            bad = kernel.cs_bwd(g_at, n, out, ldg, at.w_row, at.w_abs_row, fixed.x_rows, 0, 0,
-                                0, 0, 1, fixed.gxs, gx_at, inner, ldx, tol,
-                                int(self.expect_overflow), *fixed.threads)
+            args.gw_rhs = args.gw_bound = None
+            args.gw = args.gw_add = 0
+            args.gx_side = 1
+            bad = kernel.cs_bwd(args)
         if bad:
-            self._gx_failed(layer, call, n, tol)
+            self._gx_failed(layer, call, n, fixed.tol)
+
+    def _backward_plan(self, layer: Layer, call: Call, out: int) -> BackwardPlan:
+        """What the C backward call of ``call`` needs that its sizes fix (``out``: ``GY``'s
+        columns)."""
+        bufs = layer.buffers
+        assert bufs is not None
+        n, inner = call.rows, layer.module.in_features
+        work = call.sums.data_ptr()
+        tol = cpu_tolerance(self.config.tolerance_scale, out, 2 * inner + out)
+        return BackwardPlan(CsBwdArgs(
+            n=n, out=out, wr=bufs.at.w_row, war=bufs.at.w_abs_row, x_rows=work,
+            gxs=work + GXS * n * F32, inner=inner, tol=tol,
+            finite_only=int(self.expect_overflow), threads_g=threads(n * out),
+            threads_x=threads(n * inner)), inner, tol)
 
     def _gx_native(self, kernel: NativeKernel, layer: Layer, call: Call,
                    g: torch.Tensor) -> None:
@@ -286,8 +303,9 @@ class CpuPath(CheckState):
         tol = cpu_tolerance(self.config.tolerance_scale, out, 2 * inner + out)
         # A failure against sums found stale is not counted: the right-hand side was taken
         # from GY, gone now, so the entries cannot be checked again.
-        if kernel.cs_gx(g.data_ptr(), n, inner, g.stride(0), call.sums.data_ptr() + at * F32,
-                        tol, int(self.expect_overflow), threads(g.numel())) and not (
+        if kernel.cs_gx(GX=g.data_ptr(), n=n, inner=inner, ld=g.stride(0),
+                        gxs=call.sums.data_ptr() + at * F32, tol=tol,
+                        finite_only=self.expect_overflow, threads=threads(g.numel())) and not (
                             layer.pre_sums and self._stale(layer)):
             self._gx_failed(layer, call, n, tol)
 
@@ -303,8 +321,8 @@ class CpuPath(CheckState):
         comm hook's row sums): ``GW e`` by a C pass, compared in C."""
         n = layer.gw_rows
         lhs = torch.empty(g.shape[0])
-        kernel.cs_rows(g.data_ptr(), g.shape[0], g.shape[1], g.stride(0), None, None, 1, None,
-                       None, 0, lhs.data_ptr(), None, None, None, threads(g.numel()))
+        kernel.cs_rows(A=g.data_ptr(), n=g.shape[0], cols=g.shape[1], ld=g.stride(0), k=1,
+                       ka=0, r0=lhs.data_ptr(), threads=threads(g.numel()))
         self._compare(layer, "weight_grad", layer.calls[0].micro_batch, lhs, layer.gw_rhs,
                       layer.gw_bound, cpu_tolerance(self.config.tolerance_scale, n,
                                                     2 * g.shape[1] + n))
@@ -317,8 +335,10 @@ class CpuPath(CheckState):
         fails (no tensor op otherwise)."""
         if self._kernel is None or rhs is None or bound is None:
             return
-        bad = self._kernel.cs_compare(lhs.data_ptr(), rhs.data_ptr(), bound.data_ptr(),
-                                      lhs.numel(), rhs0, bound0, tol, int(self.expect_overflow))
+        bad = self._kernel.cs_compare(lhs=lhs.data_ptr(), rhs=rhs.data_ptr(),
+                                      bound=bound.data_ptr(), n=lhs.numel(), tol=tol,
+                                      finite_only=self.expect_overflow, rhs0=rhs0,
+                                      bound0=bound0)
         if bad:
             self._failed(layer, product, micro_batch, lhs, rhs, bound, tol, rhs0, bound0)
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from sdc_guard.checks.checksum.graph import FrontHook, NodeShape
 from sdc_guard.config import ChecksumConfig
-from sdc_guard.fingerprints.native import NativeKernel
+from sdc_guard.fingerprints.native import CsBwdArgs, CsFwdArgs, NativeKernel
 from sdc_guard.fingerprints.public import WeightSums
 
 F32 = 4
@@ -78,15 +78,12 @@ class NativeBuffers:
 class BackwardPlan:
     """What the C backward call of a layer's call needs that its sizes fix (``Plan.bwd``)."""
 
-    out: int
+    args: CsBwdArgs
+    """``sdc_cs_bwd``'s arguments, built once: the sizes, the weight's sums and the
+    workspace's addresses, the tolerance and the threads; a call sets ``GY``, ``GX``, their
+    row strides and which products it takes (``CpuPath._gy_native``)."""
     inner: int
-    x_rows: int
-    """The address of the call's workspace: ``X e`` and ``|X| e`` (``Call.x_rows``)."""
-    gxs: int
-    """The address of the input gradient's part of the workspace."""
     tol: float
-    threads: tuple[int, int]
-    """The passes' threads over ``GY`` and over ``GX``."""
 
 
 @dataclass(slots=True)
@@ -99,17 +96,12 @@ class Plan:
     y_shape: torch.Size
     n: int
     ws: torch.Tensor
-    """The call's workspace (``Layer.pool``), at the address ``work``."""
-    work: int
-    sizes: tuple[int, int, int]
-    """``N``, ``in`` and ``X``'s row stride."""
-    y_sizes: tuple[int, int]
-    """``out`` and ``Y``'s row stride."""
-    at: Addresses
-    """The layer's buffers (the weight's and bias's sums)."""
-    tol: float
-    threads: tuple[int, int]
-    """The passes' threads over ``X`` and over ``Y``."""
+    """The call's workspace (``Layer.pool``)."""
+    fwd: CsFwdArgs
+    """``sdc_cs_fwd``'s arguments, built once: the sizes and row strides, the addresses of
+    the workspace and of the layer's sums, the tolerance and the threads; a call sets
+    ``X``, ``Y`` and, when it takes the weight's sums, the weight's fields
+    (``CpuPath._forward_native``)."""
     bwd: BackwardPlan | None = None
     """The backward call's, found at its first (``CpuPath._gy_native``)."""
     x2: torch.Tensor | None = None

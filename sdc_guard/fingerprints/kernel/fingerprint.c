@@ -1,0 +1,194 @@
+/* The weighted sums of the fingerprint (sdc_guard.fingerprints.public: uint32 lanes, mode 0,
+   and 64-bit words mapped to X ^ (X >>> 32), mode 1) and of the replay digest
+   (sdc_guard.fingerprints.digest: raw 64-bit words, mode 2), one copy of the word loops per
+   x86 instruction set; and the threaded runner of every word and float pass (weighted),
+   which hands the scaling pass's modes to scaling.c. */
+
+#include "common.h"
+
+/* Element values by mode: 0 = uint32 lane zero-extended, 1 = 64-bit word X mapped to
+   X ^ (X >>> 32), 2 = raw 64-bit word. */
+
+/* Software prefetch distance in bytes. These loops do a few integer operations per
+   word; a core that waits for each cache line in turn and only then does them stays
+   well short of the memory bandwidth (most on AVX2, where each vector holds half as
+   many words). Asking for the line 4 KiB ahead overlaps the wait with the arithmetic
+   (`python -m bench` measures each instruction set side by side). */
+#ifndef SDC_PREFETCH
+#define SDC_PREFETCH 4096
+#endif
+
+/* Sums over m 64-bit words X_k at x, k from 0 (mod 2^64), in out[0..3]:
+   mode 0: sum X, sum k X, sum hi, sum k hi (hi = X >> 32: the word's upper uint32 lane);
+   mode 1: sum Y, sum k Y over Y = X ^ (X >> 32), out[2..3] = 0;
+   mode 2: sum X, sum k X, out[2..3] = 0.
+   NV vectors of VB bytes make one block of S words: word k = S b + s sits in stream s,
+   which keeps P_s = sum_b v and Q_s = sum_b (nb - 1 - b) v (Q += P, then P += v: two
+   additions per vector, no multiply), so that sum_b b v = (nb - 1) P_s - Q_s. One copy
+   per vector width; GCC and Clang vector extensions, no intrinsics. */
+#define WORDS(NAME, TARGET, VB)                                                        \
+  typedef uint64_t NAME##_vec __attribute__((vector_size(VB)));                        \
+  TARGET static void NAME(const char* x, int64_t m, int mode, uint64_t* out) {         \
+    enum { L = VB / 8, NV = 2, S = L * NV };                                           \
+    NAME##_vec P[NV], Q[NV], PH[NV], QH[NV];                                           \
+    memset(P, 0, sizeof P); memset(Q, 0, sizeof Q);                                    \
+    memset(PH, 0, sizeof PH); memset(QH, 0, sizeof QH);                                \
+    const int64_t nb = m / S;                                                          \
+    for (int64_t b = 0; b < nb; ++b)                                                   \
+      for (int j = 0; j < NV; ++j) {                                                   \
+        const char* at = x + 8 * (b * S + j * L);                                      \
+        if ((j * VB) % 64 == 0) __builtin_prefetch(at + SDC_PREFETCH);                 \
+        NAME##_vec v;                                                                  \
+        memcpy(&v, at, VB);                                                            \
+        Q[j] += P[j];                                                                  \
+        if (mode == 0) {                                                               \
+          QH[j] += PH[j];                                                              \
+          PH[j] += v >> 32;                                                            \
+        } else if (mode == 1) {                                                        \
+          v ^= v >> 32;                                                                \
+        }                                                                              \
+        P[j] += v;                                                                     \
+      }                                                                                \
+    uint64_t a = 0, k = 0, h = 0, kh = 0;                                              \
+    for (int j = 0; j < NV; ++j)                                                       \
+      for (int l = 0; l < L; ++l) {                                                    \
+        const uint64_t s = (uint64_t)(j * L + l);                                      \
+        a += P[j][l];                                                                  \
+        k += (uint64_t)S * ((uint64_t)(nb - 1) * P[j][l] - Q[j][l]) + s * P[j][l];     \
+        h += PH[j][l];                                                                 \
+        kh += (uint64_t)S * ((uint64_t)(nb - 1) * PH[j][l] - QH[j][l]) + s * PH[j][l]; \
+      }                                                                                \
+    for (int64_t i = nb * S; i < m; ++i) {                                             \
+      uint64_t w;                                                                      \
+      memcpy(&w, x + 8 * i, 8);                                                        \
+      const uint64_t hi = w >> 32;                                                     \
+      if (mode == 1) w ^= hi;                                                          \
+      a += w;                                                                          \
+      k += (uint64_t)i * w;                                                            \
+      if (mode == 0) {                                                                 \
+        h += hi;                                                                       \
+        kh += (uint64_t)i * hi;                                                        \
+      }                                                                                \
+    }                                                                                  \
+    out[0] = a; out[1] = k; out[2] = h; out[3] = kh;                                   \
+  }
+
+WORDS(words_base, , 16)
+#ifdef SDC_X86
+WORDS(words_avx2, __attribute__((target("avx2"))), 32)
+WORDS(words_avx512, __attribute__((target("avx512f"))), 64)
+#endif
+
+/* The widest copy this CPU runs: 2 = AVX-512F, 1 = AVX2, 0 = the baseline (SSE2 on
+   x86-64). sdc_isa may lower it, to measure a narrower machine's code on this one. */
+static int isa_top = -1, isa_used = -1;
+
+static int cpu_isa(void) {
+#ifdef SDC_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return 2;
+  if (__builtin_cpu_supports("avx2")) return 1;
+#endif
+  return 0;
+}
+
+/* The instruction set in use; want >= 0 selects min(want, what the CPU has), want = -2
+   asks for what the CPU has. */
+int sdc_isa(int want) {
+  if (isa_top < 0) isa_top = cpu_isa();
+  if (isa_used < 0) isa_used = isa_top;
+  if (want == -2) return isa_top;
+  if (want >= 0) isa_used = want < isa_top ? want : isa_top;
+  return isa_used;
+}
+
+static void words(const char* x, int64_t m, int mode, uint64_t* out) {
+  switch (sdc_isa(-1)) {
+#ifdef SDC_X86
+    case 2: words_avx512(x, m, mode, out); return;
+    case 1: words_avx2(x, m, mode, out); return;
+#endif
+    default: words_base(x, m, mode, out);
+  }
+}
+
+/* s1 = sum v_i and s2 = sum i * v_i (mod 2^64) over n elements, i from 0.
+   block0: n uint32 lanes v, zero-extended. Lane 2k is the low half lo_k of word X_k,
+   lane 2k + 1 its high half hi_k, so with X_k = lo_k + 2^32 hi_k (exactly):
+   sum lo = sum X - 2^32 sum hi, sum k lo = sum k X - 2^32 sum k hi, and
+   s1 = sum lo + sum hi, s2 = 2 (sum k lo + sum k hi) + sum hi. */
+void block0(const void* x, int64_t n, uint64_t* s1, uint64_t* s2) {
+  uint64_t o[4];
+  words((const char*)x, n / 2, 0, o);
+  const uint64_t lo = o[0] - (o[2] << 32), klo = o[1] - (o[3] << 32);
+  *s1 = lo + o[2];
+  *s2 = 2 * (klo + o[3]) + o[2];
+  if (n % 2) {
+    uint32_t v;
+    memcpy(&v, (const char*)x + 4 * (n - 1), 4);
+    *s1 += v;
+    *s2 += (uint64_t)(n - 1) * v;
+  }
+}
+
+/* block1: n words mapped to X ^ (X >>> 32); block2: n words as they are. */
+void block1(const void* x, int64_t n, uint64_t* s1, uint64_t* s2) {
+  uint64_t o[4];
+  words((const char*)x, n, 1, o);
+  *s1 = o[0];
+  *s2 = o[1];
+}
+
+void block2(const void* x, int64_t n, uint64_t* s1, uint64_t* s2) {
+  uint64_t o[4];
+  words((const char*)x, n, 2, o);
+  *s1 = o[0];
+  *s2 = o[1];
+}
+
+/* Modes 0, 4 and 5 count float32 lanes, the others 64-bit words; modes 3 to 5 are the
+   scaling pass's (scaling_job). */
+static void run(job_t* j) {
+  const void* p = j->x + (j->mode == 0 || j->mode >= 4 ? 4 : 8) * j->lo;
+  j->s1 = j->s2 = 0;
+  if (j->mode >= 3) scaling_job(j);
+  else if (j->mode == 0) block0(p, j->n, &j->s1, &j->s2);
+  else if (j->mode == 1) block1(p, j->n, &j->s1, &j->s2);
+  else block2(p, j->n, &j->s1, &j->s2);
+}
+
+static void* thread_main(void* arg) {
+  run((job_t*)arg);
+  return 0;
+}
+
+int weighted(const void* x, int64_t n, int mode, int threads, float scale, uint64_t* out) {
+  if (n < 0 || mode < 0 || mode > 5) return 1;
+  job_t jobs[MAX_THREADS];
+  int64_t per;
+  const int used = split(n, threads, 64, &per);
+  for (int t = 0; t < used; ++t) {
+    jobs[t].x = (const char*)x;
+    jobs[t].lo = (int64_t)t * per;
+    jobs[t].n = n - jobs[t].lo < per ? n - jobs[t].lo : per;
+    jobs[t].mode = mode;
+    jobs[t].scale = scale;
+    jobs[t].bad = 0;
+  }
+  run_jobs(thread_main, jobs, sizeof jobs[0], used);
+  uint64_t total = 0, plain = 0, bad = 0;
+  for (int t = 0; t < used; ++t) {
+    total += (2 * (uint64_t)jobs[t].lo + 1) * jobs[t].s1 + 2 * jobs[t].s2;
+    plain += jobs[t].s1;
+    bad |= jobs[t].bad;
+  }
+  out[0] = total;
+  out[1] = plain;
+  if (mode >= 3) out[2] = bad;
+  return 0;
+}
+
+int sdc_weighted_sum(const void* x, int64_t n, int mode, int threads, uint64_t* out) {
+  if (mode >= 3) return 1;
+  return weighted(x, n, mode, threads, 1.0f, out);
+}
