@@ -625,7 +625,7 @@ def load(*, warn: bool = True) -> NativeKernel | None:
             _error = f"{type(e).__name__}: {e}"[:600]
     if _kernel is None and _error is not None:
         message = (f"sdc_guard: the native fingerprint kernel could not be built ({_error}); "
-                   "using the torch implementation (the same values, about 3x slower).")
+                   "using the torch implementation (the same values, slower: bench/RESULTS.md).")
         if warn and not _warned:
             _warned = True
             warnings.warn(message, RuntimeWarning, stacklevel=2)

@@ -155,7 +155,7 @@ def _fused(src: torch.Tensor, mode: int, torch_ops: Callable[[], torch.Tensor]) 
     got: torch.Tensor | None = _FUSED.run(
         kind, _fused_math, (kind, mode), f"the fingerprint kernel on {kind}", torch_ops,
         lambda got, want: bool(torch.equal(got, want)), flat, mode,
-        fallback=", at about a tenth of a plain sum's throughput")
+        fallback=", slower than the fused pass (bench/DEVICE.md)")
     return got
 
 
