@@ -380,7 +380,7 @@ def _code_hash() -> str:
     here = Path(__file__).parents[1]
     lib = Path(sdc_guard.__file__).parent
     files = [here / f for f in TRAINING_CODE] + sorted(
-        p for p in lib.rglob("*") if p.suffix in (".py", ".c"))
+        p for p in lib.rglob("*") if p.suffix in (".py", ".c", ".h"))
     return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
 
 
