@@ -165,6 +165,14 @@ class CheckpointManager:
         each ``restore`` (``SDCGuard(..., checkpoints=self)`` binds the guard; None unbinds).
         Its group must be the manager's: the collectives and the writer (the group's rank 0)
         are that replica set's."""
+        if verifier is not None and not (hasattr(verifier, "group")
+                                         and callable(getattr(verifier, "verified", None))
+                                         and callable(getattr(verifier, "rewind", None))):
+            raise TypeError(
+                f"CheckpointManager.bind(verifier): a {type(verifier).__name__} is not a "
+                "Verifier: it needs a group attribute and the methods verified() -> "
+                "(step or None, {check: step}) and rewind(step) (an SDCGuard is one; "
+                "SDCGuard(..., checkpoints=manager) binds it), or None to unbind.")
         if verifier is not None and self.group is not verifier.group:
             raise ValueError(
                 "SDCGuard(checkpoints=...): the CheckpointManager's group is not the guard's "
@@ -178,6 +186,10 @@ class CheckpointManager:
         verified the run clean through ``verified_through`` (None: no check keeps such a
         step): its suspect window opens (``SuspectWindows.start_of``). Rank 0 writes it to
         ``windows.json``; every rank calls it."""
+        if verified_through is not None and (isinstance(verified_through, bool)
+                                             or not isinstance(verified_through, int)):
+            raise ValueError(f"CheckpointManager.record_detection(verified_through=...): an int "
+                             f"step or None, got {verified_through!r}.")
         start = SuspectWindows.start_of(d, verified_through)
         log.warning("sdc-guard: suspect window from step %d (%s detection at step %d): "
                     "checkpoints from step %d of generation %d on will not be restored",

@@ -387,6 +387,11 @@ def test_a_manager_takes_what_it_needs_as_values_and_a_small_protocol(setup: Any
     assert [c.step for c in ckpt.checkpoints()] == [4, 3]
     with pytest.raises(ValueError, match="verified_through"):
         ckpt.save(5, model, opt, verified_through=4)
+    with pytest.raises(TypeError, match="not a Verifier"):
+        ckpt.bind(object())
+    with pytest.raises(ValueError, match="verified_through"):
+        ckpt.record_detection(Detection("weights", 3, (1,), "", {}),
+                              verified_through="2")
     assert ckpt.restore(model, opt) == 5 and v.rewound == [4]
 
 
