@@ -12,6 +12,11 @@ Errors: 401/403 name the credentials or the RBAC verb and resource to grant
 (``deploy/rbac.yaml``); 404 names the node; 409 is retried with the fresh object;
 429, 5xx, timeouts and refused connections are retried with exponential backoff, then
 reported as ``KubeError``.
+
+Time: the client's own retries (urllib3's, three by default, each a full request timeout) are
+switched off in :func:`load_client`, so ours are the only ones: a call makes at most
+``retries + 1`` requests, each cut at ``request_timeout_s``, and takes at most
+:func:`worst_case_s` in all.
 """
 
 from __future__ import annotations
@@ -50,38 +55,89 @@ def annotation_ops(node: dict[str, Any], changes: dict[str, str | None]) -> Json
     return ops
 
 
+def worst_case_s(request_timeout_s: float, retries: int, backoff_s: float) -> float:
+    """The longest one API call takes when every request hangs: ``retries + 1`` requests of
+    ``request_timeout_s`` each and the backoff between them (``backoff_s``, doubling)."""
+    return float((retries + 1) * request_timeout_s + backoff_s * (2 ** retries - 1))
+
+
 class KubeError(RuntimeError):
-    """A Kubernetes API call failed for good; the message says what to fix."""
+    """A Kubernetes API call failed for good; the message says what to fix. ``status``: the
+    HTTP status the server answered (0 when none came: a timeout, a refused connection)."""
+
+    def __init__(self, message: str, *, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class Conflict(KubeError):
-    """409: the object changed since it was read."""
+    """409: the object changed since it was read, or (on a create) it exists already."""
+
+
+class NotFound(KubeError):
+    """404 for an object other than a node (a node's 404 names the node and NODE_NAME)."""
 
 
 def load_client(kubeconfig: str | Path | None) -> Any:
-    """An ``ApiClient``: in-cluster (service account) when ``kubeconfig`` is None."""
+    """An ``ApiClient``: in-cluster (service account) when ``kubeconfig`` is None.
+
+    Its urllib3 retries are off (``Configuration.retries = False``): :class:`NodeAPI` retries
+    on its own terms, and a timeout costs one request timeout, not four. A kubeconfig that
+    cannot be used is a ``KubeError`` naming the file and what is wrong with it, in one line.
+    """
     try:
-        from kubernetes import config
+        from kubernetes import client, config
     except ImportError as e:
         raise ImportError(
             "sdc_guard.remediation needs the official Kubernetes client: "
             "pip install 'sdc-guard[kube]'") from e
+    settings = type.__call__(client.Configuration)  # not a copy of the process-wide default
     if kubeconfig is None:
         try:
-            config.load_incluster_config()  # type: ignore[no-untyped-call]
+            config.load_incluster_config(client_configuration=settings)  # type: ignore[no-untyped-call]
         except config.ConfigException as e:
             raise KubeError(
                 f"in-cluster Kubernetes credentials not found ({e}); outside a pod pass a "
                 "kubeconfig: kubeconfig='~/.kube/config' (or --kubeconfig PATH)") from e
-        from kubernetes import client
-        return client.ApiClient()
-    path = Path(kubeconfig).expanduser()
-    if not path.is_file():
-        raise KubeError(f"kubeconfig {str(path)!r} does not exist; pass an existing kubeconfig "
-                        "(kubeconfig=PATH, --kubeconfig PATH), or inside a pod use its service "
-                        "account (kubeconfig=None, --in-cluster)")
-    return config.new_client_from_config(  # type: ignore[no-untyped-call]
-        config_file=str(path))
+    else:
+        path = Path(kubeconfig).expanduser()
+        if not path.is_file():
+            raise KubeError(f"kubeconfig {str(path)!r} does not exist; pass an existing "
+                            "kubeconfig (kubeconfig=PATH, --kubeconfig PATH), or inside a pod use "
+                            "its service account (kubeconfig=None, --in-cluster)")
+        _check_kubeconfig(path)
+        try:
+            config.load_kube_config(config_file=str(path),  # type: ignore[no-untyped-call]
+                                    client_configuration=settings)
+        except Exception as e:  # the loader raises ConfigException, KeyError, TypeError, ...
+            raise KubeError(f"kubeconfig {str(path)!r} cannot be used: {_one_line(e)}; fix the "
+                            "file or pass another (kubeconfig=PATH, --kubeconfig PATH)") from e
+    settings.retries = False
+    return client.ApiClient(configuration=settings)
+
+
+def _check_kubeconfig(path: Path) -> None:
+    """A ``KubeError`` naming ``path`` when it is not YAML or not a mapping."""
+    import yaml
+
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise KubeError(f"kubeconfig {str(path)!r} cannot be read: {_one_line(e)}") from e
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        problem = getattr(e, "problem", None) or _one_line(e)
+        raise KubeError(f"kubeconfig {str(path)!r} is not valid YAML{at}: {problem}; fix the "
+                        "file or pass another (kubeconfig=PATH, --kubeconfig PATH)") from e
+    if not isinstance(doc, dict):
+        raise KubeError(f"kubeconfig {str(path)!r} is not a mapping (found "
+                        f"{type(doc).__name__}); a kubeconfig has apiVersion, kind: Config, "
+                        "clusters, users, contexts and current-context")
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 class NodeAPI:
@@ -141,10 +197,12 @@ class NodeAPI:
     def _dict(self, obj: Any) -> dict[str, Any]:
         return dict(self.client.sanitize_for_serialization(obj))
 
-    def _call(self, verb: str, resource: str, name: str | None, fn: Callable[[], T]) -> T:
+    def _call(self, verb: str, resource: str, name: str | None, fn: Callable[[], T], *,
+              group: str = "", namespace: str | None = None) -> T:
         from kubernetes.client.exceptions import ApiException
         from urllib3.exceptions import HTTPError
 
+        what = f"{resource}{f' {name!r}' if name else ''}"
         delay = self.backoff
         last = ""
         for attempt in range(self.retries + 1):
@@ -156,20 +214,25 @@ class NodeAPI:
                 if status == 401:
                     raise KubeError(f"401 Unauthorized to {verb} {resource}: the credentials were "
                                     f"refused ({message}); check the kubeconfig or the pod's "
-                                    "service account token") from e
+                                    "service account token", status=401) from e
                 if status == 403:
+                    role = (f"its Role in namespace {namespace!r}" if namespace is not None
+                            else "its ClusterRole")
                     raise KubeError(
                         f"403 Forbidden: the service account may not {verb!r} {resource!r} "
-                        f"(API group \"\"); grant verb {verb!r} on resource {resource!r} in its "
-                        f"ClusterRole (deploy/rbac.yaml). Server said: {message}") from e
-                if status == 404 and name is not None:
+                        f"(API group \"{group}\"); grant verb {verb!r} on resource {resource!r} "
+                        f"in {role} (deploy/rbac.yaml). Server said: {message}",
+                        status=403) from e
+                if status == 404 and resource == "nodes" and name is not None:
                     raise KubeError(f"404: node {name!r} not found (server said: {message}); is "
-                                    "NODE_NAME the node's name (spec.nodeName)?") from e
+                                    "NODE_NAME the node's name (spec.nodeName)?", status=404) from e
+                if status == 404 and name is not None:
+                    raise NotFound(f"404: {what} not found: {message}", status=404) from e
                 if status == 409:
-                    raise Conflict(f"409 Conflict on {resource} {name!r}: {message}") from e
+                    raise Conflict(f"409 Conflict on {what}: {message}", status=409) from e
                 if status not in (0, 429) and status < 500:
-                    raise KubeError(f"{status} from the API server on {verb} {resource}"
-                                    f"{f' {name!r}' if name else ''}: {message}") from e
+                    raise KubeError(f"{status} from the API server on {verb} {what}: {message}",
+                                    status=status) from e
                 last = f"{status} {message}"
             except (HTTPError, OSError) as e:  # timeouts, refused or reset connections
                 last = f"{type(e).__name__}: {e}"
@@ -178,8 +241,8 @@ class NodeAPI:
                             resource, last, delay)
                 self.sleep(delay)
                 delay *= 2
-        raise KubeError(f"{verb} {resource}{f' {name!r}' if name else ''} failed after "
-                        f"{self.retries + 1} attempts; last error: {last}")
+        raise KubeError(f"{verb} {what} failed after {self.retries + 1} attempts; last error: "
+                        f"{last}")
 
 
 def _status_message(e: Any) -> str:

@@ -3,10 +3,16 @@
 ``list`` shows the nodes that carry our taint or our marker, with the job, the first
 detection and how much evidence they hold; ``show NODE`` prints a node's marker, taints and
 evidence as JSON; ``release NODE`` returns it to service after review: it removes our taint
-(only ours), uncordons it when we cordoned it, and moves the marker and the evidence into the
+(only ours: our key with our effect; another tool's taint of the same key and another effect
+stays), uncordons it when we cordoned it, and moves the marker and the evidence into the
 ``sdc-guard.io/history`` annotation, with an Event on the node. A node someone else had
 cordoned before us stays cordoned, and ``release`` refuses it unless ``--force``; a node we
-never quarantined is refused.
+never quarantined is refused. An administrator who cordons a node we already cordoned
+changes nothing Kubernetes records, so ``release`` cannot see it: it prints the node's other
+taints, and ``--keep-cordon`` removes ours but leaves the node unschedulable.
+
+Time: each API call makes at most ``--retries`` + 1 requests of ``--request-timeout`` seconds,
+with a backoff of 0.5 s, doubling, between them (the client's own retries are off).
 
 Auth: ``--kubeconfig PATH`` (default ``$KUBECONFIG``, else ``~/.kube/config``), or
 ``--in-cluster`` with the pod's service account. ``--dry-run`` sends the release with
@@ -29,6 +35,7 @@ from sdc_guard.remediation.evidence import (
     EVIDENCE,
     HISTORY,
     MARKER,
+    TAINT_EFFECT,
     TAINT_KEY,
     append_entries,
     has_our_taint,
@@ -48,6 +55,8 @@ def add_parser(sub: Any) -> None:
                       help="use the pod's service account instead of a kubeconfig")
     auth.add_argument("--request-timeout", type=float, default=10.0, metavar="S",
                       help="seconds per API request (default 10)")
+    auth.add_argument("--retries", type=int, default=2, metavar="N",
+                      help="retries of a failed or timed-out request (default 2)")
     verbs = q.add_subparsers(dest="verb", required=True)
     verbs.add_parser("list", parents=[auth], help="nodes quarantined by sdc-guard")
     show = verbs.add_parser("show", parents=[auth], help="a node's marker, taints and evidence")
@@ -59,19 +68,29 @@ def add_parser(sub: Any) -> None:
                           "only our taint and marker go)")
     rel.add_argument("--dry-run", action="store_true",
                      help="send the release with dryRun=All: validated, nothing stored")
+    rel.add_argument("--keep-cordon", action="store_true",
+                     help="remove our taint and marker but leave the node unschedulable (e.g. "
+                          "an administrator cordoned it too)")
     rel.add_argument("--reason", default="", help="why, for the node's history")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.request_timeout <= 0:
+        print(f"error: --request-timeout must be > 0 seconds, got {args.request_timeout}",
+              file=sys.stderr)
+        return 1
+    if args.retries < 0:
+        print(f"error: --retries must be >= 0, got {args.retries}", file=sys.stderr)
+        return 1
     try:
         api = NodeAPI(load_client(None if args.in_cluster else _kubeconfig(args.kubeconfig)),
-                      request_timeout_s=args.request_timeout, retries=2)
+                      request_timeout_s=args.request_timeout, retries=args.retries, backoff_s=0.5)
         if args.verb == "list":
             return _list(api)
         if args.verb == "show":
             return _show(api, args.node)
         return _release(api, args.node, force=args.force, dry_run=args.dry_run,
-                        reason=args.reason)
+                        reason=args.reason, keep_cordon=args.keep_cordon)
     except KubeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -135,7 +154,12 @@ def _show(api: NodeAPI, name: str) -> int:
     return 0
 
 
-def _release(api: NodeAPI, name: str, *, force: bool, dry_run: bool, reason: str) -> int:
+def _is_ours(taint: dict[str, Any]) -> bool:
+    return taint.get("key") == TAINT_KEY and taint.get("effect") == TAINT_EFFECT
+
+
+def _release(api: NodeAPI, name: str, *, force: bool, dry_run: bool, reason: str,
+             keep_cordon: bool = False) -> int:
     refused: list[str] = []
 
     def change(node: dict[str, Any]) -> JsonPatch | None:
@@ -156,12 +180,13 @@ def _release(api: NodeAPI, name: str, *, force: bool, dry_run: bool, reason: str
             return None
         _, entries = parse_entries(notes.get(EVIDENCE))
         record = {"kind": "release", "time": time.time(), "by": _who(), "reason": reason,
-                  "forced": force, "marker": mark, "evidence": entries}
+                  "forced": force, "kept_cordon": keep_cordon, "marker": mark,
+                  "evidence": entries}
         ops = annotation_ops(node, {MARKER: None, EVIDENCE: None,
                                     HISTORY: append_entries(notes.get(HISTORY), [record])})
         ops.append({"op": "add", "path": "/spec/taints",
-                    "value": [t for t in spec.get("taints") or [] if t.get("key") != TAINT_KEY]})
-        if not before_us:
+                    "value": [t for t in spec.get("taints") or [] if not _is_ours(t)]})
+        if not before_us and not keep_cordon:
             ops.append({"op": "add", "path": "/spec/unschedulable", "value": False})
         return ops
 
@@ -177,10 +202,20 @@ def _release(api: NodeAPI, name: str, *, force: bool, dry_run: bool, reason: str
         "reason": "SDCRelease", "type": "Normal", "source": {"component": "sdc-guard"},
         "message": f"released by {_who()} after review" + (f": {reason}" if reason else ""),
     }, dry_run=dry_run)
-    still = bool((node.get("spec") or {}).get("unschedulable"))
+    spec = node.get("spec") or {}
+    still = bool(spec.get("unschedulable"))
+    why = "--keep-cordon" if keep_cordon else "someone else cordoned it first"
     print(f"{'dry run: would release' if dry_run else 'released'} node {name}: our taint and "
           f"marker removed, evidence moved to {HISTORY}"
-          + ("; it stays cordoned (someone else cordoned it first)" if still else "; uncordoned"))
+          + (f"; it stays cordoned ({why})" if still else "; uncordoned"))
+    others = [t for t in spec.get("taints") or [] if not _is_ours(t)]
+    if others:
+        print("other taints on the node (not ours, left as they are): " + ", ".join(
+            f"{t.get('key')}{'=' + str(t['value']) if t.get('value') else ''}:{t.get('effect')}"
+            for t in others))
+    elif not still:
+        print("no other taints on the node; an administrator's cordon made after ours leaves no "
+              "trace: if one was meant, cordon it again or release with --keep-cordon")
     return 0
 
 

@@ -8,8 +8,9 @@ Names (stable; ``python -m sdc_guard quarantine`` and operators' tooling read th
   cordoned it first: ``release`` then refuses unless forced, and leaves it cordoned).
 - annotation ``sdc-guard.io/evidence``: a JSON list of entries (detections and the suspect
   rank's GPU telemetry), newest last. Kubernetes limits all annotations of an object together
-  to 256 KiB; we keep this one under ``EVIDENCE_LIMIT`` bytes by dropping the oldest entries
-  and counting them in ``{"dropped": N}``, the list's first element.
+  to 256 KiB; we keep this one under ``EVIDENCE_LIMIT`` bytes, whatever the entries hold, by
+  dropping the oldest entries (counted in ``{"dropped": N}``, the list's first element) and
+  shortening an entry that alone is too large.
 - annotation ``sdc-guard.io/history``: on release, the quarantine marker and evidence move
   here (bounded the same way), so a node's past survives its return to service.
 """
@@ -89,8 +90,10 @@ def append_entries(text: str | None, new: list[dict[str, Any]], *,
                    limit: int = EVIDENCE_LIMIT) -> str:
     """The annotation ``text`` with ``new`` appended, the oldest dropped to fit ``limit`` bytes.
 
-    The newest entry is always kept; if it alone exceeds the limit, its bulkiest parts
-    (the check's evidence, the telemetry) are replaced by a note saying they were cut.
+    The result is never longer than ``limit`` bytes, whatever the entries hold. The newest entry
+    is kept; if it alone exceeds the limit, its bulkiest parts (the check's evidence, the
+    telemetry) are replaced by a note saying they were cut, and any other field still too long
+    (a detail of megabytes) is shortened, saying how much was cut.
     """
     dropped, entries = parse_entries(text)
     entries = entries + [_fit(e, limit) for e in new]
@@ -102,7 +105,13 @@ def append_entries(text: str | None, new: list[dict[str, Any]], *,
         first += 1
     dropped += first
     kept = entries[first:]
-    return _dumps(([{"dropped": dropped}] if dropped else []) + kept)
+    out = _dumps(([{"dropped": dropped}] if dropped else []) + kept)
+    if len(out) > limit:  # only a limit too small for one shortened entry gets here
+        out = _dumps([{"dropped": dropped + len(kept)}])
+    return out
+
+
+_CORE = ("kind", "job", "time", "check", "step", "rank", "suspect_ranks", "suspect_nodes")
 
 
 def _fit(entry: dict[str, Any], limit: int) -> dict[str, Any]:
@@ -110,7 +119,21 @@ def _fit(entry: dict[str, Any], limit: int) -> dict[str, Any]:
         return entry
     cut = {k: v for k, v in entry.items() if k not in ("evidence", "telemetry")}
     cut["cut"] = "evidence larger than the annotation limit; see the job's event log"
+    room = max(64, limit // 8)
+    for key, value in list(cut.items()):
+        if key != "cut" and len(_dumps(value)) > room:
+            cut[key] = _shorten(value if isinstance(value, str) else _dumps(value), room)
+    if len(_dumps(cut)) + 64 > limit:
+        cut = {k: v for k, v in cut.items() if k in _CORE or k == "cut"}
     return cut
+
+
+def _shorten(text: str, room: int) -> str:
+    """``text`` cut to about ``room`` bytes of JSON, saying how many characters were cut."""
+    keep = text[:room]
+    while keep and len(_dumps(keep)) > room:  # escapes (non-ASCII, controls) take more bytes
+        keep = keep[:len(keep) // 2]
+    return f"{keep}... [{len(text) - len(keep)} characters cut]"
 
 
 def marker(d: Detection, *, job: str, already_unschedulable: bool,

@@ -122,6 +122,10 @@ class KubeQuarantine:
         self.evidence_interval_s = float(evidence_interval_s)
         self.deadline_s = float(deadline_s)
         self.job = job or os.environ.get("SDC_GUARD_JOB") or f"unnamed@{socket.gethostname()}"
+        if len(self.job) > 253:
+            raise ValueError(f"KubeQuarantine(job=...) must be at most 253 characters (it is "
+                             f"written in every node's marker), got {len(self.job)}; pass the "
+                             "job's name (a PyTorchJob's metadata.name)")
         self.acting_rank = acting_rank
         self.event_namespace = event_namespace
         self.api = NodeAPI(load_client(kubeconfig), request_timeout_s=request_timeout_s,
@@ -277,12 +281,12 @@ class KubeQuarantine:
             self._record("error", node, d, str(e))
 
     def _cordon(self, node: str, d: Detection, entry: dict[str, Any]) -> None:
-        def change(obj: dict[str, Any]) -> JsonPatch:
+        def change(obj: dict[str, Any], *, evidence: bool = True) -> JsonPatch:
             spec = obj.get("spec") or {}
             taints = list(spec.get("taints") or [])
             notes = (obj.get("metadata") or {}).get("annotations") or {}
-            annotations: dict[str, str | None] = {
-                EVIDENCE: append_entries(notes.get(EVIDENCE), [entry])}
+            annotations: dict[str, str | None] = (
+                {EVIDENCE: append_entries(notes.get(EVIDENCE), [entry])} if evidence else {})
             if has_our_taint(taints) and MARKER in notes:  # ours already (an earlier run)
                 return annotation_ops(obj, annotations)
             if not has_our_taint(taints):
@@ -293,13 +297,24 @@ class KubeQuarantine:
                     {"op": "add", "path": "/spec/unschedulable", "value": True},
                     {"op": "add", "path": "/spec/taints", "value": taints}]
 
-        obj = self.api.update(node, change, dry_run=self.dry_run)
+        lost = ""
+        try:
+            obj = self.api.update(node, change, dry_run=self.dry_run)
+        except KubeError as e:
+            if e.status not in (413, 422):
+                raise
+            # the evidence did not fit beside the node's other annotations: the cordon and the
+            # taint must not depend on it, so they go alone
+            obj = self.api.update(node, functools.partial(change, evidence=False),
+                                  dry_run=self.dry_run)
+            lost = f"; the evidence was refused ({e}), it is in the job's event log"
         now = time.time()
         self._mine[node] = now
         self._last_write[node] = now
         self._node_event(obj, d)
-        self._record("cordon", node, d, "dry run (dryRun=All): nothing stored" if self.dry_run
-                     else "cordoned, tainted, evidence written")
+        self._record("cordon", node, d, ("dry run (dryRun=All): nothing stored" if self.dry_run
+                                         else "cordoned, tainted, evidence written")
+                     if not lost else "cordoned, tainted" + lost)
 
     def _evidence(self, node: str, d: Detection, entries: list[dict[str, Any]]) -> None:
         last = self._last_write.get(node)

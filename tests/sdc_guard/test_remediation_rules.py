@@ -102,6 +102,33 @@ def test_an_entry_larger_than_the_limit_is_cut_not_lost() -> None:
     assert entries[0]["step"] == 3 and "cut" in entries[0] and "evidence" not in entries[0]
 
 
+@settings(max_examples=60, deadline=None)
+@given(detail=st.text(max_size=20_000), payload=st.text(max_size=20_000),
+       old=st.lists(st.text(max_size=3000), max_size=5),
+       limit=st.integers(min_value=512, max_value=8192))
+def test_the_whole_annotation_stays_under_its_cap(detail: str, payload: str, old: list[str],
+                                                   limit: int) -> None:
+    """Whatever the detail and the evidence hold (non-ASCII included), the annotation written
+    fits ``limit`` bytes and keeps the newest detection's check, step and suspects."""
+    text = None
+    for i, blob in enumerate(old):
+        text = append_entries(text, [{"kind": "detection", "step": i, "detail": blob}],
+                              limit=limit)
+    d = Detection("weights", 99, (1,), detail, {"blob": payload}, suspect_nodes=("n1",))
+    text = append_entries(text, [detection_entry(d, job="j", now=1.0)], limit=limit)
+    assert len(text.encode()) <= limit
+    _, entries = parse_entries(text)
+    assert entries[-1]["step"] == 99 and entries[-1]["suspect_nodes"] == ["n1"]
+
+
+def test_a_detail_of_megabytes_is_shortened_saying_so() -> None:
+    d = Detection("weights", 4, (1,), "x" * (4 << 20), {}, suspect_nodes=("n1",))
+    text = append_entries(None, [detection_entry(d, job="j")])
+    assert len(text) <= 64 * 1024
+    entry = parse_entries(text)[1][0]
+    assert entry["detail"].endswith("characters cut]") and entry["step"] == 4
+
+
 def test_foreign_annotation_text_survives_as_unparsed() -> None:
     _, entries = parse_entries(append_entries("not json", [{"kind": "x"}]))
     assert entries[0]["kind"] == "unparsed" and entries[1] == {"kind": "x"}
