@@ -19,6 +19,10 @@ Served (everything else answers a 404 Status; a known path with a verb not serve
   ``continue``), ``GET``/``PATCH``/``PUT`` on ``/api/v1/nodes/{name}`` and ``.../{name}/status``.
 * ``POST``/``GET`` ``/api/v1/namespaces/{ns}/events``, ``GET /api/v1/events``, ``GET .../events/{name}``,
   ``POST``/``GET`` ``/apis/events.k8s.io/v1/namespaces/{ns}/events`` (stored once, as core/v1 Events).
+* ``GET /apis/coordination.k8s.io/v1/leases``, ``GET``/``POST`` ``.../namespaces/{ns}/leases``,
+  ``GET``/``PUT``/``PATCH``/``DELETE`` ``.../namespaces/{ns}/leases/{name}`` (:mod:`~kube_standin.leases`:
+  create 409 ``AlreadyExists`` on a taken name, update 409 ``Conflict`` on a stale resourceVersion and
+  422 without one, get 404).
 * ``GET /version``.
 
 What is reproduced, and where it was read (the Go sources of kubernetes/apiserver, apimachinery,
@@ -85,8 +89,9 @@ for paginated lists, and node creation through the API (nodes are made with
 
 Where each part lives: :mod:`~kube_standin.server` (the server, its lifecycle and records),
 :mod:`~kube_standin.transport` (HTTP, TLS, connections), :mod:`~kube_standin.handlers` (what each
-request does), :mod:`~kube_standin.store` (objects and resourceVersions), :mod:`~kube_standin.patch`
-(JSON and merge patches), :mod:`~kube_standin.schema` (decoding into the typed objects),
+request does), :mod:`~kube_standin.store` (objects and resourceVersions),
+:mod:`~kube_standin.leases` (Leases), :mod:`~kube_standin.patch` (JSON and merge patches),
+:mod:`~kube_standin.schema` (decoding into the typed objects),
 :mod:`~kube_standin.validation`, :mod:`~kube_standin.selectors`, :mod:`~kube_standin.auth` (tokens
 and RBAC), :mod:`~kube_standin.faults` (injected failures), :mod:`~kube_standin.status` (errors
 as the server words them).

@@ -69,6 +69,8 @@ def serve(store: Store, access: Access, method: str, path: str, route: Route | N
             content_type = (headers.get("Content-Type") or "").split(";")[0].strip()
             return _patch_node(store, route, query, content_type, body)
         return _put_node(store, route, query, body)
+    if route.endpoint in ("leases", "lease"):
+        return _leases(store, route, method, query, headers, body)
     if route.endpoint == "events":
         if method == "GET":
             return ok(store.list_events(route.namespace, route.group, query))
@@ -169,6 +171,50 @@ def _decode_body(body: bytes, kind: str, api_version: str) -> dict[str, Any]:
                               f"{goq(got_kind)} is registered for version {goq(got_version)} in "
                               'scheme "pkg/api/legacyscheme/scheme.go:30"')
     return obj
+
+
+# -- leases -------------------------------------------------------------------------------------------
+def _leases(store: Store, route: Route, method: str, query: dict[str, list[str]], headers: Any,
+            body: bytes) -> Response:
+    if route.endpoint == "leases":
+        if method == "GET":
+            return ok(store.list_leases(route.namespace))
+        if not route.namespace:  # the all-namespaces path lists; creating needs a namespace
+            raise err_generic(405)
+        dry_run, _ = _options(query, "CreateOptions")
+        return ok(store.create_lease(route.namespace, _json_body(body, "Lease"), dry_run=dry_run),
+                  code=201)
+    if method == "GET":
+        return ok(store.get_lease(route.namespace, route.name))
+    if method == "DELETE":
+        dry_run, _ = _options(query, "DeleteOptions")
+        return ok(store.delete_lease(route.namespace, route.name, dry_run=dry_run))
+    if method == "PUT":
+        dry_run, _ = _options(query, "UpdateOptions")
+        obj = _json_body(body, "Lease")
+        return ok(store.update_lease(route.namespace, route.name, lambda current: obj,
+                                     dry_run=dry_run, put=True))
+    content_type = (headers.get("Content-Type") or "").split(";")[0].strip()
+    if content_type not in PATCH_TYPES:
+        raise err_unsupported_media(PATCH_TYPES)
+    dry_run, validation = _options(query, "PatchOptions")
+    try:
+        patch = json.loads(body)
+    except ValueError:
+        raise err_bad_request("invalid JSON patch") from None
+    return ok(store.update_lease(
+        route.namespace, route.name,
+        lambda current: patched(content_type, current, patch,
+                                strict=validation in ("Warn", "Strict"), warnings=[]),
+        dry_run=dry_run, put=False))
+
+
+def _json_body(body: bytes, kind: str) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError as e:
+        raise err_bad_request(f"the object provided is unrecognized (must be of type {kind}): "
+                              f"couldn't get version/kind; json parse error: {e}") from None
 
 
 # -- events -------------------------------------------------------------------------------------------

@@ -37,9 +37,15 @@ _ROUTES: tuple[tuple[re.Pattern[str], str, str, str, str], ...] = tuple(
          "events.k8s.io", ""),
         (r"^/apis/events\.k8s\.io/v1/namespaces/(?P<namespace>[^/]+)/events/(?P<name>[^/]+)$", "event",
          "events", "events.k8s.io", ""),
+        (r"^/apis/coordination\.k8s\.io/v1/leases$", "leases", "leases", "coordination.k8s.io", ""),
+        (r"^/apis/coordination\.k8s\.io/v1/namespaces/(?P<namespace>[^/]+)/leases$", "leases", "leases",
+         "coordination.k8s.io", ""),
+        (r"^/apis/coordination\.k8s\.io/v1/namespaces/(?P<namespace>[^/]+)/leases/(?P<name>[^/]+)$",
+         "lease", "leases", "coordination.k8s.io", ""),
     ))
 ALLOWED_METHODS = {"nodes": {"GET"}, "node": {"GET", "PATCH", "PUT"}, "events": {"GET", "POST"},
-                   "event": {"GET"}}
+                   "event": {"GET"}, "leases": {"GET", "POST"},
+                   "lease": {"GET", "PUT", "PATCH", "DELETE"}}
 """The methods each endpoint serves; another method on a known path is a 405."""
 
 
@@ -56,7 +62,7 @@ def route(path: str) -> Route | None:
 def verb(method: str, route: Route, query: dict[str, list[str]]) -> str:
     """The RBAC verb of a request (``list``/``watch`` for a collection GET, ``get`` for one)."""
     if method == "GET":
-        if route.endpoint in ("nodes", "events"):
+        if route.endpoint in ("nodes", "events", "leases"):
             return "watch" if query.get("watch", [""])[0] in ("true", "1") else "list"
         return "get"
     return {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(method,

@@ -4,7 +4,8 @@ The server decodes every body into its typed object and encodes the result, so u
 are dropped (and reported), empty optional fields disappear (``omitempty``), and a value of the
 wrong JSON type is refused with ``json.Unmarshal``'s message. :func:`roundtrip` does both steps
 over a transcription of the structs the stand-in serves (Node, core/v1 and events.k8s.io/v1
-Event); the two Event versions convert into each other as the server stores them (core/v1).
+Event, coordination.k8s.io/v1 Lease); the two Event versions convert into each other as the
+server stores them (core/v1).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def _fields(*specs: tuple[Any, ...]) -> tuple[_F, ...]:
     return tuple(_F(*s) for s in specs)
 
 
-# Transcribed from k8s.io/api core/v1 and events/v1, apimachinery meta/v1 (field order = JSON order).
+# Transcribed from k8s.io/api core/v1, events/v1 and coordination/v1, apimachinery meta/v1
+# (field order = JSON order).
 # Types: string, bool, int32, int64, Time, MicroTime, Quantity, any; "*T", "[]T", "map[string]T";
 # otherwise a struct below. Required fields (no omitempty) have omit "".
 _SCHEMA: dict[str, tuple[_F, ...]] = {
@@ -113,6 +115,12 @@ _SCHEMA: dict[str, tuple[_F, ...]] = {
         ("type", "string"), ("deprecatedSource", "EventSource"), ("deprecatedFirstTimestamp", "Time"),
         ("deprecatedLastTimestamp", "Time"), ("deprecatedCount", "int32")),
     "EventsV1EventSeries": _fields(("count", "int32", ""), ("lastObservedTime", "MicroTime", "")),
+    "Lease": _fields(("kind", "string"), ("apiVersion", "string"), ("metadata", "ObjectMeta"),
+                     ("spec", "LeaseSpec")),
+    "LeaseSpec": _fields(
+        ("holderIdentity", "*string"), ("leaseDurationSeconds", "*int32"), ("acquireTime", "*MicroTime"),
+        ("renewTime", "*MicroTime"), ("leaseTransitions", "*int32"), ("strategy", "*string"),
+        ("preferredHolder", "*string")),
 }
 _FIELD_INDEX = {t: {f.name: f for f in fs} for t, fs in _SCHEMA.items()}
 _GO_TYPE_NAMES = {"EventsV1Event": "v1.Event", "EventsV1EventSeries": "v1.EventSeries"}

@@ -178,7 +178,7 @@ class StandInAPIServer(Store):
 
     def forbid(self, verb: str, resource: str) -> None:
         """RBAC: deny ``verb`` (get, list, watch, create, update, patch, delete; ``*``) on ``resource``
-        (``nodes``, ``nodes/status``, ``events``; ``*``). Everything not forbidden is allowed."""
+        (``nodes``, ``nodes/status``, ``events``, ``leases``; ``*``). Everything not forbidden is allowed."""
         self._access.forbid(verb, resource)
 
     def allow(self, verb: str, resource: str) -> None:

@@ -1,4 +1,4 @@
-"""The object store: Nodes, Events and namespaces under one lock, one resourceVersion counter.
+"""The object store: Nodes, Events, Leases and namespaces under one lock, one resourceVersion counter.
 
 ``resourceVersion`` is one cluster-wide counter, a decimal string, bumped by every write that
 changes an object (a write that changes nothing keeps it: etcd is not written). An update
@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from kube_standin.leases import LeaseStore
 from kube_standin.schema import (
     KUBE_VERSION,
     DecodeError,
@@ -58,14 +59,15 @@ DEFAULT_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease"
 _RANDOM_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"  # utilrand.String, for generateName
 
 
-class Store:
-    """The cluster's objects (see the module docstring)."""
+class Store(LeaseStore):
+    """The cluster's objects (see the module docstring; Leases: :mod:`kube_standin.leases`)."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._rv = 1000
         self._nodes: dict[str, dict[str, Any]] = {}
         self._events: dict[tuple[str, str], dict[str, Any]] = {}
+        self._leases: dict[tuple[str, str], dict[str, Any]] = {}
         self._namespaces: set[str] = set(DEFAULT_NAMESPACES)
 
     def _next_rv(self) -> str:

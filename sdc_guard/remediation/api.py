@@ -149,6 +149,7 @@ class NodeAPI:
 
         self.client = api_client
         self.core = client.CoreV1Api(api_client)
+        self.coordination = client.CoordinationV1Api(api_client)
         self.timeout = request_timeout_s
         self.retries = retries
         self.backoff = backoff_s
@@ -174,6 +175,35 @@ class NodeAPI:
             self.core.create_namespaced_event(namespace, body,  # type: ignore[arg-type]
                                               dry_run="All" if dry_run else None,
                                               _request_timeout=self.timeout)))
+
+    def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A ``coordination.k8s.io/v1`` Lease, or None when there is none."""
+        try:
+            return self._call("get", "leases", name, lambda: self._dict(
+                self.coordination.read_namespaced_lease(name, namespace,
+                                                        _request_timeout=self.timeout)),
+                group="coordination.k8s.io", namespace=namespace)
+        except NotFound:
+            return None
+
+    def create_lease(self, namespace: str, body: dict[str, Any], *,
+                     dry_run: bool) -> dict[str, Any]:
+        """Create a Lease; ``Conflict`` when one of that name exists."""
+        return self._call("create", "leases", None, lambda: self._dict(
+            self.coordination.create_namespaced_lease(
+                namespace, body, dry_run="All" if dry_run else None,  # type: ignore[arg-type]
+                _request_timeout=self.timeout)),
+            group="coordination.k8s.io", namespace=namespace)
+
+    def replace_lease(self, namespace: str, name: str, body: dict[str, Any], *,
+                      dry_run: bool) -> dict[str, Any]:
+        """Update a Lease under the ``metadata.resourceVersion`` of ``body``; ``Conflict`` when
+        it changed since."""
+        return self._call("update", "leases", name, lambda: self._dict(
+            self.coordination.replace_namespaced_lease(
+                name, namespace, body, dry_run="All" if dry_run else None,  # type: ignore[arg-type]
+                _request_timeout=self.timeout)),
+            group="coordination.k8s.io", namespace=namespace)
 
     def update(self, name: str, change: Callable[[dict[str, Any]], JsonPatch | None], *,
                dry_run: bool, attempts: int = 6) -> dict[str, Any]:

@@ -4,7 +4,9 @@
 nodes (``Detection.suspect_nodes``). It acts on detections with suspects:
 
 - the acting rank (rank 0 by default, one rank only) asks the circuit breaker
-  (``remediation.breaker``), then for each admitted node: marks it unschedulable, adds our
+  (``remediation.breaker``) with the count every writer of the job shares (the job's Lease,
+  ``remediation.lease``: the nodes are reserved there before they are cordoned), then for each
+  admitted node: marks it unschedulable, adds our
   ``NoSchedule`` taint, writes our marker and the evidence (annotations, see
   ``remediation.evidence``) in one read-modify-write, and creates a Kubernetes Event on the
   node. A node this job already quarantined gets the evidence appended, no second taint, and
@@ -21,8 +23,9 @@ guard's event log (``{"event": "quarantine", ...}``).
 
 Dry run is the default: every write is sent with ``dryRun=All``, so the server authenticates,
 authorises, validates and answers as it would, and stores nothing. The breaker counts dry-run
-quarantines in memory; real ones are also read back from the cluster (our marker names the job
-and the time), so a job restarted after a quarantine still counts the nodes it took.
+quarantines in memory; real ones are in the job's Lease and are also read back from the cluster
+(our marker names the job and the time), so a job restarted after a quarantine, or a second
+instance of it, counts the nodes it took.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from sdc_guard.remediation.api import JsonPatch, KubeError, NodeAPI, annotation_ops, load_client
-from sdc_guard.remediation.breaker import BreakerLimits, admit
+from sdc_guard.remediation.breaker import BreakerLimits
 from sdc_guard.remediation.evidence import (
     EVIDENCE,
     MARKER,
@@ -54,6 +57,7 @@ from sdc_guard.remediation.evidence import (
     parse_marker,
     telemetry_entry,
 )
+from sdc_guard.remediation.lease import SharedBreaker
 from sdc_guard.report import Detection
 from sdc_guard.topology import Topology
 
@@ -96,7 +100,7 @@ class KubeQuarantine:
                  evidence_interval_s: float = 60.0, deadline_s: float = 5.0,
                  request_timeout_s: float = 5.0, retries: int = 4, backoff_s: float = 0.5,
                  job: str | None = None, acting_rank: int = 0,
-                 event_namespace: str = "default") -> None:
+                 event_namespace: str = "default", namespace: str | None = None) -> None:
         """``dry_run``: send every write with ``dryRun=All`` (the default; ``False`` acts).
         ``max_nodes``/``max_fraction``/``window_s``: the circuit breaker. ``kubeconfig``: None
         in a pod (service account), else a kubeconfig path. ``evidence_interval_s``: at most one
@@ -105,6 +109,8 @@ class KubeQuarantine:
         call. ``job``: the job's name in our marker (default ``$SDC_GUARD_JOB``, set from the
         PyTorchJob's label in ``deploy/pytorchjob.yaml``); the breaker counts per job.
         ``acting_rank``: the one rank that cordons. ``event_namespace``: where node Events go.
+        ``namespace``: the job's namespace, where the breaker's Lease lives (default: the acting
+        rank's pod namespace, ``POD_NAMESPACE``, else ``default``).
         """
         if not isinstance(dry_run, bool):
             raise ValueError(f"KubeQuarantine(dry_run=...) must be True or False, got {dry_run!r}.")
@@ -128,6 +134,7 @@ class KubeQuarantine:
                              "job's name (a PyTorchJob's metadata.name)")
         self.acting_rank = acting_rank
         self.event_namespace = event_namespace
+        self.namespace = namespace
         self.api = NodeAPI(load_client(kubeconfig), request_timeout_s=request_timeout_s,
                            retries=retries, backoff_s=backoff_s)
         self.actions: list[QuarantineAction] = []
@@ -142,6 +149,8 @@ class KubeQuarantine:
         self._last_write: dict[str, float] = {}
         self._pending: dict[str, list[dict[str, Any]]] = {}
         self._worker: threading.Thread | None = None
+        self.breaker: SharedBreaker | None = None
+        """The job's count shared through its Lease (``remediation.lease``); set by ``bind``."""
 
     # -- the guard's side ------------------------------------------------------------------
     def bind(self, *, topology: Topology, rank: int,
@@ -151,6 +160,11 @@ class KubeQuarantine:
             raise ValueError(f"KubeQuarantine(acting_rank={self.acting_rank}) is not a rank of "
                              f"this job (world size {len(topology.places)}).")
         self.topology, self.rank, self._log_event = topology, rank, log_event
+        me = topology.places[self.acting_rank]
+        self.breaker = SharedBreaker(
+            self.api, namespace=self.namespace or me.namespace or "default", job=self.job,
+            limits=self.limits, identity=me.pod or f"{me.hostname}/{os.getpid()}",
+            dry_run=self.dry_run)
         if self._worker is None:
             self._worker = threading.Thread(target=self._run, name="sdc-guard-quarantine",
                                             daemon=True)
@@ -242,18 +256,21 @@ class KubeQuarantine:
                         self._idle.notify_all()
 
     def _quarantine(self, d: Detection) -> None:
-        assert self.topology is not None
+        assert self.topology is not None and self.breaker is not None
         now = time.time()
         held = dict(self._mine)
-        if not self.dry_run:
-            try:
+        try:
+            if not self.dry_run:
                 held.update(self._held_in_cluster(now))
-            except KubeError as e:  # fail closed: without the count the breaker cannot judge
-                self._record("error", None, d, f"not cordoning: cannot count the nodes this job "
-                             f"already quarantined: {e}")
-                return
-        adm = admit(d.suspect_nodes, held, now=now, nodes_in_job=len(self.topology.nodes),
-                    limits=self.limits)
+            # the count every writer of this job shares: the nodes are reserved in the job's
+            # Lease before any is cordoned, so N instances together stay within the limits
+            adm = self.breaker.reserve(d.suspect_nodes, held_elsewhere=held, now=now,
+                                       nodes_in_job=len(self.topology.nodes))
+        except KubeError as e:  # fail closed: without the count the breaker cannot judge
+            log.error("sdc-guard: not cordoning: %s", e)
+            self._record("error", None, d, f"not cordoning: cannot count the nodes this job "
+                         f"already quarantined: {e}")
+            return
         entry = detection_entry(d, job=self.job, now=now)
         if adm.tripped:
             log.error("sdc-guard: %s (detection by %s at step %d, job %s)", adm.reason, d.check,
@@ -262,7 +279,8 @@ class KubeQuarantine:
                                                                     if n not in adm.known))
             self._alert(d, adm.reason)
         for node in adm.cordon:
-            self._guarded(d, node, functools.partial(self._cordon, node, d, entry))
+            if not self._guarded(d, node, functools.partial(self._cordon, node, d, entry)):
+                self.breaker.give_back(node, now)
         for node in adm.known:
             self._guarded(d, node, functools.partial(self._evidence, node, d, [entry]))
 
@@ -273,12 +291,15 @@ class KubeQuarantine:
         entry = telemetry_entry(d, rank=self.rank, job=self.job, snapshot=snap)
         self._guarded(d, node, lambda: self._evidence(node, d, [entry]))
 
-    def _guarded(self, d: Detection, node: str, fn: Callable[[], None]) -> None:
+    def _guarded(self, d: Detection, node: str, fn: Callable[[], None]) -> bool:
+        """``fn()``; False (and an "error" record) when it failed."""
         try:
             fn()
         except KubeError as e:
             log.error("sdc-guard quarantine of node %s: %s", node, e)
             self._record("error", node, d, str(e))
+            return False
+        return True
 
     def _cordon(self, node: str, d: Detection, entry: dict[str, Any]) -> None:
         def change(obj: dict[str, Any], *, evidence: bool = True) -> JsonPatch:

@@ -33,6 +33,7 @@ class _Server(StandInAPIServer):
 @pytest.fixture
 def srv(tmp_path: Path) -> Iterator[Any]:
     with _Server() as s:
+        s.add_namespace("ml")  # the pods' namespace: the breaker's Lease lives there
         for n in NODES:
             s.add_node(n, taints=[OTHER])
         s.kubeconfig = s.write_kubeconfig(tmp_path / "kubeconfig")
