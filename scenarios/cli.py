@@ -18,10 +18,12 @@ bad value and what is allowed, and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from pathlib import Path
 
+from scenarios.run.outlock import hold_output
 from scenarios.run.pool import PoolError
 from scenarios.run.shards import merge, parse_shard
 from scenarios.spec.campaign import CampaignSpec, campaign_for_scenario, load_campaign
@@ -35,19 +37,22 @@ from scenarios.spec.trials import plan_trials
 def _run_campaign(campaign: CampaignSpec, out: Path, cache: str | None, progress: bool,
                   shard: tuple[int, int] | None = None, report: bool = True) -> int:
     """Run it; the report unless ``report`` is False or this is a shard (``merge`` writes the
-    report of the whole campaign; a shard's own would describe a part of the sample)."""
+    report of the whole campaign; a shard's own would describe a part of the sample). The
+    report is written while the run still holds ``OUT/.lock``."""
     from scenarios.report.render import summary_text, write_report
     from scenarios.run.runner import run_campaign
 
-    if not run_campaign(campaign, out, cache=cache, progress=progress, shard=shard):
-        return 0
-    if shard is not None:
-        print(f"shard {shard[0]}/{shard[1]} done: {out}; merge every shard's directory into "
-              "the campaign and its report with: python -m scenarios merge OUT DIR...")
-    elif report:
-        print(summary_text(write_report(out), out))
-    else:
-        print(f"campaign done: {out} (no report; python -m scenarios report {out} writes it)")
+    def then() -> None:
+        if shard is not None:
+            print(f"shard {shard[0]}/{shard[1]} done: {out}; merge every shard's directory "
+                  "into the campaign and its report with: python -m scenarios merge OUT DIR...")
+        elif report:
+            print(summary_text(write_report(out), out))
+        else:
+            print(f"campaign done: {out} (no report; python -m scenarios report {out} writes "
+                  "it)")
+
+    run_campaign(campaign, out, cache=cache, progress=progress, shard=shard, then=then)
     return 0
 
 
@@ -105,8 +110,15 @@ def main(argv: list[str] | None = None) -> int:
             from scenarios.report.render import summary_text, write_report
 
             out = Path(args.out)
-            merge(out, [Path(d) for d in args.dirs])
-            print(summary_text(write_report(out), out))
+            dirs = [Path(d) for d in args.dirs]
+            with contextlib.ExitStack() as held:  # no shard may still be running
+                for d in dirs:
+                    if d.is_dir():
+                        held.enter_context(hold_output(d, command="merge (reading)",
+                                                       create=False))
+                held.enter_context(hold_output(out, command="merge"))
+                merge(out, dirs)
+                print(summary_text(write_report(out), out))
             return 0
         if args.command == "report":
             from scenarios.report.render import summary_text, write_report
@@ -115,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             if not (out / "trials.csv").exists():
                 raise ScenarioError("dir", str(out), "a campaign output directory with "
                                     "trials.csv")
-            print(summary_text(write_report(out, cluster_overrides(args)), out))
+            with hold_output(out, command="report", create=False):
+                print(summary_text(write_report(out, cluster_overrides(args)), out))
             return 0
         if args.command == "check":
             data = read_toml(args.file)

@@ -12,7 +12,14 @@ never waits forever:
 
 * a rank raises: the others are probably blocked in a collective, so after a
   short grace period the pool is killed and ``PoolError("crashed")`` raised;
-* a rank dies (exit, signal): ``PoolError("crashed")`` naming it and its code;
+* a rank dies (exit, or a signal of its own failure: SIGSEGV, SIGABRT, ...):
+  ``PoolError("crashed")`` naming it and its code;
+* a rank is killed by a signal the pool did not send (``OUTSIDE_SIGNALS``: SIGKILL,
+  SIGTERM, ... from a person, a scheduler or the OOM killer): ``PoolError("lost")``,
+  whatever the other ranks did next (they fail in the collective it left). The pool
+  sends SIGKILL itself only after it has decided a command's end (a hang, another
+  rank's error), so a rank found dead of such a signal before that was killed from
+  outside: the trial says nothing about the fault, and the campaign retries it;
 * no answer within the timeout: the pool is killed, ``PoolError("hung")``.
 
 The next ``run`` starts a fresh pool (``restarts`` counts them). Ranks are forked
@@ -40,7 +47,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any
+from typing import Any, Final
 
 import torch
 import torch.distributed as dist
@@ -51,9 +58,15 @@ from scenarios.run.rank import Command, Ping, RankRunner
 from scenarios.spec.errors import ScenarioError
 from sdc_guard import CheckpointManager
 
+OUTSIDE_SIGNALS: Final = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT,
+                                    signal.SIGHUP, signal.SIGQUIT})
+"""Signals that end a rank from outside (a person, a scheduler, the OOM killer), not by a
+failure of its own (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT: those are ``crashed``)."""
+
 
 class PoolError(RuntimeError):
-    """A command did not complete on every rank. ``kind``: "crashed" or "hung"."""
+    """A command did not complete on every rank. ``kind``: "crashed", "hung", or "lost" (a
+    rank was killed by a signal the pool did not send, ``OUTSIDE_SIGNALS``)."""
 
     def __init__(self, kind: str, reason: str, *, rank: int | None = None,
                  detail: str = "") -> None:
@@ -273,6 +286,17 @@ class WorkerPool:
         self.start()
         return self._send_and_wait(cmd, timeout)
 
+    def _killed_from_outside(self) -> PoolError | None:
+        """A ``PoolError("lost")`` for the first rank found dead of one of ``OUTSIDE_SIGNALS``
+        (asked before the pool kills anything itself), or None."""
+        for r, p in enumerate(self._procs):
+            code = None if p.is_alive() else p.exitcode
+            if code is not None and code < 0 and -code in OUTSIDE_SIGNALS:
+                name = signal.Signals(-code).name
+                return PoolError("lost", f"rank {r} was killed by {name}, a signal the harness "
+                                 "did not send", rank=r)
+        return None
+
     def _send_and_wait(self, cmd: Command, timeout: float) -> list[Any]:
         self._seq += 1
         seq = self._seq
@@ -288,7 +312,10 @@ class WorkerPool:
                 break  # the others are blocked in a collective the failed rank never joined
             if now > deadline:
                 missing = sorted(set(range(self.world_size)) - set(got) - set(errors))
+                lost = self._killed_from_outside()
                 self.kill()
+                if lost is not None:
+                    raise lost
                 raise PoolError("hung", f"no answer within {timeout:.0f}s from rank(s) "
                                 f"{missing}", rank=missing[0] if missing else None)
             try:
@@ -298,12 +325,18 @@ class WorkerPool:
                         if r not in got and r not in errors and not p.is_alive()]
                 if dead:
                     r, code = dead[0]
+                    lost = self._killed_from_outside()
                     self.kill()
+                    if lost is not None:
+                        raise lost from None
                     raise PoolError("crashed", f"rank {r} died (exit code {code})",
                                     rank=r) from None
                 continue
             except (EOFError, OSError, ValueError):
+                lost = self._killed_from_outside()
                 self.kill()
+                if lost is not None:
+                    raise lost from None
                 raise PoolError("crashed", "the result queue broke") from None
             if s != seq and s != 0:
                 continue  # an answer to a command that timed out earlier
@@ -314,7 +347,10 @@ class WorkerPool:
                     first_error = time.monotonic()
                 errors[rank] = payload
         if errors:
+            lost = self._killed_from_outside()  # the others then fail in its collective
             self.kill()  # some ranks may be stuck mid-collective: start over
+            if lost is not None:
+                raise lost
             r = min(errors)
             last = errors[r].strip().splitlines()[-1] if errors[r].strip() else "error"
             raise PoolError("crashed", f"rank {r} raised {last}", rank=r, detail=errors[r])

@@ -10,6 +10,15 @@
 Resuming: trial ids are fixed by the campaign file, the ids already in
 ``trials.csv`` are skipped, and goldens and the overhead measurement are reused
 from disk when present.
+
+One writer: the coordinator holds ``OUT/.lock`` (``scenarios.run.outlock``) for the
+whole run; a second run on the same directory is refused at once, naming the holder.
+
+Lost trials: a trial whose rank was killed by a signal the harness did not send (the
+pool's ``PoolError("lost")``: SIGKILL from a person, a scheduler, the OOM killer) says
+nothing about its fault, so it is run again once; killed again, its row gets the outcome
+``lost`` (not ``crashed``, which stays a failure of the trial itself), and the run lists
+it at the end and in ``campaign.json`` (``lost_this_run``).
 """
 
 from __future__ import annotations
@@ -20,13 +29,14 @@ import shutil
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from kube_standin import StandInAPIServer
 from scenarios.report.outcome import classify, failed_row
 from scenarios.report.summary import fit_replay_overhead
+from scenarios.run.outlock import OutputBusy, hold_output
 from scenarios.run.pool import PoolError, WorkerPool
 from scenarios.run.rank import Command, Golden, Overhead, Prepare, Trial
 from scenarios.run.shards import overhead_share, plan_key, shard_of
@@ -43,6 +53,9 @@ from scenarios.spec.errors import ScenarioError
 from scenarios.spec.overhead import HEADLINE, PLAIN_DDP, all_checks, replay_only
 from scenarios.spec.scenario import Scenario
 from scenarios.spec.trials import TrialSpec, describe, plan_trials
+
+LOST: Final = "lost"
+"""The outcome of a trial lost twice to a kill from outside the harness."""
 
 
 def overhead_matches(ov: Any, campaign: CampaignSpec) -> bool:
@@ -207,6 +220,19 @@ class CampaignRunner:
 
     # -- trials ---------------------------------------------------------------------------------
     def trial(self, t: TrialSpec) -> dict[str, Any] | None:
+        """Run ``t``: its row (None on a rank that does not coordinate). A trial lost to a kill
+        from outside is run once more; lost again, its row's outcome is ``lost``."""
+        row = self._attempt(t)
+        if row is not None and row["outcome"] == LOST:
+            if self.executor.coordinator:
+                _say(f"trial {t.id}: {row['error']}: running it again")
+            first = row["error"]
+            row = self._attempt(t)
+            if row is not None and row["outcome"] == LOST:
+                row["error"] = f"lost twice: {first}; then {row['error']}"[:500]
+        return row
+
+    def _attempt(self, t: TrialSpec) -> dict[str, Any] | None:
         sc = self.campaign.scenario(t.scenario)
         golden = self.goldens[sc.name]
         _, pt = golden_paths(self.cache, golden.key)
@@ -291,7 +317,29 @@ class CampaignRunner:
             table.append(failed_row(t, "crashed", "the ranks went down during this trial "
                                     f"{info['attempts']} times (a rank died or raised)", 0.0))
 
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Hold ``OUT/.lock`` for the block (the coordinator takes it; every rank raises
+        ``OutputBusy`` when another run holds it). Nested holds share the lock."""
+        with contextlib.ExitStack() as stack:
+            holder = None
+            if self.executor.coordinator:
+                try:
+                    stack.enter_context(hold_output(
+                        self.out, command=f"campaign {self.campaign.name!r}"))
+                except OutputBusy as e:
+                    holder = e.holder
+            holder = self.executor.agree(holder)
+            if holder is not None:
+                raise OutputBusy(self.out, holder)
+            yield
+
     def run(self) -> dict[str, Any]:
+        """Run every trial not yet in ``trials.csv``, holding ``OUT/.lock``."""
+        with self.holding():
+            return self._run()
+
+    def _run(self) -> dict[str, Any]:
         started = time.time()
         t_start = time.monotonic()
         plan = plan_trials(self.campaign)
@@ -341,6 +389,7 @@ class CampaignRunner:
             if ov is not None and coordinator:
                 write_json(ov_path, ov)
         counts: Counter[str] = Counter()
+        lost: list[str] = []
         bar = _bar(len(trials), len(trials) - len(todo), self.progress)
         t_trials = time.monotonic()
         try:
@@ -352,6 +401,8 @@ class CampaignRunner:
                     continue
                 table.append(row)
                 counts[row["outcome"]] += 1
+                if row["outcome"] == LOST:
+                    lost.append(t.id)
                 if bar is not None:
                     bar.set_postfix(counts, refresh=False)
                     bar.update(1)
@@ -363,7 +414,7 @@ class CampaignRunner:
                "trial_seconds": trial_seconds}
         meta.update({
             "runs": [*meta.get("runs", []), run],
-            "ran": len(todo), "outcomes_this_run": dict(counts),
+            "ran": len(todo), "outcomes_this_run": dict(counts), "lost_this_run": lost,
             "trial_seconds": trial_seconds, "seconds": time.monotonic() - t_start,
             "trials_per_minute": len(todo) / trial_seconds * 60 if todo and trial_seconds else None,
             "goldens": {**meta.get("goldens", {}),
@@ -374,6 +425,10 @@ class CampaignRunner:
         })
         if coordinator:
             write_json(self.out / "campaign.json", meta)
+            if lost:
+                _say(f"{len(lost)} trial(s) lost: a rank was killed by a signal the harness did "
+                     f"not send, twice (outcome 'lost' in trials.csv, left out of coverage): "
+                     + ", ".join(lost))
         return meta
 
 
@@ -388,13 +443,21 @@ def executor_for(campaign: CampaignSpec) -> Executor:
 
 
 def run_campaign(campaign: CampaignSpec, out: Path, *, cache: str | Path | None = None,
-                 progress: bool = True, shard: tuple[int, int] | None = None) -> bool:
+                 progress: bool = True, shard: tuple[int, int] | None = None,
+                 then: Callable[[], None] | None = None) -> bool:
     """Run ``campaign`` into ``out`` on this machine's ranks or as a torchrun rank; whether
-    this process coordinates (and so should write the report)."""
+    this process coordinates. ``then`` (the report): called in the coordinator after the
+    run, still holding ``OUT/.lock``."""
     executor = executor_for(campaign)
-    try:
-        CampaignRunner(campaign, out, executor, cache=cache, progress=progress,
-                       shard=shard).run()
-    finally:
-        executor.close()
-    return executor.coordinator
+    coordinator = executor.coordinator
+    with contextlib.ExitStack() as held:
+        try:
+            runner = CampaignRunner(campaign, out, executor, cache=cache, progress=progress,
+                                    shard=shard)
+            held.enter_context(runner.holding())
+            runner.run()
+        finally:
+            executor.close()
+        if then is not None and coordinator:
+            then()
+    return coordinator

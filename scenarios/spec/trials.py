@@ -27,14 +27,17 @@ from scenarios.spec.faults import FaultSpace
 from scenarios.spec.scenario import Scenario
 from scenarios.spec.seeds import seed_of
 
-CHAOS_ACTIONS: Final = ("raise", "exit", "hang")
+CHAOS_ACTIONS: Final = ("raise", "exit", "hang", "kill")
+"""What a ``Chaos`` rank does: raise, exit (status 17), hang, or SIGKILL itself (standing in
+for a kill from outside the harness: a person, a scheduler, the OOM killer)."""
 Z: Final = {0.9: 1.645, 0.95: 1.96, 0.99: 2.576}
 """Two-sided normal quantiles t for the Leveugle et al. sample size."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class Chaos:
-    """A harness self-test: make one rank raise, exit or hang at one step (not a data fault)."""
+    """A harness self-test: make one rank raise, exit, hang or be killed at one step (not a
+    data fault)."""
 
     action: str
     rank: int
