@@ -41,6 +41,8 @@ CRD_KINDS = {("kubeflow.org/v1", "PyTorchJob")}
 # What the quarantine needs, and nothing more: (apiGroup, resource) -> verbs.
 EXPECTED_GRANTS = {("", "nodes"): {"get", "list", "patch"}, ("", "events"): {"create"}}
 CLUSTER_ROLE = "sdc-guard-quarantine"
+EXPECTED_LEASE_GRANTS = {("coordination.k8s.io", "leases"): {"get", "create", "update"}}
+LEASE_ROLE = "sdc-guard-breaker"
 
 # The downward-API env the guarded training script reads, and where each comes from.
 DOWNWARD_ENV = {
@@ -299,16 +301,18 @@ def _grants(role: Doc) -> Iterator[tuple[str, str, str]]:
                     yield group, resource, verb
 
 
-def rbac_problems(role: Doc) -> list[str]:
-    """Why ``role`` is not exactly the quarantine's least privilege ([] when it is)."""
+def rbac_problems(role: Doc, expected: dict[tuple[str, str], set[str]] | None = None) -> list[str]:
+    """Why ``role`` is not exactly the quarantine's least privilege ([] when it is); ``expected``:
+    the grants it must make (default: the ClusterRole's)."""
+    expected = EXPECTED_GRANTS if expected is None else expected
     problems = []
     granted: dict[tuple[str, str], set[str]] = {}
     for group, resource, verb in _grants(role):
         if "*" in (group, resource, verb):
             problems.append(f"wildcard in {group!r}/{resource!r}/{verb!r}")
         granted.setdefault((group, resource), set()).add(verb)
-    if granted != EXPECTED_GRANTS:
-        problems.append(f"grants {granted}, want exactly {EXPECTED_GRANTS}")
+    if granted != expected:
+        problems.append(f"grants {granted}, want exactly {expected}")
     for rule in role.get("rules", []):
         if rule.get("nonResourceURLs"):
             problems.append(f"nonResourceURLs {rule['nonResourceURLs']}")
@@ -362,6 +366,34 @@ def test_binding_ties_the_role_to_the_service_account() -> None:
                                   "name": CLUSTER_ROLE}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
                                     "namespace": sa["metadata"]["namespace"]}]
+
+
+def test_the_breakers_lease_role_is_namespaced_and_least_privilege() -> None:
+    """Leases get/create/update in the job's namespace only: a Role (not the ClusterRole), bound to
+    the sdc-guard ServiceAccount in the same namespace."""
+    role, binding, sa = _one("Role"), _one("RoleBinding"), _one("ServiceAccount")
+    assert role["metadata"]["name"] == LEASE_ROLE
+    assert rbac_problems(role, EXPECTED_LEASE_GRANTS) == []
+    namespace = sa["metadata"]["namespace"]
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == namespace
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": LEASE_ROLE}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
+                                    "namespace": namespace}]
+    assert not any(r for r in _one("ClusterRole")["rules"] if "leases" in r.get("resources", []))
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda r: r["rules"][0]["verbs"].append("delete"),
+    lambda r: r["rules"][0]["verbs"].remove("update"),
+    lambda r: r["rules"][0]["verbs"].remove("create"),
+    lambda r: r["rules"][0].update(resources=["*"]),
+    lambda r: r["rules"][0].update(apiGroups=[""]),
+], ids=["delete", "no-update", "no-create", "resources-star", "core-group"])
+def test_an_over_or_under_privileged_lease_role_is_caught(mutate: Callable[[Doc], None]) -> None:
+    role = _one("Role")
+    mutate(role)
+    assert rbac_problems(role, EXPECTED_LEASE_GRANTS) != []
 
 
 # ---------------------------------------------------------------------------------------------
