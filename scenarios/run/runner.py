@@ -30,6 +30,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final, Protocol
 
@@ -51,6 +52,7 @@ from scenarios.run.store import (
 from scenarios.spec.campaign import CampaignSpec
 from scenarios.spec.errors import ScenarioError
 from scenarios.spec.overhead import HEADLINE, PLAIN_DDP, all_checks, replay_only
+from scenarios.spec.paths import inside
 from scenarios.spec.scenario import Scenario
 from scenarios.spec.trials import TrialSpec, describe, plan_trials
 
@@ -73,6 +75,28 @@ def overhead_matches(ov: Any, campaign: CampaignSpec) -> bool:
             and isinstance(ov.get("replay"), dict)
             and sorted(ov["replay"], key=int)
             == [str(k) for k in sorted(campaign.overhead_intervals())])
+
+
+def confined(campaign: CampaignSpec, out: Path) -> CampaignSpec:
+    """``campaign`` with each scenario's ``[guard] event_log`` resolved under ``out``
+    (``scenarios.spec.paths.inside``: a path that leaves it is a ``ScenarioError``)."""
+    def under_out(sc: Scenario) -> Scenario:
+        log = sc.guard.event_log
+        if log is None:
+            return sc
+        try:
+            path = inside(out, log, "guard.event_log")
+        except ScenarioError as e:
+            raise ScenarioError(e.field, e.value, e.allowed, reason=f"scenario {sc.name!r}: "
+                                f"{e.reason}" if e.reason else f"scenario {sc.name!r}") from None
+        return replace(sc, guard=replace(sc.guard, event_log=str(path)))
+
+    scenarios = tuple(under_out(s) for s in campaign.scenarios)
+    ov = campaign.overhead_file_scenario
+    if scenarios == campaign.scenarios and ov is None:
+        return campaign
+    return replace(campaign, scenarios=scenarios,
+                   overhead_file_scenario=None if ov is None else under_out(ov))
 
 
 class Executor(Protocol):
@@ -151,9 +175,9 @@ class CampaignRunner:
                  cache: str | Path | None = None, progress: bool = True,
                  shard: tuple[int, int] | None = None) -> None:
         """``shard``: ``(I, N)``: run only shard I of N (``scenarios.run.shards``)."""
-        self.campaign = campaign
         self.shard = shard
         self.out = Path(out)
+        self.campaign = confined(campaign, self.out)
         self.cache = Path(cache) if cache is not None else self.out / "golden"
         self.executor = executor
         self.progress = progress and executor.coordinator

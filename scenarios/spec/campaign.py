@@ -41,6 +41,7 @@ from typing import Any
 from scenarios.spec.cluster import ClusterSpec, cluster_from_table
 from scenarios.spec.errors import ScenarioError, need_int, need_number
 from scenarios.spec.faults import FaultSpace, space_of
+from scenarios.spec.paths import need_name
 from scenarios.spec.scenario import Scenario, load_scenario
 from scenarios.spec.tables import known_keys, merge, read_toml, table_of, tuples
 
@@ -88,6 +89,7 @@ class CampaignSpec:
     None: its documented defaults."""
 
     def __post_init__(self) -> None:
+        need_name("name", self.name)
         if not self.scenarios:
             raise ScenarioError("scenarios", [], "a non-empty list of scenario files")
         names = [s.name for s in self.scenarios]

@@ -73,6 +73,7 @@ from scenarios.spec.models import (
     parameter_targets,
     synthetic_batch,
 )
+from scenarios.spec.paths import need_name, need_relative
 from scenarios.spec.tables import known_keys, read_toml, table_of, tuples
 from sdc_guard import ChecksumConfig, GuardConfig
 
@@ -244,9 +245,7 @@ class Scenario:
     """Or a matrix / sample of faults (``[matrix]`` or ``[sample]``)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name or not all(
-                c.isalnum() or c in "-_." for c in self.name):
-            raise ScenarioError("name", self.name, "a non-empty name of letters, digits, - _ .")
+        need_name("name", self.name)
         need_int("world_size", self.world_size, 1, 1024)
         need_int("steps", self.steps, 1, 100_000)
         need_int("batch", self.batch, 1, 65_536)
@@ -398,6 +397,8 @@ def scenario_from_dict(data: Mapping[str, Any], *, name: str) -> Scenario:
         known_keys(table, [f.name for f in fields(cls)], f"{key}.")
         kw[key] = cls(**table)
     kw["guard"] = guard_from_table(table_of(data, "guard"))
+    if kw["guard"].event_log is not None:  # the runner writes it under --out
+        need_relative("guard.event_log", kw["guard"].event_log)
     if "quarantine" in data:
         table = table_of(data, "quarantine")
         known_keys(table, [f.name for f in fields(QuarantineSpec)], "quarantine.")
