@@ -40,7 +40,7 @@ its name appears in the trials' ``checks`` column: the "checksum" check (fault s
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
@@ -150,6 +150,64 @@ def _parts(cluster: ClusterSpec, rate: float, f: float, p_det: float, p_esc: flo
     }
 
 
+@dataclass(frozen=True, slots=True)
+class Config:
+    """One configuration the model prices: which trials stand for it and what is off."""
+
+    name: str
+    replay_interval: int
+    checks: tuple[str, ...]
+    """The optional checks on (``OPTIONAL_CHECKS``)."""
+    weights_interval: int
+    """The weights check every ``weights_interval`` steps (0: off)."""
+    off: frozenset[str]
+    """Checks whose detections count as escapes here (off, or the replay audit at k = 0)."""
+    trials: pd.Index
+    """The fault trials that stand for it: interval k's (and, with a checksum axis, those
+    that ran with the checksum check as it is here)."""
+
+
+def optional_checks(faults: pd.DataFrame, overhead: dict[str, Any] | None,
+                    cluster: ClusterSpec) -> list[str]:
+    """The optional checks with a measured overhead that fired in some trial (a check the
+    trials never ran gives no data)."""
+    optional = [c for c in OPTIONAL_CHECKS if _check_cost(overhead, cluster, c) is not None]
+    fired = {c for cs in faults["checks"].str.split("+") for c in cs if c}
+    return [c for c in optional if c in fired]
+
+
+def config_list(faults: pd.DataFrame, overhead: dict[str, Any] | None,
+                cluster: ClusterSpec) -> list[Config]:
+    """Every configuration the campaign measured: each replay interval with a measured
+    overhead, each optional check on or off, each weights interval."""
+    optional = optional_checks(faults, overhead, cluster)
+    intervals = sorted(int(k) for k in faults["replay_interval"].dropna().unique())
+    axis = faults["checksum"].dropna() if "checksum" in faults else pd.Series(dtype=bool)
+    checksum_axis = axis.nunique() > 1  # trials ran with it on and off: no counterfactual
+    out = []
+    for k in intervals:
+        if _overheads(overhead, None, cluster, k) is None:
+            continue
+        gk = faults[faults["replay_interval"] == k]
+        for on, kw in itertools.product(itertools.product((True, False), repeat=len(optional)),
+                                        WEIGHTS_INTERVALS):
+            checks = tuple(c for c, o in zip(optional, on, strict=True) if o)
+            if kw != 1 and "weights" not in checks:
+                continue
+            off = {c for c, o in zip(optional, on, strict=True) if not o}
+            if k == 0:
+                off.add("replay")
+            g = gk
+            if checksum_axis and "checksum" in optional:
+                g = gk[gk["checksum"].fillna(False).astype(bool) == ("checksum" in checks)]
+            name = ("replay off" if k == 0 else f"replay {k}") + "".join(
+                f" +{c}" + (f"/{kw}" if c == "weights" and kw != 1 else "") for c in checks)
+            out.append(Config(name=name, replay_interval=k, checks=checks,
+                              weights_interval=kw if "weights" in checks else 0,
+                              off=frozenset(off), trials=g.index))
+    return out
+
+
 def configurations(faults: pd.DataFrame, overhead: dict[str, Any] | None,
                    fit_ci: dict[str, Any] | None, cluster: ClusterSpec,
                    exchange_interval: int, rate: float | None = None) -> list[dict[str, Any]]:
@@ -163,91 +221,80 @@ def configurations(faults: pd.DataFrame, overhead: dict[str, Any] | None,
     ov = overhead or {}
     user = dict(cluster.overhead)
     nonfinite = float(user.get("nonfinite", ov.get("nonfinite", 0.0)))
-    optional = [c for c in OPTIONAL_CHECKS if _check_cost(overhead, cluster, c) is not None]
-    fired = {c for cs in faults["checks"].str.split("+") for c in cs if c}
-    optional = [c for c in optional if c in fired]  # a check the trials never ran: no data
     delay = (exchange_interval + 1) / 2
     rows: list[dict[str, Any]] = []
-    intervals = sorted(int(k) for k in faults["replay_interval"].dropna().unique())
-    axis = faults["checksum"].dropna() if "checksum" in faults else pd.Series(dtype=bool)
-    checksum_axis = axis.nunique() > 1  # trials ran with it on and off: no counterfactual
-    for k in intervals:
-        replay = _overheads(overhead, fit_ci, cluster, k)
+    for c in config_list(faults, overhead, cluster):
+        replay = _overheads(overhead, fit_ci, cluster, c.replay_interval)
         if replay is None:
             continue
-        gk = faults[faults["replay_interval"] == k]
-        for on, kw in itertools.product(itertools.product((True, False), repeat=len(optional)),
-                                        WEIGHTS_INTERVALS):
-            checks = [c for c, o in zip(optional, on, strict=True) if o]
-            if kw != 1 and "weights" not in checks:
-                continue
-            off = {c for c, o in zip(optional, on, strict=True) if not o}
-            if k == 0:
-                off.add("replay")
-            g = gk
-            if checksum_axis and "checksum" in optional:
-                g = gk[gk["checksum"].fillna(False).astype(bool) == ("checksum" in checks)]
-            sh = _shares(g, w.loc[g.index], off)
-            if sh is None:
-                continue
-            extra = sum((_check_cost(overhead, cluster, c) or 0.0) / (kw if c == "weights"
-                                                                       else 1)
-                        for c in checks)
-            f = [nonfinite + extra + r for r in replay]
-            p_crash = sh["crashed"]
-            esc = [sh["escaped"], *(sh["escaped_ci95"] or [sh["escaped"]] * 2)]
-            # every kw-th step: a corruption the weights check finds waits (kw - 1) / 2 steps
-            # more on average (the campaign measured kw = 1; the corrupt state persists)
-            lat = sh["latency_steps"] + sh["weights_share"] * (kw - 1) / 2
-            d = delay * sh["nonfinite_share"]
-            point = _parts(cluster, rate, f[0], 1 - esc[0] - p_crash, esc[0], p_crash, lat, d)
-            low = _parts(cluster, rate, f[1], max(0.0, 1 - esc[1] - p_crash), esc[1], p_crash,
-                         lat, d)
-            high = _parts(cluster, rate, f[2], max(0.0, 1 - esc[2] - p_crash), esc[2], p_crash,
-                          lat, d)
-            lo_t = sum(min(low[p], high[p]) for p in PARTS)
-            hi_t = sum(max(low[p], high[p]) for p in PARTS)
-            name = ("replay off" if k == 0 else f"replay {k}") + "".join(
-                f" +{c}" + (f"/{kw}" if c == "weights" and kw != 1 else "") for c in checks)
-            rows.append({"name": name, "replay_interval": k, "checks": [*ALWAYS_ON, *checks],
-                         "weights_interval": kw if "weights" in checks else 0,
-                         "overhead": f[0], "overhead_band": [f[1], f[2]],
-                         "outcomes": sh, "parts": point, "total": sum(point.values()),
-                         "total_low": min(lo_t, sum(point.values())),
-                         "total_high": max(hi_t, sum(point.values()))})
+        g = faults.loc[c.trials]
+        sh = _shares(g, w.loc[g.index], set(c.off))
+        if sh is None:
+            continue
+        kw = c.weights_interval or 1
+        extra = sum((_check_cost(overhead, cluster, x) or 0.0) / (kw if x == "weights" else 1)
+                    for x in c.checks)
+        f = [nonfinite + extra + r for r in replay]
+        p_crash = sh["crashed"]
+        esc = [sh["escaped"], *(sh["escaped_ci95"] or [sh["escaped"]] * 2)]
+        # every kw-th step: a corruption the weights check finds waits (kw - 1) / 2 steps
+        # more on average (the campaign measured kw = 1; the corrupt state persists)
+        lat = sh["latency_steps"] + sh["weights_share"] * (kw - 1) / 2
+        d = delay * sh["nonfinite_share"]
+        point = _parts(cluster, rate, f[0], 1 - esc[0] - p_crash, esc[0], p_crash, lat, d)
+        low = _parts(cluster, rate, f[1], max(0.0, 1 - esc[1] - p_crash), esc[1], p_crash,
+                     lat, d)
+        high = _parts(cluster, rate, f[2], max(0.0, 1 - esc[2] - p_crash), esc[2], p_crash,
+                      lat, d)
+        lo_t = sum(min(low[p], high[p]) for p in PARTS)
+        hi_t = sum(max(low[p], high[p]) for p in PARTS)
+        rows.append({"name": c.name, "replay_interval": c.replay_interval,
+                     "checks": [*ALWAYS_ON, *c.checks],
+                     "weights_interval": c.weights_interval,
+                     "overhead": f[0], "overhead_band": [f[1], f[2]],
+                     "outcomes": sh, "latency_steps": lat, "parts": point,
+                     "total": sum(point.values()),
+                     "total_low": min(lo_t, sum(point.values())),
+                     "total_high": max(hi_t, sum(point.values()))})
     return rows
-
-
-def _best(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    return min(rows, key=lambda r: r["total"]) if rows else None
 
 
 def cost_model(faults: pd.DataFrame, overhead: dict[str, Any] | None,
                fit_ci: dict[str, Any] | None, cluster: ClusterSpec,
                exchange_interval: int) -> dict[str, Any]:
-    """``summary.json``'s ``cost``: the table, the recommendation and its sensitivity."""
+    """``summary.json``'s ``cost``: the table, the one recommendation (``decide``: the
+    safest of the configurations the data cannot tell apart from the least expected loss,
+    with the share of bootstrap resamples that agree) and its sensitivity to the SDC rate."""
+    from scenarios.report.decide import TIE_RULE, Resamples, decide
+
     rows = configurations(faults, overhead, fit_ci, cluster, exchange_interval)
-    best = _best(rows)
+    res = Resamples(faults, overhead, cluster, config_list(faults, overhead, cluster),
+                    exchange_interval) if rows else None
     rec = None
-    if best is not None:
+    d = decide(rows, res, cluster.sdc_per_gpu_hour) if res else None
+    if d is not None:
+        best = next(r for r in rows if r["name"] == d["name"])
         rec = {"name": best["name"], "replay_interval": best["replay_interval"],
-               "checks": best["checks"], "gpu_hours_per_day": best["total"],
+               "checks": best["checks"], "weights_interval": best["weights_interval"],
+               "gpu_hours_per_day": best["total"],
                "band": [best["total_low"], best["total_high"]],
-               "within_uncertainty": [r["name"] for r in rows if r is not best
-                                      and r["total_low"] <= best["total_high"]]}
+               "overhead": best["overhead"],
+               "within_uncertainty": [x for x in d["indistinguishable"] if x != best["name"]],
+               **{k: d[k] for k in ("least_expected_loss", "indistinguishable", "agreement",
+                                    "settled", "split", "resamples", "seed")}}
     sens = {}
     for factor in SENSITIVITY:
-        c = replace(cluster, sdc_per_gpu_hour=cluster.sdc_per_gpu_hour * factor)
-        b = _best(configurations(faults, overhead, fit_ci, c, exchange_interval))
-        sens[f"x{factor:g}"] = None if b is None else {"name": b["name"],
-                                                       "gpu_hours_per_day": b["total"]}
+        rate = cluster.sdc_per_gpu_hour * factor
+        r2 = configurations(faults, overhead, fit_ci, cluster, exchange_interval, rate)
+        b = decide(r2, res, rate) if res else None
+        sens[f"x{factor:g}"] = None if b is None else {
+            "name": b["name"], "agreement": b["agreement"],
+            "gpu_hours_per_day": next(r["total"] for r in r2 if r["name"] == b["name"])}
     return {"cluster": cluster.to_json(), "escape_gpu_hours": cluster.escape_cost,
             "sdc_per_day": cluster.sdc_per_gpu_hour * cluster.gpus * 24.0,
             "nonfinite_exchange_interval": exchange_interval, "parts": list(PARTS),
             "unit": "GPU-hours per day", "configurations": rows, "recommendation": rec,
-            "sensitivity": sens,
-            "rule": "the configuration with the least expected GPU-hours lost per day "
-                    "(docs/cost-model.md)"}
+            "sensitivity": sens, "rule": TIE_RULE + " (docs/cost-model.md)"}
 
 
 def field_coverage(faults: pd.DataFrame, cluster: ClusterSpec,

@@ -7,6 +7,11 @@ fields, three fault models, replay intervals 0-8, quarantine and recovery column
 trials with one false positive; one stale row). ``expected_summary.json`` beside them is
 what the report code of commit a5b59a6 (hand-written statistics) computed from them; the
 test asserts the current code reproduces it.
+
+``rerun/a`` and ``rerun/b`` hold the overhead measurement of the same campaign taken twice
+(``rerun_overhead``: the same true costs, different timing noise, per-round samples of every
+configuration): with ``full/``'s trials they are the same campaign run twice.
+``python make_fixture.py rerun`` rewrites only those.
 """
 
 from __future__ import annotations
@@ -137,6 +142,48 @@ def _overhead(rng: random.Random, ks: tuple[int, ...], rounds: int,
     return out
 
 
+RERUN_COSTS = {"guard, checks off": 0.003, "nonfinite": 0.015, "weights": 0.11,
+               "checksum": 0.05}
+"""True per-configuration overheads of the rerun fixtures (fractions of plain DDP's step)."""
+
+
+def rerun_overhead(seed: int, rounds: int = 7, noise: float = 0.03,
+                   costs: dict[str, float] | None = None) -> dict[str, Any]:
+    """An ``overhead.json`` with per-round samples of every configuration: the true costs
+    ``RERUN_COSTS`` and the replay audit's ``0.089 + 0.497 / k``, each round's block time
+    off by a Gaussian of ``noise`` (a shared 2-core machine); ``costs`` replaces some of them."""
+    from scenarios.report.stats import fit_replay_overhead
+    from scenarios.spec.overhead import HEADLINE, PLAIN_DDP, all_checks, replay_only
+
+    rng = random.Random(seed)
+    ks = (1, 2, 4, 8, 16)
+    base = [13.0 * (1 + 0.04 * rng.random()) for _ in range(rounds)]
+    true = {**RERUN_COSTS, **(costs or {}), **{replay_only(k).name: 0.089 + 0.497 / k for k in ks}}
+    true.update({all_checks(k).name: 0.003 + 0.012 + 0.107 + (0.086 + 0.497 / k if k else 0)
+                 for k in (0, *ks)})
+    s = {PLAIN_DDP.name: base}
+    for name, cost in true.items():
+        s[name] = [b * (1 + cost + rng.gauss(0, noise)) for b in base]
+    med = {n: sorted(v)[rounds // 2] for n, v in s.items()}
+    over = {n: med[n] / med[PLAIN_DDP.name] - 1 for n in s}
+    return {
+        "scenario": "mlp_wide", "world_size": 3, "model": "mlp", "rounds": rounds, "block": 16,
+        "seconds": 41.2, "baseline_step_ms": med[PLAIN_DDP.name],
+        "step_ms": med, **{oc.key: over[oc.name] for oc in HEADLINE},
+        "replay": {str(k): over[replay_only(k).name] for k in ks},
+        "total": {str(k): over[all_checks(k).name] for k in (0, *ks)},
+        "replay_fit": fit_replay_overhead(s, list(ks)), "samples_ms": s,
+    }
+
+
+def rerun() -> None:
+    for name, seed in (("a", 11), ("b", 12)):
+        d = HERE / "rerun" / name
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "overhead.json").write_text(json.dumps(rerun_overhead(seed), indent=1,
+                                                    sort_keys=True) + "\n")
+
+
 def _write(d: Path, rows: list[dict[str, Any]], overhead: dict[str, Any] | None,
            meta: dict[str, Any]) -> None:
     shutil.rmtree(d, ignore_errors=True)
@@ -169,4 +216,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if sys.argv[1:] == ["rerun"]:
+        rerun()
+    else:
+        main()
+        rerun()
