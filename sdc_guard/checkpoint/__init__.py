@@ -50,16 +50,28 @@ ReadWriteMany PersistentVolumeClaim in ``deploy/pytorchjob.yaml``).
 
 from __future__ import annotations
 
-from sdc_guard.checkpoint.files import CheckpointError, rng_state, set_rng_state
+from sdc_guard.checkpoint.files import (
+    CheckpointError,
+    CheckpointWriteError,
+    rng_state,
+    set_rng_state,
+)
 from sdc_guard.checkpoint.manager import FORMAT, CheckpointInfo, CheckpointManager, Verifier
+from sdc_guard.checkpoint.owner import LEASE_S, OWNER, CheckpointOwnerError
+from sdc_guard.checkpoint.verify import CheckpointMismatchError
 from sdc_guard.checkpoint.windows import WINDOWS, SuspectWindows
 
 __all__ = [
     "FORMAT",
+    "LEASE_S",
+    "OWNER",
     "WINDOWS",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointManager",
+    "CheckpointMismatchError",
+    "CheckpointOwnerError",
+    "CheckpointWriteError",
     "SuspectWindows",
     "Verifier",
     "rng_state",

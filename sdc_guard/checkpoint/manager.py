@@ -20,9 +20,20 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
-from sdc_guard.checkpoint.files import CheckpointError, rng_state, set_rng_state, write_atomic
+from sdc_guard.checkpoint.extra import extra_held, extra_states, load_extra
+from sdc_guard.checkpoint.files import (
+    TMP,
+    CheckpointError,
+    CheckpointWriteError,
+    rng_state,
+    set_rng_state,
+    write_atomic,
+)
+from sdc_guard.checkpoint.owner import LEASE_S, OwnerMarker, job_identity
+from sdc_guard.checkpoint.verify import check_payload, module_of, optimizer_types
 from sdc_guard.checkpoint.windows import SuspectWindows
 from sdc_guard.collectives import gather_objects
+from sdc_guard.config import GuardConfig
 from sdc_guard.fingerprints import fingerprint
 from sdc_guard.optimizers import Optimizers, as_optimizers, load_state_dict, state_dict
 from sdc_guard.state import state_tensors
@@ -33,7 +44,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("sdc_guard.checkpoint")
 """The package's logger, one name for every module in it (a harness filters its records)."""
 
-FORMAT = 1
+FORMAT = 2
+"""The schema of a checkpoint's payload and manifest. 2 adds the optimizers' types (payload
+and manifest) and the suspect windows known at the save (manifest); 1 is still read."""
+
+READS = (1, 2)
+"""The formats ``restore`` reads."""
+
+_REPAIR_DEFAULT: Any = GuardConfig.__dataclass_fields__["repair_window_steps"].default
+REPAIR_WINDOW_STEPS = int(_REPAIR_DEFAULT)
+"""The repair window ``record_detection`` assumes when it is not given one (the guard's
+default ``GuardConfig.repair_window_steps``)."""
 
 
 class Verifier(Protocol):
@@ -67,74 +88,8 @@ class CheckpointInfo:
     fingerprint: str
     clean_through: int | None
     saved_at: float
-
-
-def _extra_states(extra: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
-    """``extra``'s objects checked (a name, ``state_dict`` and ``load_state_dict``); on
-    ``save`` (``where``), their states, each checked to load with ``weights_only=True``."""
-    if extra is None:
-        return {}
-    if not isinstance(extra, Mapping):
-        raise ValueError(f"CheckpointManager.{where}(extra=...) must map names to objects "
-                         f"with state_dict() and load_state_dict(), got {type(extra).__name__}")
-    out: dict[str, Any] = {}
-    for name, obj in extra.items():
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"CheckpointManager.{where}(extra=...): the key {name!r} must be "
-                             "a non-empty str (the name the state is saved under)")
-        if not (callable(getattr(obj, "state_dict", None))
-                and callable(getattr(obj, "load_state_dict", None))):
-            raise ValueError(
-                f"CheckpointManager.{where}(extra={{{name!r}: ...}}): a "
-                f"{type(obj).__name__} has no state_dict() and load_state_dict(); pass the "
-                "object that owns the state (the LR scheduler, the GradScaler, the loader)")
-        if where != "save":
-            continue
-        state = obj.state_dict()
-        buf = io.BytesIO()
-        try:
-            torch.save(state, buf)
-            buf.seek(0)
-            torch.load(buf, map_location="cpu", weights_only=True)
-        except Exception as e:  # a state that restore could not load safely
-            raise ValueError(
-                f"CheckpointManager.save(extra={{{name!r}: ...}}): the state_dict() of this "
-                f"{type(obj).__name__} does not load with torch.load(weights_only=True), as "
-                f"restore loads it ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                "make it hold tensors and plain Python values only") from e
-        out[name] = state
-    return out
-
-
-def _module(model: torch.nn.Module) -> torch.nn.Module:
-    inner = getattr(model, "module", None)
-    return inner if isinstance(inner, torch.nn.Module) else model
-
-
-def _refuse_other_model(file: Path, module: torch.nn.Module, saved: Mapping[str, Any]) -> None:
-    """Refuse, before anything loads, a checkpoint of another model: names it holds that the
-    model has not, or the other way round, or parameters of other shapes. ``load_state_dict``
-    would raise after loading what does fit (and the optimizer before it), leaving the run
-    half restored; an older checkpoint of the same directory would not fit either. Buffers
-    of other shapes are their modules' business: a quantisation observer's ranges start
-    empty and its own loader resizes them."""
-    mine = module.state_dict()
-    params = dict(module.named_parameters())
-    missing = [k for k in mine if k not in saved]
-    unexpected = [k for k in saved if k not in mine]
-    shapes = [f"{k} {tuple(saved[k].shape)} saved, {tuple(v.shape)} in the model"
-              for k, v in params.items() if isinstance(saved.get(k), torch.Tensor)
-              and saved[k].shape != v.shape]
-    if not (missing or unexpected or shapes):
-        return
-    parts = [f"{label}: {items[:4]}{' ...' if len(items) > 4 else ''}"
-             for label, items in (("not in the checkpoint", missing),
-                                  ("not in the model", unexpected), ("other shapes", shapes))
-             if items]
-    raise ValueError(
-        f"CheckpointManager.restore: checkpoint {file} holds another model than the one given "
-        f"({'; '.join(parts)}). Nothing was loaded. Restore into the model it was saved from "
-        "(the same architecture and sizes), or give a new model a directory of its own.")
+    windows: dict[str, Any] | None = None
+    """The suspect windows and repairs known when it was saved (format 2 on; None before)."""
 
 
 class CheckpointManager:
@@ -145,9 +100,19 @@ class CheckpointManager:
     (a harness that records the rollback itself may filter that record out)."""
 
     def __init__(self, directory: str | Path, keep: int = 3, *,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, job_id: str | None = None,
+                 lease_s: float = LEASE_S) -> None:
+        """``job_id``: this job's identity in the directory's owner marker (default
+        ``$SDC_GUARD_JOB``, else torchrun's ``$TORCHELASTIC_RUN_ID``); ``lease_s``: how long
+        the marker holds the directory after the last save (``sdc_guard.checkpoint.owner``).
+        Raises ``CheckpointOwnerError`` when another job's lease on it runs."""
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"CheckpointManager(keep=...) must be an int >= 1, got {keep!r}.")
+        if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not (
+                lease_s > 0):
+            raise ValueError(f"CheckpointManager(lease_s=...) must be seconds > 0 (how long "
+                             f"the directory stays this job's after its last save), got "
+                             f"{lease_s!r}.")
         self.directory = Path(directory)
         self.keep = keep
         self.group = group
@@ -155,9 +120,25 @@ class CheckpointManager:
         """Says which steps are verified clean, and is told of a restore (``bind``)."""
         self.windows = SuspectWindows(self.directory)
         """The suspect windows recorded beside the checkpoints (``windows.json``)."""
+        self.owner = OwnerMarker(self.directory, job_identity(job_id), float(lease_s))
+        """The directory's owner marker (``owner.json``): one job per directory."""
         self._writer: threading.Thread | None = None
         self._write_error: tuple[Path, BaseException] | None = None
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.owner.check()
+        if self._rank() == 0:
+            try:
+                self.owner.renew()
+            except CheckpointWriteError as e:  # read-only storage: restore still works
+                log.warning("sdc-guard: the owner marker cannot be written (%s); saving "
+                            "will fail until it can", e)
+        why = self.windows.reconcile([(c.generation, c.step, c.clean_through, c.windows)
+                                      for c in self.checkpoints() if c.windows is not None])
+        if why is not None:
+            log.error("sdc-guard: the suspect windows are not known: %s. Failing safe: the "
+                      "windows the newest checkpoint carries hold, and in each timeline no "
+                      "checkpoint newer than the newest one the manifests vouch for (verified "
+                      "clean by every check, before any repair) is restored", why)
 
     # -- the verifier's side ---------------------------------------------------------------
     def bind(self, verifier: Verifier | None) -> None:
@@ -181,20 +162,50 @@ class CheckpointManager:
                 "group=process_group), and a directory of that replica set's own.")
         self.verifier = verifier
 
-    def record_detection(self, d: Detection, *, verified_through: int | None) -> None:
-        """A detection at ``d.step`` that was not repaired, when every enabled check had
-        verified the run clean through ``verified_through`` (None: no check keeps such a
-        step): its suspect window opens (``SuspectWindows.start_of``). Rank 0 writes it to
-        ``windows.json``; every rank calls it."""
+    def record_detection(self, d: Detection, *, verified_through: int | None,
+                         repair_window_steps: int | None = None) -> None:
+        """Every detection at ``d.step``, when every enabled check had verified the run clean
+        through ``verified_through`` (None: no check keeps such a step). One not repaired nor
+        contained opens its suspect window (``SuspectWindows.start_of``). One repaired in place
+        is recorded as a repair of its suspect ranks: while the newest save is within
+        ``repair_window_steps`` (default ``GuardConfig.repair_window_steps``'s) of it, the
+        newest checkpoint before it is kept whatever ``keep`` says. A contained one (the
+        corrupt value never reached the weights) changes nothing. Every rank calls it, and
+        rank 0 writes ``windows.json``; a write that fails is logged at ERROR and never
+        raised (the change holds in memory and the next write of the file carries it): no
+        rank waits for another here."""
         if verified_through is not None and (isinstance(verified_through, bool)
                                              or not isinstance(verified_through, int)):
             raise ValueError(f"CheckpointManager.record_detection(verified_through=...): an int "
                              f"step or None, got {verified_through!r}.")
-        start = SuspectWindows.start_of(d, verified_through)
-        log.warning("sdc-guard: suspect window from step %d (%s detection at step %d): "
-                    "checkpoints from step %d of generation %d on will not be restored",
-                    start, d.check, d.step, start, self.windows.generation)
-        self.windows.record(d, start, writer=self._rank() == 0)
+        if repair_window_steps is not None and (
+                isinstance(repair_window_steps, bool) or not isinstance(repair_window_steps, int)
+                or repair_window_steps < 1):
+            raise ValueError(f"CheckpointManager.record_detection(repair_window_steps=...): an "
+                             f"int >= 1 (GuardConfig.repair_window_steps) or None, got "
+                             f"{repair_window_steps!r}.")
+        writer = self._rank() == 0
+        try:
+            if d.repaired:
+                window = REPAIR_WINDOW_STEPS if repair_window_steps is None else (
+                    repair_window_steps)
+                log.info("sdc-guard: %s repair at step %d of ranks %s: the newest checkpoint "
+                         "before it is kept while saves are within %d steps of it", d.check,
+                         d.step, list(d.suspect_ranks), window)
+                self.windows.record_repair(d, d.step + window, writer=writer)
+            elif getattr(d, "contained", False):
+                log.info("sdc-guard: %s detection at step %d was contained (it never reached "
+                         "the weights): no suspect window", d.check, d.step)
+            else:
+                start = SuspectWindows.start_of(d, verified_through)
+                log.warning("sdc-guard: suspect window from step %d (%s detection at step %d): "
+                            "checkpoints from step %d of generation %d on will not be "
+                            "restored", start, d.check, d.step, start, self.windows.generation)
+                self.windows.record(d, start, writer=writer)
+        except CheckpointWriteError as e:
+            log.error("sdc-guard: the %s detection at step %d is recorded in memory only: %s. "
+                      "The next restore or save writes it; a restart before then loses it "
+                      "(the manifests carry the windows of every save)", d.check, d.step, e)
 
     # -- saving ----------------------------------------------------------------------------
     def save(self, step: int, model: torch.nn.Module, optimizer: Optimizers, *,
@@ -202,17 +213,22 @@ class CheckpointManager:
              background: bool = False,
              verified_through: int | None = None) -> CheckpointInfo | None:
         """Checkpoint the state after ``step``. Collective (the ranks' RNG states and
-        ``extra`` states are gathered); rank 0 writes. ``extra``: named objects with
-        ``state_dict`` and ``load_state_dict`` (an LR scheduler, a ``GradScaler``) saved
-        with it, every rank's. ``background``: the state is serialized now, and the files
-        are written, fsynced and committed on a thread while training goes on (``wait``;
-        the next ``save`` and ``restore`` wait for it). Returns the manifest on rank 0 (with
-        ``background``, the one about to be committed), None elsewhere and when refused (an
-        open suspect window: the state is suspect until a restore). ``optimizer``: one, or a
-        list of several (each one's ``state_dict``, in that order). ``verified_through``: for a
-        manager used without a guard, the newest step your own verification found clean
-        (the newest checkpoint at or before it is kept whatever ``keep`` says); with a guard
-        bound, the guard says it."""
+        ``extra`` states are gathered, and the writer's outcome shared); rank 0 writes.
+        ``extra``: named objects with ``state_dict`` and ``load_state_dict`` (an LR
+        scheduler, a ``GradScaler``) saved with it, every rank's. ``background``: the state
+        is serialized now, and the files are written, fsynced and committed on a thread while
+        training goes on (``wait``; the next ``save`` and ``restore`` wait for it). Returns
+        the manifest on rank 0 (with ``background``, the one about to be committed), None
+        elsewhere and when refused (an open suspect window: the state is suspect until a
+        restore). ``optimizer``: one, or a list of several (each one's ``state_dict``, in that
+        order). ``verified_through``: for a manager used without a guard, the newest step
+        your own verification found clean (the newest checkpoint at or before it is kept
+        whatever ``keep`` says); with a guard bound, the guard says it.
+
+        A write that fails (no space, read-only storage: ``CheckpointWriteError``, naming the
+        file and the free space) or a directory another job holds (``CheckpointOwnerError``)
+        raises the same error on every rank, here for a synchronous save, at the next
+        ``save`` for a background one, and leaves no file of it behind."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"CheckpointManager.save(step): an int >= 0, got {step!r}.")
         if verified_through is not None and (isinstance(verified_through, bool) or not
@@ -227,10 +243,13 @@ class CheckpointManager:
         if not isinstance(background, bool):
             raise ValueError(f"CheckpointManager.save(background=...): a bool, got "
                              f"{background!r}.")
-        self.wait()  # one write at a time; a failed background write raises here
-        local_extra = _extra_states(extra, "save")
+        failed = self._take_write_error()  # one write at a time; the last one's outcome
+        local_extra = extra_states(extra, "save")
         device = next(model.parameters()).device
-        gathered = gather_objects((rng_state(device), local_extra), self.group, device=device)
+        gathered = gather_objects((rng_state(device), local_extra, failed), self.group,
+                                  device=device)
+        if gathered[0][2] is not None:  # the writer's background write failed: every rank
+            raise gathered[0][2]
         rngs = [g[0] for g in gathered]
         opened = self.windows.opened()
         generation = self.windows.generation
@@ -246,35 +265,71 @@ class CheckpointManager:
             consolidate = getattr(opt, "consolidate_state_dict", None)
             if callable(consolidate):  # ZeroRedundancyOptimizer: each rank holds a shard
                 consolidate(to=self._writer_in(getattr(opt, "process_group", None)))
-        if self._rank() != 0:
-            return None
+        info: CheckpointInfo | None = None
+        outcome: BaseException | None = None
+        if self._rank() == 0:
+            try:
+                info = self._write(step, generation, model, optimizer, rngs,
+                                   [g[1] for g in gathered], through, per_check, background)
+            except Exception as e:  # every rank raises it (below), this one the original
+                outcome = e
+        if self._world() > 1:
+            shared = outcome if isinstance(outcome, CheckpointError) or outcome is None else (
+                CheckpointError(f"the writer (rank 0) failed to save the checkpoint of step "
+                                f"{step}: {type(outcome).__name__}: {outcome}"))
+            told = gather_objects(shared if self._rank() == 0 else None, self.group,
+                                  device=device)[0]
+            if outcome is None and told is not None:
+                raise told
+        if outcome is not None:
+            raise outcome
+        return info
+
+    def _write(self, step: int, generation: int, model: torch.nn.Module,
+               optimizer: Optimizers, rngs: list[Any], extras: list[Any], through: int | None,
+               per_check: dict[str, int], background: bool) -> CheckpointInfo:
+        """The writer's part of ``save``: the owner marker checked and renewed and the
+        windows written (on this thread), then the data and the manifest (on a thread of
+        its own with ``background``), then the prune."""
+        self.owner.check()
+        self.owner.renew()
+        self.windows.flush(writer=True)  # before any manifest that carries its revision
         payload = {
             "format": FORMAT, "step": step, "generation": generation,
-            "model": _module(model).state_dict(), "optimizer": state_dict(optimizer),
-            "rng": rngs, "world_size": self._world(), "extra": [g[1] for g in gathered],
+            "model": module_of(model).state_dict(), "optimizer": state_dict(optimizer),
+            "optimizers": optimizer_types(optimizer),
+            "rng": rngs, "world_size": self._world(), "extra": extras,
             "guard": None if self.verifier is None and through is None else {
                 "clean_through": through, "checks": per_check},
         }
-        fp = f"{fingerprint(state_tensors(_module(model), optimizer, every=True)):016x}"
+        fp = f"{fingerprint(state_tensors(module_of(model), optimizer, every=True)):016x}"
         buf = io.BytesIO()
         torch.save(payload, buf)
         data = buf.getvalue()
         name = f"step-{step:09d}-g{generation}"
         file = self.directory / f"{name}.pt"
         manifest = self.directory / f"{name}.json"
+        windows = self.windows.snapshot()
         info = CheckpointInfo(step=step, generation=generation, file=file,
                               manifest=manifest, size=len(data),
                               sha256=hashlib.sha256(data).hexdigest(), fingerprint=fp,
-                              clean_through=through, saved_at=time.time())
+                              clean_through=through, saved_at=time.time(), windows=windows)
         record = json.dumps({
             "format": FORMAT, "step": step, "generation": info.generation, "file": file.name,
             "size": info.size, "sha256": info.sha256, "fingerprint": fp,
-            "clean_through": info.clean_through, "saved_at": info.saved_at}, indent=1).encode()
+            "clean_through": info.clean_through, "saved_at": info.saved_at,
+            "optimizers": payload["optimizers"], "job": self.owner.job,
+            "windows": windows}, indent=1).encode()
+        repairs = self.windows.repairs_before(step)
 
         def commit() -> None:  # the data, then the manifest: the commit point
             write_atomic(file, data)
-            write_atomic(manifest, record)
-            self._prune(through, generation)
+            try:
+                write_atomic(manifest, record)
+            except BaseException:  # no data file without its manifest
+                _unlink(file)
+                raise
+            self._prune(through, generation, repairs)
 
         if not background:
             commit()
@@ -283,7 +338,7 @@ class CheckpointManager:
         def write() -> None:
             try:
                 commit()
-            except BaseException as e:  # raised by wait(), on this thread's behalf
+            except BaseException as e:  # raised by wait() and the next save, for this thread
                 log.error("sdc-guard: the background write of checkpoint %s failed: %s",
                           file, e)
                 self._write_error = (file, e)
@@ -292,6 +347,16 @@ class CheckpointManager:
         self._writer = threading.Thread(target=write, name=f"sdc-guard-checkpoint-{step}")
         self._writer.start()
         return info
+
+    def _take_write_error(self) -> CheckpointError | None:
+        """Wait for a background write; the error it failed with (None: none, or not the
+        writer), as every rank of the next ``save`` raises it."""
+        try:
+            self.wait()
+        except CheckpointError as e:
+            cause = e.__cause__
+            return cause if isinstance(cause, CheckpointError) else e
+        return None
 
     def wait(self) -> None:
         """Wait for a background write (``save(background=True)``) to be committed; raise
@@ -306,16 +371,22 @@ class CheckpointManager:
 
     # -- restoring -------------------------------------------------------------------------
     def checkpoints(self) -> list[CheckpointInfo]:
-        """Every committed checkpoint (those with a manifest), newest first."""
+        """Every committed checkpoint (those with a manifest), newest first. A manifest that
+        is unreadable, or names a data file other than its own, is logged and left out."""
         out = []
         for m in self.directory.glob("step-*.json"):
             try:
                 rec = json.loads(m.read_text())
+                if rec["file"] != f"{m.stem}.pt":
+                    raise ValueError(f"it names the data file {rec['file']!r}, not its own "
+                                     f"{m.stem}.pt")
+                windows = rec.get("windows")
                 out.append(CheckpointInfo(
                     step=int(rec["step"]), generation=int(rec["generation"]),
-                    file=m.with_name(str(rec["file"])), manifest=m, size=int(rec["size"]),
+                    file=m.with_name(f"{m.stem}.pt"), manifest=m, size=int(rec["size"]),
                     sha256=str(rec["sha256"]), fingerprint=str(rec["fingerprint"]),
-                    clean_through=rec.get("clean_through"), saved_at=float(rec["saved_at"])))
+                    clean_through=rec.get("clean_through"), saved_at=float(rec["saved_at"]),
+                    windows=windows if isinstance(windows, dict) else None))
             except (OSError, ValueError, KeyError, TypeError) as e:
                 log.error("sdc-guard: checkpoint manifest %s is unreadable (%s); skipped", m, e)
         return sorted(out, key=lambda c: (c.generation, c.step), reverse=True)
@@ -332,8 +403,15 @@ class CheckpointManager:
         state first). ``extra``: the objects ``save`` was given, by the same names; each
         loads this rank's saved state after the model and the optimizer. Collective; every
         rank reads the files. ``optimizer``: what ``save`` was given (several: a list, in the
-        same order)."""
-        _extra_states(extra, "restore")
+        same order).
+
+        Nothing of a checkpoint is loaded before it has passed every check
+        (``sdc_guard.checkpoint.verify``): a damaged one is logged and the next older one
+        tried; one of another model, optimizer type or dtype raises
+        ``CheckpointMismatchError`` (a ``ValueError``). It writes nothing it needs: on
+        read-only or full storage it restores what is there and logs that the new timeline
+        is not yet written."""
+        extra_states(extra, "restore")
         as_optimizers(optimizer, "CheckpointManager.restore(optimizer)")
         try:  # a checkpoint still being written is committed first
             self.wait()
@@ -347,23 +425,13 @@ class CheckpointManager:
             w = self.refused(info)
             if w is not None:
                 log.warning("sdc-guard: not restoring %s: saved at step %d, inside the suspect "
-                            "window from step %d (%s detection at step %d)", info.file,
-                            info.step, w["start"], w["check"], w["step"])
+                            "window from step %d (%s)", info.file, info.step, w["start"],
+                            _why(w))
                 continue
             try:
                 payload = self._load(info)
-                self._extra_held(info, payload, extra)
-                _refuse_other_model(info.file, _module(model), payload["model"])
-                # (the optimizers first: a checkpoint of another number of them is refused
-                # before anything is loaded)
-                load_state_dict(optimizer, payload["optimizer"],
-                                "CheckpointManager.restore(optimizer)")
-                _module(model).load_state_dict(payload["model"])
-                got = f"{fingerprint(state_tensors(_module(model), optimizer, every=True)):016x}"
-                if got != info.fingerprint:
-                    raise CheckpointError(f"checkpoint {info.file}: the loaded state's "
-                                          f"fingerprint {got} is not the recorded "
-                                          f"{info.fingerprint}")
+                extra_held(info, payload, extra)
+                check_payload(info, payload, module_of(model), optimizer)
             except CheckpointError as e:
                 log.error("sdc-guard: %s; trying the next older checkpoint", e)
                 continue
@@ -375,13 +443,21 @@ class CheckpointManager:
             if len(set(picks)) != 1:
                 raise CheckpointError(f"ranks chose different checkpoints to restore: {picks}; "
                                       "is the directory shared storage every rank reads?")
-        self.windows.new_timeline(writer=self._rank() == 0)
+        try:
+            self.windows.new_timeline(writer=self._rank() == 0)
+        except CheckpointWriteError as e:  # restore needs no write: the next save writes it
+            log.error("sdc-guard: restoring without recording the new timeline (%s); it holds "
+                      "in memory and the next save writes it first", e)
         if chosen is None:
             if self._rank() == 0:  # every rank made the same choice (checked above)
                 log.error("sdc-guard: no usable checkpoint in %s: training starts from scratch "
                           "(step 0)", self.directory, extra={"sdc_event": self.FROM_SCRATCH})
             return 0
         info, payload = chosen
+        # Every check passed: the optimizers first (several are all checked before any
+        # loads), then the model.
+        load_state_dict(optimizer, payload["optimizer"], "CheckpointManager.restore(optimizer)")
+        module_of(model).load_state_dict(payload["model"])
         rngs = payload["rng"]
         rank = self._rank()
         if len(rngs) == self._world():
@@ -389,53 +465,13 @@ class CheckpointManager:
         else:
             log.warning("sdc-guard: %s was saved by %d ranks, this job has %d; RNG states not "
                         "restored", info.file, len(rngs), self._world())
-        self._load_extra(info, payload, extra)
+        load_extra(info, payload, extra, rank=rank, world=self._world())
         if self.verifier is not None:
             self.verifier.rewind(info.step)
         if self._rank() == 0:
             log.warning("sdc-guard: restored %s (step %d); training resumes at step %d",
                         info.file, info.step, info.step + 1)
         return info.step + 1
-
-    @staticmethod
-    def _extra_held(info: CheckpointInfo, payload: dict[str, Any],
-                    extra: Mapping[str, Any] | None) -> None:
-        """Refuse (before anything is loaded) a restore whose ``extra`` names a state the
-        checkpoint does not hold: resuming with it left as it is would be silently wrong."""
-        held = (payload.get("extra") or [{}])[0]
-        missing = sorted(set(extra or {}) - set(held))
-        if missing:
-            raise ValueError(
-                f"CheckpointManager.restore(extra=...): checkpoint {info.file} holds no state "
-                f"for {missing} (it holds {sorted(held)}); it was saved without them. Pass "
-                "save(..., extra=...) the same names, or restore this one without them and "
-                "set their state yourself")
-
-    def _load_extra(self, info: CheckpointInfo, payload: dict[str, Any],
-                    extra: Mapping[str, Any] | None) -> None:
-        states = payload.get("extra") or [{}]
-        rank = self._rank()
-        if len(states) == self._world():
-            mine = states[rank]
-        else:
-            mine = states[0]
-            if extra:
-                log.warning("sdc-guard: %s was saved by %d ranks, this job has %d; every rank "
-                            "restores the writer's extra states %s", info.file, len(states),
-                            self._world(), sorted(extra))
-        for name, obj in (extra or {}).items():
-            try:
-                obj.load_state_dict(mine[name])
-            except Exception as e:
-                raise ValueError(
-                    f"CheckpointManager.restore(extra={{{name!r}: ...}}): this "
-                    f"{type(obj).__name__}'s load_state_dict refused the state saved in "
-                    f"{info.file} ({type(e).__name__}: {e}); pass the same kind of object "
-                    "save was given") from e
-        unused = sorted(set(mine) - set(extra or {}))
-        if unused and rank == 0:
-            log.warning("sdc-guard: %s also holds the states %s, which restore(extra=...) was "
-                        "not given: they are left as they are", info.file, unused)
 
     def _load(self, info: CheckpointInfo) -> dict[str, Any]:
         try:
@@ -454,24 +490,39 @@ class CheckpointManager:
         except Exception as e:  # an unpickling refusal or a damaged archive
             raise CheckpointError(f"checkpoint {info.file} does not load with "
                                   f"weights_only=True: {e}") from e
-        if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        if not isinstance(payload, dict) or payload.get("format") not in READS:
             raise CheckpointError(f"checkpoint {info.file} is not an sdc-guard checkpoint of "
-                                  f"format {FORMAT}")
+                                  f"a format this version reads {READS}")
         return payload
 
     # -- bookkeeping -----------------------------------------------------------------------
-    def _prune(self, clean_through: int | None, generation: int) -> None:
-        """Keep the newest ``keep``, and the newest checkpoint of ``generation`` verified clean
-        by every check (through ``clean_through``, as ``save`` read it)."""
+    def _prune(self, clean_through: int | None, generation: int,
+               repairs: list[int]) -> None:
+        """Keep the newest ``keep``; the newest checkpoint of ``generation`` verified clean
+        by every check (through ``clean_through``, as ``save`` read it); and the newest
+        checkpoint before each repair in ``repairs`` (still inside its repair window). Then
+        remove what a failed or killed save left: data files without a manifest and
+        temporary files of checkpoints (each logged)."""
         infos = self.checkpoints()
-        protected = next((c for c in infos if c.generation == generation
-                          and clean_through is not None and c.step <= clean_through
-                          and self.refused(c) is None), None)
+        usable = [c for c in infos if self.refused(c) is None]
+        clean = next((c for c in usable if c.generation == generation
+                      and clean_through is not None and c.step <= clean_through), None)
+        protected = {id(c) for c in [clean] + [next((c for c in usable if c.step < r), None)
+                                               for r in repairs] if c is not None}
         for c in infos[self.keep:]:
-            if c is protected:
+            if id(c) in protected:
                 continue
             for p in (c.manifest, c.file):  # the manifest first: never a manifest without data
-                p.unlink(missing_ok=True)
+                _unlink(p)
+        for p in self.directory.glob("step-*.pt"):
+            if p.is_file() and not p.with_suffix(".json").exists():
+                log.warning("sdc-guard: removing %s: a checkpoint's data without its manifest "
+                            "(a save that failed or was killed before its commit)", p)
+                _unlink(p)
+        for p in self.directory.glob(f".step-*{TMP}*"):
+            log.warning("sdc-guard: removing %s: the temporary file of a save that was killed",
+                        p)
+            _unlink(p)
 
     def _writer_in(self, group: dist.ProcessGroup | None) -> int:
         """The writer's (this manager's rank 0's) rank in ``group`` (None: the default
@@ -488,3 +539,18 @@ class CheckpointManager:
 
     def _world(self) -> int:
         return dist.get_world_size(self.group) if dist.is_initialized() else 1
+
+
+def _unlink(path: Path) -> None:
+    """Remove ``path`` if it is there; a failure (read-only storage) is logged, not raised."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:
+        log.warning("sdc-guard: cannot remove %s: %s", path, e)
+
+
+def _why(w: Mapping[str, Any]) -> str:
+    """What opened window ``w``, in words."""
+    if w.get("reason"):
+        return f"the windows are not known: {w['reason']}"
+    return f"{w['check']} detection at step {w['step']}"
