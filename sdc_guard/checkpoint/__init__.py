@@ -20,10 +20,18 @@ loading. With ``extra``, each named object's ``state_dict()`` too (an LR schedul
 ``GradScaler``, a stateful data loader: anything with ``state_dict`` and ``load_state_dict``),
 every rank's, restored on that rank after the model and the optimizer. Rank 0 writes it (DDP
 replicas are identical; the ranks' RNG states and extra states are gathered first):
-``step-000000120.pt`` and its manifest ``step-000000120.json`` (size, SHA-256, fingerprint,
-generation). Both are written to a temporary name, fsynced and renamed; the
-manifest is written last and is the commit point, so a killed save leaves no checkpoint
-that looks whole. Loading uses ``torch.load(weights_only=True)``: no arbitrary unpickling.
+``step-000000120-g0.pt`` and its manifest ``step-000000120-g0.json`` (format, size, SHA-256,
+fingerprint, generation, the optimizers' types, the suspect windows known then). Both are
+written to a temporary name, fsynced and renamed; the manifest is written last and is the
+commit point, so a killed save leaves no checkpoint that looks whole. A write that fails (no
+space, read-only storage) leaves nothing behind and raises ``CheckpointWriteError`` (the file,
+the free space) on every rank of the ``save``; what a killed save left is removed by the next.
+
+**What restore verifies** (``verify``), before anything goes into the model: the size and
+SHA-256, ``torch.load(weights_only=True)`` (no arbitrary unpickling), the payload's step and
+generation against its manifest's, that it fits the model and optimizers given (else
+``CheckpointMismatchError``), and the fingerprint of the state it would load. ``restore``
+needs no write: it works on read-only storage.
 
 **The suspect window.** Every check knows the newest step it has verified clean (the
 weights check: its last passing vote; the replay audit: its last passing audit; the
@@ -31,20 +39,24 @@ non-finite check: every step whose flags it has collected). On a detection at st
 was not repaired in place, the window starts at ``min(d, SDCGuard.clean_through + 1)``: after
 the newest step *every* enabled check verified (``SuspectWindows.start_of`` owns the rule).
 The manager records the detection and the window in ``windows.json`` in its directory (a
-restarted job sees it) and from then on refuses to restore any checkpoint of that timeline
-saved at a step inside the window, and saves no new checkpoint until the run is restored
-(its state is suspect). A checkpoint taken between replay audits is only as clean as the last audit before it.
+restarted job sees it; lost or damaged, it fails safe: ``windows``) and from then on
+refuses to restore any checkpoint of that timeline saved at a step inside the window, and
+saves no new checkpoint until the run is restored (its state is suspect). A checkpoint taken
+between replay audits is only as clean as the last audit before it. A repaired detection
+opens no window, nor does a contained one (it never reached the weights).
 
 **Timelines.** ``restore`` starts a new generation: checkpoints saved after it belong to
 the new timeline, which the old windows do not cover.
 
-**Keeping.** The newest ``keep`` checkpoints stay, and, whatever ``keep`` says, so does the
-newest one that every enabled check has verified clean. A corrupt or missing checkpoint is
+**Keeping.** The newest ``keep`` checkpoints stay, and, whatever ``keep`` says, so do the
+newest one that every enabled check has verified clean and, while a repair in place is inside
+its repair window, the newest one before that repair. A corrupt or missing checkpoint is
 logged at ERROR with the file and the reason, and the next older one is used; with none
 usable, ``restore`` returns 0 (train from scratch) and says so.
 
 The directory must be storage that every rank and every replacement pod can read (a
-ReadWriteMany PersistentVolumeClaim in ``deploy/pytorchjob.yaml``).
+ReadWriteMany PersistentVolumeClaim in ``deploy/pytorchjob.yaml``), one job's own: an owner
+marker with a lease (``owner``) refuses a second job.
 """
 
 

@@ -122,7 +122,8 @@ class SuspectWindows:
         windows, and per timeline a window from the step after the newest checkpoint the
         manifests vouch for. Returns why, or None when the file is sound."""
         state = self._load()
-        if not manifests:
+        if not manifests:  # no checkpoint for a window to refuse: the next write replaces it
+            self.dirty = self.dirty or self.unknown is not None
             return self.unknown
         newest = max((m[3] for m in manifests), key=lambda w: int(w.get("revision", 0)))
         if self.unknown is None and not self._present:

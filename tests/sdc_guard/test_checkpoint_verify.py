@@ -311,3 +311,22 @@ def test_checkpoints_of_format_1_stay_readable(setup: Any) -> None:
     old = CheckpointManager(ckpt.directory)
     assert old.restore(model, opt) == 2 and _state(model, opt) == saved
     assert json.loads((ckpt.directory / "windows.json").read_text())["schema"] == 2
+
+
+def test_a_damaged_windows_file_without_checkpoints_is_replaced_by_the_first_save(
+        one_rank: None, tmp_path: Path, caplog: Any) -> None:
+    # With no checkpoint for a window to refuse, the next save writes a sound file;
+    # left damaged, every later restart would distrust the checkpoints saved since.
+    model = DDP(workers.make_mlp())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    d = tmp_path / "fresh"
+    d.mkdir()
+    (d / "windows.json").write_text("{damaged")
+    ckpt = CheckpointManager(d, keep=10)
+    ckpt.save(0, model, opt, verified_through=None)
+    ckpt.save(1, model, opt, verified_through=None)
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="sdc_guard.checkpoint"):
+        again = CheckpointManager(d, keep=10)
+        assert again.restore(model, opt) == 2
+    assert not any("not known" in r.getMessage() for r in caplog.records)
