@@ -19,10 +19,12 @@ from scenarios.report.answer import (
     cost_table,
     coverage_table,
     latency_table,
+    lost_table,
 )
+from scenarios.report.overheads import interval, ratio_draws, round_draws, rounds_of
 from scenarios.report.summary import OUTCOMES, summarize
 from scenarios.run.store import write_json
-from scenarios.spec.overhead import HEADLINE
+from scenarios.spec.overhead import HEADLINE, all_checks
 
 
 def _pct(v: Any) -> str:
@@ -31,6 +33,10 @@ def _pct(v: Any) -> str:
 
 def _ci(v: Any) -> str:
     return "-" if not v else f"[{100 * v[0]:.0f}, {100 * v[1]:.0f}]%"
+
+
+def _ci90(v: Any) -> str:
+    return f"{100 * v[0]:+.1f}% to {100 * v[1]:+.1f}%"
 
 
 def _num(v: Any) -> str:
@@ -66,20 +72,32 @@ def _tables(s: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
              for k, g in _by_interval(s["replay_intervals"])])]
     ov = s.get("overhead")
     if ov:
-        rows = [["plain DDP step (ms)", f"{ov['baseline_step_ms']:.2f}"],
-                *([oc.name, _pct(ov.get(oc.key))] for oc in HEADLINE)]
+        draws = round_draws(rounds_of(ov))
+        samples = ov.get("samples_ms") or {}
+
+        def ci(name: str, value: Any) -> str:
+            d = None if value is None else ratio_draws(samples, name, draws, float(value))
+            return "no per-round samples" if d is None else _ci90(interval(d))
+
+        rows = [["plain DDP step (ms)", f"{ov['baseline_step_ms']:.2f}", "-"],
+                *([oc.name, _pct(ov.get(oc.key)), ci(oc.name, ov.get(oc.key))]
+                  for oc in HEADLINE)]
         fit = (ov.get("replay_fit") or {}).get("predicted", {})
-        rows += [[f"replay every {k}", _pct(v) + (f" (fit: {_pct(fit[k])})" if k in fit else "")]
+        band = ((s.get("overhead_fit_ci90") or {}).get("predicted")) or {}
+        rows += [[f"replay every {k}", _pct(v) + (f" (fit: {_pct(fit[k])})" if k in fit else ""),
+                  _ci90(band[k]) + " (fit)" if k in band else "no per-round samples"]
                  for k, v in _by_interval(ov["replay"])]
         if ov.get("replay_fit"):
             f = ov["replay_fit"]
             rows.append(["replay fit: fixed + per audit / k",
-                         f"{_pct(f['fixed'])} + {_pct(f['per_audit'])} / k"])
-        rows += [[f"all checks, replay {'off' if k == '0' else 'every ' + k}", _pct(v)]
-                 for k, v in _by_interval(ov["total"])]
+                         f"{_pct(f['fixed'])} + {_pct(f['per_audit'])} / k", "-"])
+        rows += [[f"all checks, replay {'off' if k == '0' else 'every ' + k}", _pct(v),
+                  ci(all_checks(int(k)).name, v)] for k, v in _by_interval(ov["total"])]
         out.append((f"Step-time overhead vs plain DDP ({ov['scenario']}, {ov['world_size']} "
                     f"ranks, medians of {ov['rounds']} alternated blocks of {ov['block']} "
-                    "steps)", ["configuration", "overhead"], rows))
+                    "steps; measured on the machine the campaign ran on)",
+                    ["configuration", "overhead", "90% interval (bootstrap over rounds)"],
+                    rows))
     q = s.get("quarantine")
     if q:
         def qrow(name: str, g: dict[str, Any]) -> list[str]:
@@ -116,7 +134,7 @@ def _tables(s: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
                      "final state bit-identical to golden"],
                     [rrow(k, g) for k, g in rec["sites"].items()] + [rrow("all", rec["all"])]))
     out += checksum_tables(s)
-    out += [t for t in (cost_table(s), cluster_table(s), latency_table(s)) if t]
+    out += [t for t in (cost_table(s), cluster_table(s), latency_table(s), lost_table(s)) if t]
     t = s["targets"]
     st = t["state_sites_detected_within_1_step_blame_correct"]
     nf = t["nonfinite_detected_in_own_step"]
@@ -180,8 +198,9 @@ def _headline(s: dict[str, Any]) -> list[str]:
         f"**{s['false_positives']} false positives**.",
         "Outcomes: " + ", ".join(f"{k} {v}" for k, v in s["outcomes"].items()) + ".",
         f"Overall coverage {_pct(s['all']['coverage'])} {_ci(s['all']['coverage_ci95'])}.",
-        f"Recommended replay interval for an overhead budget of {_pct(s['overhead_budget'])}: "
-        f"**{rec if rec is not None else 'none fits'}** ({s['recommendation_rule']})"
+        f"The budget rule (a constraint, not the recommendation above): the smallest replay "
+        f"interval whose replay-audit overhead fits {_pct(s['overhead_budget'])}: "
+        f"{rec if rec is not None else 'none fits'} ({s['recommendation_rule']})"
         + (f"; {s['recommendation_agreement']:.0%} of bootstrap resamples of the overhead "
            "rounds agree." if s.get("recommendation_agreement") is not None else "."),
         f"Campaign time: {secs:.0f} s" + (f", {s['trials_per_minute']:.0f} trials/min."
@@ -255,13 +274,15 @@ def render_html(s: dict[str, Any], plots: list[Path]) -> str:
     return "\n".join(parts)
 
 
-def write_report(out: str | Path, cluster: dict[str, Any] | None = None) -> dict[str, Any]:
+def write_report(out: str | Path, cluster: dict[str, Any] | None = None,
+                 overhead_file: str | Path | None = None) -> dict[str, Any]:
     """Write summary.json, report.md, report.html and the plots into ``out`` (``cluster``:
-    overrides of the cost model's ``[cluster]`` fields, e.g. from the command line)."""
+    overrides of the cost model's ``[cluster]`` fields, e.g. from the command line;
+    ``overhead_file``: your hardware's overheads, ``scenarios.report.overheads``)."""
     from scenarios.report.plots import draw_all
 
     out = Path(out)
-    summary = summarize(out, cluster)
+    summary = summarize(out, cluster, overhead_file)
     write_json(out / "summary.json", summary)
     plots = draw_all(summary, out)
     (out / "report.md").write_text(render_markdown(summary, plots))
@@ -278,19 +299,19 @@ def summary_text(s: dict[str, Any], out: Path) -> str:
         lines.append(f"  {site:<26} coverage {'-' if cov is None else f'{cov:.1%}'} "
                      f"(detected {g['detected']}, masked {g['masked']}, escaped {g['escaped']}, "
                      f"crashed {g['crashed']}, hung {g['hung']})")
+    lost = (s.get("lost") or {}).get("trials")
+    if lost:
+        lines.append(f"  lost (killed from outside twice; in no other number): {lost}")
     rec = (s.get("cost") or {}).get("recommendation")
     if rec:
         low, high = rec["band"]
-        near = len(rec.get("within_uncertainty") or [])
-        lines.append(f"least expected loss (cost model): {rec['name']}, "
-                     f"{rec['gpu_hours_per_day']:,.0f} GPU-hours/day (band {low:,.0f} to "
-                     f"{high:,.0f}; {near} other configuration{'' if near == 1 else 's'} "
-                     "within it)")
-    budget = s.get("overhead_budget")
-    agree = s.get("recommendation_agreement")
-    rule = ("" if budget is None else
-            f" (the smallest within the {budget:.0%} overhead budget"
-            + ("" if agree is None else f"; {agree:.0%} of bootstrap resamples agree") + ")")
-    lines.append(f"recommended replay interval{rule}: {s.get('recommended_replay_interval')}")
+        how = (f"settled: {rec['agreement']:.0%} of {rec['resamples']} resamples agree"
+               if rec["settled"] else
+               f"not settled: the resamples split, the data cannot tell apart "
+               f"{', '.join(rec['indistinguishable'])}")
+        lines.append(f"recommended: {rec['name']}, {rec['gpu_hours_per_day']:,.0f} "
+                     f"GPU-hours/day (band {low:,.0f} to {high:,.0f}; {how})")
+    for w in (s.get("cost") or {}).get("overhead_warnings") or []:
+        lines.append(f"warning: {w}")
     lines.append(f"report: {out / 'report.html'}")
     return "\n".join(lines)

@@ -46,9 +46,11 @@ from injectors import SITES
 from scenarios.report.checksum import checksum_summary
 from scenarios.report.cost import cost_model, field_coverage
 from scenarios.report.latency import latency_distribution, step_counts
+from scenarios.report.overheads import noise_warnings, read_overhead_file, round_draws, rounds_of
+from scenarios.report.overheads import used as overheads_used
 from scenarios.report.stats import bootstrap_rounds, fit_interval, fit_replay_overhead, wilson
 from scenarios.report.table import json_list, py, read_trials
-from scenarios.spec.cluster import ClusterSpec, cluster_from_table
+from scenarios.spec.cluster import SCALARS, ClusterSpec, cluster_from_table
 from scenarios.spec.faults import FIELDS
 from sdc_guard import GuardConfig
 
@@ -56,6 +58,8 @@ __all__ = ["OUTCOMES", "STATE_SITES", "fit_replay_overhead", "recommend",
            "recommendation_agreement", "summarize", "wilson"]
 
 OUTCOMES = ("detected", "masked", "escaped", "crashed", "hung")
+LOST = "lost"
+"""A trial lost twice to a kill from outside: listed on its own, in no other number."""
 STATE_SITES = ("weight_storage", "optimizer_state", "gradient_after_allreduce")
 EXTRA_FIELDS = ("custom", "set", "random", "zero")
 """Fault kinds that are not a bit field, in the report's order after ``FIELDS``."""
@@ -259,9 +263,56 @@ def cluster_of(meta: dict[str, Any], overrides: dict[str, Any] | None = None) ->
     return cluster.with_overrides(**changes)
 
 
-def summarize(out: Path, cluster: dict[str, Any] | None = None) -> dict[str, Any]:
+def _lost(df: pd.DataFrame) -> dict[str, Any]:
+    """Trials lost twice to a kill from outside: listed, counted in no other number."""
+    cols = ["id", "kind", "scenario", "site", "field", "replay_interval", "error"]
+    rows = [{c: py(r[c]) if c in r else None for c in cols} for _, r in df.iterrows()]
+    return {"trials": len(df), "rows": rows,
+            "note": "lost twice to a kill from outside the campaign (the harness retries a "
+                    "lost trial once): left out of coverage, detection and false-positive "
+                    "numbers"}
+
+
+def _cluster_sources(meta: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, str]:
+    """Where each ``[cluster]`` scalar comes from: the command line, the campaign file, or
+    the default, which is an example (Llama 3 405B's cluster, docs/cost-model.md)."""
+    table = meta.get("cluster") or {}
+    cli = {k for k, v in (overrides or {}).items() if v is not None}
+    return {k: "command line" if k in cli else "campaign [cluster]" if table.get(k) is not None
+            else "example default" for k in SCALARS}
+
+
+def _overhead_inputs(meta: dict[str, Any], cluster: dict[str, Any] | None,
+                     overhead_file: str | Path | None
+                     ) -> tuple[dict[str, Any], dict[str, str], dict[str, list[float]]]:
+    """The cluster overrides with the overhead file folded in, each overhead's source and
+    the file's intervals: the campaign's ``[cluster.overhead]``, then the file, then the
+    command line (each wins over the one before)."""
+    changes = dict(cluster or {})
+    sources = {k: "campaign [cluster.overhead] (yours)"
+               for k in ((meta.get("cluster") or {}).get("overhead") or {})}
+    intervals: dict[str, list[float]] = {}
+    pairs: dict[str, float] = {}
+    if overhead_file is not None:
+        values, intervals, desc = read_overhead_file(overhead_file)
+        pairs.update(values)
+        sources.update(dict.fromkeys(values, f"--overhead-file {desc}"))
+    cli = dict(changes.get("overhead") or ())
+    for k in cli:
+        intervals.pop(k, None)
+    pairs.update(cli)
+    sources.update(dict.fromkeys(cli, "command line (--check-overhead)"))
+    if pairs:
+        changes["overhead"] = tuple(pairs.items())
+    return changes, sources, intervals
+
+
+def summarize(out: Path, cluster: dict[str, Any] | None = None,
+              overhead_file: str | Path | None = None) -> dict[str, Any]:
     """Every number of the report; ``cluster``: overrides of the cost model's ``[cluster]``
-    fields (``scenarios.spec.cluster.ClusterSpec``), e.g. from the command line."""
+    fields (``scenarios.spec.cluster.ClusterSpec``), e.g. from the command line;
+    ``overhead_file``: your hardware's per-check overheads
+    (``scenarios.report.overheads.read_overhead_file``)."""
 
     df = read_trials(out / "trials.csv")
     meta = _load(out / "campaign.json") or {}
@@ -269,6 +320,8 @@ def summarize(out: Path, cluster: dict[str, Any] | None = None) -> dict[str, Any
     in_plan = df["id"].isin(planned) if planned else pd.Series(True, index=df.index)
     stale = int((~in_plan).sum())
     df = df[in_plan]
+    lost = df[df["outcome"] == LOST]
+    df = df[df["outcome"] != LOST]
     overhead = _load(out / "overhead.json")
     budget = float(meta.get("overhead_budget", 0.25))
     faults = df[df["kind"] == "fault"]
@@ -288,7 +341,10 @@ def summarize(out: Path, cluster: dict[str, Any] | None = None) -> dict[str, Any
     det = faults[faults["outcome"] == "detected"]
     runs = meta.get("runs", [])
     fit_ci = fit_interval(overhead) if overhead else None
-    spec = cluster_of(meta, cluster)
+    changes, sources, user_ci = _overhead_inputs(meta, cluster, overhead_file)
+    spec = cluster_of(meta, changes)
+    used = overheads_used(overhead, dict(spec.overhead), sources, user_ci,
+                          round_draws(rounds_of(overhead)))
     summary: dict[str, Any] = {
         "campaign": meta.get("name"), "quick": meta.get("quick"),
         "trials": len(faults), "clean_trials": len(clean), "false_positives": fp,
@@ -309,8 +365,12 @@ def summarize(out: Path, cluster: dict[str, Any] | None = None) -> dict[str, Any
         "latency": latency_distribution(faults, sites),
         "overhead": overhead,
         "overhead_fit_ci90": fit_ci,
-        "cost": cost_model(faults, overhead, fit_ci, spec,
-                           GuardConfig().nonfinite_exchange_interval),
+        "cost": {**cost_model(faults, overhead, fit_ci, spec,
+                              GuardConfig().nonfinite_exchange_interval),
+                 "cluster_sources": _cluster_sources(meta, cluster),
+                 "overheads_used": used,
+                 "overhead_warnings": noise_warnings(used, overhead, budget)},
+        "lost": _lost(lost),
         "field_coverage": field_coverage(faults, spec, sites),
         "overhead_budget": budget,
         "recommended_replay_interval": recommend(overhead, budget),

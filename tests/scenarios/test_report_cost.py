@@ -174,8 +174,10 @@ def test_report_opens_with_the_answer_and_is_self_contained(tmp_path: Path) -> N
     assert answer < evidence
     first = page[answer:evidence]
     for needle in (rec["name"], "GPU-hours per day", "false positives", "in the field",
-                   "sampled (raw)", "weight_storage", "Budget rule"):
+                   "sampled (raw)", "weight_storage", "How sure", "example cluster"):
         assert needle in first, needle
+    # one answer: the budget rule is evidence, below it, not a second recommendation
+    assert "budget rule" not in first.lower() and "budget rule" in page[evidence:]
     assert page.count("<svg") == 3 and page.count("data:image/png;base64,") == 3
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:|//)""", page)
     assert "<script" not in page and "<link" not in page and "@import" not in page
