@@ -100,10 +100,11 @@ def _totals(cluster: ClusterSpec, rate: float, f: np.ndarray, sums: np.ndarray, 
     f = np.maximum(f, 0.0)
     per_day = rate * g * 24.0
     t_h = cluster.step_time_s * (1 + f) / 3600.0
-    return (g * 24.0 * f / (1 + f) + per_day * p_det * g * (mean_lat + d) * t_h
+    out: np.ndarray = (g * 24.0 * f / (1 + f) + per_day * p_det * g * (mean_lat + d) * t_h
             + per_day * (p_det + p_crash) * g * cluster.checkpoint_interval_steps / 2 * t_h
             + per_day * (p_det + p_crash) * g * cluster.restart_s / 3600.0
             + per_day * p_esc * cluster.escape_cost)
+    return out
 
 
 class Resamples:

@@ -74,7 +74,8 @@ def ratio_draws(samples: dict[str, list[float]], name: str, draws: np.ndarray,
     if point is None:
         point = float(np.median(arr[1]) / np.median(arr[0]) - 1.0)
     idx = draws % arr.shape[1]
-    return point + paired[idx].mean(axis=1) - paired.mean()
+    out: np.ndarray = point + paired[idx].mean(axis=1) - paired.mean()
+    return out
 
 
 def replay_draws(samples: dict[str, list[float]], intervals: list[int],
