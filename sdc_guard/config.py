@@ -67,6 +67,10 @@ class ChecksumConfig:
 
 
 
+INT64_MAX = 2**63 - 1
+"""The largest step and seed: both travel as, and seed, 64-bit integers."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GuardConfig:
     """Which checks run, how often, and what happens on a detection. Frozen: derive variants
@@ -132,6 +136,16 @@ class GuardConfig:
     pod_name_env: str = "POD_NAME"
     """The environment variable that holds this rank's pod name (``metadata.name``)."""
 
+    collective_timeout_s: float | None = 600.0
+    """The watchdog: a rank that has waited this many seconds in one part of
+    ``SDCGuard.step`` while another rank fell out (stopped calling ``step``, died, or is at
+    another step) logs which rank, at which step, and what it was waiting for, writes it to
+    the event log, and ends its process with ``EXIT_RANK_LOST`` (a code a restart policy
+    retries), rather than waiting for the process group's own timeout (30 minutes by
+    default) to end in an error that names nobody (``docs/usage.md``, "When a rank falls
+    out"). Raise it above the longest work one rank does alone while the others wait for it
+    inside a step (a save on rank 0 with no barrier after it). None: no watchdog."""
+
     @property
     def checksum_config(self) -> ChecksumConfig | None:
         """The checksum check's settings, or None when it is off."""
@@ -171,8 +185,15 @@ class GuardConfig:
                 f"GuardConfig.micro_batches must be an int >= 1 (1 = no gradient accumulation), "
                 f"got {self.micro_batches!r}."
             )
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"GuardConfig.seed must be an int >= 0, got {self.seed!r}.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (
+                0 <= self.seed <= INT64_MAX):
+            raise ValueError(f"GuardConfig.seed must be an int in 0..2**63-1 (it seeds 64-bit "
+                             f"generators), got {self.seed!r}.")
+        timeout = self.collective_timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(
+                timeout, (int, float)) or not (math.isfinite(timeout) and timeout > 0)):
+            raise ValueError(f"GuardConfig.collective_timeout_s must be a number of seconds "
+                             f"> 0, or None for no watchdog, got {timeout!r}.")
         if self.replay_interval and not self.deterministic:
             raise ValueError(
                 f"GuardConfig.replay_interval={self.replay_interval} needs deterministic=True: "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -14,9 +15,10 @@ from torch.nn.parallel import DistributedDataParallel
 from sdc_guard.checkpoint import CheckpointManager
 from sdc_guard.checks import Check, build_checks
 from sdc_guard.collectives import STEPS_FIX, all_gather_rows, steps_disagree
-from sdc_guard.config import GuardConfig
+from sdc_guard.config import INT64_MAX, GuardConfig
 from sdc_guard.determinism import enable_determinism, rng_stream
 from sdc_guard.events import EventLog
+from sdc_guard.metrics import GuardMetrics, MetricsSink
 from sdc_guard.optimizers import Optimizers, as_optimizers
 from sdc_guard.parallel.ddp import CommHook, GuardCommHook
 from sdc_guard.remediation import Remediation
@@ -31,8 +33,37 @@ from sdc_guard.types import (
     fetch_micro_batches,
     scalar_loss,
 )
+from sdc_guard.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
+
+
+FORWARD_BACKWARD = "the forward and backward passes (DDP's gradient all-reduce)"
+"""Where a rank waits for a rank that stopped calling ``step`` (the watchdog's mark)."""
+
+
+def _refuse_foreign_optimizer(model: torch.nn.Module,
+                              optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+    """Does the optimizer hold any of the model's trained parameters? One that holds none
+    (built for another model, or for a copy made before the DDP wrap) trains nothing, and
+    every check would call the untrained run clean."""
+    trained = {id(p) for p in model.parameters() if p.requires_grad}
+    held = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
+    if trained and not trained & held:
+        raise ValueError(
+            "SDCGuard(optimizer=...) holds none of the model's trained parameters, so the "
+            "model would never change (and every check would call that run clean): build the "
+            "optimizer from the parameters of the model you pass, after wrapping it in DDP "
+            "(torch.optim.AdamW(ddp_model.parameters())), not from another model or a copy.")
+
+
+def _timed(into: dict[str, float], name: str, call: Callable[[int], Any], step: int) -> Any:
+    """``call(step)``, its host time added to ``into[name]``."""
+    t = time.perf_counter()
+    try:
+        return call(step)
+    finally:
+        into[name] = into.get(name, 0.0) + time.perf_counter() - t
 
 
 def _sparse_gradients(model: torch.nn.Module) -> bool:
@@ -72,6 +103,7 @@ class SDCGuard:
         process_group: dist.ProcessGroup | None = None,
         remediation: Remediation | None = None,
         checkpoints: CheckpointManager | None = None,
+        metrics: GuardMetrics | MetricsSink | None = None,
     ) -> None:
         config = GuardConfig() if config is None else config
         if not isinstance(config, GuardConfig):
@@ -91,6 +123,7 @@ class SDCGuard:
                 f"{type(model).__name__}. Wrap it first: DistributedDataParallel(model)."
             )
         optimizers = as_optimizers(optimizer, "SDCGuard(optimizer=...)")
+        _refuse_foreign_optimizer(model, optimizers)
         if not callable(loss_fn):
             raise TypeError("SDCGuard(loss_fn=...) must be callable: loss_fn(model, batch) -> loss.")
         if batch_for is not None and not callable(batch_for):
@@ -104,6 +137,11 @@ class SDCGuard:
         self.optimizer = optimizer
         self.optimizers = optimizers
         """``optimizer`` as a tuple: the one, or each of several, stepped in that order."""
+        if metrics is not None and not isinstance(metrics, GuardMetrics):
+            metrics = GuardMetrics(metrics)  # (a sink: refused there, with the fix, if not one)
+        self.metrics: GuardMetrics | None = metrics
+        """Counters and timings of every step and of the event records
+        (``sdc_guard.metrics``; docs/observability.md). None: none kept."""
         self.loss_fn = loss_fn
         self.batch_for = batch_for
         self.config = config
@@ -159,6 +197,12 @@ class SDCGuard:
         """Are those questions still to be asked, with the checks of now (``reconfigure``)?"""
         self.checks: list[Check] = []
         self.events: EventLog | None = None
+        self.watchdog: Watchdog | None = None
+        """Names a rank that fell out rather than waiting for it (``sdc_guard.watchdog``;
+        ``GuardConfig.collective_timeout_s``)."""
+        self._withheld: dict[int, tuple[str, ...]] = {}
+        """The steps this rank withheld, recently, and the checks that withheld them: a
+        detection that arrives later is ``contained`` when its step is here (``_placed``)."""
         # Bound before the checks are built and the comm hook registered with DDP: a bad
         # argument must not leave the model hooked (DDP takes one hook, once).
         self.set_remediation(remediation)
@@ -251,6 +295,12 @@ class SDCGuard:
         self._check_writes = not self._writes_checked and any(
             c.compares_replicas for c in self.checks)
         self.events = events
+        timeout = config.collective_timeout_s
+        if self.watchdog is not None and (timeout is None or self.watchdog.timeout_s != timeout):
+            self.watchdog.close()
+            self.watchdog = None
+        if timeout is not None and self.watchdog is None:
+            self.watchdog = Watchdog(timeout, group=self.group, fire=self._watchdog_fired)
         self.backend.attach()
 
     @property
@@ -267,13 +317,34 @@ class SDCGuard:
     # -- the step ---------------------------------------------------------------------------
     def step(self, step: int) -> StepReport:
         """Train one step with every configured check. Collective: call on every rank."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"SDCGuard.step(step): step must be an int >= 0, got {step!r}.")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= INT64_MAX:
+            raise ValueError(f"SDCGuard.step(step): step must be an int in 0..2**63-1, got "
+                             f"{step!r}.")
         if self.batch_for is None:
             raise ValueError(
                 "SDCGuard.step needs batch_for(rank, step) to fetch the batch; pass it to "
                 "SDCGuard(..., batch_for=...)."
             )
+        watch = self.watchdog
+        timed: dict[str, float] | None = None if self.metrics is None else {}
+        t0 = time.perf_counter()
+        try:
+            report = self._step(step, watch, timed)
+        finally:
+            if watch is not None:
+                watch.between()
+        if self.metrics is not None:
+            assert timed is not None
+            self.metrics.step(report, seconds=time.perf_counter() - t0, check_seconds=timed,
+                              due=list(timed), verified_step=self.clean_through)
+        return report
+
+    def _step(self, step: int, watch: Watchdog | None,
+              timed: dict[str, float] | None) -> StepReport:
+        """``step``'s work; ``timed``: None, or where each due check's host time in its step
+        calls (``begin_step``, ``pre_step``, ``post_step``) is added up, by name."""
+        if watch is not None:
+            watch.at(step, "the start of the step (the step agreement, the checks' begin_step)")
         if not self._step_agreed:
             self._agree_on_step(step)
         if self._check_start:
@@ -291,6 +362,7 @@ class SDCGuard:
         # batch took memory that glibc then trimmed and faulted back in at every step.
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
+        assert self.batch_for is not None  # (refused in ``step``)
         batches = list(fetch_micro_batches(self.batch_for, self.rank, step, cfg.micro_batches))
         due = [c for c in self.checks if c.due(step)] if self.checks else []
         self.backend.begin_step(step)
@@ -298,9 +370,16 @@ class SDCGuard:
         if self._check_writes:
             versions = [p._version for p in self.model.parameters()]
         for check in due:
-            check.begin_step(step)
+            if timed is None:
+                check.begin_step(step)
+            else:
+                t = time.perf_counter()
+                check.begin_step(step)
+                timed[check.name] = time.perf_counter() - t
         losses: list[torch.Tensor] = []
         self._forwards[0] = 0
+        if watch is not None:
+            watch.at(step, FORWARD_BACKWARD)
         for i in range(len(batches)):
             if i == len(batches) - 1:  # DDP all-reduces the gradients in this backward
                 self._micro_batch(batches, i, step, due, losses)
@@ -313,11 +392,21 @@ class SDCGuard:
             self._refuse_written(versions)
 
         detections: list[Detection] = []
-        skipped = False
+        withheld_by: tuple[str, ...] = ()
         if due:
-            verdicts = [check.pre_step(step) for check in due]
-            detections = [d for v in verdicts for d in v.detections]
-            skipped = any(v.withhold for v in verdicts) and cfg.skip_step_on_detection
+            if watch is not None:
+                watch.at(step, "the checks' verdicts before the optimizer step")
+            verdicts = [(check, check.pre_step(step) if timed is None
+                         else _timed(timed, check.name, check.pre_step, step)) for check in due]
+            detections = [d for _, v in verdicts for d in v.detections]
+            if cfg.skip_step_on_detection:
+                withheld_by = tuple(c.name for c, v in verdicts if v.withhold)
+        skipped = bool(withheld_by)
+        if skipped:
+            self._withheld = {s: w for s, w in self._withheld.items() if s > step - 100_000}
+            self._withheld[step] = withheld_by
+        elif watch is not None:
+            watch.at(step, "the optimizer step")
         if not skipped:
             if self.before_optimizer_step is not None:
                 self.before_optimizer_step(self)
@@ -328,16 +417,19 @@ class SDCGuard:
             else:
                 for opt in self.optimizers:
                     opt.step()
+        if due and watch is not None:
+            watch.at(step, "the checks after the optimizer step (the weights vote)")
         for check in due:
-            detections += check.post_step(step)
+            detections += (check.post_step(step) if timed is None
+                           else _timed(timed, check.name, check.post_step, step))
 
         mean_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
         if detections:
             detections = [self._placed(d) for d in detections]
         report = StepReport(step=step, loss=mean_loss, skipped=skipped,
-                            detections=detections)
+                            detections=detections, withheld_by=withheld_by)
         for d in detections:
-            self._record(d, skipped)
+            self._record(d)
         return report
 
     def _micro_batch(self, batches: list[Any], i: int, step: int, due: list[Check],
@@ -424,20 +516,44 @@ class SDCGuard:
         sent and collected here. Detections are recorded like any other (event log,
         ``on_detection``).
         """
-        found = [self._placed(d) for check in self.checks for d in check.flush()]
+        watch = self.watchdog
+        if watch is not None:
+            watch.at(watch.step, "flush (the checks' last words)")
+        try:
+            found = [self._placed(d) for check in self.checks for d in check.flush()]
+        finally:
+            if watch is not None:
+                watch.between()
         for d in found:
-            self._record(d, False)
+            self._record(d)
         if self.remediation is not None:
             self.remediation.drain()
         return found
 
     def _placed(self, d: Detection) -> Detection:
-        """``d`` with its suspects' nodes and, on a suspect rank, this rank's GPU snapshot."""
-        d = dataclasses.replace(d, suspect_nodes=self.topology.nodes_of(d.suspect_ranks))
+        """``d`` with its suspects' nodes, whether it was contained, and, on a suspect rank,
+        this rank's GPU snapshot."""
+        d = dataclasses.replace(d, suspect_nodes=self.topology.nodes_of(d.suspect_ranks),
+                                contained=self._contained(d))
         if self.rank in d.suspect_ranks:
             d = dataclasses.replace(d, evidence={**d.evidence,
                                                  "telemetry": gpu_snapshot(self.device)})
         return d
+
+    def _contained(self, d: Detection) -> bool:
+        """Did ``d``'s fault stay out of the weights? Its check withholds steps, its step was
+        withheld here and (where a check's withholding can differ between ranks: its
+        evidence's ``"withheld_ranks"``) on every rank, and every enabled check had verified
+        the run clean through the step before."""
+        if d.repaired or d.step not in self._withheld:
+            return False
+        if not any(c.name == d.check and c.withholds for c in self.checks):
+            return False
+        ranks = d.evidence.get("withheld_ranks")
+        if ranks is not None and set(ranks) != set(range(self.world_size)):
+            return False
+        clean = self.clean_through
+        return clean is None or clean >= d.step - 1
 
     def verified(self) -> tuple[int | None, dict[str, int]]:
         """``clean_through``, and each check's own (what a ``CheckpointManager`` records)."""
@@ -453,20 +569,56 @@ class SDCGuard:
         """The run was restored to the state after ``step``: every check counts it verified
         (``CheckpointManager.restore`` calls this)."""
         self._step_agreed = False
+        self._withheld = {}
         for c in self.checks:
             c.rewind(step)
+        record = {"event": "restore", "step": step}
+        if self.metrics is not None:  # every rank counts it; one record per job
+            self.metrics.event(record)
+        if self.rank == 0:
+            self._write_event(record)
 
-    def _record(self, d: Detection, skipped: bool) -> None:
-        log.warning("SDC detection at step %d by %s: suspects %s on %s (%s)", d.step, d.check,
-                    list(d.suspect_ranks), list(d.suspect_nodes), d.detail)
-        self.log_event({**d.to_json(), "optimizer_step_skipped": skipped})
-        if not d.repaired:  # a repaired detection neither quarantines nor opens a window
-            try:
-                if self.checkpoints is not None:
-                    self.checkpoints.record_detection(d, verified_through=self.clean_through)
-            finally:  # a window that could not be recorded still quarantines, then raises
-                if self.remediation is not None:
-                    self.remediation.act(d)
+    def close(self) -> None:
+        """Stop the watchdog's thread and unhook the checks (the model stays as it is, its
+        DDP comm hook included: DDP takes one per model). For a guard that is done before
+        its process ends; a guard left open is closed with the process."""
+        if self.watchdog is not None:
+            self.watchdog.close()
+            self.watchdog = None
+        for check in self.checks:
+            check.close()
+        self.checks = []
+
+    def _watchdog_fired(self, message: str, record: dict[str, Any]) -> None:
+        self.log_event({"event": "watchdog", **record, "detail": message})
+
+    def _record(self, d: Detection) -> None:
+        """One log line and event record per job, from the lowest rank; a suspect rank's own
+        telemetry record beside it, keyed by the same (check, step); the checkpoint manager,
+        the remediation and ``on_detection`` on every rank."""
+        withheld = self._withheld.get(d.step, ())
+        if self.rank == 0:
+            outcome = ("repaired in place" if d.repaired else
+                       "contained: step withheld, nothing to roll back" if d.contained else
+                       f"withheld by {', '.join(withheld)} on this rank" if withheld else
+                       "not contained")
+            log.warning("SDC detection at step %d by %s: suspects %s on %s; %s (%s)", d.step,
+                        d.check, list(d.suspect_ranks), list(d.suspect_nodes), outcome, d.detail)
+            record = d.to_json()
+            record["evidence"] = {k: v for k, v in d.evidence.items() if k != "telemetry"}
+            self.log_event({**record, "withheld_by": list(withheld),
+                            "optimizer_step_skipped": bool(withheld)})
+        if self.rank in d.suspect_ranks:
+            self.log_event({"event": "telemetry", "check": d.check, "step": d.step,
+                            "telemetry": d.evidence.get("telemetry")})
+        try:  # a repair keeps the checkpoint before it; a contained one changes nothing
+            if self.checkpoints is not None:
+                self.checkpoints.record_detection(
+                    d, verified_through=self.clean_through,
+                    repair_window_steps=self.config.repair_window_steps)
+        finally:  # a window that could not be recorded still quarantines, then raises
+            if self.remediation is not None and not d.repaired:  # a repair does not quarantine
+                self.remediation.act(d)
         if self.on_detection is not None:
             self.on_detection(d)
 
@@ -476,9 +628,15 @@ class SDCGuard:
         return next((c.phase for c in self.checks if c.phase != "train"), "train")
 
     def log_event(self, record: dict[str, Any]) -> None:
-        """Append a record to the event log (no-op without one). Injectors write here. A
-        write that fails (a full disk, a vanished volume) is logged at ERROR, never raised:
-        the detection it records is acted on all the same."""
+        """Append a record to the event log (no-op without one) and count it in the metrics.
+        Injectors and the remediation write here. A write that fails (a full disk, a
+        vanished volume) is logged at ERROR, never raised: the detection it records is
+        acted on all the same."""
+        if self.metrics is not None:
+            self.metrics.event(record)
+        self._write_event(record)
+
+    def _write_event(self, record: dict[str, Any]) -> None:
         if self.events is None:
             return
         try:

@@ -56,6 +56,13 @@ class Check:
     its parameters in place makes them differ without a fault, so the guard refuses one
     (once, at the first step) when any enabled check does."""
 
+    withholds: bool = False
+    """Can this check's verdict withhold a step? Its detections are then faults in a step's
+    computation, which a withheld step keeps from the weights: the guard marks such a
+    detection ``contained`` when its step was withheld on every rank (the evidence's
+    ``"withheld_ranks"``, where a check's withholding can differ between ranks, lists the
+    ranks that withheld)."""
+
     checks_start: bool = False
     """Does this check ask, at the first step, whether the replicas start alike
     (``check_start``)?"""

@@ -8,6 +8,13 @@ rank's bits side by side) in one small all-reduce that nobody waits for. The nex
 that collects (the check's next step, or ``flush`` after the last one) judges them: they
 have long arrived by then, so it rarely waits, and it starts no collective. Every rank
 has the same window at the same step, so every rank sends, and collects, the same words.
+
+The same word carries the step agreement: each rank adds, per step of its window, the step
+number ``s`` (taken modulo 2**24) and its square. The sums over the ranks equal ``world``
+times this rank's own values exactly when every rank had the same steps (the squares make
+the ranks' spread zero), so every rank finds a rank at another step in the same
+collection, and raises the same named error (``StepsDisagree``) after one gather of the
+steps on this rare path.
 """
 
 from __future__ import annotations
@@ -18,7 +25,15 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from sdc_guard.collectives import PendingSum, flag_rows, flag_words, words_on
+from sdc_guard.collectives import (
+    STEPS_FIX,
+    PendingSum,
+    all_gather_rows,
+    flag_rows,
+    flag_words,
+    steps_disagree,
+    words_on,
+)
 from sdc_guard.report import Detection
 
 
@@ -33,6 +48,26 @@ class Judge(Protocol):
     def verified(self, step: int) -> None: ...
 
     def tainted(self) -> None: ...
+
+
+_STEP_MOD = 1 << 24
+"""Steps enter the agreement words modulo this: a square stays under 2**48, and a SUM over up
+to 2**15 ranks stays within int64."""
+
+
+def step_words(steps: Sequence[int]) -> list[int]:
+    """This rank's agreement words for a window of ``steps``: each step modulo 2**24 and its
+    square (``DeferredFlags``, module doc)."""
+    out = []
+    for s in steps:
+        t = s % _STEP_MOD
+        out += [t, t * t]
+    return out
+
+
+class StepsDisagree(ValueError):
+    """The ranks called ``SDCGuard.step`` with different steps (found in a word every rank
+    collects at the same call, so every rank raises it)."""
 
 
 class DeferredFlags:
@@ -69,7 +104,11 @@ class DeferredFlags:
             return []
         steps, word = sent
         k = self.width
-        rows = flag_rows(word.wait_all(), k * len(steps), self.world)
+        totals = word.wait_all()
+        agree = totals[-2 * len(steps):]
+        if agree != [self.world * w for w in step_words(steps)]:
+            self._disagree(steps)
+        rows = flag_rows(totals[:-2 * len(steps)], k * len(steps), self.world)
         found: list[Detection] = []
         for i, step in enumerate(steps):
             judged = judge.judge(step, [row[k * i:k * (i + 1)] for row in rows])
@@ -98,9 +137,22 @@ class DeferredFlags:
             sent[1].wait_all()
         self._window = []
 
+    def _disagree(self, steps: list[int]) -> None:
+        """Raise ``StepsDisagree`` naming which rank had which steps: every rank found the
+        disagreement in the same word, so every rank gathers here."""
+        rows = all_gather_rows(torch.tensor(steps, dtype=torch.int64, device=self.device),
+                               self.group).tolist()
+        first = next((i for i in range(len(steps)) if len({row[i] for row in rows}) > 1),
+                     len(steps) - 1)
+        differ = steps_disagree([row[first] for row in rows])
+        raise StepsDisagree(f"SDCGuard.step: the ranks are not at one step ({differ}: the "
+                            "first call where they differ, found in the word of calls with "
+                            f"steps {steps[0]}..{steps[-1]} on this rank); {STEPS_FIX}")
+
     def _send(self) -> None:
         flags = [f for _, bits in self._window for f in bits]
         words = flag_words(flags, self.rank, self.world)
+        words += step_words([s for s, _ in self._window])
         word = PendingSum(words_on(words, self.device), self.group, in_place=True)
         self._sent = ([s for s, _ in self._window], word)
         self._window = []

@@ -120,6 +120,7 @@ class NonFiniteCheck(Check, GradientListener):
     """NaN/Inf in the local and the reduced gradients, every step; see the module doc."""
 
     name = "nonfinite"
+    withholds = True
     wants_flag = True
 
     def __init__(
@@ -252,7 +253,9 @@ class NonFiniteCheck(Check, GradientListener):
         local = tuple(r for r, row in enumerate(rows) if row[0])
         reduced = tuple(r for r, row in enumerate(rows) if row[1])
         evidence: dict[str, Any] = {"local_nonfinite": list(local),
-                                    "reduced_nonfinite": list(reduced)}
+                                    "reduced_nonfinite": list(reduced),
+                                    "withheld_ranks": [] if self.expect_overflow
+                                    else list(reduced)}
         if local and not self.expect_overflow:
             # rank r's batch, recomputed by rank r - 1 (a third flag of that rank's row)
             again = {r: (r - 1) % n for r in local if n > 1 and rows[(r - 1) % n][2]}

@@ -474,6 +474,7 @@ class ReplayAudit(Check, GradientListener):
     """The ring replay audit, every ``interval`` steps; see the module doc."""
 
     name = "replay"
+    withholds = True
 
     def __init__(
         self,

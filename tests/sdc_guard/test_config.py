@@ -24,7 +24,11 @@ from sdc_guard.events import EventLog, read_events
         ({"replay_interval": True}, "replay_interval must be an int"),
         ({"nonfinite": "yes"}, "nonfinite must be True or False"),
         ({"micro_batches": 0}, "micro_batches must be an int >= 1"),
-        ({"seed": -1}, "seed must be an int >= 0"),
+        ({"seed": -1}, r"seed must be an int in 0\.\.2\*\*63-1"),
+        ({"seed": 2**64}, r"seed must be an int in 0\.\.2\*\*63-1"),
+        ({"collective_timeout_s": 0}, "collective_timeout_s must be a number of seconds > 0"),
+        ({"collective_timeout_s": float("nan")}, "collective_timeout_s must be a number"),
+        ({"collective_timeout_s": True}, "collective_timeout_s must be a number"),
         ({"replay_interval": 5}, "replay_interval=5 needs deterministic=True"),
         ({"event_log": 3}, "event_log must be a path"),
         ({"nonfinite_exchange_interval": 0}, "nonfinite_exchange_interval must be an int >= 1"),
@@ -161,7 +165,8 @@ def test_a_compiled_ddp_is_refused_where_the_replay_would_run_other_code(one_ran
     compiled = DDP(torch.nn.Linear(4, 2))
     compiled.compile()  # before: refused when the guard is built
     with pytest.raises(ValueError, match=r"DistributedDataParallel\(torch.compile\(module\)\)"):
-        SDCGuard(compiled, opt, **kw)  # type: ignore[arg-type]
+        SDCGuard(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1),
+                 **kw)  # type: ignore[arg-type]
 
 
 def test_replay_refuses_sync_batchnorm() -> None:
@@ -373,18 +378,64 @@ class _Recorder:
 
 
 def test_a_suspect_window_that_cannot_be_recorded_still_quarantines(
-        one_rank: None, tmp_path: Path) -> None:
+        one_rank: None, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # The window was recorded first and a failure there (windows.json unwritable) raised
-    # before the remediation ran: the suspect node stayed in service. Now it acts, then raises.
+    # before the remediation ran: the suspect node stayed in service. Now the failure to
+    # write is an ERROR naming the file (the window held in memory, no rank waiting on
+    # another), and the remediation acts.
     from sdc_guard import CheckpointManager
-    from sdc_guard.checkpoint import CheckpointError
 
     ckpt = CheckpointManager(tmp_path / "ckpt")
     (ckpt.directory / "windows.json").mkdir()  # cannot be read or replaced by a file
     quarantine = _Recorder()
     guard = _one_rank_guard(checkpoints=ckpt, remediation=quarantine,
-                            batch_for=lambda r, s: torch.full((3, 4), float("nan")))
-    with pytest.raises(CheckpointError, match=r"windows\.json"):
+                            batch_for=lambda r, s: torch.full((3, 4), float("nan")),
+                            # applied: not contained, so it opens a window
+                            config=GuardConfig(skip_step_on_detection=False))
+    with caplog.at_level("ERROR"):
         guard.step(0)
         guard.flush()
     assert quarantine.acted == [("nonfinite", 0)]
+    assert any("windows.json could not be written" in r.getMessage() for r in caplog.records)
+
+
+def test_metrics_count_what_the_guard_did(one_rank: None) -> None:
+    from sdc_guard import GuardMetrics
+
+    metrics = GuardMetrics()
+    nan_at = {2}
+    guard = _one_rank_guard(
+        metrics=metrics, config=GuardConfig(nonfinite_exchange_interval=1),
+        batch_for=lambda r, s: torch.full((3, 4), float("nan") if s in nan_at else 1.0))
+    for s in range(4):
+        guard.step(s)
+    guard.close()
+    assert metrics.value("sdc_guard_steps_total") == 4
+    assert metrics.value("sdc_guard_withheld_steps_total") == 1
+    assert metrics.value("sdc_guard_withholds_total", "nonfinite") == 1
+    assert metrics.value("sdc_guard_audits_total", "nonfinite") == 4
+    assert metrics.value("sdc_guard_audits_total", "weights") == 4
+    assert metrics.value("sdc_guard_detections_total", "nonfinite") == 1
+    assert metrics.value("sdc_guard_contained_total", "nonfinite") == 1
+    assert metrics.value("sdc_guard_verified_step") == 1  # stops before the detection's step
+    with pytest.raises(TypeError, match="a sink needs record"):
+        _one_rank_guard(metrics=object())
+
+
+def test_an_optimizer_of_another_model_is_refused(one_rank: None) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(torch.nn.Linear(4, 2))
+    other = torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="holds none of the model's trained parameters"):
+        SDCGuard(ddp, other, loss_fn=lambda m, b: m(b).sum(),
+                 batch_for=lambda r, s: torch.ones(3, 4))
+
+
+def test_a_step_beyond_64_bits_is_named(one_rank: None) -> None:
+    # It was an "Overflow when unpacking long long" from deep inside a collective.
+    guard = _one_rank_guard()
+    for bad in (2**63, -1, 1.0):
+        with pytest.raises(ValueError, match=r"step must be an int in 0\.\.2\*\*63-1"):
+            guard.step(bad)  # type: ignore[arg-type]
+    guard.step(2**63 - 1)  # the largest is a step like any other

@@ -103,6 +103,7 @@ class ChecksumCheck(Hooks, Check, GradientListener):
     guard (``Check``) and the backend (``GradientListener``)."""
 
     name = "checksum"
+    withholds = True
     wants_veto = True
 
     def __init__(
