@@ -3,22 +3,25 @@
 Public API (stable): ``fingerprint``, ``fingerprint_tensor``, ``GuardConfig``, ``ChecksumConfig``,
 ``SDCGuard``, ``StepReport``, ``Detection``, ``EventLog``, ``read_events``,
 ``state_tensors``, ``native_kernel``, ``native_enabled``, ``CheckpointManager``, ``GuardMetrics``,
-``TensorBoardMetrics``, ``PrometheusMetrics``, ``EXIT_RANK_LOST``; the types ``LossFn`` and
+``TensorBoardMetrics``, ``PrometheusMetrics``, the exit codes ``EXIT_QUARANTINED``,
+``EXIT_RANK_LOST``, ``EXIT_CONVICTED``; the types ``LossFn`` and
 ``BatchFor``. See README.md and docs/.
 """
 
 from sdc_guard.checkpoint import CheckpointManager
 from sdc_guard.config import ChecksumConfig, GuardConfig
 from sdc_guard.events import EventLog, read_events
+from sdc_guard.exits import EXIT_CONVICTED, EXIT_QUARANTINED, EXIT_RANK_LOST
 from sdc_guard.fingerprints import fingerprint, fingerprint_tensor, native_enabled, native_kernel
 from sdc_guard.guard import SDCGuard
 from sdc_guard.metrics import GuardMetrics, PrometheusMetrics, TensorBoardMetrics
 from sdc_guard.report import Detection, StepReport
 from sdc_guard.state import state_tensors
 from sdc_guard.types import BatchFor, LossFn
-from sdc_guard.watchdog import EXIT_RANK_LOST
 
 __all__ = [
+    "EXIT_CONVICTED",
+    "EXIT_QUARANTINED",
     "EXIT_RANK_LOST",
     "BatchFor",
     "CheckpointManager",

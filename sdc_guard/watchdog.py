@@ -35,11 +35,11 @@ from typing import Any
 
 import torch.distributed as dist
 
+from sdc_guard.exits import EXIT_RANK_LOST
+
 log = logging.getLogger(__name__)
 
-EXIT_RANK_LOST = 201
-"""The exit code of a rank whose watchdog found another rank fallen out: in 128-255, which
-Kubeflow's ``restartPolicy: ExitCode`` retries (the job restarts from its checkpoint)."""
+
 
 BETWEEN = "between steps"
 """The mark of a rank outside ``SDCGuard.step`` (it returned from ``step`` and has not yet

@@ -14,9 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
+from sdc_guard.exits import EXIT_QUARANTINED
 from sdc_guard.remediation.api import KubeError
 from sdc_guard.remediation.breaker import BreakerLimits
-from sdc_guard.remediation.kube import EXIT_QUARANTINED, KubeQuarantine, QuarantineAction
+from sdc_guard.remediation.kube import KubeQuarantine, QuarantineAction
 from sdc_guard.report import Detection
 from sdc_guard.topology import Topology
 

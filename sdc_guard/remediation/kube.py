@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sdc_guard.exits import EXIT_QUARANTINED
 from sdc_guard.remediation.api import JsonPatch, KubeError, NodeAPI, annotation_ops, load_client
 from sdc_guard.remediation.breaker import BreakerLimits
 from sdc_guard.remediation.evidence import (
@@ -62,12 +63,6 @@ from sdc_guard.report import Detection
 from sdc_guard.topology import Topology
 
 log = logging.getLogger(__name__)
-
-EXIT_QUARANTINED = 200
-"""The exit code for a process that leaves after a real quarantine so that its job restarts
-elsewhere: Kubeflow's ``restartPolicy: ExitCode`` retries 128-255 and treats 1-127 as
-permanent; 200 is no signal's code (128 + N for signal N <= 64). See
-``examples/train_guarded.py``."""
 
 
 @dataclass(frozen=True, slots=True)
