@@ -31,7 +31,7 @@ from scenarios.spec.cluster import add_cluster_arguments, cluster_overrides
 from scenarios.spec.errors import ScenarioError
 from scenarios.spec.scenario import load_scenario
 from scenarios.spec.tables import read_toml
-from scenarios.spec.trials import plan_trials
+from scenarios.spec.trials import check_trial_count, plan_trials
 
 
 def _run_campaign(campaign: CampaignSpec, out: Path, cache: str | None, progress: bool,
@@ -54,6 +54,15 @@ def _run_campaign(campaign: CampaignSpec, out: Path, cache: str | None, progress
 
     run_campaign(campaign, out, cache=cache, progress=progress, shard=shard, then=then)
     return 0
+
+
+def _count(campaign: CampaignSpec, file: str) -> int:
+    """The campaign's planned trials, counted before any is built; beyond
+    ``scenarios.spec.limits.MAX_TRIALS`` a ``ScenarioError`` located in ``file``."""
+    try:
+        return check_trial_count(campaign)
+    except ScenarioError as e:
+        raise e.in_file(file) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -95,11 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             sc = load_scenario(args.file)
+            one = campaign_for_scenario(sc, clean_trials=args.clean)
+            _count(one, args.file)
             out = Path(args.out or Path("runs") / sc.name)
-            return _run_campaign(campaign_for_scenario(sc, clean_trials=args.clean), out,
-                                 args.cache, not args.no_progress)
+            return _run_campaign(one, out, args.cache, not args.no_progress)
         if args.command == "campaign":
             camp = load_campaign(args.file, quick=args.quick)
+            _count(camp, args.file)
             shard = parse_shard(args.shard) if args.shard is not None else None
             name = camp.name + ("-quick" if args.quick else "") + (
                 f"-shard{shard[0]}of{shard[1]}" if shard else "")
@@ -134,11 +145,15 @@ def main(argv: list[str] | None = None) -> int:
             data = read_toml(args.file)
             if "scenarios" in data:
                 camp = load_campaign(args.file)
+                quick = load_campaign(args.file, quick=True)
+                _count(camp, args.file)
+                _count(quick, args.file)
                 print(f"campaign {camp.name!r}: {len(plan_trials(camp))} trials "
-                      f"({len(plan_trials(load_campaign(args.file, quick=True)))} with --quick)")
+                      f"({len(plan_trials(quick))} with --quick)")
             else:
                 sc = load_scenario(args.file)
-                print(f"scenario {sc.name!r}: ok")
+                n = _count(campaign_for_scenario(sc), args.file)
+                print(f"scenario {sc.name!r}: ok ({n} trial(s) with python -m scenarios run)")
             return 0
     except ScenarioError as e:
         print(f"error: {e}", file=sys.stderr)

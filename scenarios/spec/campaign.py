@@ -41,6 +41,7 @@ from typing import Any
 from scenarios.spec.cluster import ClusterSpec, cluster_from_table
 from scenarios.spec.errors import ScenarioError, need_int, need_number
 from scenarios.spec.faults import FaultSpace, space_of
+from scenarios.spec.limits import MAX_STEPS, MAX_TRIALS
 from scenarios.spec.paths import need_name
 from scenarios.spec.scenario import Scenario, load_scenario
 from scenarios.spec.tables import known_keys, merge, read_toml, table_of, tuples
@@ -64,7 +65,7 @@ class OverheadSpec:
         need_int("overhead.rounds", self.rounds, 1, 1000)
         need_int("overhead.block", self.block, 1, 1000)
         for k in self.intervals:
-            need_int("overhead.intervals", k, 1)
+            need_int("overhead.intervals", k, 1, MAX_STEPS)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -95,7 +96,7 @@ class CampaignSpec:
         names = [s.name for s in self.scenarios]
         if len(set(names)) != len(names):
             raise ScenarioError("scenarios", names, "scenarios with distinct names")
-        need_int("clean_trials", self.clean_trials, 1)  # always measure false positives
+        need_int("clean_trials", self.clean_trials, 1, MAX_TRIALS)  # false positives, always
         need_number("overhead_budget", self.overhead_budget, 0.0, 100.0, lo_open=True)
         if self.overhead is not None and self.overhead.scenario and (
                 self.overhead.scenario not in names) and self.overhead_file_scenario is None:

@@ -79,9 +79,11 @@ def need_choices(name: str, v: Any, allowed: tuple[str, ...]) -> None:
         raise ScenarioError(name, list(v), f"distinct values from {list(allowed)}")
 
 
-def need_ints(name: str, v: Any, lo: int, *, empty: bool = False) -> None:
-    """A tuple of ints >= ``lo`` (non-empty unless ``empty``)."""
+def need_ints(name: str, v: Any, lo: int, hi: int | None = None, *,
+              empty: bool = False) -> None:
+    """A tuple of ints in ``[lo, hi]`` (non-empty unless ``empty``)."""
     if not isinstance(v, tuple) or (not v and not empty):
-        raise ScenarioError(name, v, f"a {'' if empty else 'non-empty '}list of integers >= {lo}")
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ScenarioError(name, v, f"a {'' if empty else 'non-empty '}list of integers {rng}")
     for x in v:
-        need_int(name, x, lo)
+        need_int(name, x, lo, hi)

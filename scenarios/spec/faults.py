@@ -16,6 +16,7 @@ from scenarios.spec.errors import (
     need_ints,
     need_number,
 )
+from scenarios.spec.limits import MAX_SEED, MAX_STEPS, MAX_TRIALS, MAX_WORLD_SIZE
 from scenarios.spec.tables import known_keys, tuples
 
 if TYPE_CHECKING:
@@ -85,9 +86,9 @@ class FaultSpace:
         need_choices("sites", self.sites, SITES)
         need_choices("fields", self.fields, FIELDS)
         need_choices("models", self.models, FAULT_MODELS)
-        need_ints("steps", self.steps, 0, empty=True)
-        need_ints("ranks", self.ranks, 0, empty=True)
-        need_ints("replay_intervals", self.replay_intervals, 0)
+        need_ints("steps", self.steps, 0, MAX_STEPS - 1, empty=True)
+        need_ints("ranks", self.ranks, 0, MAX_WORLD_SIZE - 1, empty=True)
+        need_ints("replay_intervals", self.replay_intervals, 0, MAX_STEPS)
         if not isinstance(self.checksum, tuple) or any(
                 not isinstance(c, bool) for c in self.checksum) or len(set(self.checksum)) != len(
                 self.checksum):
@@ -95,10 +96,10 @@ class FaultSpace:
                                 "[false, true] (or leave it out)")
         need_number("p", self.p, 0.0, 1.0, lo_open=True)
         need_int("repeat", self.repeat, 1, 1000)
-        need_int("trials_per_site", self.trials_per_site, 0)
+        need_int("trials_per_site", self.trials_per_site, 0, MAX_TRIALS)
         need_number("margin", self.margin, 0.0, 0.5, lo_open=True)
         need_choice("confidence", self.confidence, (0.9, 0.95, 0.99))
-        need_int("seed", self.seed, 0)
+        need_int("seed", self.seed, 0, MAX_SEED)
         if self.mode == "matrix" and not self.steps:
             raise ScenarioError("steps", [], "a non-empty list of steps in matrix mode")
 

@@ -64,6 +64,7 @@ from typing import Any, Final
 from injectors import Fault, FaultError
 from scenarios.spec.errors import ScenarioError, need_bool, need_choice, need_int, need_number
 from scenarios.spec.faults import STATE_KEYS, FaultSpace, space_of, state_keys
+from scenarios.spec.limits import MAX_PARAMETERS, MAX_SEED, MAX_STEPS, MAX_WORLD_SIZE
 from scenarios.spec.models import (
     DTYPES,
     MODEL_KINDS,
@@ -79,6 +80,17 @@ from sdc_guard import ChecksumConfig, GuardConfig
 
 BACKENDS: Final = ("auto", "gloo", "nccl")
 OPTIMIZERS: Final = tuple(STATE_KEYS)
+
+
+@functools.lru_cache(maxsize=256)
+def parameter_count(kind: str, width: int, depth: int) -> int:
+    """Parameters of a scenario model, counted on the meta device (no memory, no data; the
+    global random state is left as it was)."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        model = build_model(kind, width=width, depth=depth, seed=0)
+    return sum(p.numel() for p in model.parameters())
 
 
 @functools.lru_cache(maxsize=64)
@@ -111,6 +123,12 @@ class ModelSpec:
         if self.kind == "transformer" and self.width % 2:
             raise ScenarioError("model.width", self.width, "an even integer (2 attention heads)")
         need_int("model.depth", self.depth, 1, 64)
+        n = parameter_count(self.kind, self.width, self.depth)
+        if n > MAX_PARAMETERS:
+            raise ScenarioError("model.width", self.width, f"a width and depth with at most "
+                                f"{MAX_PARAMETERS:,} parameters",
+                                reason=f"a {self.kind} of width {self.width} and depth "
+                                       f"{self.depth} has {n:,}")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -246,12 +264,12 @@ class Scenario:
 
     def __post_init__(self) -> None:
         need_name("name", self.name)
-        need_int("world_size", self.world_size, 1, 1024)
-        need_int("steps", self.steps, 1, 100_000)
+        need_int("world_size", self.world_size, 1, MAX_WORLD_SIZE)
+        need_int("steps", self.steps, 1, MAX_STEPS)
         need_int("batch", self.batch, 1, 65_536)
         need_int("micro_batches", self.micro_batches, 1, 1024)
         need_choice("dtype", self.dtype, tuple(DTYPES))
-        need_int("seed", self.seed, 0)
+        need_int("seed", self.seed, 0, MAX_SEED)
         need_choice("backend", self.backend, BACKENDS)
         need_number("trial_timeout_s", self.trial_timeout_s, 1.0, 86_400.0)
         need_bool("stop_on_detection", self.stop_on_detection)
@@ -274,6 +292,7 @@ class Scenario:
             raise ScenarioError(f"{where}.rank", f.rank, f"a rank in [0, {self.world_size - 1}]")
         if f.step >= self.steps:
             raise ScenarioError(f"{where}.step", f.step, f"a step in [0, {self.steps - 1}]")
+        need_int(f"{where}.seed", f.seed, 0, MAX_SEED)
         targets = self.targets(f.site)
         name = f.target.removeprefix("module.")
         if name not in targets:
@@ -291,11 +310,13 @@ class Scenario:
         except FaultError as e:
             raise ScenarioError(f"{where}.{e.field}", getattr(f, e.field, None),
                                 e.message) from None
-        if f.index is not None:
-            n = self.target_sizes(f.site)[name]
-            if f.index + f.burst > n:
-                raise ScenarioError(f"{where}.index", f.index, f"an index in [0, {n - f.burst}] "
-                                    f"({f.target!r} has {n} element(s), burst {f.burst})")
+        n = self.target_sizes(f.site)[name]
+        if f.burst > n:
+            raise ScenarioError(f"{where}.burst", f.burst, f"a burst in [1, {n}] ({f.target!r} "
+                                f"has {n} element(s))")
+        if f.index is not None and f.index + f.burst > n:
+            raise ScenarioError(f"{where}.index", f.index, f"an index in [0, {n - f.burst}] "
+                                f"({f.target!r} has {n} element(s), burst {f.burst})")
 
     # -- derived ------------------------------------------------------------------------------
     def state_keys(self, target: str) -> tuple[str, ...]:

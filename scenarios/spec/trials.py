@@ -10,6 +10,7 @@ ids: a resumed campaign skips the ids already in ``trials.csv``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -24,6 +25,7 @@ from injectors.fault import PRODUCTS
 from scenarios.spec.campaign import CampaignSpec
 from scenarios.spec.errors import ScenarioError, need_int
 from scenarios.spec.faults import FaultSpace
+from scenarios.spec.limits import MAX_STEPS, MAX_TRIALS, MAX_WORLD_SIZE
 from scenarios.spec.scenario import Scenario
 from scenarios.spec.seeds import seed_of
 
@@ -46,8 +48,8 @@ class Chaos:
     def __post_init__(self) -> None:
         if self.action not in CHAOS_ACTIONS:
             raise ScenarioError("chaos.action", self.action, f"one of {list(CHAOS_ACTIONS)}")
-        need_int("chaos.rank", self.rank, 0)
-        need_int("chaos.step", self.step, 0)
+        need_int("chaos.rank", self.rank, 0, MAX_WORLD_SIZE - 1)
+        need_int("chaos.step", self.step, 0, MAX_STEPS - 1)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -94,8 +96,14 @@ def _bits(scenario: Scenario) -> int:
 
 
 # -- building trials ----------------------------------------------------------------------------
+@functools.lru_cache(maxsize=64)
+def _training_key(scenario: Scenario) -> str:
+    """``scenario.training_key()``, computed once per scenario (every trial id hashes it)."""
+    return scenario.training_key()
+
+
 def _trial_id(scenario: Scenario, *parts: Any) -> str:
-    blob = json.dumps([scenario.name, scenario.training_key(), *parts], sort_keys=True,
+    blob = json.dumps([scenario.name, _training_key(scenario), *parts], sort_keys=True,
                       default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 
@@ -207,8 +215,57 @@ def _interleave(faults: list[TrialSpec], clean: list[TrialSpec]) -> list[TrialSp
     return out
 
 
+def count_trials(campaign: CampaignSpec) -> dict[str, int]:
+    """How many trials ``plan_trials`` builds at most, by part (``"<scenario>: clean_trials"``,
+    ``"<scenario>: [matrix]"``, ...), counted without building them."""
+    parts: dict[str, int] = {}
+    for scenario in campaign.scenarios:
+        space = campaign.space or scenario.space
+        if space is None:
+            parts[f"{scenario.name}: [[faults]]"] = len(scenario.faults)
+            intervals = 1
+        else:
+            intervals = len(space.replay_intervals)
+            checksum = max(1, len(space.checksum))
+            ranks = len(space.ranks) or scenario.world_size
+            steps = len(space.steps) or scenario.steps - 1
+            if space.mode == "matrix":
+                parts[f"{scenario.name}: [matrix]"] = (
+                    intervals * len(space.sites) * len(space.fields) * len(space.models) * steps
+                    * ranks * checksum * space.repeat)
+            else:
+                parts[f"{scenario.name}: [sample]"] = sum(
+                    space.trials_per_site or leveugle_sample_size(
+                        sum(scenario.target_sizes(site).values()) * _bits(scenario) * steps
+                        * ranks * len(space.models) * intervals, space.margin,
+                        space.confidence)
+                    for site in space.sites)
+            intervals *= checksum
+        parts[f"{scenario.name}: clean_trials"] = intervals * campaign.clean_trials
+    return parts
+
+
+def check_trial_count(campaign: CampaignSpec) -> int:
+    """The planned trials' count (``count_trials``), or a ``ScenarioError`` naming the part
+    that pushes it past ``MAX_TRIALS`` (before any trial is built)."""
+    parts = count_trials(campaign)
+    total = sum(parts.values())
+    if total > MAX_TRIALS:
+        part, n = max(parts.items(), key=lambda kv: kv[1])
+        table = part.split(": ", 1)[1]
+        field = {"[matrix]": "matrix", "[sample]": "sample", "[[faults]]": "faults"}.get(
+            table, table)
+        raise ScenarioError(field, f"{total:,} trials", f"at most {MAX_TRIALS:,} trials in a "
+                            "campaign (scenarios.spec.limits.MAX_TRIALS)",
+                            reason=f"the largest part, {part}, plans {n:,}; fewer axes values, "
+                                   "repeat, trials_per_site or clean_trials, or a larger margin")
+    return total
+
+
 def plan_trials(campaign: CampaignSpec) -> list[TrialSpec]:
-    """Every trial of the campaign, in a fixed order (the same list on every call)."""
+    """Every trial of the campaign, in a fixed order (the same list on every call); a
+    ``ScenarioError`` when it would be more than ``MAX_TRIALS`` (``check_trial_count``)."""
+    check_trial_count(campaign)
     trials: list[TrialSpec] = []
     for scenario in campaign.scenarios:
         space = campaign.space or scenario.space
