@@ -45,6 +45,11 @@ STEPS_FIX = ("every rank must call SDCGuard.step with the same step number: the 
 """What ``steps_disagree``'s callers tell the user to do."""
 
 
+class StepsDisagree(ValueError):
+    """The ranks called ``SDCGuard.step`` with different steps, found in a word every rank
+    reads at the same call (so every rank raises it, naming who was where)."""
+
+
 def all_gather_rows(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Gather a small 1-D tensor from every rank into a ``(world, len)`` tensor (one collective)."""
     world = dist.get_world_size(group)

@@ -142,9 +142,10 @@ class GuardConfig:
     another step) logs which rank, at which step, and what it was waiting for, writes it to
     the event log, and ends its process with ``EXIT_RANK_LOST`` (a code a restart policy
     retries), rather than waiting for the process group's own timeout (30 minutes by
-    default) to end in an error that names nobody (``docs/usage.md``, "When a rank falls
-    out"). Raise it above the longest work one rank does alone while the others wait for it
-    inside a step (a save on rank 0 with no barrier after it). None: no watchdog."""
+    default) to end in an error that names nobody (``docs/architecture.md``, "Ranks at one
+    step, and ranks that fall out"). Raise it above the longest work one rank does alone
+    while the others wait for it inside a step (a save on rank 0 with no barrier after it).
+    None: no watchdog."""
 
     @property
     def checksum_config(self) -> ChecksumConfig | None:

@@ -616,7 +616,7 @@ class SDCGuard:
                 self.checkpoints.record_detection(
                     d, verified_through=self.clean_through,
                     repair_window_steps=self.config.repair_window_steps)
-        finally:  # a window that could not be recorded still quarantines, then raises
+        finally:  # a window the manager could not record (it logs why) still quarantines
             if self.remediation is not None and not d.repaired:  # a repair does not quarantine
                 self.remediation.act(d)
         if self.on_detection is not None:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from sdc_guard.collectives import (
     STEPS_FIX,
     PendingSum,
+    StepsDisagree,
     all_gather_rows,
     flag_rows,
     flag_words,
@@ -63,11 +64,6 @@ def step_words(steps: Sequence[int]) -> list[int]:
         t = s % _STEP_MOD
         out += [t, t * t]
     return out
-
-
-class StepsDisagree(ValueError):
-    """The ranks called ``SDCGuard.step`` with different steps (found in a word every rank
-    collects at the same call, so every rank raises it)."""
 
 
 class DeferredFlags:

@@ -27,16 +27,22 @@ import torch.distributed as dist
 from sdc_guard.checks.base import Check
 from sdc_guard.checks.weightpass import WeightPass
 from sdc_guard.collectives import (
+    STEPS_FIX,
+    StepsDisagree,
     all_gather_rows,
     gather_if_different,
     gather_objects,
     majority_outliers,
+    steps_disagree,
 )
 from sdc_guard.fingerprints.public import fingerprint_tensor
-from sdc_guard.fingerprints.words import to_unsigned64
+from sdc_guard.fingerprints.words import mix64_int, to_signed64, to_unsigned64
 from sdc_guard.optimizers import Optimizers, param_groups
 from sdc_guard.report import Detection
 from sdc_guard.state import state_tensors
+
+_STEP_SALT = 0x5344435F53544550
+"""Mixed with the step before its stamp is taken (``WeightsCheck.post_step``)."""
 
 
 def hyperparameters(optimizer: Optimizers) -> list[dict[str, Any]]:
@@ -146,13 +152,25 @@ class WeightsCheck(Check):
             "the weights before wrapping the model in DDP.")
 
     def post_step(self, step: int) -> list[Detection]:
-        """Fingerprint this rank's state; one small all-reduce; a vote only on a mismatch."""
+        """Fingerprint this rank's state; one small all-reduce; a vote only on a mismatch.
+
+        The word carries the step agreement too: each rank XORs a 64-bit stamp of its step
+        into it, so ranks at different steps differ like replicas that differ, and the
+        mismatch path first gathers the steps (``StepsDisagree`` on every rank) before anyone
+        is blamed."""
+        stamp = to_signed64(mix64_int(step ^ _STEP_SALT))
         fp = self.local_fingerprint(step).to(self.device).reshape(1)
-        gathered = gather_if_different(fp, self.group)
+        gathered = gather_if_different(fp ^ stamp, self.group)
         if gathered is None:
             self.verified(step)
             return []
-        values = [to_unsigned64(v) for v in gathered]
+        steps = all_gather_rows(torch.tensor([step], dtype=torch.int64, device=self.device),
+                                self.group)[:, 0].tolist()
+        differ = steps_disagree(steps)
+        if differ is not None:
+            raise StepsDisagree(f"SDCGuard.step: the ranks are not at one step ({differ}, found "
+                                f"in the weights check's vote); {STEPS_FIX}")
+        values = [to_unsigned64(v ^ stamp) for v in gathered]
         outliers = majority_outliers(values)
         if outliers == ():
             self.verified(step)

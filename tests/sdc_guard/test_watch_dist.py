@@ -50,8 +50,9 @@ def test_a_fault_in_the_weights_is_not_contained(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("cfg", [{"nonfinite_exchange_interval": 2},
-                                 {"checksum": True, "nonfinite": False}],
-                         ids=["nonfinite-word", "checksum-word"])
+                                 {"checksum": True, "nonfinite": False},
+                                 {"nonfinite": False}],
+                         ids=["nonfinite-word", "checksum-word", "weights-vote"])
 def test_a_rank_at_another_step_is_a_named_error_on_every_rank(cfg: dict[str, object]) -> None:
     # Rank 1 skipped step 3: DDP trained on unaware (the steps were agreed only at the start).
     res = run_ranks(watch_workers.out_of_step_run, 3, cfg)
