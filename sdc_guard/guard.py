@@ -327,7 +327,7 @@ class SDCGuard:
             )
         watch = self.watchdog
         timed: dict[str, float] | None = None if self.metrics is None else {}
-        t0 = time.perf_counter()
+        t0 = 0.0 if timed is None else time.perf_counter()
         try:
             report = self._step(step, watch, timed)
         finally:
