@@ -97,8 +97,11 @@ def test_kill_9_during_a_save_restores_the_newest_committed_checkpoint(
     for line in rest.splitlines():
         if line.startswith("saved "):
             saved = int(line.split()[1])
-    states = dict(tuple(map(int, line.split())) for line in
-                  (tmp_path / "states").read_text().splitlines() if line.count(" ") == 1)
+    states: dict[int, int] = {}
+    for line in (tmp_path / "states").read_text().splitlines():
+        if line.count(" ") == 1:  # a line the kill cut short is not a state
+            step, state = line.split()
+            states[int(step)] = int(state)
 
     model = DDP(_model())
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
