@@ -5,5 +5,6 @@
 * ``pool``: the persistent worker pool (crash and hang handling); ``distributed``: ranks
   started by torchrun; ``launch``: ``run_ranks`` for one-off multi-rank functions;
   ``forkserver``: the server both fork their ranks from, torch already imported;
-* ``runner``: the campaign loop; ``store``: ``trials.csv`` and the golden cache.
+* ``runner``: the campaign loop; ``store``: ``trials.csv`` and the golden cache;
+  ``outlock``: one writer per output directory (``OUT/.lock``).
 """
