@@ -1,6 +1,8 @@
 """``examples/train_guarded.py`` as a PyTorchJob runs it: one process per rank (env://), each
 on its own node (NODE_NAME), quarantining through the official client on the loopback API
-stand-in, and exiting with the code ``restartPolicy: ExitCode`` retries."""
+stand-in and exiting with the code ``restartPolicy: ExitCode`` retries; and without a
+quarantine, rolling back in process, or ending with ``EXIT_CONVICTED`` and what to do when it
+cannot roll back, never training on past a conviction."""
 
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from kube_standin import StandInAPIServer
-from sdc_guard.remediation import EXIT_QUARANTINED
+from sdc_guard import EXIT_CONVICTED, EXIT_QUARANTINED
+from tests.launch import scaled
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(360)  # scaled by conftest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,7 +30,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(kubeconfig: Path, *extra: str,
+def _run(kubeconfig: Path | None, *extra: str,
          nodes: tuple[str, ...] = ("gpu-0", "gpu-1", "gpu-2")) -> list[tuple[int, str]]:
     port = _free_port()
     procs = []
@@ -38,9 +41,9 @@ def _run(kubeconfig: Path, *extra: str,
                "GLOO_SOCKET_IFNAME": "lo"}
         procs.append(subprocess.Popen(
             [sys.executable, str(ROOT / "examples" / "train_guarded.py"), "--steps", "12",
-             "--kubeconfig", str(kubeconfig), *extra],
+             *([] if kubeconfig is None else ["--kubeconfig", str(kubeconfig)]), *extra],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=200)[0] for p in procs]
+    outs = [p.communicate(timeout=scaled(200))[0] for p in procs]
     return [(p.returncode, out) for p, out in zip(procs, outs, strict=True)]
 
 
@@ -56,15 +59,66 @@ def test_a_conviction_cordons_the_node_and_every_rank_exits_for_a_restart(tmp_pa
                 if srv.node(n)["spec"].get("unschedulable")] == ["gpu-1"]
 
 
-def test_a_dry_run_trains_on(tmp_path: Path) -> None:
+def _detection_lines(out: str) -> int:
+    return len(re.findall(r"SDC detection at step", out))
+
+
+def test_a_dry_run_that_convicts_and_cannot_roll_back_ends_with_exit_convicted(
+        tmp_path: Path) -> None:
+    # A dry run cordons nothing, so the convicted rank stays in the job; without checkpoints
+    # there is nothing to roll back to: every rank ends with the permanent code and says what
+    # to do, right after the conviction (repaired at step 5, convicted at the next step the bit
+    # changes a weight), instead of training on with a detection at every step and exiting 0.
     with StandInAPIServer() as srv:
         for rank in range(3):
             srv.add_node(f"gpu-{rank}")
         kubeconfig = srv.write_kubeconfig(tmp_path / "kubeconfig")
         out = _run(kubeconfig, "--plant-fault", "5")
-        assert [code for code, _ in out] == [0, 0, 0], out
+        assert [code for code, _ in out] == [EXIT_CONVICTED] * 3, out
         assert not any(srv.node(f"gpu-{r}")["spec"].get("unschedulable") for r in range(3))
         assert any(r.dry_run for r in srv.requests if r.method == "PATCH")
+    for rank, (_, o) in enumerate(out):
+        assert re.search(rf"rank {rank}: \w+ detection at step \d+, suspects \['gpu-1'\], not "
+                         rf"quarantined, and no checkpoint to roll back to: exiting "
+                         rf"{EXIT_CONVICTED}; a person must look", o), o
+        assert "trained steps" not in o
+    assert _detection_lines(out[0][1]) <= 3  # the repair; the conviction (weights, replay)
+
+
+def test_without_a_quarantine_a_conviction_rolls_back_and_the_run_ends_as_if_fault_free(
+        tmp_path: Path) -> None:
+    # --no-quarantine: repaired at step 5, convicted a few steps later, rolled back in process to the
+    # checkpoint of step 3 (the newest before the window), and trained on: the planted part is
+    # replaced by the rollback. An in-process rollback is exact, so every rank ends bit for bit
+    # where a run that never met the fault ends.
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
+    out = _run(None, "--no-quarantine", *ckpt, "--plant-fault", "5")
+    assert [code for code, _ in out] == [0, 0, 0], out
+    for rank, (_, o) in enumerate(out):
+        assert re.search(rf"rank {rank}: \w+ detection at step \d+, suspects \['gpu-1'\]; rolled "
+                         r"back, resuming at step 4", o), o
+    assert "restored" in out[0][1] and "step-000000003" in out[0][1]
+    assert _detection_lines(out[0][1]) <= 3  # the repair, the conviction (weights, replay)
+    golden = _run(None, "--no-quarantine")
+    assert [code for code, _ in golden] == [0, 0, 0], golden
+    assert len(_fingerprints(out)) == 1
+    assert _fingerprints(out) == _fingerprints(golden)
+
+
+def test_a_fault_that_comes_back_after_the_rollback_ends_with_exit_convicted(
+        tmp_path: Path) -> None:
+    # The stuck bit survives the rollback (--fault-persists): rank 1 is convicted again before a
+    # new clean checkpoint exists, and a second rollback to the same checkpoint would loop.
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2",
+            "--keep-checkpoints", "10"]
+    out = _run(None, "--no-quarantine", *ckpt, "--plant-fault", "5", "--fault-persists")
+    assert [code for code, _ in out] == [EXIT_CONVICTED] * 3, out
+    for rank, (_, o) in enumerate(out):
+        assert "rolled back, resuming at step 4" in o, o
+        assert re.search(rf"rank {rank}: \w+ detection at step \d+, suspects \['gpu-1'\], "
+                         r"not quarantined, and the fault came back after the rollback to step "
+                         rf"4: exiting {EXIT_CONVICTED}; a person must look", o), o
+        assert "trained steps" not in o
 
 
 def _fingerprints(out: list[tuple[int, str]]) -> set[str]:
