@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from sdc_guard import read_events
-from sdc_guard.watchdog import BETWEEN, EXIT_RANK_LOST, Mark, behind
+from sdc_guard.exits import EXIT_RANK_LOST
+from sdc_guard.watchdog import BETWEEN, Mark, behind
 from tests.launch import RankFailure, run_ranks
 from tests.sdc_guard import watch_workers
 
