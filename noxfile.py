@@ -1,4 +1,4 @@
-"""Developer sessions: ``nox -s tests`` (default), ``lint``, ``bench``, ``inject``, ``docs``."""
+"""Developer sessions: ``nox -s tests`` (default), ``lint``, ``attack``, ``bench``, ``inject``, ``docs``."""
 
 from __future__ import annotations
 
@@ -48,6 +48,21 @@ def lint(session: nox.Session) -> None:
     where = [] if tests_python is None else ["--python-executable", str(tests_python)]
     session.run("ruff", "check", ".")
     session.run("mypy", *where, "sdc_guard", "injectors", "scenarios", "bench", "kube_standin", "tests")
+
+
+@nox.session(default=False)
+def attack(session: nox.Session) -> None:
+    """Issue 60's attack table: every attack's test run and judged; reports/ATTACK.md, attack.json.
+
+    It runs in the ``tests`` session's environment when one exists (the same install: torch,
+    the harness, pytest-xdist), else installs that environment's packages here.
+    """
+    tests_python = _tests_python(session)
+    if tests_python is None:
+        _install(session)
+        session.run("python", "-m", "tests.attack", *session.posargs)
+    else:
+        session.run(str(tests_python), "-m", "tests.attack", *session.posargs, external=True)
 
 
 @nox.session(default=False)
