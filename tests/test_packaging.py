@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.launch import scaled
+
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ("injectors", "scenarios", "bench", "kube_standin")
 """Top-level packages of the clone that are not the library."""
@@ -40,7 +42,7 @@ def test_the_wheel_holds_sdc_guard_alone_with_the_kernel_sources(tmp_path: Path)
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
          "-w", str(out), str(src)],
-        capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path)
+        capture_output=True, text=True, timeout=scaled(300), env=_env(), cwd=tmp_path)
     assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
     [wheel] = out.glob("sdc_guard-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -60,7 +62,7 @@ def _imported(cwd: Path, env: dict[str, str]) -> tuple[set[str], str]:
     probe = ("import importlib.util, sdc_guard; print(' '.join(n for n in "
              f"{HARNESS!r} if importlib.util.find_spec(n) is not None))")
     r = subprocess.run([sys.executable, "-X", "importtime", "-c", probe], cwd=cwd, env=env,
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=scaled(120))
     assert r.returncode == 0, r.stderr[-3000:]
     modules = {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines()
                if line.startswith("import time:") and "|" in line}

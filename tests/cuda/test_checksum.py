@@ -168,12 +168,13 @@ def test_checksum_is_clean_and_names_each_fault(
     no detection in any clean run; each fault named in the step it fired, on the last rank,
     withheld; every fused side agreed with the eager one."""
     from scenarios.run.launch import run_ranks
+    from tests.launch import scaled
 
     out = fill(record)
     cuda = torch.device(device).type == "cuda"
     world = world or (torch.cuda.device_count() if cuda else 3)
     backend = "nccl" if cuda else "gloo"
-    results = run_ranks(checksum_rank, world, "cuda" if cuda else "cpu", steps, timeout=1800,
+    results = run_ranks(checksum_rank, world, "cuda" if cuda else "cpu", steps, timeout=scaled(1800),
                         backend=backend)
     problems = checksum_problems(results)
     out.update(world=world, backend=backend, problems=problems[:20],

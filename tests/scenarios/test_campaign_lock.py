@@ -16,14 +16,15 @@ import pytest
 
 from scenarios.cli import main
 from scenarios.run.outlock import OutputBusy, hold_output
+from tests.launch import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 
-TINY = """
+TINY = f"""
 world_size = 3
 steps = 2
 batch = 4
-trial_timeout_s = 30
+trial_timeout_s = {scaled(30)}
 [model]
 kind = "mlp"
 width = 4

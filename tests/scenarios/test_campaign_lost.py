@@ -16,12 +16,13 @@ from scenarios.run.runner import CampaignRunner, PoolExecutor
 from scenarios.spec.campaign import campaign_for_scenario
 from scenarios.spec.scenario import Scenario, scenario_from_dict
 from scenarios.spec.trials import Chaos, TrialSpec, plan_trials
+from tests.launch import scaled
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def _tiny() -> Scenario:
-    return scenario_from_dict({"world_size": 3, "steps": 4, "batch": 8, "trial_timeout_s": 30,
+    return scenario_from_dict({"world_size": 3, "steps": 4, "batch": 8, "trial_timeout_s": scaled(30),
                                "model": {"kind": "mlp", "width": 8, "depth": 1}}, name="tiny")
 
 

@@ -12,8 +12,9 @@ from scenarios.spec.campaign import campaign_for_scenario, campaign_from_dict
 from scenarios.spec.errors import ScenarioError
 from scenarios.spec.scenario import scenario_from_dict
 from sdc_guard import read_events
+from tests.launch import scaled
 
-TINY = {"world_size": 3, "steps": 2, "batch": 4, "trial_timeout_s": 30,
+TINY = {"world_size": 3, "steps": 2, "batch": 4, "trial_timeout_s": scaled(30),
         "model": {"kind": "mlp", "width": 4, "depth": 1}}
 
 

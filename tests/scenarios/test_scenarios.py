@@ -30,6 +30,7 @@ from scenarios.spec.errors import ScenarioError
 from scenarios.spec.faults import FaultSpace
 from scenarios.spec.scenario import load_scenario, scenario_from_dict
 from scenarios.spec.trials import TrialSpec, leveugle_sample_size, plan_trials
+from tests.launch import scaled
 
 CONFIGS = Path(__file__).resolve().parents[2] / "scenarios" / "configs"
 
@@ -122,7 +123,7 @@ def test_nccl_without_a_device_per_rank_is_named(tmp_path: Path,
 def test_cli_subprocess_has_no_traceback(tmp_path: Path) -> None:
     p = _write(tmp_path, "steps = 'many'\n")
     r = subprocess.run([sys.executable, "-m", "scenarios", "check", str(p)], capture_output=True,
-                       text=True, timeout=120, cwd=CONFIGS.parents[1])
+                       text=True, timeout=scaled(120), cwd=CONFIGS.parents[1])
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1 and "steps = 'many'" in r.stderr
 
@@ -406,8 +407,8 @@ def test_report_from_a_trial_table(tmp_path: Path) -> None:
 def test_watchdog_ends_a_hung_process() -> None:
     code = ("import time\nfrom scenarios.run.distributed import watchdog\n"
             "with watchdog(0.5, lambda: print('fired', flush=True)):\n    time.sleep(60)\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       cwd=CONFIGS.parents[1])
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=scaled(120), cwd=CONFIGS.parents[1])
     assert (r.returncode, r.stdout.strip()) == (3, "fired")
 
 
@@ -493,7 +494,7 @@ def test_the_harness_names_the_extra_when_a_dependency_is_missing() -> None:
          "u.find_spec = lambda n, *a: None if n == 'pandas' else real(n, *a); "
          "runpy.run_module('scenarios', run_name='__main__')",
          "campaign", "scenarios/configs/default.toml", "--quick"],
-        cwd=root, capture_output=True, text=True, timeout=120, check=False)
+        cwd=root, capture_output=True, text=True, timeout=scaled(120), check=False)
     assert run.returncode != 0
     assert "pip install -e '.[harness]'" in run.stderr and "pandas" in run.stderr
     assert "Traceback" not in run.stderr

@@ -19,16 +19,17 @@ from scenarios.run.runner import CampaignRunner, PoolExecutor
 from scenarios.spec.campaign import campaign_for_scenario, load_campaign
 from scenarios.spec.scenario import scenario_from_dict
 from scenarios.spec.trials import Chaos, TrialSpec, plan_trials
+from tests.launch import scaled
 
 pytestmark = pytest.mark.timeout(300)
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SCENARIO = """
+SCENARIO = f"""
 world_size = 3
 steps = 6
 batch = 16
-trial_timeout_s = 30
+trial_timeout_s = {scaled(30)}
 [model]
 kind = "mlp"
 width = 16
@@ -47,7 +48,7 @@ def _fault(**kw: Any) -> TrialSpec:
 
 
 def test_pool_trials_crashes_and_hangs(tmp_path: Path) -> None:
-    sc = scenario_from_dict({"world_size": 3, "steps": 6, "batch": 16, "trial_timeout_s": 10,
+    sc = scenario_from_dict({"world_size": 3, "steps": 6, "batch": 16, "trial_timeout_s": scaled(10),
                              "model": {"kind": "mlp", "width": 16}}, name="tiny")
     executor = PoolExecutor()
     runner = CampaignRunner(campaign_for_scenario(sc), tmp_path, executor, progress=False)
@@ -98,7 +99,7 @@ def _zombie(pid: int) -> bool:
     {"model": {"kind": "transformer", "width": 16, "depth": 1}, "batch": 4},
 ])
 def test_other_models_dtypes_and_accumulation(tmp_path: Path, variant: dict[str, Any]) -> None:
-    sc = scenario_from_dict({"world_size": 3, "steps": 4, "batch": 8, "trial_timeout_s": 60,
+    sc = scenario_from_dict({"world_size": 3, "steps": 4, "batch": 8, "trial_timeout_s": scaled(60),
                              **variant}, name="tiny")
     param = sc.targets("weight_storage")[0]
     executor = PoolExecutor()
@@ -120,7 +121,7 @@ def test_other_models_dtypes_and_accumulation(tmp_path: Path, variant: dict[str,
 def test_muon_with_adamw_trains_clean_and_its_states_are_covered(tmp_path: Path) -> None:
     # optimizer.kind = "muon": Muon for the matrices, AdamW for the rest, both under the
     # guard; a flip in either one's state is caught on its rank.
-    sc = scenario_from_dict({"world_size": 3, "steps": 4, "batch": 8, "trial_timeout_s": 60,
+    sc = scenario_from_dict({"world_size": 3, "steps": 4, "batch": 8, "trial_timeout_s": scaled(60),
                              "model": {"kind": "mlp", "width": 16},
                              "optimizer": {"kind": "muon", "lr": 0.02}}, name="tiny")
     executor = PoolExecutor()
@@ -192,7 +193,7 @@ def test_killed_campaign_resumes_without_loss_or_duplicates(tmp_path: Path) -> N
            "--no-progress"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     csv_path = out / "trials.csv"
-    deadline = time.monotonic() + 200
+    deadline = time.monotonic() + scaled(200)
     while time.monotonic() < deadline and proc.poll() is None:
         if csv_path.exists() and csv_path.read_text().count("\n") >= 4:
             break
@@ -201,7 +202,7 @@ def test_killed_campaign_resumes_without_loss_or_duplicates(tmp_path: Path) -> N
     ranks = _descendants(proc.pid)
     assert len(ranks) >= 3  # the ranks (and the fork server)
     proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
+    proc.wait(timeout=scaled(30))
     killed_with = _ids(csv_path)
     assert 3 <= len(killed_with) < len(planned)
     with csv_path.open("a") as fh:  # as if the kill had torn the last write
@@ -209,12 +210,12 @@ def test_killed_campaign_resumes_without_loss_or_duplicates(tmp_path: Path) -> N
     # The ranks end with the coordinator (they watch its pid), then the server: seconds on an
     # idle machine, longer on a loaded one, but they end.
     alive = ranks
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     while alive and time.monotonic() < deadline:
         time.sleep(0.5)
         alive = [p for p in ranks if Path(f"/proc/{p}").exists() and not _zombie(p)]
     assert alive == []
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=250)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=scaled(250))
     assert done.returncode == 0, done.stderr[-2000:]
     ids = _ids(csv_path)
     assert sorted(ids) == sorted(planned) and len(ids) == len(set(ids))
@@ -244,7 +245,7 @@ value = inf
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc-per-node", "3", "-m", "scenarios", "run",
                         str(tmp_path / "s.toml"), "--out", str(out), "--no-progress"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=250)
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(250))
     assert r.returncode == 0, r.stderr[-3000:]
     with (out / "trials.csv").open() as fh:
         rows = {row["kind"] + row["site"]: row for row in csv.DictReader(fh)}
@@ -262,7 +263,7 @@ def test_quarantine_cordons_the_faulty_ranks_node_and_nothing_on_clean_trials(
     """``[quarantine]``: each trial gets its own API stand-in with a node per rank; the row
     says which nodes were cordoned, whether they are the injected rank's, and how long after
     the fault's step began."""
-    sc = scenario_from_dict({"world_size": 3, "steps": 6, "batch": 16, "trial_timeout_s": 30,
+    sc = scenario_from_dict({"world_size": 3, "steps": 6, "batch": 16, "trial_timeout_s": scaled(30),
                              "model": {"kind": "mlp", "width": 16},
                              "quarantine": {"max_nodes": 1}}, name="tiny")
     executor = PoolExecutor()
@@ -297,7 +298,7 @@ def test_recovery_scenarios_end_bit_identical_to_the_fault_free_run(
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "scenarios", "run",
                            str(ROOT / "scenarios" / "configs" / config), "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=280)
+                          cwd=ROOT, capture_output=True, text=True, timeout=scaled(280))
     assert proc.returncode == 0, proc.stderr[-3000:]
     import json
 
@@ -323,7 +324,7 @@ def test_three_shards_merged_equal_the_unsharded_campaign(tmp_path: Path) -> Non
                 "--no-progress", *extra]
 
     whole = subprocess.run(cmd(tmp_path / "whole"), cwd=ROOT, capture_output=True, text=True,
-                           timeout=280)
+                           timeout=scaled(280))
     assert whole.returncode == 0, whole.stderr[-2000:]
     env = {**os.environ}
     shards = []
@@ -333,13 +334,13 @@ def test_three_shards_merged_equal_the_unsharded_campaign(tmp_path: Path) -> Non
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                        text=True))
     for p in shards:
-        _, err = p.communicate(timeout=280)
+        _, err = p.communicate(timeout=scaled(280))
         assert p.returncode == 0, err[-2000:]
     dirs = [str(tmp_path / f"s{i}") for i in range(3)]
 
     def merge(out: str, *ds: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "scenarios", "merge", out, *ds], cwd=ROOT,
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=scaled(120))
 
     missing = merge(str(tmp_path / "m1"), *dirs[:2])
     assert missing.returncode == 2 and "missing" in missing.stderr
@@ -366,7 +367,7 @@ def test_three_shards_merged_equal_the_unsharded_campaign(tmp_path: Path) -> Non
     other.write_text(camp.read_text().replace("clean_trials = 1", "clean_trials = 2"))
     foreign = subprocess.run([sys.executable, "-m", "scenarios", "campaign", str(other),
                               "--out", str(tmp_path / "x"), "--shard", "2/3", "--no-progress"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=280)
+                             cwd=ROOT, capture_output=True, text=True, timeout=scaled(280))
     assert foreign.returncode == 0, foreign.stderr[-2000:]
     refused = merge(str(tmp_path / "m3"), *dirs[:2], str(tmp_path / "x"))
     assert refused.returncode == 2 and "same campaign" in refused.stderr
@@ -404,7 +405,7 @@ value = nan
     args = ["-m", "scenarios", "run", str(tmp_path / "s.toml"), "--no-progress"]
     one = subprocess.run([*run, "--standalone", "--nproc-per-node", "4", *args, "--out",
                           str(tmp_path / "one")], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=250)
+                         text=True, timeout=scaled(250))
     assert one.returncode == 0, one.stderr[-3000:]
     port = _free_port()
     nodes = [subprocess.Popen([*run, "--nnodes", "2", "--node-rank", str(n),
@@ -415,7 +416,7 @@ value = nan
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for n in range(2)]
     for p in nodes:
-        _, err = p.communicate(timeout=250)
+        _, err = p.communicate(timeout=scaled(250))
         assert p.returncode == 0, err[-3000:]
 
     def rows(d: Path) -> dict[str, tuple[str, ...]]:

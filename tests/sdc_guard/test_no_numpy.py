@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from sdc_guard.collectives import gather_objects
-from tests.launch import run_ranks
+from tests.launch import run_ranks, scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,5 +65,5 @@ _SCRIPT = textwrap.dedent("""
 def test_a_guarded_run_with_checkpoints_needs_no_numpy(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path / "store"),
                           str(tmp_path / "ckpt")], cwd=ROOT, capture_output=True, text=True,
-                         timeout=240, check=False)
+                         timeout=scaled(240), check=False)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]

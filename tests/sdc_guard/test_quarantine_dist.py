@@ -15,7 +15,7 @@ from kube_standin import StandInAPIServer
 from sdc_guard import read_events
 from sdc_guard.remediation.evidence import EVIDENCE, MARKER, TAINT_KEY, parse_entries
 from tests import workers
-from tests.launch import run_ranks
+from tests.launch import run_ranks, scaled
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -126,7 +126,7 @@ def test_an_api_server_killed_mid_run_leaves_training_going(server: Any) -> None
     server.delay("GET", "/api/v1/nodes", 1.0, times=1)
 
     def kill_at_first_request() -> None:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + scaled(120)
         while not server.requests and time.monotonic() < deadline:
             time.sleep(0.01)
         server.stop()
@@ -136,7 +136,7 @@ def test_an_api_server_killed_mid_run_leaves_training_going(server: Any) -> None
     res = run_ranks(workers.guarded_run, 3, 8, WEIGHT_FLIP, NO_REPAIR, "adamw", False,
                     _quarantine(server, dry_run=False, retries=2, deadline_s=1.0,
                                 request_timeout_s=3.0))
-    killer.join(5)
+    killer.join(scaled(5))
     assert server.requests, "the quarantine never reached the server"
     assert all(r["steps_run"] == 8 for r in res)
     assert all(r["detections"][0] == ("weights", 3, (1,)) for r in res)

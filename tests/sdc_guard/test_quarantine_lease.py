@@ -20,6 +20,7 @@ from sdc_guard import Detection
 from sdc_guard.remediation import KubeQuarantine
 from sdc_guard.remediation.lease import held_in, lease_name
 from sdc_guard.topology import RankPlace, Topology
+from tests.launch import scaled
 
 NODES = ("n0", "n1", "n2", "n3")
 TOPO = Topology(tuple(RankPlace(r, f"h{r}", n, pod=f"pod-{r}", namespace="ml")
@@ -106,7 +107,7 @@ def test_concurrent_lease_updates_with_one_version_one_wins(srv: Any) -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(30)
+        t.join(scaled(30))
     assert sorted(statuses) == [200, 409, 409, 409]
 
 
