@@ -86,6 +86,35 @@ def test_pool_trials_crashes_and_hangs(tmp_path: Path) -> None:
         assert not Path(f"/proc/{pid}").exists() or _zombie(pid)
 
 
+
+def test_overhead_rounds_keep_samples_for_every_configuration(tmp_path: Path) -> None:
+    """``overhead.json`` holds per-round times for every configuration the rounds alternate,
+    so the report gives every check's overhead an interval, not only the replay audit's."""
+    from dataclasses import replace
+
+    from scenarios.report.overheads import CHECK_NAMES, round_draws, rounds_of, used
+    from scenarios.spec.campaign import OverheadSpec
+    from scenarios.spec.overhead import campaign_configs
+
+    sc = scenario_from_dict({"world_size": 3, "steps": 2, "batch": 4,
+                             "trial_timeout_s": scaled(30),
+                             "model": {"kind": "mlp", "width": 4, "depth": 1}}, name="tiny")
+    campaign = replace(campaign_for_scenario(sc),
+                       overhead=OverheadSpec(rounds=2, block=1, intervals=(1,)))
+    executor = PoolExecutor()
+    try:
+        ov = CampaignRunner(campaign, tmp_path, executor, progress=False).overhead()
+    finally:
+        executor.close()
+    assert ov is not None
+    names = {oc.name for oc in campaign_configs((1,))}
+    assert set(ov["samples_ms"]) == set(ov["step_ms"]) == names
+    assert all(len(v) == 2 and min(v) > 0 for v in ov["samples_ms"].values()), ov["samples_ms"]
+    priced = used(ov, {}, {}, {}, round_draws(rounds_of(ov)))
+    for key in CHECK_NAMES:
+        assert priced[key]["interval_90"] is not None, (key, priced[key])
+
+
 def _zombie(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
