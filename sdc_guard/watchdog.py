@@ -113,6 +113,7 @@ class Watchdog:
         self._published: tuple[int, str] | None = None
         self._last_beat = 0.0
         self._warned = False
+        self._store_warned = False
         self._stop = threading.Event()
         self.fired: str | None = None
         self._thread = threading.Thread(target=self._run, name="sdc-guard-watchdog", daemon=True)
@@ -143,12 +144,17 @@ class Watchdog:
         while not self._stop.wait(self.period_s):
             try:
                 self._tick()
-            except Exception as e:  # a store that went away: say so once, keep training
-                if not self._warned:
-                    self._warned = True
-                    log.warning("sdc-guard: the watchdog cannot reach the process group's store "
-                                "(%s: %s); a rank that falls out will be named by this rank's "
-                                "own mark only", type(e).__name__, e)
+            except Exception as e:  # a bug of its own must not end the training
+                log.error("sdc-guard: the watchdog failed (%s: %s); it stops", type(e).__name__, e)
+                return
+
+    def _store_failed(self, e: Exception) -> None:
+        """Say once that the store is out of reach (the rank that holds it may be gone)."""
+        if not self._store_warned:
+            self._store_warned = True
+            log.warning("sdc-guard: the watchdog cannot reach the process group's store (%s: "
+                        "%s): the rank that holds it may be gone; a rank that falls out will be "
+                        "named from this rank's own mark only", type(e).__name__, e)
 
     def _tick(self) -> None:
         if not dist.is_initialized():  # the process group is gone, and this guard with it
@@ -158,15 +164,22 @@ class Watchdog:
         now = time.time()
         if self._store is not None and ((step, doing) != self._published
                                         or now - self._last_beat > 4 * self.period_s):
-            self._store.set(self._prefix + str(self.rank), json.dumps(
-                {"step": step, "doing": doing, "at": now, "host": self.host,
-                 "since": now - (time.monotonic() - since)}))
-            self._published, self._last_beat = (step, doing), now
+            try:
+                self._store.set(self._prefix + str(self.rank), json.dumps(
+                    {"step": step, "doing": doing, "at": now, "host": self.host,
+                     "since": now - (time.monotonic() - since)}))
+                self._published, self._last_beat = (step, doing), now
+            except Exception as e:  # (the store's own errors are RuntimeErrors and OSErrors)
+                self._store_failed(e)
         waited = time.monotonic() - since
         if doing == BETWEEN or waited < self.timeout_s or self.fired is not None:
             return
         me = Mark(self.rank, step, doing, now - waited, now, self.host)
-        marks = self._marks()
+        try:
+            marks = self._marks()
+        except Exception as e:
+            self._store_failed(e)
+            marks = {}
         others = behind(me, marks, silent_after=max(self.timeout_s, 8 * self.period_s),
                         settled_after=self.timeout_s / 2, now=now)
         if not others and marks:
@@ -195,7 +208,8 @@ class Watchdog:
 
     def _name(self, me: Mark, waited: float, others: list[str]) -> None:
         seen = "; ".join(others) if others else (
-            "the other ranks' marks are unknown (no process group store to read them from)")
+            "the other ranks' marks are unknown (the process group's store is out of reach: "
+            "the rank that holds it may be gone)")
         message = (f"sdc-guard: rank {me.rank} has waited {waited:.0f} s at step {me.step} in "
                    f"{me.doing} (GuardConfig.collective_timeout_s={self.timeout_s:g}), and a "
                    f"rank fell out: {seen}. Every rank must call SDCGuard.step with the same "

@@ -12,7 +12,7 @@ import pytest
 from sdc_guard import read_events
 from sdc_guard.exits import EXIT_RANK_LOST
 from sdc_guard.watchdog import BETWEEN, Mark, behind
-from tests.launch import RankFailure, run_ranks
+from tests.launch import RankFailure, run_ranks, scaled
 from tests.sdc_guard import watch_workers
 
 pytestmark = pytest.mark.timeout(240)
@@ -100,3 +100,57 @@ def test_behind_names_ranks_elsewhere_silent_or_never_heard_and_spares_the_just_
     assert behind(me, {0: me, 1: marks[1]}, silent_after=60.0, settled_after=30.0,
                   now=now) == []
     json.dumps(out)
+
+
+class _GoneStore:
+    """The store of a job whose rank 0 (which serves it) is gone: every call fails, as a
+    TCPStore's client does once its server's socket is closed."""
+
+    def set(self, key: str, value: str) -> None:
+        raise OSError("Connection reset by peer")
+
+    def check(self, keys: list[str]) -> bool:
+        raise OSError("Connection reset by peer")
+
+    def get(self, key: str) -> bytes:
+        raise OSError("Connection reset by peer")
+
+
+def _wait_for(cond: object, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not cond() and time.monotonic() < deadline:  # type: ignore[operator]
+        time.sleep(0.05)
+
+
+def test_the_watchdog_waits_while_every_rank_is_alive_at_the_same_place(
+        one_rank: None, caplog: pytest.LogCaptureFixture) -> None:
+    from sdc_guard.watchdog import Watchdog
+
+    codes: list[int] = []
+    dog = Watchdog(0.5, exit=codes.append)
+    try:
+        with caplog.at_level("WARNING"):
+            dog.at(3, "the forward and backward passes")
+            _wait_for(lambda: any("none fell out" in r.getMessage() for r in caplog.records),
+                      scaled(10))
+        assert codes == [] and dog.fired is None
+        assert any("none fell out" in r.getMessage() for r in caplog.records)
+    finally:
+        dog.close()
+
+
+def test_the_watchdog_still_fires_when_the_store_is_gone(one_rank: None) -> None:
+    from sdc_guard.watchdog import Watchdog
+
+    codes: list[int] = []
+    fired: list[str] = []
+    dog = Watchdog(0.5, exit=codes.append, fire=lambda message, record: fired.append(message))
+    dog._store = _GoneStore()
+    try:
+        dog.at(3, "the forward and backward passes")
+        _wait_for(lambda: codes, scaled(10))
+        assert codes == [EXIT_RANK_LOST]
+        assert fired and "the process group's store is out of reach" in fired[0]
+        assert "step 3 in the forward and backward passes" in fired[0]
+    finally:
+        dog.close()
