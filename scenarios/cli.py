@@ -4,7 +4,7 @@
     python -m scenarios campaign FILE [--quick] [--out DIR] [--no-report]
     python -m scenarios campaign FILE --shard I/N --out DIR   a 1/N of it (docs/cluster.md)
     python -m scenarios merge OUT DIR...                  the shards into one campaign + report
-    python -m scenarios report DIR                        rebuild summary.json, report.md/html
+    python -m scenarios report DIR [--overhead-file FILE] rebuild summary.json, report.md/html
     python -m scenarios check FILE                        validate a scenario or campaign file
 
 Ranks start on this machine (a persistent pool, gloo on 127.0.0.1 or nccl with
@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from scenarios.run.outlock import hold_output
 from scenarios.run.pool import PoolError
@@ -47,7 +50,7 @@ def _run_campaign(campaign: CampaignSpec, out: Path, cache: str | None, progress
             print(f"shard {shard[0]}/{shard[1]} done: {out}; merge every shard's directory "
                   "into the campaign and its report with: python -m scenarios merge OUT DIR...")
         elif report:
-            print(summary_text(write_report(out), out))
+            print(summary_text(write_report(out, None, _overhead_file(out, None)), out))
         else:
             print(f"campaign done: {out} (no report; python -m scenarios report {out} writes "
                   "it)")
@@ -63,6 +66,32 @@ def _count(campaign: CampaignSpec, file: str) -> int:
         return check_trial_count(campaign)
     except ScenarioError as e:
         raise e.in_file(file) from None
+
+
+def _load_campaign(file: str, quick: bool = False) -> CampaignSpec:
+    """``load_campaign`` with ``[cluster] overhead_file`` made absolute, relative to ``file``
+    (``ClusterSpec.resolved``): a missing file is refused before anything runs."""
+    camp = load_campaign(file, quick=quick)
+    if camp.cluster is None or camp.cluster.overhead_file is None:
+        return camp
+    try:
+        return replace(camp, cluster=camp.cluster.resolved(Path(file).parent))
+    except ScenarioError as e:
+        raise e.in_file(file) from None
+
+
+def _overhead_file(out: Path, given: str | None) -> str | None:
+    """The overhead file the report of ``out`` reads: ``--overhead-file`` when given, else
+    the campaign's ``[cluster] overhead_file`` (absolute in ``campaign.json``)."""
+    if given is not None:
+        return given
+    try:
+        meta: Any = json.loads((out / "campaign.json").read_text())
+    except (OSError, ValueError):
+        return None
+    cluster = meta.get("cluster") if isinstance(meta, dict) else None
+    path = cluster.get("overhead_file") if isinstance(cluster, dict) else None
+    return path if isinstance(path, str) else None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -93,6 +122,11 @@ def _parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="rebuild the report of an output directory")
     rep.add_argument("dir")
     add_cluster_arguments(rep)
+    rep.add_argument("--overhead-file", metavar="FILE",
+                     help="your hardware's per-check overheads: bench/results.json from "
+                          "python -m bench on it, or a JSON mapping such as "
+                          '{"weights": 0.05} (docs/cost-model.md); replaces the campaign\'s '
+                          "[cluster] overhead_file; --check-overhead wins over it")
     chk = sub.add_parser("check", help="validate a scenario or campaign file")
     chk.add_argument("file")
     return ap
@@ -109,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             out = Path(args.out or Path("runs") / sc.name)
             return _run_campaign(one, out, args.cache, not args.no_progress)
         if args.command == "campaign":
-            camp = load_campaign(args.file, quick=args.quick)
+            camp = _load_campaign(args.file, quick=args.quick)
             _count(camp, args.file)
             shard = parse_shard(args.shard) if args.shard is not None else None
             name = camp.name + ("-quick" if args.quick else "") + (
@@ -129,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        create=False))
                 held.enter_context(hold_output(out, command="merge"))
                 merge(out, dirs)
-                print(summary_text(write_report(out), out))
+                print(summary_text(write_report(out, None, _overhead_file(out, None)), out))
             return 0
         if args.command == "report":
             from scenarios.report.render import summary_text, write_report
@@ -139,13 +173,14 @@ def main(argv: list[str] | None = None) -> int:
                 raise ScenarioError("dir", str(out), "a campaign output directory with "
                                     "trials.csv")
             with hold_output(out, command="report", create=False):
-                print(summary_text(write_report(out, cluster_overrides(args)), out))
+                print(summary_text(write_report(out, cluster_overrides(args),
+                                                _overhead_file(out, args.overhead_file)), out))
             return 0
         if args.command == "check":
             data = read_toml(args.file)
             if "scenarios" in data:
-                camp = load_campaign(args.file)
-                quick = load_campaign(args.file, quick=True)
+                camp = _load_campaign(args.file)
+                quick = _load_campaign(args.file, quick=True)
                 _count(camp, args.file)
                 _count(quick, args.file)
                 print(f"campaign {camp.name!r}: {len(plan_trials(camp))} trials "

@@ -13,6 +13,7 @@ in the campaign file or on the command line (``python -m scenarios report DIR --
     checkpoint_interval_steps = 300
     restart_s = 600
     escape_gpu_hours = 393216            # default: gpus x 24 h
+    overhead_file = "bench/results.json" # your overheads, as report's --overhead-file
 
     [cluster.overhead]                   # your own measurements (fractions of a step)
     weights = 0.05
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 from scenarios.spec.errors import ScenarioError, need_int, need_number
@@ -82,6 +84,12 @@ class ClusterSpec:
     overhead: tuple[tuple[str, float], ...] = ()
     """Per-check overheads measured on your hardware (``OVERHEAD_KEYS``), replacing the
     campaign's."""
+    overhead_file: str | None = None
+    """A JSON file of your hardware's per-check overheads, read as the report's
+    ``--overhead-file`` (``bench/results.json`` from ``python -m bench`` on that hardware,
+    or a mapping of ``OVERHEAD_KEYS`` to fractions); relative to the campaign file
+    (``resolved``). ``[cluster.overhead]`` entries are overridden by it, and
+    ``--overhead-file`` on the command line replaces it. None: no file."""
     field_mix: tuple[tuple[str, float], ...] = DEFAULT_FIELD_MIX
     """Relative weight of each bit field among field SDCs (``DEFAULT_FIELD_MIX``); fields
     without a weight count 0."""
@@ -105,6 +113,25 @@ class ClusterSpec:
         for table in ("field_mix", "site_mix"):
             for key, v in getattr(self, table):
                 need_number(f"cluster.{table}.{key}", v, 0.0, 1e9)
+        if self.overhead_file is not None and (not isinstance(self.overhead_file, str)
+                                               or not self.overhead_file.strip()):
+            raise ScenarioError("cluster.overhead_file", self.overhead_file,
+                                "a path to a JSON file of your overheads, relative to the "
+                                'campaign file (e.g. overhead_file = "bench/results.json")')
+
+    def resolved(self, base_dir: str | Path) -> ClusterSpec:
+        """A copy whose ``overhead_file`` is absolute: a relative one is taken relative to
+        ``base_dir`` (the campaign file's folder), so the report finds it from anywhere. A
+        file that is not there is a ``ScenarioError`` naming the field and the path looked
+        at, when the campaign is loaded rather than after its trials have run."""
+        if self.overhead_file is None:
+            return self
+        path = (Path(base_dir) / Path(self.overhead_file).expanduser()).resolve()
+        if not path.is_file():
+            raise ScenarioError("cluster.overhead_file", self.overhead_file,
+                                "a JSON file of your overheads, relative to the campaign "
+                                "file", reason=f"no such file: {path}")
+        return replace(self, overhead_file=str(path))
 
     @property
     def escape_cost(self) -> float:
@@ -115,6 +142,8 @@ class ClusterSpec:
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         for table in ("overhead", "field_mix", "site_mix"):
             out[table] = dict(out[table])
+        if out["overhead_file"] is None:  # written only when given
+            del out["overhead_file"]
         return out
 
     def with_overrides(self, **changes: Any) -> ClusterSpec:
@@ -128,8 +157,9 @@ SCALARS = ("gpus", "sdc_per_gpu_hour", "step_time_s", "checkpoint_interval_steps
 
 def cluster_from_table(table: Mapping[str, Any], prefix: str = "cluster.") -> ClusterSpec:
     """A ``ClusterSpec`` from a ``[cluster]`` table (or ``campaign.json``'s ``cluster``)."""
-    known_keys(table, (*SCALARS, "overhead", "field_mix", "site_mix"), prefix)
-    kw: dict[str, Any] = {k: table[k] for k in SCALARS if table.get(k) is not None}
+    known_keys(table, (*SCALARS, "overhead", "field_mix", "site_mix", "overhead_file"), prefix)
+    kw: dict[str, Any] = {k: table[k] for k in (*SCALARS, "overhead_file")
+                          if table.get(k) is not None}
     for sub in ("overhead", "field_mix", "site_mix"):
         v = table.get(sub)
         if v is None:

@@ -498,3 +498,59 @@ def test_the_harness_names_the_extra_when_a_dependency_is_missing() -> None:
     assert run.returncode != 0
     assert "pip install -e '.[harness]'" in run.stderr and "pandas" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+# -- the report command's overhead file ---------------------------------------------------------
+def test_report_command_takes_an_overhead_file_given_or_named_by_the_campaign(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m scenarios report DIR --overhead-file FILE`` prices the file's overheads;
+    without the option, ``[cluster] overhead_file`` (relative to the campaign file, made
+    absolute in campaign.json) is read; the option replaces it; a missing or empty one is
+    refused naming the field."""
+    import shutil
+
+    from scenarios.cli import _load_campaign
+    from scenarios.spec.cluster import ClusterSpec
+
+    out = tmp_path / "out"
+    out.mkdir()
+    full = Path(__file__).resolve().parent / "test_report_data" / "full"
+    for f in ("trials.csv", "campaign.json", "overhead.json"):
+        shutil.copyfile(full / f, out / f)
+    given = tmp_path / "given.json"
+    given.write_text(json.dumps({"weights": 0.031}))
+
+    def weights() -> dict[str, Any]:
+        used = json.loads((out / "summary.json").read_text())["cost"]["overheads_used"]
+        return dict(used["weights"])
+
+    assert main(["report", str(out), "--overhead-file", str(given)]) == 0
+    assert weights()["value"] == 0.031 and weights()["source"] == f"--overhead-file {given}"
+
+    conf = tmp_path / "conf"
+    (conf / "hw").mkdir(parents=True)
+    (conf / "hw" / "mine.json").write_text(json.dumps({"weights": 0.047}))
+    (conf / "tiny.toml").write_text('world_size = 3\nsteps = 2\n[model]\nwidth = 4\n')
+    camp = conf / "camp.toml"
+    camp.write_text('scenarios = ["tiny.toml"]\n[cluster]\noverhead_file = "hw/mine.json"\n')
+    assert main(["check", str(camp)]) == 0
+    spec = _load_campaign(str(camp)).cluster
+    assert spec is not None and spec.overhead_file == str((conf / "hw" / "mine.json").resolve())
+    meta = json.loads((out / "campaign.json").read_text())
+    meta["cluster"] = spec.to_json()  # as the campaign writes it
+    (out / "campaign.json").write_text(json.dumps(meta))
+    assert main(["report", str(out)]) == 0
+    assert weights()["value"] == 0.047
+    assert main(["report", str(out), "--overhead-file", str(given)]) == 0
+    assert weights()["value"] == 0.031
+    capsys.readouterr()
+
+    camp.write_text('scenarios = ["tiny.toml"]\n[cluster]\noverhead_file = "hw/gone.json"\n')
+    assert main(["check", str(camp)]) == 2
+    err = capsys.readouterr().err
+    assert "cluster.overhead_file = 'hw/gone.json'" in err and "no such file" in err, err
+    assert str(camp) in err
+    for bad in ("", 3):
+        with pytest.raises(ScenarioError, match="relative to the campaign file") as e:
+            ClusterSpec(overhead_file=bad)  # type: ignore[arg-type]
+        assert e.value.field == "cluster.overhead_file"
