@@ -114,7 +114,9 @@ def base_row(trial: TrialSpec) -> dict[str, Any]:
 
 
 def failed_row(trial: TrialSpec, kind: str, reason: str, seconds: float) -> dict[str, Any]:
-    """A trial that ended without answers from every rank: "crashed" or "hung"."""
+    """A trial that ended without answers from every rank: "crashed", "hung" or "lost" (a
+    rank killed by a signal the harness did not send; the runner retries it once, and a
+    second loss stays "lost": listed apart and left out of every number of the report)."""
     return {**base_row(trial), "outcome": kind, "error": reason[:500], "seconds": seconds}
 
 
