@@ -236,3 +236,20 @@ def test_snippet_runs_as_written(snippet: Snippet, tmp_path: Path) -> None:
     if kind == "not run":
         pytest.skip(f"{snippet.id}: not run: {rest}")
     SCENARIOS[snippet.scenario](snippet, tmp_path)
+
+
+def test_the_readme_installs_cpu_torch_before_sdc_guard_and_names_the_cuda_index() -> None:
+    # A plain install on a machine without a GPU pulls PyPI's CUDA torch (several GB): the
+    # README's CPU-only lines take torch from PyTorch's CPU index first, in one block, and say
+    # where a given CUDA build comes from.
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    cpu = [b.splitlines() for b in blocks if "download.pytorch.org/whl/cpu" in b]
+    assert cpu, "no install block takes torch from https://download.pytorch.org/whl/cpu"
+    lines = cpu[0]
+    torch_at = next(i for i, ln in enumerate(lines)
+                    if re.search(r"pip install torch\b.*--index-url https://download\.pytorch"
+                                 r"\.org/whl/cpu", ln))
+    ours_at = next(i for i, ln in enumerate(lines) if re.search(r"pip install sdc-guard", ln))
+    assert torch_at < ours_at, lines
+    assert re.search(r"download\.pytorch\.org/whl/cu\d+", text), "the CUDA index is not named"
