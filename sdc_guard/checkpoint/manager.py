@@ -498,18 +498,22 @@ class CheckpointManager:
     # -- bookkeeping -----------------------------------------------------------------------
     def _prune(self, clean_through: int | None, generation: int,
                repairs: list[int]) -> None:
-        """Keep the newest ``keep``; the newest checkpoint of ``generation`` verified clean
+        """Keep the newest ``keep`` of the checkpoints a restore could use, and the newest
+        ``keep`` of those a suspect window refuses (kept for a person to look at, never
+        counted against the usable ones: a run whose windows refuse its newest saves still
+        has ``keep`` to go back to); the newest checkpoint of ``generation`` verified clean
         by every check (through ``clean_through``, as ``save`` read it); and the newest
         checkpoint before each repair in ``repairs`` (still inside its repair window). Then
         remove what a failed or killed save left: data files without a manifest and
         temporary files of checkpoints (each logged)."""
         infos = self.checkpoints()
         usable = [c for c in infos if self.refused(c) is None]
+        refused = [c for c in infos if self.refused(c) is not None]
         clean = next((c for c in usable if c.generation == generation
                       and clean_through is not None and c.step <= clean_through), None)
         protected = {id(c) for c in [clean] + [next((c for c in usable if c.step < r), None)
                                                for r in repairs] if c is not None}
-        for c in infos[self.keep:]:
+        for c in usable[self.keep:] + refused[self.keep:]:
             if id(c) in protected:
                 continue
             for p in (c.manifest, c.file):  # the manifest first: never a manifest without data

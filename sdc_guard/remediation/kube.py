@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sdc_guard.exits import EXIT_QUARANTINED
+from sdc_guard.exits import EXIT_CONVICTED, EXIT_QUARANTINED
 from sdc_guard.remediation.api import JsonPatch, KubeError, NodeAPI, annotation_ops, load_client
 from sdc_guard.remediation.breaker import BreakerLimits
 from sdc_guard.remediation.evidence import (
@@ -199,16 +199,18 @@ class KubeQuarantine:
         None without an unrepaired detection with suspects, and always in a dry run (a restart
         would land on the same node). Otherwise ``EXIT_QUARANTINED`` (200: retried by
         ``restartPolicy: ExitCode``), except on the acting rank when the suspects' nodes are
-        not quarantined (the breaker tripped, the API refused): 1, a permanent failure that a
-        human should look at. Every rank gets the same detections, so all of them leave.
-        """
+        not quarantined (the breaker tripped, the API refused): ``EXIT_CONVICTED`` (3), a
+        permanent failure that a person should look at. Every rank gets the same detections,
+        so all of them leave; only the acting rank knows whether the quarantine held (no
+        collective on the detection path), so a job that wants one code on every rank shares
+        the acting rank's (``examples/train_guarded.py`` broadcasts it)."""
         convicted = [d for d in detections if d.suspect_ranks and not d.repaired]
         if not convicted or self.dry_run:
             return None
         if self.rank != self.acting_rank:
             return EXIT_QUARANTINED
         return EXIT_QUARANTINED if self.holds(n for d in convicted for n in d.suspect_nodes) \
-            else 1
+            else EXIT_CONVICTED
 
     def close(self, timeout: float | None = None) -> None:
         """Write the evidence held back by the rate limit and stop the worker (bounded)."""

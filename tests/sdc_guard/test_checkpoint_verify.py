@@ -266,11 +266,13 @@ def test_the_newest_checkpoint_before_a_repair_is_kept_inside_the_repair_window(
                            verified_through=5, repair_window_steps=10)
     assert again.restore(model, opt) == 2
     assert _state(model, opt) == at_1
-    # Once the newest save is past the repair window, keep holds again.
+    # Once the newest save is past the repair window, keep holds again (for the usable ones;
+    # the newest the window refuses, step 5 of the abandoned timeline, is kept beside them).
     for s in range(2, 14):
         _train(model, opt, range(s, s + 1))
         again.save(s, model, opt)
-    assert [c.step for c in again.checkpoints()] == [13]
+    assert [(c.step, again.refused(c) is None) for c in again.checkpoints()] == [
+        (13, True), (5, False)]
 
 
 def test_a_repaired_or_contained_detection_opens_no_window(setup: Any) -> None:
@@ -330,3 +332,24 @@ def test_a_damaged_windows_file_without_checkpoints_is_replaced_by_the_first_sav
         again = CheckpointManager(d, keep=10)
         assert again.restore(model, opt) == 2
     assert not any("not known" in r.getMessage() for r in caplog.records)
+
+
+def test_checkpoints_a_window_refuses_do_not_count_against_keep(setup: Any) -> None:
+    """After a rollback, the checkpoints of the abandoned timeline that a window refuses took
+    ``keep``'s places: the clean one the run had rolled back to was pruned by the next save,
+    and when the fault came back the rollback found nothing (restore returned 0)."""
+    model, opt, ckpt = setup
+    ckpt.keep = 2
+    for s in range(4):  # the run verified one step behind its saves (a deferred word)
+        _train(model, opt, range(s, s + 1))
+        ckpt.save(s, model, opt, verified_through=s - 1)
+    ckpt.record_detection(Detection("replay", 3, (1,), "", {}), verified_through=2)
+    assert ckpt.restore(model, opt) == 3  # step 2's checkpoint: the window starts at 3
+    at_2 = _state(model, opt)
+    _train(model, opt, range(3, 4))
+    ckpt.save(3, model, opt, verified_through=2)  # the new timeline's first save
+    assert [(c.step, c.generation) for c in ckpt.checkpoints()] == [(3, 1), (3, 0), (2, 0)]
+    # The fault comes back at step 3 of the new timeline: only step 2 is left to go back to.
+    ckpt.record_detection(Detection("replay", 3, (1,), "", {}), verified_through=2)
+    assert ckpt.restore(model, opt) == 3
+    assert _state(model, opt) == at_2

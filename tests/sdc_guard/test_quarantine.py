@@ -199,3 +199,18 @@ def test_bad_arguments_name_the_field() -> None:
         KubeQuarantine(max_fraction=2.0, kubeconfig="/nonexistent")
     with pytest.raises(ValueError, match="dry_run"):
         KubeQuarantine(dry_run="yes", kubeconfig="/nonexistent")  # type: ignore[arg-type]
+
+
+def test_restart_codes_say_restart_after_a_quarantine_and_stop_when_none_held(srv: Any) -> None:
+    # The acting rank said 1 when it could not quarantine: not the documented permanent code.
+    from sdc_guard import EXIT_CONVICTED, EXIT_QUARANTINED
+
+    q = _q(srv, max_nodes=1, dry_run=False)
+    first = _det(1)
+    assert _run(q, first) == ["cordon"]
+    assert q.restart_code([first]) == EXIT_QUARANTINED
+    second = _det(2, step=9)
+    assert _run(q, second) == ["cordon", "breaker"]  # the breaker keeps n2 in service
+    assert q.restart_code([second]) == EXIT_CONVICTED
+    assert _q(srv, rank=1, dry_run=False).restart_code([second]) == EXIT_QUARANTINED
+    assert q.restart_code([]) is None  # nothing convicted: train on
