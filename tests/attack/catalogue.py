@@ -92,6 +92,9 @@ ATTACKS: tuple[Attack, ...] = (
     _a(_CKPT, "a rank repaired once fails again later: its window opens at the first repair, "
        "after keep pruned the clean checkpoints before it", "lost data",
        _CV + "test_the_newest_checkpoint_before_a_repair_is_kept_inside_the_repair_window"),
+    _a(_CKPT, "after a rollback, the abandoned timeline's refused checkpoints fill keep's "
+       "places, and the fault comes back", "lost data",
+       _CV + "test_checkpoints_a_window_refuses_do_not_count_against_keep"),
     _a(_CKPT, "a save on a full disk (os.write fails with ENOSPC half way), in the foreground "
        "and in the background", "lost data",
        _CS + "test_a_save_without_space_leaves_nothing_and_names_the_file_and_the_free_space"),
@@ -174,6 +177,9 @@ ATTACKS: tuple[Attack, ...] = (
     _a(_CKPT, "the same rank repaired twice inside the repair window", "silently wrong",
        _REC + "test_a_second_repair_of_the_same_rank_is_a_permanent_fault"),
     # -- quarantine: issue 60, Why 4 -----------------------------------------------------------
+    _a(_QUAR, "the breaker keeps a convicted rank's node in service: the job must stop with "
+       "the permanent exit code, not a restart onto the same node", "silently wrong",
+       _Q + "test_restart_codes_say_restart_after_a_quarantine_and_stop_when_none_held"),
     _a(_QUAR, "two guard instances of one job with max_nodes=1, both reading before either "
        "writes", "silently wrong",
        _QL + "test_two_instances_of_one_job_cordon_one_node_when_max_nodes_is_one"),
