@@ -11,6 +11,7 @@ hang still fails. The header of the run names the factor and where it came from.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,3 +75,14 @@ def one_rank(tmp_path: Path) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _library_log_level() -> Iterator[None]:
+    """The ``sdc_guard`` logger's level as each test found it: the harness's commands, run in
+    this process by some tests, quieten it (as they do in their own process), which hid the
+    warnings later tests of the same worker look for."""
+    logger = logging.getLogger("sdc_guard")
+    level = logger.level
+    yield
+    logger.setLevel(level)
