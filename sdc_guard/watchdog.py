@@ -22,6 +22,7 @@ access on the training thread.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -91,7 +93,11 @@ class Watchdog:
     ``at(step, doing)`` and ``between()`` run on the training thread and only assign.
     ``fire`` is called once with the message (the guard writes it to the event log) before
     the process ends with ``EXIT_RANK_LOST``; ``exit`` (``os._exit``) can be replaced by a
-    test.
+    test. The thread holds the watchdog (and a bound ``fire``'s object) weakly: a guard that
+    is dropped without ``close()`` (a campaign builds one per trial) is freed, and its
+    thread ends at its next wake-up. Each watchdog of a process group has its own keys in
+    the store (the n-th built on each rank meets the n-th of the others), so an old one's
+    marks never speak for a newer one.
     """
 
     def __init__(self, timeout_s: float, *, group: dist.ProcessGroup | None = None,
@@ -105,9 +111,15 @@ class Watchdog:
         self.ranks = (list(range(dist.get_world_size())) if group is None
                       else dist.get_process_group_ranks(group))
         self.host = socket.gethostname()
-        self._fire, self._exit = fire, exit
+        self._fire: Callable[[], Callable[[str, dict[str, Any]], None] | None] = (
+            (lambda: None) if fire is None
+            else weakref.WeakMethod(fire) if inspect.ismethod(fire) else (lambda: fire))
+        self._exit = exit
         self._store = _default_store()
-        self._prefix = "sdc_guard/watchdog/" + ",".join(map(str, self.ranks)) + "/"
+        group_key = ",".join(map(str, self.ranks))
+        nth = _BUILT.get(group_key, 0)
+        _BUILT[group_key] = nth + 1
+        self._prefix = f"sdc_guard/watchdog/{group_key}/{nth}/"
         self._mark = (-1, BETWEEN, time.monotonic())
         """(step, doing, since): replaced whole, so the thread never reads half an update."""
         self._published: tuple[int, str] | None = None
@@ -116,7 +128,9 @@ class Watchdog:
         self._store_warned = False
         self._stop = threading.Event()
         self.fired: str | None = None
-        self._thread = threading.Thread(target=self._run, name="sdc-guard-watchdog", daemon=True)
+        self._thread = threading.Thread(target=_watch, args=(weakref.ref(self), self._stop,
+                                                             self.period_s),
+                                        name="sdc-guard-watchdog", daemon=True)
         self._thread.start()
 
     # -- the training thread --------------------------------------------------------------------
@@ -140,13 +154,6 @@ class Watchdog:
             self._thread.join(timeout=self.period_s + 5.0)
 
     # -- the thread ---------------------------------------------------------------------------
-    def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            try:
-                self._tick()
-            except Exception as e:  # a bug of its own must not end the training
-                log.error("sdc-guard: the watchdog failed (%s: %s); it stops", type(e).__name__, e)
-                return
 
     def _store_failed(self, e: Exception) -> None:
         """Say once that the store is out of reach (the rank that holds it may be gone)."""
@@ -218,9 +225,10 @@ class Watchdog:
                    f"exit code {EXIT_RANK_LOST} so that the job restarts from its checkpoint.")
         self.fired = message
         log.critical("%s", message)
-        if self._fire is not None:
+        fire = self._fire()
+        if fire is not None:
             try:
-                self._fire(message, {"step": me.step, "waiting_in": me.doing,
+                fire(message, {"step": me.step, "waiting_in": me.doing,
                                      "waited_s": round(waited, 1), "behind": others})
             except Exception as e:  # the message is logged: the exit must not wait on a write
                 log.error("sdc-guard: the watchdog's record could not be written (%s)", e)
@@ -228,6 +236,26 @@ class Watchdog:
             handler.flush()
         sys.stderr.flush()
         self._exit(EXIT_RANK_LOST)
+
+
+_BUILT: dict[str, int] = {}
+"""Watchdogs built in this process, per process group (their ranks): the n-th of each rank
+publishes under key n, where the n-th of the other ranks looks."""
+
+
+def _watch(ref: weakref.ref[Watchdog], stop: threading.Event, period_s: float) -> None:
+    """The watchdog's thread: ``_tick`` every ``period_s`` while the watchdog lives and is not
+    closed."""
+    while not stop.wait(period_s):
+        dog = ref()
+        if dog is None:
+            return
+        try:
+            dog._tick()
+        except Exception as e:  # a bug of its own must not end the training
+            log.error("sdc-guard: the watchdog failed (%s: %s); it stops", type(e).__name__, e)
+            return
+        del dog
 
 
 def _default_store() -> Any:

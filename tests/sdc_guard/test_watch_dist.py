@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sdc_guard import read_events
+from sdc_guard import GuardConfig, read_events
 from sdc_guard.exits import EXIT_RANK_LOST
 from sdc_guard.watchdog import BETWEEN, Mark, behind
 from tests.launch import RankFailure, run_ranks, scaled
@@ -154,3 +154,33 @@ def test_the_watchdog_still_fires_when_the_store_is_gone(one_rank: None) -> None
         assert "step 3 in the forward and backward passes" in fired[0]
     finally:
         dog.close()
+
+
+def test_a_guard_dropped_without_close_is_freed_and_its_watchdog_stops(one_rank: None) -> None:
+    # The thread held the watchdog, the watchdog the guard's bound method: a campaign that
+    # builds a guard per trial kept every trial's model and optimizer alive, and the old
+    # watchdogs' marks spoke for the new one under the same keys.
+    import gc
+    import threading
+    import weakref
+
+    from tests.sdc_guard.test_config import _one_rank_guard
+
+    def dogs() -> int:
+        return sum(t.name == "sdc-guard-watchdog" and t.is_alive() for t in threading.enumerate())
+
+    before = dogs()
+    guard = _one_rank_guard(config=GuardConfig(collective_timeout_s=1.0))
+    guard.step(0)
+    first = guard.watchdog
+    assert first is not None and dogs() == before + 1
+    other = _one_rank_guard(config=GuardConfig(collective_timeout_s=1.0))
+    other.step(0)
+    second = other.watchdog
+    assert second is not None and first._prefix != second._prefix
+    gone = [weakref.ref(guard), weakref.ref(other)]
+    del guard, other, first, second
+    gc.collect()
+    assert [g() for g in gone] == [None, None]
+    _wait_for(lambda: dogs() == before, scaled(10))
+    assert dogs() == before
