@@ -14,21 +14,10 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import sdc_guard
 from sdc_guard import CheckpointManager, Detection
 from sdc_guard.checkpoint import CheckpointMismatchError
 from tests import workers
-
-
-def _train(model: DDP, opt: torch.optim.Optimizer, steps: range) -> None:
-    for s in steps:
-        opt.zero_grad()
-        workers.loss_fn(model, workers.batch_for(0, s)).backward()  # type: ignore[no-untyped-call]
-        opt.step()
-
-
-def _state(model: DDP, opt: torch.optim.Optimizer) -> int:
-    return sdc_guard.fingerprint(sdc_guard.state_tensors(model.module, opt))
+from tests.sdc_guard.test_checkpoint import _state, _train
 
 
 @pytest.fixture
