@@ -21,26 +21,15 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import sdc_guard
 from sdc_guard import CheckpointManager, Detection
 from sdc_guard.checkpoint import CheckpointOwnerError, CheckpointWriteError
 from tests import workers
 from tests.launch import run_ranks
+from tests.sdc_guard.test_checkpoint import _state, _train
 
 BIG = 4096
 """Bytes above which a write is a checkpoint's data (manifests, windows and the owner
 marker are smaller)."""
-
-
-def _train(model: DDP, opt: torch.optim.Optimizer, steps: range) -> None:
-    for s in steps:
-        opt.zero_grad()
-        workers.loss_fn(model, workers.batch_for(0, s)).backward()  # type: ignore[no-untyped-call]
-        opt.step()
-
-
-def _state(model: DDP, opt: torch.optim.Optimizer) -> int:
-    return sdc_guard.fingerprint(sdc_guard.state_tensors(model.module, opt))
 
 
 def _full_disk_for_big_writes(monkeypatch: Any) -> None:
