@@ -9,7 +9,12 @@ no multiply), from which ``sum v`` and ``sum i * v`` follow exactly modulo
 2**64. Float32 and other 4-byte lanes are not widened: a word ``X`` is
 ``lo + 2**32 hi``, so the lanes' sums follow from those of ``X`` and of
 ``hi = X >> 32`` (one shift and two more additions per vector). Blocks run on up to
-``torch.get_num_threads()`` threads. It computes the same values as the torch
+``torch.get_num_threads()`` threads: those of torch's own OpenMP pool where the kernel can
+be built with ``-fopenmp`` against the libgomp torch loaded, else threads of its own
+(``NativeKernel.threading`` says which; ``SDC_GUARD_THREADS=pthreads`` forces the latter).
+Right after a parallel torch op, torch's OpenMP workers spin for a while waiting for the next
+parallel region: a pass on that pool is one, where threads of its own would share the cores
+with them. It computes the same values as the torch
 path, bit for bit (``tests/sdc_guard/test_native.py``), so a fingerprint never depends on
 which path ran.
 
@@ -247,9 +252,15 @@ class CsBwdArgs(ctypes.Structure):
 class NativeKernel:
     """The loaded library: ``weighted_sum`` on a contiguous 1-D CPU tensor."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, why_pthreads: str = "") -> None:
         self.path = path
         self._lib = ctypes.CDLL(str(path))  # CDLL: calls release the GIL
+        threading = self._lib.sdc_threading
+        threading.argtypes = []
+        threading.restype = ctypes.c_char_p
+        self._threading = threading
+        self._openmp = threading() == b"openmp"
+        self._why_pthreads = why_pthreads
         fn = self._lib.sdc_weighted_sum
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
                        ctypes.POINTER(ctypes.c_uint64)]
@@ -313,6 +324,18 @@ class NativeKernel:
             warnings.warn(f"SDC_GUARD_ISA={wanted!r} is not an instruction set; set it to one of "
                           f"{', '.join(ISAS)} (or unset it). Using {self.isa}.", RuntimeWarning,
                           stacklevel=2)
+
+    @property
+    def threading(self) -> str:
+        """What the passes run their threads on: ``"openmp (torch's libgomp at PATH)"`` (the
+        pool torch's parallel ops run on) or ``"pthreads"`` (threads of its own, started per
+        pass), with the reason when OpenMP was not to be had."""
+        if self._threading() == b"openmp":
+            return f"openmp (torch's libgomp at {torch_libgomp()[0]})"
+        if self._openmp:
+            return ("pthreads (a process forked after the kernel loaded: libgomp's pool does "
+                    "not survive a fork)")
+        return f"pthreads ({self._why_pthreads})" if self._why_pthreads else "pthreads"
 
     @property
     def isa(self) -> str:
@@ -536,18 +559,82 @@ def _compiler() -> str | None:
 
 _FLAGS = ("-O3", "-fPIC", "-shared", "-pthread")
 
+THREADS_ENV = "SDC_GUARD_THREADS"
+"""``pthreads`` builds the kernel with threads of its own even where torch's OpenMP pool is
+to be had; ``openmp`` warns when it is not (by default a log record of level INFO says why)."""
+
+
+def torch_libgomp() -> tuple[Path | None, str]:
+    """The libgomp file this process loaded for torch's parallel ops, or None and why not.
+
+    The kernel joins torch's pool only through that very file: a second OpenMP runtime in
+    the process would be a second pool, competing with torch's for the cores.
+    """
+    if "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None, "torch's parallel backend is not OpenMP"
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None, "no /proc/self/maps here to find the OpenMP runtime torch loaded"
+    found = {fields[5] for fields in (line.split(None, 5) for line in maps.splitlines())
+             if len(fields) == 6 and Path(fields[5]).name.startswith("libgomp")}
+    if len(found) != 1:
+        return None, (f"torch's OpenMP runtime is not one libgomp (loaded: "
+                      f"{sorted(found) or 'none'}; Intel's libiomp5 or LLVM's libomp are not "
+                      "linked against)")
+    return Path(found.pop()), ""
+
+
+def _openmp_plan() -> tuple[Path | None, str]:
+    """The libgomp to build the kernel against, or None and why it runs threads of its own."""
+    wanted = os.environ.get(THREADS_ENV, "")
+    if wanted == "pthreads":
+        return None, f"{THREADS_ENV}=pthreads"
+    if wanted not in ("", "openmp"):
+        warnings.warn(f"{THREADS_ENV}={wanted!r}: set it to openmp or pthreads (or unset it); "
+                      "taking the default (openmp where torch's libgomp is to be had)",
+                      RuntimeWarning, stacklevel=3)
+    return torch_libgomp()
+
 
 def build(directory: Path | None = None) -> Path:
     """Compile the kernel (or find it already built); the path of the shared library.
 
     Raises ``RuntimeError`` naming the reason when there is no compiler or the build fails.
     """
+    return _build(directory)[0]
+
+
+def _build(directory: Path | None = None) -> tuple[Path, str]:
+    """``build``, and why the library runs threads of its own ("" when it runs on torch's
+    OpenMP pool). A compiler that fails with ``-fopenmp`` where the plain build succeeds is
+    remembered beside the library (``.no-openmp``, the reason), not tried on every load."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC, or install cc, gcc or clang)")
     files = {p.name: p.read_text() for p in sources()}
-    key = _key(files, cc)
     directory = directory or _cache_dir()
+    libgomp, why = _openmp_plan()
+    failed: Path | None = None
+    if libgomp is not None:
+        key = _key(files, cc, f"openmp:{libgomp}")
+        failed = directory / f"weighted_sum-{key}.no-openmp"
+        if failed.exists():
+            why, failed = failed.read_text(), None
+        else:
+            try:
+                return _compile_cached(directory, key, files, cc, libgomp), ""
+            except RuntimeError as e:
+                why = f"{cc} could not build it with -fopenmp against {libgomp}: {e}"[:600]
+    target = _compile_cached(directory, _key(files, cc, "pthreads"), files, cc, None)
+    if failed is not None:  # -fopenmp is what failed: remember it
+        failed.write_text(why)
+    return target, why
+
+
+def _compile_cached(directory: Path, key: str, files: dict[str, str], cc: str,
+                    libgomp: Path | None) -> Path:
+    """The library of ``key`` in ``directory``, compiled from ``files`` if not there yet."""
     target = directory / f"weighted_sum-{key}.so"
     if target.exists():
         return target
@@ -562,7 +649,7 @@ def build(directory: Path | None = None) -> Path:
         # A compiler without the x86-64 levels in target_clones: a copy per instruction
         # set; without target_clones: one plain copy.
         for extra in ((), ("-DSDC_ISA_CLONES",), ("-DSDC_NO_CLONES",)):
-            proc = compile_kernel(cc, Path(tmp), extra, src)
+            proc = compile_kernel(cc, Path(tmp), extra, src, libgomp=libgomp)
             if proc.returncode == 0:
                 break
         else:
@@ -574,27 +661,47 @@ def build(directory: Path | None = None) -> Path:
     return target
 
 
-def _key(files: dict[str, str], cc: str) -> str:
+def _key(files: dict[str, str], cc: str, threads: str) -> str:
     """The built library's cache key: every source file's name and text, the compiler, its
-    flags and the platform."""
+    flags, the threads (``pthreads``, or ``openmp:`` and the libgomp linked against) and
+    the platform."""
     parts = [*(f"{name}\0{text}" for name, text in sorted(files.items())), cc, *_FLAGS,
-             platform.machine(), platform.system()]
+             threads, platform.machine(), platform.system()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-def cache_key(cc: str) -> str:
-    """The cache key ``build`` gives the library of the kernel's sources as they are now."""
-    return _key({p.name: p.read_text() for p in sources()}, cc)
+def cache_key(cc: str, threads: str = "pthreads") -> str:
+    """The cache key ``build`` gives the library of the kernel's sources as they are now
+    (``threads``: ``pthreads``, or ``openmp:`` and the path of the libgomp)."""
+    return _key({p.name: p.read_text() for p in sources()}, cc, threads)
 
 
 def compile_kernel(cc: str, library: Path, extra: tuple[str, ...] = (),
-                   directory: Path | None = None) -> subprocess.CompletedProcess[str]:
+                   directory: Path | None = None, *,
+                   libgomp: Path | None = None) -> subprocess.CompletedProcess[str]:
     """Compile the kernel's sources in ``directory`` (default: the shipped ones) into the
     shared ``library`` with ``cc``, ``extra`` flags after the usual ones (``-DSDC_NO_CLONES``,
-    ``-DSDC_ISA_CLONES``: the fallbacks ``build`` tries); the compiler's result."""
-    units = [str(p) for p in sources(directory) if p.suffix == ".c"]
-    return subprocess.run([cc, *_FLAGS, *extra, "-o", str(library), *units],
-                          capture_output=True, text=True, timeout=120, check=False)
+    ``-DSDC_ISA_CLONES``: the fallbacks ``build`` tries); the compiler's result.
+
+    With ``libgomp``: compiled with ``-fopenmp`` and linked against that file, not the
+    compiler's own OpenMP runtime (``-fopenmp`` at the link would add it), every symbol
+    resolved at the link (a compiler whose OpenMP calls another runtime, like clang's
+    libomp, fails here, not when the library loads).
+    """
+    units = [str(p.resolve()) for p in sources(directory) if p.suffix == ".c"]
+    if libgomp is None:
+        return subprocess.run([cc, *_FLAGS, *extra, "-o", str(library), *units],
+                              capture_output=True, text=True, timeout=120, check=False)
+    with tempfile.TemporaryDirectory() as objects:
+        proc = subprocess.run([cc, *_FLAGS, "-fopenmp", *extra, "-c", *units], cwd=objects,
+                              capture_output=True, text=True, timeout=120, check=False)
+        if proc.returncode != 0:
+            return proc
+        linked = sorted(str(p) for p in Path(objects).glob("*.o"))
+        return subprocess.run([cc, *_FLAGS, "-o", str(library), *linked, str(libgomp),
+                               "-Xlinker", "-rpath", "-Xlinker", str(libgomp.parent),
+                               "-Wl,-z,defs"],
+                              capture_output=True, text=True, timeout=120, check=False)
 
 
 _kernel: NativeKernel | None = None
@@ -613,14 +720,16 @@ def load(*, warn: bool = True) -> NativeKernel | None:
         _tried = True
         try:
             try:
-                path = build()
+                path, why = _build()
             except OSError as unwritable:  # a read-only home, say: a private temp dir
                 try:
-                    path = build(_private_tmp_dir())
+                    path, why = _build(_private_tmp_dir())
                 except Exception as e:
                     raise RuntimeError(f"the cache {_cache_dir()} is not writable "
                                        f"({unwritable}), nor is a temp dir ({e})") from e
-            _kernel = NativeKernel(path)
+            _kernel = NativeKernel(path, why)
+            if why:
+                _threads_note(why)
         except Exception as e:  # no compiler, a failed build, nowhere to write, ...
             _error = f"{type(e).__name__}: {e}"[:600]
     if _kernel is None and _error is not None:
@@ -632,6 +741,19 @@ def load(*, warn: bool = True) -> NativeKernel | None:
         elif not warn:
             _log.info(message)
     return _kernel
+
+
+def _threads_note(why: str) -> None:
+    """Say why the kernel runs threads of its own: a warning if OpenMP was asked for, else
+    a log record of level INFO (the values are the same; only the speed right after a
+    parallel torch op differs)."""
+    message = (f"sdc_guard: the C kernel runs threads of its own, not torch's OpenMP pool "
+               f"({why}); right after a parallel torch op they share the cores with its "
+               "spinning workers (docs/fingerprint.md).")
+    if os.environ.get(THREADS_ENV) == "openmp":
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    else:
+        _log.info(message)
 
 
 _native: NativeKernel | None = None

@@ -1,7 +1,7 @@
 /* The C kernel of sdc_guard, shared by its sources (built into one shared library by
    sdc_guard/fingerprints/native.py, which loads it with ctypes):
 
-     threads.c      the threads every pass splits its work over
+     threads.c      the threads every pass splits its work over (OpenMP's, or its own)
      fingerprint.c  the 64-bit word sums of the fingerprint and of the replay digest, one
                     copy per instruction set (sdc_weighted_sum, sdc_isa)
      scaling.c      the comm hook's fused 1/world scaling pass: scale, flag NaN/Inf, digest
@@ -54,8 +54,10 @@
    `threads` threads; the last job may be shorter. */
 SDC_HIDDEN int split(int64_t extent, int threads, int64_t align, int64_t* per);
 
-/* Runs fn on each of used jobs (size bytes apart, from jobs): job 0, and any whose thread
-   failed to start, on the caller's thread; the others on threads of their own. */
+/* Runs fn on each of used jobs (size bytes apart, from jobs), job 0 on the caller's thread.
+   Built with OpenMP (-fopenmp), the others on the threads of OpenMP's pool (torch's, when the
+   library is linked against the libgomp torch loaded), except in a forked process; else on
+   threads of their own (a job whose thread failed to start on the caller's). */
 SDC_HIDDEN void run_jobs(void* (*fn)(void*), void* jobs, size_t size, int used);
 
 /* ---- fingerprint.c: weighted sums of words -------------------------------------------- */
@@ -106,6 +108,8 @@ static inline __attribute__((always_inline)) cs_v8 cs_load(const float* p) {
 /* ---- the entry points ------------------------------------------------------------------ */
 
 int sdc_isa(int want);
+/* "openmp" or "pthreads": what run_jobs runs the jobs on now (threads.c). */
+const char* sdc_threading(void);
 int sdc_weighted_sum(const void* x, int64_t n, int mode, int threads, uint64_t* out);
 int sdc_scale_digest(void* x, int64_t n, float scale, int threads, uint64_t* out);
 int sdc_scale_check(void* x, int64_t n, float scale, int threads);
