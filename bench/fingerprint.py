@@ -1,18 +1,25 @@
 """Fingerprint throughput: GiB/s of ``sdc_guard.fingerprint`` beside other ways to summarise a
-tensor, and the per-tensor cost for a model's many small tensors."""
+tensor, the per-tensor cost for a model's many small tensors, and the fingerprint against
+``torch.sum`` right after a torch op and after a pause.
+
+``python -m bench.fingerprint [--out bench] [--rounds 40] [--mib 256,64]`` measures the last
+alone and puts it into an earlier run's ``results.json`` (the ``fingerprint`` section's
+``after_torch_op``, with the CPU it was measured on) and ``RESULTS.md``."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from bench.timing import alternate
+from bench.timing import alternate, bootstrap_interval, cpu_name, seconds
 from sdc_guard import fingerprint, fingerprint_tensor, native_enabled, native_kernel
+from sdc_guard.fingerprints.native import NativeKernel, kernel_in_use, pthreads_kernel
 from sdc_guard.internal import ISAS, active_kernel
 
 GIB = 1024**3
@@ -79,6 +86,7 @@ def fingerprint_throughput(mib: int, rounds: int) -> dict[str, Any]:
         }
     out["many_small"] = many_small_tensors(rounds)
     out["in_cache"] = in_cache_throughput(rounds)
+    out["after_torch_op"] = after_torch_op(tuple(dict.fromkeys((mib, 64))), rounds * 4)
     return out
 
 
@@ -147,3 +155,158 @@ def many_small_tensors(rounds: int) -> dict[str, Any]:
     return {"tensors": len(tensors),
             "us_per_tensor": {k: statistics.median(v) / len(tensors) * 1e6
                               for k, v in times.items()}}
+
+
+HOT, PAUSED = "right after a torch op", "after a pause"
+"""The two conditions of ``after_torch_op``: each timed call right after an untimed parallel
+torch op (torch's OpenMP workers still spinning, as after ``optimizer.step()``), or after that
+op and a pause of ``PAUSE_S`` (its workers asleep)."""
+PAUSE_S = 0.05
+
+
+def after_torch_op(sizes_mib: tuple[int, ...], rounds: int) -> dict[str, Any] | None:
+    """The fingerprint against ``torch.sum`` right after a torch op and after a pause, on
+    the C kernel's default build (on torch's OpenMP pool where it can) and on the build with
+    threads of its own, each on the word loops of AVX2 and of this CPU's widest instruction
+    set: per size, condition and configuration, the median seconds, and the ratio
+    ``torch.sum / fingerprint`` with a 90% bootstrap interval over the rounds.
+
+    Both sides are timed alike: each timed call (``torch.sum`` or a fingerprint) follows the
+    same untimed ``torch.sum`` of the same tensor, and in the paused condition the same
+    sleep. The configurations alternate within a round. None without the C kernel."""
+    kernel = active_kernel() if native_enabled() else None
+    if kernel is None:
+        return None
+    builds = {kernel.threading.split(" ", 1)[0]: kernel}
+    try:
+        own = pthreads_kernel()
+        builds.setdefault("pthreads", own)
+    except RuntimeError:  # pragma: no cover - the default built, so this one builds
+        pass
+    isas = [i for i in ("avx2", kernel.cpu_isa) if ISAS.index(i) <= ISAS.index(kernel.cpu_isa)]
+    isas = list(dict.fromkeys(isas))
+    out: dict[str, Any] = {"machine": cpu_name(), "threads": torch.get_num_threads(),
+                           "rounds": rounds, "pause_s": PAUSE_S, "default_isa": kernel.isa,
+                           "builds": {name: k.threading for name, k in builds.items()},
+                           "sizes": {}}
+    for mib in sizes_mib:
+        out["sizes"][str(mib)] = _conditions(torch.randn(mib * 1024 * 1024 // 4), builds,
+                                             isas, rounds)
+    return out
+
+
+def _conditions(x: torch.Tensor, builds: dict[str, NativeKernel], isas: list[str],
+                rounds: int) -> dict[str, Any]:
+    """``after_torch_op`` of one tensor."""
+    methods: dict[str, Callable[[], object]] = {"torch.sum": lambda: float(x.sum())}
+    for name, build in builds.items():
+        for isa in isas:
+            methods[f"fingerprint, {name}, {isa}"] = functools.partial(
+                _on_build, build, isa, lambda: fingerprint(x))
+    samples: dict[str, dict[str, list[list[float]]]] = {
+        c: {k: [] for k in methods} for c in (HOT, PAUSED)}
+    for fn in methods.values():
+        fn()  # warm-up
+    for _ in range(rounds):
+        for cond, per in samples.items():
+            for name, fn in methods.items():
+                x.sum()
+                if cond == PAUSED:
+                    time.sleep(PAUSE_S)
+                per[name].append([seconds(fn)])
+    return {cond: _ratios(per, x.numel() * 4) for cond, per in samples.items()}
+
+
+def _on_build(kernel: NativeKernel, isa: str, fn: Callable[[], object]) -> object:
+    """``fn()`` with ``kernel`` in use on its ``isa`` loops, the previous choices restored."""
+    before = kernel.isa
+    kernel.use_isa(isa)
+    try:
+        with kernel_in_use(kernel):
+            return fn()
+    finally:
+        kernel.use_isa(before)
+
+
+def _ratios(per: dict[str, list[list[float]]], nbytes: int) -> dict[str, Any]:
+    """Each configuration's median seconds, GiB/s and ratio to ``torch.sum`` (medians), with
+    the ratio's 90% bootstrap interval over the rounds."""
+    res: dict[str, Any] = {}
+    base = statistics.median(s for r in per["torch.sum"] for s in r)
+    for name, rounds in per.items():
+        med = statistics.median(s for r in rounds for s in r)
+        row: dict[str, Any] = {"median_s": med, "gib_per_s": nbytes / med / GIB,
+                               "ratio_to_sum": base / med}
+        if name != "torch.sum":
+            pair = {"sum": per["torch.sum"], "fp": rounds}
+            row["ratio_interval_90"] = list(bootstrap_interval(
+                pair, lambda m: statistics.median(m["sum"]) / statistics.median(m["fp"])))
+        res[name] = row
+    return res
+
+
+def after_torch_op_md(section: dict[str, Any]) -> list[str]:
+    """RESULTS.md's lines of ``after_torch_op``: a table per size, the CPU named above it."""
+    builds = section["builds"]
+    lines = ["", f"Right after a torch op, and after a pause ({section['machine']}, "
+             f"{section['threads']} threads): `torch.sum / fingerprint`, medians over "
+             f"{section['rounds']} alternated rounds with their 90% intervals. Each timed call "
+             "follows an untimed `torch.sum` of the same tensor (torch's OpenMP workers still "
+             f"spinning), and after a pause a sleep of {section['pause_s'] * 1e3:.0f} ms too. "
+             "The default build: " + "; ".join(f"{k}: {v}" for k, v in builds.items()) + "."]
+    for mib, conds in section["sizes"].items():
+        lines += ["", f"| {mib} MiB float32: word loop, threads | {HOT} | {PAUSED} |",
+                  "|---|---|---|"]
+        for name in conds[HOT]:
+            if name == "torch.sum":
+                continue
+            cells = []
+            for cond in (HOT, PAUSED):
+                r = conds[cond][name]
+                lo, hi = r["ratio_interval_90"]
+                cells.append(f"{r['ratio_to_sum']:.2f} ({lo:.2f} .. {hi:.2f})")
+            _, build, isa = name.split(", ")
+            lines.append(f"| {isa}, {build} | {cells[0]} | {cells[1]} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.fingerprint``: ``after_torch_op`` into an earlier run's results."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from bench.__main__ import _commit
+    from bench.results import markdown
+
+    ap = argparse.ArgumentParser(prog="python -m bench.fingerprint",
+                                 description="the fingerprint against torch.sum right after a "
+                                             "torch op and after a pause")
+    ap.add_argument("--out", default="bench", help="the directory of results.json, RESULTS.md")
+    ap.add_argument("--rounds", type=int, default=40, help="alternated rounds (default 40)")
+    ap.add_argument("--mib", default="256,64", help="tensor sizes in MiB (default 256,64)")
+    args = ap.parse_args(argv)
+    try:
+        sizes = tuple(int(m) for m in args.mib.split(","))
+    except ValueError:
+        ap.error(f"--mib {args.mib!r}: give sizes in MiB separated by commas, like 256,64")
+    if args.rounds < 2 or min(sizes) < 1:
+        ap.error("--rounds must be at least 2 and every --mib size at least 1")
+    path = Path(args.out) / "results.json"
+    if not path.exists():
+        ap.error(f"{path} does not exist: run `python -m bench` first")
+    when = {"commit": _commit(), "date": time.strftime("%Y-%m-%d")}
+    section = after_torch_op(sizes, args.rounds)
+    if section is None:
+        ap.error("the C kernel could not be built here: nothing to measure")
+    print("\n".join(after_torch_op_md(section)))
+    results = json.loads(path.read_text())
+    results["fingerprint"]["after_torch_op"] = section
+    results.setdefault("measured_later", {})["fingerprint.after_torch_op"] = when
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    (path.parent / "RESULTS.md").write_text(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

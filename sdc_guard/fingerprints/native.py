@@ -585,9 +585,11 @@ def torch_libgomp() -> tuple[Path | None, str]:
     return Path(found.pop()), ""
 
 
-def _openmp_plan() -> tuple[Path | None, str]:
+def _openmp_plan(own_threads: bool = False) -> tuple[Path | None, str]:
     """The libgomp to build the kernel against, or None and why it runs threads of its own."""
     wanted = os.environ.get(THREADS_ENV, "")
+    if own_threads:
+        return None, "threads of its own asked for"
     if wanted == "pthreads":
         return None, f"{THREADS_ENV}=pthreads"
     if wanted not in ("", "openmp"):
@@ -605,16 +607,17 @@ def build(directory: Path | None = None) -> Path:
     return _build(directory)[0]
 
 
-def _build(directory: Path | None = None) -> tuple[Path, str]:
+def _build(directory: Path | None = None, *, own_threads: bool = False) -> tuple[Path, str]:
     """``build``, and why the library runs threads of its own ("" when it runs on torch's
-    OpenMP pool). A compiler that fails with ``-fopenmp`` where the plain build succeeds is
-    remembered beside the library (``.no-openmp``, the reason), not tried on every load."""
+    OpenMP pool; ``own_threads``: the build with threads of its own in any case). A compiler that fails
+    with ``-fopenmp`` where the plain build succeeds is remembered beside the library
+    (``.no-openmp``, the reason), not tried on every load."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC, or install cc, gcc or clang)")
     files = {p.name: p.read_text() for p in sources()}
     directory = directory or _cache_dir()
-    libgomp, why = _openmp_plan()
+    libgomp, why = _openmp_plan(own_threads)
     failed: Path | None = None
     if libgomp is not None:
         key = _key(files, cc, f"openmp:{libgomp}")
@@ -741,6 +744,26 @@ def load(*, warn: bool = True) -> NativeKernel | None:
         elif not warn:
             _log.info(message)
     return _kernel
+
+
+def pthreads_kernel() -> NativeKernel:
+    """The kernel built with threads of its own, loaded beside the one in use: what runs
+    where torch's OpenMP pool is not to be had, for measuring one against the other
+    (``kernel_in_use``). ``RuntimeError`` if it cannot be built."""
+    return NativeKernel(*_build(own_threads=True))
+
+
+@contextlib.contextmanager
+def kernel_in_use(kernel: NativeKernel) -> Iterator[NativeKernel]:
+    """Within the block, the C paths run on ``kernel`` (another build, ``pthreads_kernel``);
+    the previous choice is restored on exit. Not thread-safe, like ``native_kernel``."""
+    global _native, _native_resolved
+    saved = _native, _native_resolved
+    _native, _native_resolved = kernel, True
+    try:
+        yield kernel
+    finally:
+        _native, _native_resolved = saved
 
 
 def _threads_note(why: str) -> None:
