@@ -2,7 +2,8 @@
 the campaign ships trains clean in float32 (TF32 off and on), bfloat16 and under autocast,
 with the eager sides and with the fused ones; an exponent flip inside each product of a
 linear layer on the last rank is named in its step, that rank, and the step withheld on
-every rank. Its step times are the bench's (``bench.device.checksum_timing``)."""
+every rank. Its step times on a GPT-2-small-sized model are the bench's
+(``bench.device.gpt_timing``)."""
 
 from __future__ import annotations
 
