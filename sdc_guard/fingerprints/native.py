@@ -609,9 +609,9 @@ def build(directory: Path | None = None) -> Path:
 
 def _build(directory: Path | None = None, *, own_threads: bool = False) -> tuple[Path, str]:
     """``build``, and why the library runs threads of its own ("" when it runs on torch's
-    OpenMP pool; ``own_threads``: the build with threads of its own in any case). A compiler that fails
-    with ``-fopenmp`` where the plain build succeeds is remembered beside the library
-    (``.no-openmp``, the reason), not tried on every load."""
+    OpenMP pool; ``own_threads``: the build with threads of its own in any case). A
+    compiler that fails with ``-fopenmp`` where the plain build succeeds is remembered
+    beside the library (``.no-openmp``, the reason), not tried on every load."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC, or install cc, gcc or clang)")
