@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from sdc_guard.fingerprints.batched import chunk_bytes, stream_total
 from sdc_guard.fingerprints.native import active_kernel
 from sdc_guard.fingerprints.weighted import INT_OF_SIZE, odd_weights, raw_bytes, tail_word, weighted_sum
 from sdc_guard.fingerprints.words import MASK64, to_signed64
@@ -123,6 +124,51 @@ def concat_digest(parts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return (parts[:, 0] + 2 * offsets * parts[:, 1]).sum()
 
 
+def tensors_digest(tensors: Sequence[torch.Tensor], offsets: Sequence[int],
+                   device: torch.device) -> torch.Tensor:
+    """D of tensors laid at word ``offsets`` of a concatenation, a 0-d int64 on ``device``, in
+    a number of torch ops that does not grow with the number of tensors: the value of
+    ``concat_digest`` over their ``digest_parts``, which takes a dozen ops per tensor.
+
+    The tensors on ``device`` under ``batched.chunk_bytes`` are read in one multi-tensor pass
+    per chunk (``sdc_guard.fingerprints.batched``: a copy into a scratch whose bytes are the
+    words, no widening); each larger one alone (at most total bytes / ``chunk_bytes`` of
+    those); the tensors on another device are digested there and the value moved, one copy
+    per device. The replay audit's digest of the gradients it recomputes takes it once per
+    replay, whatever the number of parameters.
+    """
+    if len(tensors) != len(offsets):
+        raise ValueError(f"tensors_digest: {len(tensors)} tensors but {len(offsets)} offsets; "
+                         "give each tensor the word offset where it starts.")
+    for i, (t, o) in enumerate(zip(tensors, offsets, strict=True)):
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            raise TypeError(f"tensors_digest: item {i} is not a dense torch.Tensor "
+                            f"({type(t).__name__}); digest a sparse tensor's indices and "
+                            "values as two dense pieces.")
+        if isinstance(o, bool) or not isinstance(o, int) or o < 0:
+            raise TypeError(f"tensors_digest: offsets[{i}] is {o!r}; give a word offset, an "
+                            "int >= 0.")
+    limit = chunk_bytes(device)
+    batch: list[int] = []
+    alone: list[int] = []
+    elsewhere: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.device != device:
+            elsewhere.setdefault(t.device, []).append(i)
+        elif t.numel() * t.element_size() >= limit:
+            alone.append(i)
+        else:
+            batch.append(i)
+    total = stream_total([tensors[i] for i in batch], [offsets[i] for i in batch], device)
+    for i in alone:
+        parts = digest_parts(tensors[i])
+        total = total + parts[0] + 2 * offsets[i] * parts[1]
+    for other, idx in elsewhere.items():
+        part = tensors_digest([tensors[i] for i in idx], [offsets[i] for i in idx], other)
+        total = total + part.to(device, non_blocking=True)
+    return total
+
+
 def loss_word(losses: Sequence[torch.Tensor]) -> torch.Tensor:
     """A 0-d int64 word that changes with any bit of any of ``losses`` (the replay audit's).
 
@@ -134,7 +180,7 @@ def loss_word(losses: Sequence[torch.Tensor]) -> torch.Tensor:
     host = host_loss_word(losses)
     if host is not None:
         return torch.tensor(to_signed64(host), dtype=torch.int64)
-    return _loss_word_tensor([loss.detach().reshape(()) for loss in losses])
+    return _loss_word_tensor(losses)
 
 
 _BITS = {torch.float32: (struct.Struct("<f"), struct.Struct("<i"), 0),
@@ -171,9 +217,13 @@ def host_loss_word(losses: Sequence[torch.Tensor]) -> int | None:
     return total & MASK64
 
 
-def _loss_word_tensor(flat: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``loss_word`` in tensor ops on the losses' device (no host sync)."""
-    stacked = torch.stack(list(flat))
+def _loss_word_tensor(losses: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``loss_word`` in tensor ops on the losses' device (no host sync), five of them however
+    many losses (one-element losses of another shape than ``()`` take a view each)."""
+    with torch.no_grad():
+        flat = list(losses)
+        if any(t.dim() != 0 for t in flat):
+            flat = [t.reshape(()) for t in flat]
+        stacked = torch.stack(flat)
     v = stacked.view(INT_OF_SIZE[stacked.element_size()]).to(torch.int64)
     return (v * odd_weights(v.numel(), v.device)).sum()
-

@@ -83,6 +83,7 @@ from typing import Any, Final
 
 import torch
 
+from sdc_guard.fingerprints.batched import MODE_LANES, MODE_WORDS, chunk_bytes, stream_values
 from sdc_guard.fingerprints.native import NativeKernel, active_kernel
 from sdc_guard.fingerprints.weighted import (
     prep_lanes,
@@ -161,65 +162,7 @@ def tensor_value(t: torch.Tensor) -> torch.Tensor:
     return value
 
 
-_BATCH_BYTES: Final = 1 << 16
-"""Tensors of at most this many bytes are valued together (``_small_values``)."""
-
-_segment_cache: dict[tuple[torch.device, int, tuple[int, ...]],
-                     tuple[torch.Tensor, torch.Tensor]] = {}
-"""(device, unit, lanes per tensor) -> the per-lane weights ``2k+1`` and the tensors'
-boundaries in the running sum (0, then each tensor's end), on the device."""
-
-
-def _small_values(tensors: Sequence[torch.Tensor], unit: int,
-                  device: torch.device) -> torch.Tensor:
-    """V of each of many small tensors, an int64 vector: the same values as ``tensor_value``.
-
-    All of them go through one concatenation, one widening and one multiply by
-    per-segment weights ``2k+1`` (k counted from each tensor's start), then a running sum
-    whose differences at the tensors' boundaries are their sums (exact: integers wrap the
-    same in any order, so on every device alike): a few ops in all instead of a pass of
-    ops per tensor, which is what a model's biases, norms and optimizer step counters
-    otherwise cost. ``unit`` is 4 (tensors of elements up to 4 bytes, as 32-bit lanes, the
-    last one zero-padded) or 8 (8-byte elements, as words mapped by ``prep_words``).
-    """
-    pieces: list[torch.Tensor] = []
-    counts: list[int] = []
-    for t in tensors:
-        raw = raw_bytes(t).to(device)
-        pad = -raw.numel() % unit
-        pieces.append(raw)
-        if pad:
-            pieces.append(torch.zeros(pad, dtype=torch.uint8, device=device))
-        counts.append((raw.numel() + pad) // unit)
-    whole = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.uint8, device=device)
-    key = (device, unit, tuple(counts))
-    layout = _segment_cache.get(key)
-    if layout is None:
-        # Built once per layout on the CPU (no device-side scan), then kept on the device.
-        sizes = torch.tensor(counts, dtype=torch.int64)
-        segment = torch.repeat_interleave(torch.arange(len(counts)), sizes)
-        ends = torch.cumsum(sizes, 0)
-        weights = (torch.arange(segment.numel()) - (ends - sizes)[segment]) * 2 + 1
-        bounds = torch.cat([torch.zeros(1, dtype=torch.int64), ends])
-        layout = (weights.to(device), bounds.to(device))
-        if len(_segment_cache) > 64:
-            _segment_cache.clear()
-        _segment_cache[key] = layout
-    weights, bounds = layout
-    vals = torch.empty(weights.numel(), dtype=torch.int64, device=device)
-    if unit == 4:
-        prep_lanes(whole.view(torch.uint32), vals)
-    else:
-        prep_words(whole.view(torch.int64), vals)
-    vals.mul_(weights)
-    # A sum per tensor in a fixed number of kernels however many tensors (a sum each, on a
-    # GPU, is a launch each; index_add_ is nondeterministic there by torch's rules, if not
-    # for integers).
-    running = torch.nn.functional.pad(torch.cumsum(vals, 0), (1, 0))
-    return torch.diff(running[bounds])
-
-
-_key_cache: dict[tuple[torch.device, bool, tuple[int, ...]], torch.Tensor] = {}
+_key_cache: dict[tuple[torch.device, bool, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
 
 
 _key_int_cache: dict[tuple[bool, tuple[int, ...]], tuple[int, ...]] = {}
@@ -239,12 +182,14 @@ def _key_ints(is_list: bool, metas: tuple[int, ...]) -> tuple[int, ...]:
     return k
 
 
-def _keys(device: torch.device, is_list: bool, metas: tuple[int, ...]) -> torch.Tensor:
-    """``_key_ints`` as an int64 vector on ``device``."""
-    key = (device, is_list, metas)
+def _keys(device: torch.device, is_list: bool, metas: tuple[int, ...],
+          idx: tuple[int, ...]) -> torch.Tensor:
+    """``_key_ints`` at positions ``idx``, as an int64 vector on ``device``."""
+    key = (device, is_list, metas, idx)
     k = _key_cache.get(key)
     if k is None:
-        k = torch.tensor([to_signed64(w) for w in _key_ints(is_list, metas)], dtype=torch.int64,
+        words = _key_ints(is_list, metas)
+        k = torch.tensor([to_signed64(words[i]) for i in idx], dtype=torch.int64,
                          device=device)
         if len(_key_cache) > 256:
             _key_cache.clear()
@@ -379,36 +324,91 @@ def fingerprint_tensor(x: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor
     if value is not None:
         return torch.tensor(to_signed64(value), dtype=torch.int64)
     metas = tuple(_meta_word(t) for t in tensors)
-    start = to_signed64(mix64_int(len(tensors) + (SEED if is_list else 0)))
     if not tensors:
-        return mix64(torch.tensor(start, dtype=torch.int64))
-    # The start as a Python int: a tensor made from one on a GPU is a copy and a stream sync.
-    terms = mix64(tensor_values(tensors, device) + _keys(device, is_list, metas))
-    return mix64(terms.sum() + start)
+        start = mix64_int(SEED if is_list else 0)
+        return mix64(torch.tensor(to_signed64(start), dtype=torch.int64))
+    host = ([i for i, t in enumerate(tensors) if t.device.type == "cpu"]
+            if device.type != "cpu" else [])
+    return _device_fingerprint(tensors, is_list, metas, device, host)
+
+
+def _device_fingerprint(tensors: Sequence[torch.Tensor], is_list: bool,
+                        metas: tuple[int, ...], device: torch.device,
+                        host: Sequence[int]) -> torch.Tensor:
+    """``fingerprint_tensor`` by torch ops on ``device``, with the terms of the tensors at
+    positions ``host`` (CPU tensors in a device's list: an optimizer's step counters) summed
+    on the host as Python ints: copying each to the device would cost a copy and a wait for
+    the device's queue. The start and those terms reach the device as one Python int, an
+    argument of the op that adds it (no copy)."""
+    start = mix64_int(len(tensors) + (SEED if is_list else 0))
+    keys = _key_ints(is_list, metas)
+    for i in host:
+        start += mix64_int(_host_value(tensors[i]) + keys[i])
+    skip = set(host)
+    here = [i for i in range(len(tensors)) if i not in skip]
+    # The terms are summed: the values may come in any order, with their keys in the same.
+    values, order = _grouped_values([tensors[i] for i in here], device)
+    terms = mix64(values + _keys(device, is_list, metas, tuple(here[j] for j in order)))
+    return mix64(terms.sum() + to_signed64(start))
+
+
+def _host_value(t: torch.Tensor) -> int:
+    """``tensor_value`` of a CPU tensor, unsigned, as a Python int (the C kernel, else torch
+    ops on the CPU and a read of their result: CPU memory, no device to wait for)."""
+    kernel = active_kernel()
+    if kernel is not None:
+        return _native_value(t, kernel)
+    return to_unsigned64(int(tensor_value(t)))
 
 
 def tensor_values(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """V of each tensor, an int64 vector on ``device``: small ones batched, large ones alone."""
-    if len(tensors) == 1:
-        return tensor_value(tensors[0]).to(device).reshape(1)
-    groups: dict[int, list[int]] = {4: [], 8: []}
-    large: list[int] = []
+    """V of each tensor, an int64 vector on ``device``, in a number of torch ops that does not
+    grow with the number of tensors (``_grouped_values``)."""
+    values, order = _grouped_values(tensors, device)
+    if order == sorted(order):
+        return values
+    inverse = [0] * len(order)
+    for j, i in enumerate(order):
+        inverse[i] = j
+    return values[_positions(device, inverse)]
+
+
+def _grouped_values(tensors: Sequence[torch.Tensor],
+                    device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """V of each tensor, an int64 vector on ``device``, in the order of the indices returned
+    with it. The tensors on ``device`` under ``chunk_bytes`` go through one multi-tensor pass
+    per way of reading (lanes, words; ``sdc_guard.fingerprints.batched``), chunk by chunk;
+    each larger one is valued alone (``tensor_value``: there are at most total bytes /
+    ``chunk_bytes`` of them, and they skip the pass's copy); the tensors on another device are
+    valued there and their values moved, one copy per device."""
+    if len(tensors) <= 1:
+        return ((tensor_value(tensors[0]).to(device).reshape(1) if tensors
+                 else torch.zeros(0, dtype=torch.int64, device=device)), list(range(len(tensors))))
+    limit = chunk_bytes(device)
+    streams: dict[int, list[int]] = {MODE_LANES: [], MODE_WORDS: []}
+    alone: list[int] = []
+    elsewhere: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
-        if t.numel() * t.element_size() <= _BATCH_BYTES:
-            groups[8 if t.element_size() == 8 else 4].append(i)
+        if t.device != device:
+            elsewhere.setdefault(t.device, []).append(i)
+        elif t.numel() * t.element_size() >= limit:
+            alone.append(i)
         else:
-            large.append(i)
-    if not large and not groups[8]:
-        return _small_values(tensors, 4, device)
-    values = torch.empty(len(tensors), dtype=torch.int64, device=device)
-    for unit, idx in groups.items():
+            streams[MODE_WORDS if t.element_size() == 8 else MODE_LANES].append(i)
+    parts: list[torch.Tensor] = []
+    order: list[int] = []
+    for mode, idx in streams.items():
         if idx:
-            values[_positions(device, idx)] = _small_values([tensors[i] for i in idx], unit,
-                                                             device)
-    if large:
-        values[_positions(device, large)] = torch.stack([
-            tensor_value(tensors[i]).to(device, non_blocking=True) for i in large])
-    return values
+            parts.append(stream_values([tensors[i] for i in idx], mode, device))
+            order += idx
+    if alone:
+        parts.append(torch.stack([tensor_value(tensors[i]) for i in alone]))
+        order += alone
+    for other, idx in elsewhere.items():
+        parts.append(tensor_values([tensors[i] for i in idx], other).to(device,
+                                                                         non_blocking=True))
+        order += idx
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)), order
 
 
 _position_cache: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}

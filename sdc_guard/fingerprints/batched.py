@@ -1,0 +1,264 @@
+"""Odd-weighted sums of many tensors in a number of torch ops that does not grow with their count.
+
+The torch path (every device but a CPU running the C kernel) values a list of tensors here:
+on a GPU each torch op is a kernel launch or more, so a pass of ops per tensor costs launches
+in proportion to a model's parameters. Here the ops depend on the dtypes present and on the
+total bytes alone (one chunk per ``chunk_bytes`` of them), never on how many tensors there are.
+
+How
+---
+A *stream* is the tensors read one way: the fingerprint's 32-bit lanes (``MODE_LANES``), its
+64-bit words mapped by ``X ^ (X >>> 32)`` (``MODE_WORDS``), or the replay digest's raw words
+(``MODE_RAW``). Its tensors are laid end to end in a reused byte scratch, each from a block
+boundary (a block is ``BLOCK`` values, ``_BLOCK_ROWS`` rows of ``_ROW``) and zero-padded to
+the next one, chunk after chunk so the scratch stays bounded. Per chunk:
+
+1. one ``torch._foreach_copy_`` per dtype into views of the scratch (cached per layout: no op
+   per tensor); a copy keeps the bits, lays a non-contiguous tensor out, and resolves a lazy
+   conjugate or negative view;
+2. one ``torch._foreach_zero_`` of the padding;
+3. the values ``v`` widened to int64 (lanes zero-extended; words ``X ^ (X >>> 32)``; raw words
+   are the scratch itself, no pass);
+4. ``v`` as ``[blocks, _BLOCK_ROWS, _ROW]``: the row sums ``R`` and each block's column sums
+   ``C``, two reductions;
+5. per block ``X_b = sum_r (2 P r + 2 s_b) R_br + sum_c (2c + 1) C_bc``, which is
+   ``sum_k (2 (s_b + k) + 1) v_k`` over the block's values: ``s_b`` is the block's first value
+   counted from where the weights start (its tensor's start for the fingerprint, the
+   concatenation's for the digest), cached per layout.
+
+A tensor's sum is then the sum of its blocks' ``X``: the differences of one running sum at the
+tensors' boundaries (exact: integers wrap modulo 2**64 alike in any order, on every device).
+
+Memory traffic per value of ``u`` bytes: read ``u`` and write ``u`` (the copy), read ``u`` and
+write 8 (the widening; none for raw words), read 8 twice (the sums; on the CPU the chunk is
+read from cache), and an eighth as much for the per-block sums. That is more than a pass of
+the same ops per tensor (which skips the copy), so a tensor of ``chunk_bytes`` or more is
+valued on its own (``weighted.weighted_sum``: the compiled single-read pass on CUDA from
+``FUSED_MIN``): there are at most total bytes / ``chunk_bytes`` of those.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import torch
+
+from sdc_guard.fingerprints.weighted import _ROW, _scratch_buffer, prep_lanes, prep_words, raw_bytes
+
+MODE_LANES: Final = 0
+"""Elements of up to 4 bytes and complex128: unsigned 32-bit lanes, zero-extended."""
+MODE_WORDS: Final = 1
+"""8-byte elements: 64-bit words mapped by ``X ^ (X >>> 32)``."""
+MODE_RAW: Final = 2
+"""Any elements as raw 64-bit words (the replay digest)."""
+
+_BLOCK_ROWS: Final = 8
+"""Rows of ``_ROW`` values per block: a tensor is padded to a whole block, so a block's
+column sums (``C``, written per block) stay an eighth of the values."""
+BLOCK: Final = _BLOCK_ROWS * _ROW
+"""Values per block."""
+
+CPU_CHUNK_BYTES: Final = 1 << 22
+"""Bytes of tensors per chunk on the CPU: the chunk's copy and its int64 values stay in cache
+between the passes over them."""
+DEVICE_CHUNK_BYTES: Final = 1 << 27
+"""Bytes per chunk on an accelerator: few chunks (each a dozen launches) for a large state,
+with a byte scratch and an int64 copy of at most 3 x 128 MiB."""
+
+
+def chunk_bytes(device: torch.device) -> int:
+    """The most bytes of tensors one chunk takes on ``device``; larger tensors go alone."""
+    return CPU_CHUNK_BYTES if device.type == "cpu" else DEVICE_CHUNK_BYTES
+
+
+def unit_of(mode: int) -> int:
+    """Bytes per value read in ``mode``."""
+    return 4 if mode == MODE_LANES else 8
+
+
+@dataclass
+class _Chunk:
+    """One pass over a part of a stream's tensors."""
+
+    copies: list[tuple[list[int], list[torch.Tensor]]]
+    """Per dtype and contiguity: the tensors' indices in the stream and their views in the
+    scratch."""
+    pads: list[torch.Tensor]
+    """uint8 views of the scratch between a tensor's end and its block's end."""
+    nbytes: int
+    """Bytes of the scratch the chunk fills (a whole number of blocks)."""
+    row_weights: torch.Tensor
+    """int64 ``[blocks, _BLOCK_ROWS]``: ``2 P r + 2 s_b``."""
+
+
+@dataclass
+class _Plan:
+    """The layout of a stream: where each tensor lies in the scratch, and the cached tensors."""
+
+    chunks: list[_Chunk]
+    bounds: torch.Tensor
+    """int64: 0, then each tensor's end in blocks over the whole stream."""
+    scratch: torch.Tensor
+    """The byte scratch the views were made in (a grown scratch makes the plan anew)."""
+
+
+_COL_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+"""``2c + 1`` for c < ``_ROW``, per device."""
+
+_plans: dict[tuple[torch.device, int, int, tuple[object, ...]], _Plan] = {}
+
+_local = threading.local()
+"""Per thread: the byte scratch per device (a comm hook's thread digests while another thread
+may value, and a plan's views are of one scratch)."""
+
+
+def _scratch(device: torch.device, nbytes: int) -> torch.Tensor:
+    """This thread's byte scratch on ``device``, at least ``nbytes`` (grown, never shrunk: the
+    views a plan caches are of it)."""
+    bufs: dict[torch.device, torch.Tensor] = getattr(_local, "bufs", None) or {}
+    _local.bufs = bufs
+    b = bufs.get(device)
+    if b is None or b.numel() < nbytes:
+        b = bufs[device] = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device=device)
+    return b
+
+
+def _col_weights(device: torch.device) -> torch.Tensor:
+    w = _COL_WEIGHTS.get(device)
+    if w is None:
+        w = _COL_WEIGHTS[device] = torch.arange(_ROW, dtype=torch.int64, device=device) * 2 + 1
+    return w
+
+
+def _layout_key(t: torch.Tensor) -> tuple[object, ...]:
+    """What a plan depends on: the dtype and shape, and whether the copy takes a multi-tensor
+    kernel (on CUDA only lists of dense tensors of one dtype do: the others are copied apart,
+    so that one strided tensor does not make the whole list take a launch per tensor)."""
+    return (t.dtype, tuple(t.shape), t.is_contiguous())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _build(tensors: Sequence[torch.Tensor], mode: int, device: torch.device,
+           shifts: Sequence[int] | None) -> _Plan:
+    """The plan of ``tensors`` read in ``mode``; ``shifts``: each tensor's first value's
+    offset in the weights (None: 0, each tensor weighted from its own start)."""
+    unit = unit_of(mode)
+    block_bytes = BLOCK * unit
+    limit = max(chunk_bytes(device), block_bytes)
+    spans: list[list[int]] = [[]]  # the tensors of each chunk
+    used = 0
+    sizes = [-(-_nbytes(t) // block_bytes) * block_bytes for t in tensors]
+    for i, size in enumerate(sizes):
+        if used + size > limit and spans[-1]:
+            spans.append([])
+            used = 0
+        spans[-1].append(i)
+        used += size
+    scratch = _scratch(device, max(sum(sizes[i] for i in span) for span in spans))
+    chunks = []
+    ends = [0]
+    for span in spans:
+        groups: dict[tuple[object, ...], tuple[list[int], list[torch.Tensor]]] = {}
+        pads = []
+        weights: list[torch.Tensor] = []
+        at = 0
+        for i in span:
+            t = tensors[i]
+            n = _nbytes(t)
+            view = scratch[at : at + n].view(t.dtype).view(t.shape)
+            idx, views = groups.setdefault((t.dtype, t.is_contiguous()), ([], []))
+            idx.append(i)
+            views.append(view)
+            if sizes[i] > n:
+                pads.append(scratch[at + n : at + sizes[i]])
+            blocks = sizes[i] // block_bytes
+            first = 0 if shifts is None else shifts[i]
+            starts = torch.arange(blocks, dtype=torch.int64) * BLOCK + first
+            weights.append(2 * starts[:, None]
+                           + 2 * _ROW * torch.arange(_BLOCK_ROWS, dtype=torch.int64)[None, :])
+            ends.append(ends[-1] + blocks)
+            at += sizes[i]
+        row_weights = (torch.cat(weights) if weights
+                       else torch.zeros(0, _BLOCK_ROWS, dtype=torch.int64))
+        chunks.append(_Chunk(list(groups.values()), pads, at, row_weights.to(device)))
+    return _Plan(chunks, torch.tensor(ends, dtype=torch.int64, device=device), scratch)
+
+
+def _as_copied(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors as the pass copies them: a bool tensor as its bytes (a copy as bool would
+    write any nonzero byte as 1, and the fingerprint is of the bytes). Those views are the
+    only ops per tensor here; they launch nothing."""
+    return [raw_bytes(t) if t.dtype == torch.bool else t for t in tensors]
+
+
+def _plan(tensors: Sequence[torch.Tensor], mode: int, device: torch.device,
+          shifts: Sequence[int] | None) -> _Plan:
+    key = (device, mode, chunk_bytes(device),
+           (tuple(_layout_key(t) for t in tensors), None if shifts is None else tuple(shifts)))
+    plan = _plans.get(key)
+    if plan is None or plan.scratch is not _scratch(device, 0):
+        if len(_plans) > 32:
+            _plans.clear()
+        plan = _plans[key] = _build(tensors, mode, device, shifts)
+    return plan
+
+
+def _block_sums(plan: _Plan, tensors: Sequence[torch.Tensor], mode: int,
+                device: torch.device) -> torch.Tensor:
+    """``X_b`` of every block of the stream (module docstring), int64 on ``device``."""
+    unit = unit_of(mode)
+    cols = _col_weights(device)
+    out = []
+    for ch in plan.chunks:
+        for idx, views in ch.copies:
+            torch._foreach_copy_(views, [tensors[i] for i in idx])
+        if ch.pads:
+            torch._foreach_zero_(ch.pads)
+        raw = plan.scratch[: ch.nbytes]
+        n = ch.nbytes // unit
+        if mode == MODE_RAW:
+            values = raw.view(torch.int64)
+        else:
+            values = _scratch_buffer(n, device)
+            (prep_lanes if mode == MODE_LANES else prep_words)(
+                raw.view(torch.uint32 if mode == MODE_LANES else torch.int64), values)
+        grid = values.view(-1, _BLOCK_ROWS, _ROW)
+        rows = grid.sum(2)
+        blocks = grid.sum(1)
+        out.append((rows * ch.row_weights).sum(1) + (blocks * cols).sum(1))
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def stream_values(tensors: Sequence[torch.Tensor], mode: int,
+                  device: torch.device) -> torch.Tensor:
+    """``sum_k (2k+1) v_k`` of each tensor read in ``mode``, an int64 vector on ``device``
+    (every tensor on ``device``, each under ``chunk_bytes(device)``): the same values as
+    ``weighted.weighted_sum`` per tensor, with the last partial lane or word zero-padded."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    tensors = _as_copied(tensors)
+    plan = _plan(tensors, mode, device, None)
+    with torch.no_grad():
+        sums = _block_sums(plan, tensors, mode, device)
+        running = torch.nn.functional.pad(torch.cumsum(sums, 0), (1, 0))
+        return torch.diff(running[plan.bounds])
+
+
+def stream_total(tensors: Sequence[torch.Tensor], shifts: Sequence[int],
+                 device: torch.device) -> torch.Tensor:
+    """``sum_t sum_k (2 (shifts_t + k) + 1) X_tk`` over the raw 64-bit words ``X_tk`` of each
+    tensor, the last zero-padded: the replay digest of the tensors laid at word offsets
+    ``shifts`` of a concatenation. A 0-d int64 on ``device``; each tensor under
+    ``chunk_bytes(device)``."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.int64, device=device)
+    tensors = _as_copied(tensors)
+    plan = _plan(tensors, MODE_RAW, device, shifts)
+    with torch.no_grad():
+        return _block_sums(plan, tensors, MODE_RAW, device).sum()
