@@ -610,7 +610,9 @@ def gpt_measure(rank: int, plan: GptPlan, device: torch.device, timing_until: fl
         "device": str(device), "shape": {k: getattr(plan.shape, k) for k in GptShape.__slots__},
         "parameters": sum(p.numel() for p in template.parameters()),
         "parameter_tensors": len(list(template.parameters())), "cut": [],
-        "phase_seconds": seconds}
+        "phase_seconds": seconds,
+        "sync_source": ('torch.cuda.set_sync_debug_mode("warn")' if device.type == "cuda" else
+                        "CpuSyncWarnings: each read a GPU would wait for (no CUDA here)")}
     out["calibration"] = calibrate(template, plan, device, len(GPT_CONFIGS) + 3)
     lap("calibrate")
     batch = out["calibration"]["batch"]

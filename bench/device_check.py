@@ -240,8 +240,8 @@ def _gpt_md(g: dict[str, Any]) -> list[str]:
         base = max(counts.get("plain DDP", {}).get("syncs_per_step") or [0])
         lines += ["", "Per steady step: from torch's profiler, kernel launches, stream/event/"
                   "device synchronisations, device-to-host copies and `.item()` reads; from "
-                  "`torch.cuda.set_sync_debug_mode(\"warn\")`, the synchronisations warned in "
-                  "each step, the most added over plain DDP, and where they come from.", "",
+                  f"{g.get('sync_source', 'set_sync_debug_mode')}, the synchronisations warned "
+                  "in each step, the most added over plain DDP, and where they come from.", "",
                   "| configuration | launches | syncs (profiler) | D2H copies | .item() | "
                   "syncs warned per step | added | where |", "|---|---|---|---|---|---|---|---|"]
         for name, c in counts.items():
