@@ -597,7 +597,8 @@ def gpt_measure(rank: int, plan: GptPlan, device: torch.device, timing_until: fl
     rotated blocks, then the replay beside ``IDEAL`` (deterministic, each step timed), until
     ``timing_until``; then each one's profile and synchronisations until ``counts_until``.
     A part the deadline cut is named in ``cut``; an error in the replay's part is recorded
-    there and the rest goes on."""
+    there and the rest goes on; any other error ends the run, recorded in ``error`` beside
+    what was measured before it."""
     torch.backends.cuda.matmul.allow_tf32 = True  # as training jobs run (bf16 autocast anyway)
     t0 = time.perf_counter()
     seconds: dict[str, float] = {}
@@ -613,6 +614,17 @@ def gpt_measure(rank: int, plan: GptPlan, device: torch.device, timing_until: fl
         "phase_seconds": seconds,
         "sync_source": ('torch.cuda.set_sync_debug_mode("warn")' if device.type == "cuda" else
                         "CpuSyncWarnings: each read a GPU would wait for (no CUDA here)")}
+    try:
+        _measure(rank, plan, device, template, timing_until, counts_until, out, lap)
+    except Exception:  # (an out-of-memory error, say): what was measured stays
+        out["error"] = traceback.format_exc()[-3000:]
+    return out
+
+
+def _measure(rank: int, plan: GptPlan, device: torch.device, template: Gpt,
+             timing_until: float, counts_until: float, out: dict[str, Any],
+             lap: Callable[[str], None]) -> None:
+    """``gpt_measure``'s parts, filling ``out`` as they go."""
     out["calibration"] = calibrate(template, plan, device, len(GPT_CONFIGS) + 3)
     lap("calibrate")
     batch = out["calibration"]["batch"]
@@ -659,7 +671,6 @@ def gpt_measure(rank: int, plan: GptPlan, device: torch.device, timing_until: fl
         r.flush()
     out["reported"] = {n: r.reported[:10] for n, r in {**runners, **replay}.items()
                        if r.reported}
-    return out
 
 
 def _replay_runners(rank: int, plan: GptPlan, template: Gpt, pool: torch.Tensor,

@@ -104,6 +104,8 @@ def device_measurements(device: torch.device, mib: list[int],
 
     def gpt(rec: dict[str, Any]) -> None:
         rec.update(gpt_timing(device.type, plan, until("gpt2 timing"), until("gpt2 counts")))
+        if "error" in rec:  # failed, with what it measured before
+            raise RuntimeError(rec.pop("error"))
 
     def size(rec: dict[str, Any], mib: int) -> None:
         rec.update(throughput(device, mib))

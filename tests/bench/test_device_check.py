@@ -188,6 +188,24 @@ def test_per_audit_and_stats() -> None:
     assert many["median"] == pytest.approx(0.25) and many["interval_90"][0] <= 0.25
 
 
+def test_a_failed_gpt_run_keeps_what_it_had_and_fails_its_part(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("this process has a process group: DDP would not fail here")
+    # No process group: DDP refuses the calibration's model, after the model was built.
+    out = device.gpt_measure(0, device.DRY_PLAN, torch.device("cpu"), time.time() + 60,
+                             time.time() + 60)
+    assert out["parameters"] == 134_912 and "calibration" not in out
+    assert "process group" in out["error"]
+    monkeypatch.setattr(device, "gpt_timing", lambda *a: {"parameters": 1, "error": "Boom: x"})
+    section = device_check.run_section(device_check.device_measurements(
+        torch.device("cpu"), [], lambda part: time.time() + 60)["gpt2"][0])
+    assert section["passed"] is False and section["parameters"] == 1
+    assert "RuntimeError: Boom: x" in section["error"]
+
+
 def test_gpt2_small_has_its_size() -> None:
     model = device.build_gpt(device.GPT2_SMALL, torch.device("meta"))
     params = list(model.parameters())
