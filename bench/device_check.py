@@ -125,8 +125,10 @@ def run_section(section: Section, until: float | None = None,
     traceback), and ``seconds``. Not started when ``needs_s`` seconds from now pass ``until``
     (``time.time()``): ``passed`` None and ``cut`` saying why."""
     if until is not None and time.time() + needs_s > until:
-        return {"passed": None, "cut": f"not started: {max(until - time.time(), 0):.0f} s left "
-                                       f"before its deadline, it needs about {needs_s:.0f} s"}
+        left = until - time.time()
+        return {"passed": None, "cut": "not started: " + (
+            f"{left:.0f} s left before its deadline, it needs about {needs_s:.0f} s"
+            if left > 0 else "its deadline had passed")}
     record: dict[str, Any] = {}
     t0 = time.perf_counter()
     try:

@@ -234,6 +234,8 @@ def test_a_part_past_its_deadline_is_not_started() -> None:
     section = device_check.run_section(lambda rec: ran.append(1), time.time() + 5, needs_s=60)
     assert ran == [] and section["passed"] is None
     assert section["cut"].startswith("not started:") and "needs about 60 s" in section["cut"]
+    late = device_check.run_section(lambda rec: ran.append(1), time.time() - 1)
+    assert late["cut"] == "not started: its deadline had passed"
     assert device_check.run_section(lambda rec: ran.append(1), time.time() + 60)["passed"]
     assert ran == [1]
 
