@@ -18,7 +18,8 @@ the next one, chunk after chunk so the scratch stays bounded. Per chunk:
    conjugate or negative view;
 2. one ``torch._foreach_zero_`` of the padding;
 3. the values ``v`` widened to int64 (lanes zero-extended; words ``X ^ (X >>> 32)``; raw words
-   are the scratch itself, no pass);
+   are the scratch itself, no pass). On CUDA (``LANE_SUM_DEVICES``) lanes are not widened:
+   the reductions below read them as ``uint32`` and sum into int64;
 4. ``v`` as ``[blocks, _BLOCK_ROWS, _ROW]``: the row sums ``R`` and each block's column sums
    ``C``, two reductions;
 5. per block ``X_b = sum_r (2 P r + 2 s_b) R_br + sum_c (2c + 1) C_bc``, which is
@@ -29,12 +30,13 @@ the next one, chunk after chunk so the scratch stays bounded. Per chunk:
 A tensor's sum is then the sum of its blocks' ``X``: the differences of one running sum at the
 tensors' boundaries (exact: integers wrap modulo 2**64 alike in any order, on every device).
 
-Memory traffic per value of ``u`` bytes: read ``u`` and write ``u`` (the copy), read ``u`` and
-write 8 (the widening; none for raw words), read 8 twice (the sums; on the CPU the chunk is
-read from cache), and an eighth as much for the per-block sums. That is more than a pass of
-the same ops per tensor (which skips the copy), so a tensor of ``chunk_bytes`` or more is
-valued on its own (``weighted.weighted_sum``: the compiled single-read pass on CUDA from
-``FUSED_MIN``): there are at most total bytes / ``chunk_bytes`` of those.
+Memory traffic per value of ``u`` bytes: read ``u`` and write ``u`` (the copy); then, for
+32-bit lanes on CUDA, read 4 twice (the sums); elsewhere read ``u`` and write 8 (the widening;
+none for raw words) and read 8 twice (the sums; on the CPU the chunk is read from cache); and
+an eighth as much for the per-block sums. For float32 on CUDA that is 16 bytes a value where
+``torch.sum`` reads 4 (the per-tensor ops of ``weighted``: 28). A tensor of ``chunk_bytes``
+or more is valued on its own (``weighted.weighted_sum``: no copy, and the compiled single-read
+pass on CUDA from ``FUSED_MIN``): there are at most total bytes / ``chunk_bytes`` of those.
 """
 
 from __future__ import annotations
@@ -209,6 +211,38 @@ def _plan(tensors: Sequence[torch.Tensor], mode: int, device: torch.device,
     return plan
 
 
+LANE_SUM_DEVICES: set[str] = {"cuda"}
+"""Device types whose pass sums the 32-bit lanes into int64 as it reads them, without the
+widened copy (two reads of 4 bytes a value where the copy costs a read of 4, a write of 8 and
+two reads of 8). Not the CPU: there its reductions of unsigned lanes are slower than the copy
+and two int64 reductions from cache."""
+
+_lane_sums_checked: dict[str, bool] = {}
+
+
+def lane_sums(device: torch.device) -> bool:
+    """Does ``device`` sum unsigned 32-bit lanes into int64 (``LANE_SUM_DEVICES``), with the
+    widened copy's values? Tried once per device type on lanes with the top bit set: a torch
+    without those reductions for ``uint32``, or one that sign-extends, takes the copy (the
+    check reads one bool from the device, once)."""
+    if device.type not in LANE_SUM_DEVICES:
+        return False
+    ok = _lane_sums_checked.get(device.type)
+    if ok is None:
+        try:
+            lanes = (torch.arange(BLOCK, dtype=torch.int64, device=device) * 0x9E3779B1
+                     ).to(torch.int32).view(torch.uint32).view(-1, _BLOCK_ROWS, _ROW)
+            wide = torch.empty(BLOCK, dtype=torch.int64, device=device)
+            prep_lanes(lanes.reshape(-1), wide)
+            grid = wide.view(-1, _BLOCK_ROWS, _ROW)
+            ok = bool(torch.equal(lanes.sum(2, dtype=torch.int64), grid.sum(2))
+                      and torch.equal(lanes.sum(1, dtype=torch.int64), grid.sum(1)))
+        except (RuntimeError, NotImplementedError, TypeError):
+            ok = False
+        _lane_sums_checked[device.type] = ok
+    return ok
+
+
 def _block_sums(plan: _Plan, tensors: Sequence[torch.Tensor], mode: int,
                 device: torch.device) -> torch.Tensor:
     """``X_b`` of every block of the stream (module docstring), int64 on ``device``."""
@@ -222,15 +256,20 @@ def _block_sums(plan: _Plan, tensors: Sequence[torch.Tensor], mode: int,
             torch._foreach_zero_(ch.pads)
         raw = plan.scratch[: ch.nbytes]
         n = ch.nbytes // unit
-        if mode == MODE_RAW:
-            values = raw.view(torch.int64)
+        if mode == MODE_LANES and lane_sums(device):
+            grid = raw.view(torch.uint32).view(-1, _BLOCK_ROWS, _ROW)
+            rows = grid.sum(2, dtype=torch.int64)
+            blocks = grid.sum(1, dtype=torch.int64)
         else:
-            values = _scratch_buffer(n, device)
-            (prep_lanes if mode == MODE_LANES else prep_words)(
-                raw.view(torch.uint32 if mode == MODE_LANES else torch.int64), values)
-        grid = values.view(-1, _BLOCK_ROWS, _ROW)
-        rows = grid.sum(2)
-        blocks = grid.sum(1)
+            if mode == MODE_RAW:
+                values = raw.view(torch.int64)
+            else:
+                values = _scratch_buffer(n, device)
+                (prep_lanes if mode == MODE_LANES else prep_words)(
+                    raw.view(torch.uint32 if mode == MODE_LANES else torch.int64), values)
+            grid = values.view(-1, _BLOCK_ROWS, _ROW)
+            rows = grid.sum(2)
+            blocks = grid.sum(1)
         out.append((rows * ch.row_weights).sum(1) + (blocks * cols).sum(1))
     return out[0] if len(out) == 1 else torch.cat(out)
 

@@ -126,15 +126,18 @@ def _lists(draw: st.DrawFn) -> list[torch.Tensor]:
     return out
 
 
-@settings(max_examples=25, deadline=None)
-@given(tensors=_lists(), chunk=st.sampled_from([B.CPU_CHUNK_BYTES, 1 << 14]))
-def test_batched_values_are_the_per_tensor_values(tensors: list[torch.Tensor],
-                                                  chunk: int) -> None:
-    """Any dtypes, shapes and strides, in one chunk or in many (with tensors that go alone):
-    each value is the one-tensor torch path's, the fingerprint is the C kernel's, and a
-    list taken twice takes the same ops as once (bool tensors aside: a view each)."""
+@settings(max_examples=30, deadline=None)
+@given(tensors=_lists(), chunk=st.sampled_from([B.CPU_CHUNK_BYTES, 1 << 14]),
+       lane_sums=st.booleans())
+def test_batched_values_are_the_per_tensor_values(tensors: list[torch.Tensor], chunk: int,
+                                                  lane_sums: bool) -> None:
+    """Any dtypes, shapes and strides, in one chunk or in many (with tensors that go alone),
+    lanes widened first or summed as they are read (``LANE_SUM_DEVICES``, CUDA's way): each
+    value is the one-tensor torch path's, the fingerprint is the C kernel's, and a list
+    taken twice takes the same ops as once (bool tensors aside: a view each)."""
     with pytest.MonkeyPatch.context() as mp, native_kernel(False):
         mp.setattr(B, "CPU_CHUNK_BYTES", chunk)
+        mp.setattr(B, "LANE_SUM_DEVICES", {"cpu"} if lane_sums else set())
         got = P.tensor_values(tensors, CPU).tolist()
         want = [int(P.tensor_value(t)) for t in tensors]
         fp = int(fingerprint_tensor(tensors))
