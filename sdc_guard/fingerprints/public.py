@@ -70,8 +70,10 @@ built with the system C compiler on first use) computes the same sums in one rea
 where the torch path takes three (so about as fast as ``torch.sum``), and the few words
 per tensor are mixed as Python ints (no tensor operation); the values are identical
 either way. Without a compiler, or with ``SDC_GUARD_NATIVE=0``, the torch path runs
-(``native_enabled()`` says which). The replay audit uses a cheaper linear digest of raw
-words instead (``sdc_guard.fingerprints.digest``).
+(``native_enabled()`` says which). The torch path values a list's tensors together, in a
+number of ops that does not grow with the number of tensors (``tensor_values``,
+``sdc_guard.fingerprints.batched``): on a GPU each op is a launch. The replay audit uses a
+cheaper linear digest of raw words instead (``sdc_guard.fingerprints.digest``).
 """
 
 from __future__ import annotations
