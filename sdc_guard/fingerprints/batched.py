@@ -3,7 +3,8 @@
 The torch path (every device but a CPU running the C kernel) values a list of tensors here:
 on a GPU each torch op is a kernel launch or more, so a pass of ops per tensor costs launches
 in proportion to a model's parameters. Here the ops depend on the dtypes present and on the
-total bytes alone (one chunk per ``chunk_bytes`` of them), never on how many tensors there are.
+total bytes alone (one chunk per ``chunk_bytes`` of them, and a pass per tensor of
+``alone_bytes`` or more), never on how many tensors there are.
 
 How
 ---
@@ -33,10 +34,10 @@ tensors' boundaries (exact: integers wrap modulo 2**64 alike in any order, on ev
 Memory traffic per value of ``u`` bytes: read ``u`` and write ``u`` (the copy); then, for
 32-bit lanes on CUDA, read 4 twice (the sums); elsewhere read ``u`` and write 8 (the widening;
 none for raw words) and read 8 twice (the sums; on the CPU the chunk is read from cache); and
-an eighth as much for the per-block sums. For float32 on CUDA that is 16 bytes a value where
-``torch.sum`` reads 4 (the per-tensor ops of ``weighted``: 28). A tensor of ``chunk_bytes``
+a 32nd as much for the per-block sums. For float32 on CUDA that is 16 bytes a value where
+``torch.sum`` reads 4 (the per-tensor ops of ``weighted``: 28). A tensor of ``alone_bytes``
 or more is valued on its own (``weighted.weighted_sum``: no copy, and the compiled single-read
-pass on CUDA from ``FUSED_MIN``): there are at most total bytes / ``chunk_bytes`` of those.
+pass on CUDA from ``FUSED_MIN``): there are at most total bytes / ``alone_bytes`` of those.
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ MODE_WORDS: Final = 1
 MODE_RAW: Final = 2
 """Any elements as raw 64-bit words (the replay digest)."""
 
-_BLOCK_ROWS: Final = 8
-"""Rows of ``_ROW`` values per block: a tensor is padded to a whole block, so a block's
-column sums (``C``, written per block) stay an eighth of the values."""
+_BLOCK_ROWS: Final = 32
+"""Rows of ``_ROW`` values per block. A tensor is padded to a whole block; the block's column
+sums (``C``, written per block) are a 32nd of the values, and a reduction over 32 rows runs at
+the speed of one over the whole chunk where one over 8 rows does not (on the CPU)."""
 BLOCK: Final = _BLOCK_ROWS * _ROW
 """Values per block."""
 
@@ -71,9 +73,20 @@ DEVICE_CHUNK_BYTES: Final = 1 << 27
 with a byte scratch and an int64 copy of at most 3 x 128 MiB."""
 
 
+CPU_ALONE_BYTES: Final = 1 << 20
+"""On the CPU a tensor of this many bytes or more is valued by a pass of its own: the ops'
+dispatch is small beside its pass there, and the copy into the scratch is not."""
+
+
 def chunk_bytes(device: torch.device) -> int:
-    """The most bytes of tensors one chunk takes on ``device``; larger tensors go alone."""
+    """The most bytes of tensors one chunk takes on ``device``."""
     return CPU_CHUNK_BYTES if device.type == "cpu" else DEVICE_CHUNK_BYTES
+
+
+def alone_bytes(device: torch.device) -> int:
+    """Tensors of this many bytes or more on ``device`` are valued alone, not batched: one
+    chunk's worth on an accelerator (launches count there), ``CPU_ALONE_BYTES`` on the CPU."""
+    return min(CPU_ALONE_BYTES, CPU_CHUNK_BYTES) if device.type == "cpu" else DEVICE_CHUNK_BYTES
 
 
 def unit_of(mode: int) -> int:
@@ -277,7 +290,8 @@ def _block_sums(plan: _Plan, tensors: Sequence[torch.Tensor], mode: int,
 def stream_values(tensors: Sequence[torch.Tensor], mode: int,
                   device: torch.device) -> torch.Tensor:
     """``sum_k (2k+1) v_k`` of each tensor read in ``mode``, an int64 vector on ``device``
-    (every tensor on ``device``, each under ``chunk_bytes(device)``): the same values as
+    (every tensor on ``device``; one over ``chunk_bytes(device)`` takes a chunk alone): the
+    same values as
     ``weighted.weighted_sum`` per tensor, with the last partial lane or word zero-padded."""
     if not tensors:
         return torch.zeros(0, dtype=torch.int64, device=device)
@@ -293,8 +307,7 @@ def stream_total(tensors: Sequence[torch.Tensor], shifts: Sequence[int],
                  device: torch.device) -> torch.Tensor:
     """``sum_t sum_k (2 (shifts_t + k) + 1) X_tk`` over the raw 64-bit words ``X_tk`` of each
     tensor, the last zero-padded: the replay digest of the tensors laid at word offsets
-    ``shifts`` of a concatenation. A 0-d int64 on ``device``; each tensor under
-    ``chunk_bytes(device)``."""
+    ``shifts`` of a concatenation. A 0-d int64 on ``device``."""
     if not tensors:
         return torch.zeros((), dtype=torch.int64, device=device)
     tensors = _as_copied(tensors)

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from sdc_guard.fingerprints.batched import chunk_bytes, stream_total
+from sdc_guard.fingerprints.batched import alone_bytes, stream_total
 from sdc_guard.fingerprints.native import active_kernel
 from sdc_guard.fingerprints.weighted import INT_OF_SIZE, odd_weights, raw_bytes, tail_word, weighted_sum
 from sdc_guard.fingerprints.words import MASK64, to_signed64
@@ -130,9 +130,9 @@ def tensors_digest(tensors: Sequence[torch.Tensor], offsets: Sequence[int],
     a number of torch ops that does not grow with the number of tensors: the value of
     ``concat_digest`` over their ``digest_parts``, which takes a dozen ops per tensor.
 
-    The tensors on ``device`` under ``batched.chunk_bytes`` are read in one multi-tensor pass
+    The tensors on ``device`` under ``batched.alone_bytes`` are read in one multi-tensor pass
     per chunk (``sdc_guard.fingerprints.batched``: a copy into a scratch whose bytes are the
-    words, no widening); each larger one alone (at most total bytes / ``chunk_bytes`` of
+    words, no widening); each larger one alone (at most total bytes / ``alone_bytes`` of
     those); the tensors on another device are digested there and the value moved, one copy
     per device. The replay audit's digest of the gradients it recomputes takes it once per
     replay, whatever the number of parameters.
@@ -148,7 +148,7 @@ def tensors_digest(tensors: Sequence[torch.Tensor], offsets: Sequence[int],
         if isinstance(o, bool) or not isinstance(o, int) or o < 0:
             raise TypeError(f"tensors_digest: offsets[{i}] is {o!r}; give a word offset, an "
                             "int >= 0.")
-    limit = chunk_bytes(device)
+    limit = alone_bytes(device)
     batch: list[int] = []
     alone: list[int] = []
     elsewhere: dict[torch.device, list[int]] = {}

@@ -85,7 +85,7 @@ from typing import Any, Final
 
 import torch
 
-from sdc_guard.fingerprints.batched import MODE_LANES, MODE_WORDS, chunk_bytes, stream_values
+from sdc_guard.fingerprints.batched import MODE_LANES, MODE_WORDS, alone_bytes, stream_values
 from sdc_guard.fingerprints.native import NativeKernel, active_kernel
 from sdc_guard.fingerprints.weighted import (
     prep_lanes,
@@ -378,15 +378,15 @@ def tensor_values(tensors: Sequence[torch.Tensor], device: torch.device) -> torc
 def _grouped_values(tensors: Sequence[torch.Tensor],
                     device: torch.device) -> tuple[torch.Tensor, list[int]]:
     """V of each tensor, an int64 vector on ``device``, in the order of the indices returned
-    with it. The tensors on ``device`` under ``chunk_bytes`` go through one multi-tensor pass
+    with it. The tensors on ``device`` under ``alone_bytes`` go through one multi-tensor pass
     per way of reading (lanes, words; ``sdc_guard.fingerprints.batched``), chunk by chunk;
     each larger one is valued alone (``tensor_value``: there are at most total bytes /
-    ``chunk_bytes`` of them, and they skip the pass's copy); the tensors on another device are
+    ``alone_bytes`` of them, and they skip the pass's copy); the tensors on another device are
     valued there and their values moved, one copy per device."""
     if len(tensors) <= 1:
         return ((tensor_value(tensors[0]).to(device).reshape(1) if tensors
                  else torch.zeros(0, dtype=torch.int64, device=device)), list(range(len(tensors))))
-    limit = chunk_bytes(device)
+    limit = alone_bytes(device)
     streams: dict[int, list[int]] = {MODE_LANES: [], MODE_WORDS: []}
     alone: list[int] = []
     elsewhere: dict[torch.device, list[int]] = {}

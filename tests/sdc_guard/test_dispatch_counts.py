@@ -3,8 +3,9 @@ not grow with the number of tensors, with the values of every other path, and no
 
 Counted with ``tests/hostsync.py``'s ``DispatchedOps`` (each aten op is a kernel launch or
 more on a GPU) and ``HostReads``, with the C kernel off, after a first call that builds the
-cached layouts. The lists are kept within one chunk (``batched.chunk_bytes``): beyond it the
-ops grow with the bytes, one pass per chunk, and not with the tensors.
+cached layouts. The lists are kept within one chunk (``batched.chunk_bytes``) and under
+``batched.alone_bytes`` a tensor: beyond them the ops grow with the bytes (a pass per chunk,
+a pass per tensor of ``alone_bytes`` or more), not with the number of tensors.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def _counted(fn: object, *args: object) -> tuple[DispatchedOps, HostReads, torch
 def test_fingerprint_ops_do_not_grow_with_the_number_of_tensors() -> None:
     few, many = _mixed(4), _mixed(40)
     assert sum(t.numel() * t.element_size() for t in many) < B.CPU_CHUNK_BYTES
+    assert max(t.numel() * t.element_size() for t in many) < B.CPU_ALONE_BYTES
     with native_kernel(False):
         ops_few, reads_few, fp_few = _counted(fingerprint_tensor, few)
         ops_many, reads_many, fp_many = _counted(fingerprint_tensor, many)
@@ -137,6 +139,7 @@ def test_batched_values_are_the_per_tensor_values(tensors: list[torch.Tensor], c
     taken twice takes the same ops as once (bool tensors aside: a view each)."""
     with pytest.MonkeyPatch.context() as mp, native_kernel(False):
         mp.setattr(B, "CPU_CHUNK_BYTES", chunk)
+        mp.setattr(B, "CPU_ALONE_BYTES", chunk // 2)  # the small chunk: some tensors alone
         mp.setattr(B, "LANE_SUM_DEVICES", {"cpu"} if lane_sums else set())
         got = P.tensor_values(tensors, CPU).tolist()
         want = [int(P.tensor_value(t)) for t in tensors]
@@ -145,7 +148,8 @@ def test_batched_values_are_the_per_tensor_values(tensors: list[torch.Tensor], c
     assert fp == to_signed64(fingerprint(tensors))
     if chunk == B.CPU_CHUNK_BYTES:
         plain = [t for t in tensors if t.dtype != torch.bool]
-        if len(plain) >= 2 and 2 * sum(t.numel() * t.element_size() for t in plain) < chunk:
+        if (len(plain) >= 2 and 2 * sum(t.numel() * t.element_size() for t in plain) < chunk
+                and all(t.numel() * t.element_size() < B.CPU_ALONE_BYTES for t in plain)):
             with native_kernel(False):
                 once, _, _ = _counted(fingerprint_tensor, plain)
                 twice, _, _ = _counted(fingerprint_tensor, plain + plain)
