@@ -214,7 +214,22 @@ def _ids(path: Path) -> list[str]:
         return [r["id"] for r in csv.DictReader(fh)]
 
 
-def test_killed_campaign_resumes_without_loss_or_duplicates(tmp_path: Path) -> None:
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    """``python -m scenarios ARGV`` in this process: its exit status and what it printed to
+    stderr. The tests start a separate interpreter only where that process is the point (it
+    is killed, or several run at once as the Indexed Job's pods do); elsewhere the command's
+    own code in this process proves the same and saves the start of an interpreter with
+    torch, scipy and matplotlib (``test_cli_subprocess_has_no_traceback`` runs the entry
+    point itself)."""
+    from scenarios.cli import main
+
+    capsys.readouterr()
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def test_killed_campaign_resumes_without_loss_or_duplicates(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     camp = _campaign(tmp_path)
     planned = [t.id for t in plan_trials(load_campaign(camp))]
     out = tmp_path / "out"
@@ -244,8 +259,8 @@ def test_killed_campaign_resumes_without_loss_or_duplicates(tmp_path: Path) -> N
         time.sleep(0.5)
         alive = [p for p in ranks if Path(f"/proc/{p}").exists() and not _zombie(p)]
     assert alive == []
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=scaled(250))
-    assert done.returncode == 0, done.stderr[-2000:]
+    code, err = _cli(capsys, *cmd[3:])  # the same command again: it resumes
+    assert code == 0, err[-2000:]
     ids = _ids(csv_path)
     assert sorted(ids) == sorted(planned) and len(ids) == len(set(ids))
     assert ids[:len(killed_with)] == killed_with  # nothing before the kill was rewritten
@@ -320,15 +335,15 @@ def test_quarantine_cordons_the_faulty_ranks_node_and_nothing_on_clean_trials(
                               "wasted_steps": 0}),
 ])
 def test_recovery_scenarios_end_bit_identical_to_the_fault_free_run(
-        tmp_path: Path, config: str, expect: dict[str, Any]) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], config: str,
+        expect: dict[str, Any]) -> None:
     """``python -m scenarios run`` of the shipped recovery scenarios: a permanent fault is
     quarantined and rolled back; a transient one in one replica's state is repaired in place.
     Both runs end bit-identical to the golden run."""
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "scenarios", "run",
-                           str(ROOT / "scenarios" / "configs" / config), "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=scaled(280))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, err = _cli(capsys, "run", str(ROOT / "scenarios" / "configs" / config), "--out",
+                     str(out), "--no-progress")
+    assert code == 0, err[-3000:]
     import json
 
     rec = json.loads((out / "summary.json").read_text())["recovery"]
@@ -340,7 +355,8 @@ def test_recovery_scenarios_end_bit_identical_to_the_fault_free_run(
     assert "## Recovery" in (out / "report.md").read_text()
 
 
-def test_three_shards_merged_equal_the_unsharded_campaign(tmp_path: Path) -> None:
+def test_three_shards_merged_equal_the_unsharded_campaign(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Shards in separate processes (at once, as an Indexed Job runs them), merged: the same
     trials, outcomes and report as the campaign run whole. Overlaps, gaps and a shard of
     another campaign are refused by name."""
@@ -367,16 +383,15 @@ def test_three_shards_merged_equal_the_unsharded_campaign(tmp_path: Path) -> Non
         assert p.returncode == 0, err[-2000:]
     dirs = [str(tmp_path / f"s{i}") for i in range(3)]
 
-    def merge(out: str, *ds: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "scenarios", "merge", out, *ds], cwd=ROOT,
-                              capture_output=True, text=True, timeout=scaled(120))
+    def merge(out: str, *ds: str) -> tuple[int, str]:
+        return _cli(capsys, "merge", out, *ds)
 
-    missing = merge(str(tmp_path / "m1"), *dirs[:2])
-    assert missing.returncode == 2 and "missing" in missing.stderr
-    doubled = merge(str(tmp_path / "m2"), *dirs, dirs[0])
-    assert doubled.returncode == 2 and "two directories" in doubled.stderr
-    merged = merge(str(tmp_path / "merged"), *dirs)
-    assert merged.returncode == 0, merged.stderr[-2000:]
+    code, err = merge(str(tmp_path / "m1"), *dirs[:2])
+    assert code == 2 and "missing" in err, err
+    code, err = merge(str(tmp_path / "m2"), *dirs, dirs[0])
+    assert code == 2 and "two directories" in err, err
+    code, err = merge(str(tmp_path / "merged"), *dirs)
+    assert code == 0, err[-2000:]
 
     def rows(d: Path) -> dict[str, tuple[str, ...]]:
         with (d / "trials.csv").open() as fh:
@@ -392,14 +407,18 @@ def test_three_shards_merged_equal_the_unsharded_campaign(tmp_path: Path) -> Non
         assert a[key] == b[key], key
     assert (tmp_path / "merged" / "overhead.json").exists()  # measured by shard 0 only
     assert not (tmp_path / "s1" / "overhead.json").exists()
+    # A shard of another campaign: the same scenario, one clean trial more and a single fault
+    # cell, so that its shard 2/3 runs a trial or two rather than a third of the campaign.
     other = tmp_path / "other.toml"
-    other.write_text(camp.read_text().replace("clean_trials = 1", "clean_trials = 2"))
-    foreign = subprocess.run([sys.executable, "-m", "scenarios", "campaign", str(other),
-                              "--out", str(tmp_path / "x"), "--shard", "2/3", "--no-progress"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=scaled(280))
-    assert foreign.returncode == 0, foreign.stderr[-2000:]
-    refused = merge(str(tmp_path / "m3"), *dirs[:2], str(tmp_path / "x"))
-    assert refused.returncode == 2 and "same campaign" in refused.stderr
+    other.write_text(camp.read_text().replace("clean_trials = 1", "clean_trials = 2")
+                     .replace('"activation"]', ']').replace('"sign", ', "")
+                     .replace("steps = [2, 4]", "steps = [2]"))
+    assert len(plan_trials(load_campaign(other))) < len(plan_trials(load_campaign(camp)))
+    code, err = _cli(capsys, "campaign", str(other), "--out", str(tmp_path / "x"), "--shard",
+                     "2/3", "--no-progress")
+    assert code == 0, err[-2000:]
+    code, err = merge(str(tmp_path / "m3"), *dirs[:2], str(tmp_path / "x"))
+    assert code == 2 and "same campaign" in err, err
 
 
 def _free_port() -> int:
@@ -410,10 +429,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_torchrun_on_two_nodes_reports_what_one_launcher_reports(tmp_path: Path) -> None:
+def test_torchrun_on_two_nodes_reports_what_one_launcher_reports(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Two ``torchrun`` launchers with ``--nnodes 2`` on loopback (2 ranks each, as two
     machines would run them, NODE_NAME per node) run a guarded scenario to the end; the
-    trials' outcomes, checks, steps and suspects equal those of one launcher of 4 ranks."""
+    trials' outcomes, checks, steps and suspects equal those of one launcher of 4 ranks (the
+    harness's own, ``python -m scenarios run`` on one machine; ``torchrun --standalone`` is
+    ``test_torchrun_ranks_run_the_same_scenario``)."""
     (tmp_path / "s.toml").write_text(SCENARIO.replace("world_size = 3", "world_size = 4") + """
 [[faults]]
 site = "weight_storage"
@@ -432,10 +454,8 @@ value = nan
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = [sys.executable, "-m", "torch.distributed.run"]
     args = ["-m", "scenarios", "run", str(tmp_path / "s.toml"), "--no-progress"]
-    one = subprocess.run([*run, "--standalone", "--nproc-per-node", "4", *args, "--out",
-                          str(tmp_path / "one")], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=scaled(250))
-    assert one.returncode == 0, one.stderr[-3000:]
+    code, err = _cli(capsys, *args[2:], "--out", str(tmp_path / "one"))
+    assert code == 0, err[-3000:]
     port = _free_port()
     nodes = [subprocess.Popen([*run, "--nnodes", "2", "--node-rank", str(n),
                                "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
