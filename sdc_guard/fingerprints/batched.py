@@ -137,6 +137,8 @@ def _scratch(device: torch.device, nbytes: int) -> torch.Tensor:
     _local.bufs = bufs
     b = bufs.get(device)
     if b is None or b.numel() < nbytes:
+        if b is not None:  # the plans made on the old scratch would keep it alive
+            _plans.clear()
         b = bufs[device] = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device=device)
     return b
 
@@ -218,7 +220,7 @@ def _plan(tensors: Sequence[torch.Tensor], mode: int, device: torch.device,
            (tuple(_layout_key(t) for t in tensors), None if shifts is None else tuple(shifts)))
     plan = _plans.get(key)
     if plan is None or plan.scratch is not _scratch(device, 0):
-        if len(_plans) > 32:
+        if len(_plans) > 64:
             _plans.clear()
         plan = _plans[key] = _build(tensors, mode, device, shifts)
     return plan
