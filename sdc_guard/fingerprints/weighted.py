@@ -11,6 +11,8 @@ without a compiler, torch ops: with the values laid out as rows of ``P``,
 that is a widened copy and two reads of it, well short of one read pass:
 ``bench/DEVICE.md``). Every
 path gives the same value, bit for bit: the arithmetic is on integers modulo ``2**64``.
+That is a pass per tensor; the torch path values a list of tensors in one multi-tensor pass
+instead (``sdc_guard.fingerprints.batched``), and only its largest tensors here.
 """
 
 from __future__ import annotations

@@ -105,7 +105,9 @@ def test_the_weights_checks_state_takes_the_same_ops_at_every_depth() -> None:
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
            torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64,
-           torch.complex128]
+           torch.complex128, *(getattr(torch, name) for name in ("uint16", "uint32", "uint64",
+                                                                  "float8_e4m3fn", "float8_e5m2")
+                               if hasattr(torch, name))]
 
 
 @st.composite

@@ -160,9 +160,9 @@ def test_complex_tensors_are_read_as_documented(dtype: torch.dtype, n: int,
        seed=st.integers(0, 2**31), view=st.booleans())
 def test_small_tensors_batched_have_the_values_of_the_single_path(
         specs: list[tuple[torch.dtype, int]], seed: int, view: bool) -> None:
-    # A list's small tensors are valued together (one concatenation): every value
-    # must equal the one-tensor path's and the pure-Python reference, including
-    # around the batching threshold, for complex, bool, empty and strided tensors.
+    # A list's tensors are valued together (sdc_guard.fingerprints.batched, with the C
+    # kernel on or off): every value must equal the one-tensor path's and the pure-Python
+    # reference, for complex, bool, empty and strided tensors.
     tensors = []
     for k, (dtype, n) in enumerate(specs):
         if dtype == torch.complex64:
