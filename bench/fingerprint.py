@@ -4,7 +4,7 @@ tensor, the per-tensor cost for a model's many small tensors, and the fingerprin
 
 ``python -m bench.fingerprint [--out bench] [--rounds 40] [--mib 256,64]`` measures the last
 alone and puts it into an earlier run's ``results.json`` (the ``fingerprint`` section's
-``after_torch_op``, with the CPU it was measured on) and ``RESULTS.md``."""
+``after_torch_op``, with the CPU, commit and date it was measured on) and ``RESULTS.md``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 
 from bench.timing import alternate, bootstrap_interval, cpu_name, seconds
 from sdc_guard import fingerprint, fingerprint_tensor, native_enabled, native_kernel
-from sdc_guard.fingerprints.native import NativeKernel, kernel_in_use, pthreads_kernel
+from sdc_guard.fingerprints.native import NativeKernel, kernel_in_use, pthreads_kernel, torch_libgomp
 from sdc_guard.internal import ISAS, active_kernel
 
 GIB = 1024**3
@@ -187,7 +187,7 @@ def after_torch_op(sizes_mib: tuple[int, ...], rounds: int) -> dict[str, Any] | 
     isas = list(dict.fromkeys(isas))
     out: dict[str, Any] = {"machine": cpu_name(), "threads": torch.get_num_threads(),
                            "rounds": rounds, "pause_s": PAUSE_S, "default_isa": kernel.isa,
-                           "builds": {name: k.threading for name, k in builds.items()},
+                           "builds": {name: _described(k) for name, k in builds.items()},
                            "sizes": {}}
     for mib in sizes_mib:
         out["sizes"][str(mib)] = _conditions(torch.randn(mib * 1024 * 1024 // 4), builds,
@@ -215,6 +215,14 @@ def _conditions(x: torch.Tensor, builds: dict[str, NativeKernel], isas: list[str
                     time.sleep(PAUSE_S)
                 per[name].append([seconds(fn)])
     return {cond: _ratios(per, x.numel() * 4) for cond, per in samples.items()}
+
+
+def _described(kernel: NativeKernel) -> str:
+    """What ``kernel`` runs its passes on, its libgomp named by file name only."""
+    if kernel.threading.startswith("openmp"):
+        libgomp = torch_libgomp()[0]
+        return f"torch's OpenMP pool ({libgomp.name if libgomp else 'libgomp'})"
+    return "threads of its own, started per pass"
 
 
 def _on_build(kernel: NativeKernel, isa: str, fn: Callable[[], object]) -> object:
@@ -248,12 +256,14 @@ def _ratios(per: dict[str, list[list[float]]], nbytes: int) -> dict[str, Any]:
 def after_torch_op_md(section: dict[str, Any]) -> list[str]:
     """RESULTS.md's lines of ``after_torch_op``: a table per size, the CPU named above it."""
     builds = section["builds"]
+    when = f", commit {section['commit']}, {section['date']}" if "commit" in section else ""
     lines = ["", f"Right after a torch op, and after a pause ({section['machine']}, "
-             f"{section['threads']} threads): `torch.sum / fingerprint`, medians over "
+             f"{section['threads']} threads{when}): `torch.sum / fingerprint`, medians over "
              f"{section['rounds']} alternated rounds with their 90% intervals. Each timed call "
              "follows an untimed `torch.sum` of the same tensor (torch's OpenMP workers still "
              f"spinning), and after a pause a sleep of {section['pause_s'] * 1e3:.0f} ms too. "
-             "The default build: " + "; ".join(f"{k}: {v}" for k, v in builds.items()) + "."]
+             "The builds: " + "; ".join(f"{k}, {v}" for k, v in builds.items())
+             + " (where OpenMP is to be had, the first is the default)."]
     for mib, conds in section["sizes"].items():
         lines += ["", f"| {mib} MiB float32: word loop, threads | {HOT} | {PAUSED} |",
                   "|---|---|---|"]
@@ -300,9 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     if section is None:
         ap.error("the C kernel could not be built here: nothing to measure")
     print("\n".join(after_torch_op_md(section)))
+    # Its own machine, commit and date (not "measured_later": that names sections measured
+    # again on the full run's machine, and this one may have measured on another).
     results = json.loads(path.read_text())
-    results["fingerprint"]["after_torch_op"] = section
-    results.setdefault("measured_later", {})["fingerprint.after_torch_op"] = when
+    results["fingerprint"]["after_torch_op"] = {**section, **when}
     path.write_text(json.dumps(results, indent=1) + "\n")
     (path.parent / "RESULTS.md").write_text(markdown(results))
     return 0
