@@ -16,7 +16,8 @@ the next one, chunk after chunk so the scratch stays bounded. Per chunk:
 
 1. one ``torch._foreach_copy_`` per dtype into views of the scratch (cached per layout: no op
    per tensor); a copy keeps the bits, lays a non-contiguous tensor out, and resolves a lazy
-   conjugate or negative view;
+   conjugate or negative view (a bool tensor goes as its bytes, a view each, which launches
+   nothing: a copy as bool would write any nonzero byte as 1);
 2. one ``torch._foreach_zero_`` of the padding;
 3. the values ``v`` widened to int64 (lanes zero-extended; words ``X ^ (X >>> 32)``; raw words
    are the scratch itself, no pass). On CUDA (``LANE_SUM_DEVICES``) lanes are not widened:
