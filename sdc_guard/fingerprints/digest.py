@@ -180,7 +180,7 @@ def loss_word(losses: Sequence[torch.Tensor]) -> torch.Tensor:
     host = host_loss_word(losses)
     if host is not None:
         return torch.tensor(to_signed64(host), dtype=torch.int64)
-    return _loss_word_tensor(losses)
+    return device_loss_word(losses)
 
 
 _BITS = {torch.float32: (struct.Struct("<f"), struct.Struct("<i"), 0),
@@ -217,9 +217,10 @@ def host_loss_word(losses: Sequence[torch.Tensor]) -> int | None:
     return total & MASK64
 
 
-def _loss_word_tensor(losses: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``loss_word`` in tensor ops on the losses' device (no host sync), five of them however
-    many losses (one-element losses of another shape than ``()`` take a view each)."""
+def device_loss_word(losses: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``loss_word`` in tensor ops on the losses' device, never a read to the host (CPU losses
+    too: the path a GPU takes, where ``loss_word`` reads CPU losses with ``.item()``); five ops
+    however many losses (one-element losses of another shape than ``()`` take a view each)."""
     with torch.no_grad():
         flat = list(losses)
         if any(t.dim() != 0 for t in flat):
@@ -227,3 +228,7 @@ def _loss_word_tensor(losses: Sequence[torch.Tensor]) -> torch.Tensor:
         stacked = torch.stack(flat)
     v = stacked.view(INT_OF_SIZE[stacked.element_size()]).to(torch.int64)
     return (v * odd_weights(v.numel(), v.device)).sum()
+
+
+_loss_word_tensor = device_loss_word
+"""The former name (``tests/sdc_guard/test_step_word.py``)."""

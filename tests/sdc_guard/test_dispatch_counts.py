@@ -218,11 +218,11 @@ def test_loss_word_ops_do_not_grow_with_the_number_of_losses() -> None:
     g = torch.Generator().manual_seed(0)
     two = list(torch.randn(2, generator=g).unbind())
     eight = list(torch.randn(8, generator=g).unbind())
-    ops_two, reads_two, w_two = _counted(D._loss_word_tensor, two)
-    ops_eight, reads_eight, w_eight = _counted(D._loss_word_tensor, eight)
+    ops_two, reads_two, w_two = _counted(D.device_loss_word, two)
+    ops_eight, reads_eight, w_eight = _counted(D.device_loss_word, eight)
     assert ops_two.counts == ops_eight.counts, (ops_two.counts, ops_eight.counts)
     assert reads_two.total == reads_eight.total == 0
     assert [to_signed64(D.host_loss_word(ls) or 0) for ls in (two, eight)] == [
         int(w_two), int(w_eight)]
     shaped = [loss.reshape(1) for loss in eight]  # losses of shape [1]: the same word
-    assert int(D._loss_word_tensor(shaped)) == int(w_eight)
+    assert int(D.device_loss_word(shaped)) == int(w_eight)

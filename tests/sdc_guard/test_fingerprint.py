@@ -450,7 +450,7 @@ def test_loss_word_on_the_host_equals_the_tensor_path(dtype: torch.dtype, n: int
     raw = torch.randint(0, 256, (n * size,), generator=g, dtype=torch.uint8)
     losses = list(raw.view(dtype))  # any bits: NaN payloads, negative zeros, ...
     host = int(D.loss_word(losses))
-    assert host == int(D._loss_word_tensor(losses))
+    assert host == int(D.device_loss_word(losses))
     signed = [int(v) for v in raw.view(W.INT_OF_SIZE[size])]
     assert host == to_signed64(sum((2 * k + 1) * v for k, v in enumerate(signed)))
 
