@@ -124,7 +124,7 @@ class _Plan:
 _COL_WEIGHTS: dict[torch.device, torch.Tensor] = {}
 """``2c + 1`` for c < ``_ROW``, per device."""
 
-_plans: dict[tuple[torch.device, int, int, tuple[object, ...]], _Plan] = {}
+_plans: dict[tuple[int, torch.device, int, int, tuple[object, ...]], _Plan] = {}
 
 _local = threading.local()
 """Per thread: the byte scratch per device (a comm hook's thread digests while another thread
@@ -217,7 +217,8 @@ def _as_copied(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def _plan(tensors: Sequence[torch.Tensor], mode: int, device: torch.device,
           shifts: Sequence[int] | None) -> _Plan:
-    key = (device, mode, chunk_bytes(device),
+    # Per thread, as the scratch the views are of.
+    key = (threading.get_ident(), device, mode, chunk_bytes(device),
            (tuple(_layout_key(t) for t in tensors), None if shifts is None else tuple(shifts)))
     plan = _plans.get(key)
     if plan is None or plan.scratch is not _scratch(device, 0):
