@@ -226,3 +226,24 @@ def test_loss_word_ops_do_not_grow_with_the_number_of_losses() -> None:
         int(w_two), int(w_eight)]
     shaped = [loss.reshape(1) for loss in eight]  # losses of shape [1]: the same word
     assert int(D.device_loss_word(shaped)) == int(w_eight)
+
+
+def test_threads_that_value_at_once_get_the_values() -> None:
+    """A comm hook's thread may digest while another thread fingerprints: each thread has
+    its own scratch and layouts, so neither overwrites the other's copy mid-pass."""
+    import threading
+
+    lists = [_mixed(6, seed=s) for s in range(3)]
+    want = [[int(P.tensor_value(t)) for t in ts] for ts in lists]
+    got: list[list[list[int]]] = [[] for _ in lists]
+
+    def run(k: int) -> None:
+        for _ in range(15):
+            got[k].append(P.tensor_values(lists[k], CPU).tolist())
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(lists))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [[w] * 15 for w in want]
