@@ -140,7 +140,8 @@ def _scratch(device: torch.device, nbytes: int) -> torch.Tensor:
     if b is None or b.numel() < nbytes:
         if b is not None:  # the plans made on the old scratch would keep it alive
             _plans.clear()
-        b = bufs[device] = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device=device)
+        with torch.inference_mode(False):  # made in inference mode, it could not be written after
+            b = bufs[device] = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device=device)
     return b
 
 
@@ -224,7 +225,8 @@ def _plan(tensors: Sequence[torch.Tensor], mode: int, device: torch.device,
     if plan is None or plan.scratch is not _scratch(device, 0):
         if len(_plans) > 64:
             _plans.clear()
-        plan = _plans[key] = _build(tensors, mode, device, shifts)
+        with torch.inference_mode(False):  # views made in inference mode are not writable after
+            plan = _plans[key] = _build(tensors, mode, device, shifts)
     return plan
 
 

@@ -79,7 +79,8 @@ def _scratch_buffer(n: int, device: torch.device) -> torch.Tensor:
     _scratch.bufs = bufs
     b = bufs.get(device)
     if b is None or b.numel() < n:
-        b = torch.empty(n, dtype=torch.int64, device=device)
+        with torch.inference_mode(False):  # kept: made in inference mode, it could not be
+            b = torch.empty(n, dtype=torch.int64, device=device)  # written outside it after
         if device.type == "cpu":  # on CUDA the caching allocator already reuses memory
             bufs[device] = b
     return b[:n]

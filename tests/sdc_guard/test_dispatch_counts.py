@@ -247,3 +247,30 @@ def test_threads_that_value_at_once_get_the_values() -> None:
     for t in threads:
         t.join()
     assert got == [[w] * 15 for w in want]
+
+
+def test_a_first_call_in_inference_mode_leaves_the_scratch_writable() -> None:
+    """The scratch and the layouts' views are made outside inference mode even when the first
+    call is inside it (a checkpoint verified under ``torch.inference_mode()``): made inside,
+    a later call outside could not write them. In a new thread: its scratch is new."""
+    import threading
+
+    tensors = _mixed(6, seed=3)
+    want = [int(P.tensor_value(t)) for t in tensors]
+    got: list[object] = []
+
+    def run() -> None:
+        try:
+            with torch.inference_mode():
+                inside = P.tensor_values(tensors, CPU).tolist()
+                P.tensor_value(torch.randn(300_000))  # the per-tensor pass's scratch too
+            got.extend([inside, P.tensor_values(tensors, CPU).tolist()])
+            P.tensor_value(torch.randn(300_000))
+        except RuntimeError as e:
+            got.append(e)
+
+    with native_kernel(False):
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+    assert got == [want, want]
