@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sdc_guard.hostread import StepRead
+
 
 def majority_outliers(values: Sequence[Hashable]) -> tuple[int, ...] | None:
     """Ranks whose value differs from a strict majority; ``None`` when there is none.
@@ -88,11 +90,23 @@ class PendingSum:
             raise RuntimeError("torch.distributed.all_reduce(async_op=True) returned no Work")
         self.work = work
         self._totals: list[int] | None = None
+        self._asked: tuple[StepRead, int] | None = None
+
+    def ask(self, read: StepRead) -> None:
+        """Have the totals come in the step's one read (``sdc_guard.hostread``): the
+        all-reduce is waited for here (on a GPU the stream waits, not the host)."""
+        if self._totals is None and self._asked is None:
+            self.work.wait()
+            self._asked = (read, read.ask(self.word))
 
     def wait_all(self) -> list[int]:
         if self._totals is None:
-            self.work.wait()
-            self._totals = [int(v) for v in self.word.tolist()]
+            if self._asked is not None:
+                read, handle = self._asked
+                self._totals = [int(v) for v in read.get(handle)]
+            else:
+                self.work.wait()
+                self._totals = [int(v) for v in self.word.tolist()]
         return self._totals
 
     def wait(self) -> int:

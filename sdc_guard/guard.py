@@ -18,6 +18,7 @@ from sdc_guard.collectives import STEPS_FIX, all_gather_rows, steps_disagree
 from sdc_guard.config import INT64_MAX, GuardConfig
 from sdc_guard.determinism import enable_determinism, rng_stream
 from sdc_guard.events import EventLog
+from sdc_guard.hostread import StepRead
 from sdc_guard.metrics import GuardMetrics, MetricsSink
 from sdc_guard.optimizers import Optimizers, as_optimizers
 from sdc_guard.parallel.ddp import CommHook, GuardCommHook
@@ -57,11 +58,12 @@ def _refuse_foreign_optimizer(model: torch.nn.Module,
             "(torch.optim.AdamW(ddp_model.parameters())), not from another model or a copy.")
 
 
-def _timed(into: dict[str, float], name: str, call: Callable[[int], Any], step: int) -> Any:
-    """``call(step)``, its host time added to ``into[name]``."""
+def _timed(into: dict[str, float], name: str, call: Callable[..., Any], step: int,
+           *more: Any) -> Any:
+    """``call(step, *more)``, its host time added to ``into[name]``."""
     t = time.perf_counter()
     try:
-        return call(step)
+        return call(step, *more)
     finally:
         into[name] = into.get(name, 0.0) + time.perf_counter() - t
 
@@ -393,11 +395,18 @@ class SDCGuard:
 
         detections: list[Detection] = []
         withheld_by: tuple[str, ...] = ()
-        if due:
+        pre = due + [c for c in self.checks if c not in due and c.awaiting(step)]
+        if pre:
             if watch is not None:
                 watch.at(step, "the checks' verdicts before the optimizer step")
+            read = StepRead()  # every check asks, then the first to get reads for all
+            for check in pre:
+                if timed is None:
+                    check.ask(step, read)
+                else:
+                    _timed(timed, check.name, check.ask, step, read)
             verdicts = [(check, check.pre_step(step) if timed is None
-                         else _timed(timed, check.name, check.pre_step, step)) for check in due]
+                         else _timed(timed, check.name, check.pre_step, step)) for check in pre]
             detections = [d for _, v in verdicts for d in v.detections]
             if cfg.skip_step_on_detection:
                 withheld_by = tuple(c.name for c, v in verdicts if v.withhold)

@@ -25,6 +25,7 @@ from sdc_guard.fingerprints.public import tensor_value, tensor_values
 from sdc_guard.fingerprints.weighted import DEVICE_CHUNK, INT_OF_SIZE
 from sdc_guard.fingerprints.weighted import FUSED_DEVICES as FINGERPRINT_FUSED_DEVICES
 from sdc_guard.fingerprints.words import to_signed64, to_unsigned64
+from sdc_guard.hostread import StepRead, cpu_as_device, on_host
 from sdc_guard.parallel.base import BucketListener
 from sdc_guard.scaling import check_nonfinite, fused_unscale_ok, scale_and_check
 from sdc_guard.state import state_tensors
@@ -40,9 +41,11 @@ __all__ = [
     "ChecksumCheck",
     "PendingSum",
     "ReplayAudit",
+    "StepRead",
     "WeightsCheck",
     "active_kernel",
     "check_nonfinite",
+    "cpu_as_device",
     "derive_seed",
     "digest_value",
     "flag_rows",
@@ -50,6 +53,7 @@ __all__ = [
     "fused_unscale_ok",
     "grads_digest",
     "loss_word",
+    "on_host",
     "replay_term_device",
     "replay_term_host",
     "rng_stream",

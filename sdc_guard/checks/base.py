@@ -6,7 +6,9 @@
     due = [c for c in checks if c.due(step)]
     c.begin_step(step)                   # before the forward (the replay replays here)
     c.on_loss(loss)                      # each micro-batch's loss, before its backward
-    verdict = c.pre_step(step)           # after the backward: detections, withhold?
+    pre = due + [c for c in checks if c.awaiting(step)]   # something of an earlier step to read
+    c.ask(step, read)                    # after the backward: what pre_step needs from the device
+    verdict = c.pre_step(step)           # detections, withhold? (the values: one read in all)
     ... optimizer.step() unless a verdict withholds it ...
     c.post_step(step)                    # after it: detections
     c.flush()                            # after the last step: detections still due
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sdc_guard.hostread import StepRead
 from sdc_guard.report import Detection
 
 
@@ -103,6 +106,16 @@ class Check:
 
     def on_loss(self, loss: torch.Tensor) -> None:
         """One micro-batch's (detached) loss, before its backward pass."""
+
+    def awaiting(self, step: int) -> bool:
+        """Is something of an earlier step still to be read in this step's ``pre_step`` (a vote
+        in flight)? The guard then calls ``ask`` and ``pre_step`` even where ``due`` says no."""
+        return False
+
+    def ask(self, step: int, read: StepRead) -> None:
+        """After the backward pass, before any check's ``pre_step``: put on ``read`` every tensor
+        ``pre_step`` will need on the host (``StepRead.ask``), so that the step reads from the
+        device once for every check (``sdc_guard.hostread``)."""
 
     def pre_step(self, step: int) -> Verdict:
         """After the backward pass, before ``optimizer.step()``."""

@@ -35,6 +35,7 @@ from sdc_guard.collectives import (
     steps_disagree,
     words_on,
 )
+from sdc_guard.hostread import StepRead
 from sdc_guard.report import Detection
 
 
@@ -90,6 +91,12 @@ class DeferredFlags:
         self._window.append((step, flags))
         if len(self._window) >= self.interval:
             self._send()
+
+    def ask(self, read: StepRead) -> None:
+        """Have the words in flight, if any, come in the step's one read (``collect`` judges
+        them from it)."""
+        if self._sent is not None:
+            self._sent[1].ask(read)
 
     def collect(self, judge: Judge) -> list[Detection]:
         """Judge the words in flight, if any, step by step: ``judge.judge(step, rows)``, then

@@ -66,6 +66,7 @@ from sdc_guard.checks.flagword import DeferredFlags
 from sdc_guard.collectives import COMMUNICATING_LOSS, collectives_issued
 from sdc_guard.determinism import buffers_saved, buffers_set, module_state_kept, rng_stream
 from sdc_guard.fingerprints.native import active_kernel
+from sdc_guard.hostread import StepRead
 from sdc_guard.parallel.base import Backend, GradientListener
 from sdc_guard.report import Detection
 from sdc_guard.scaling import Flag, check_nonfinite, host_words
@@ -150,6 +151,8 @@ class NonFiniteCheck(Check, GradientListener):
         (a list: ``append`` is atomic, and two buckets' callbacks may run on two threads)."""
         self._reduced_device: list[torch.Tensor] = []
         """Reduced buckets whose flag ``host_flags`` computes (not host float32 words)."""
+        self._asked: tuple[Flag, Flag, tuple[StepRead, int] | None] | None = None
+        """This step's flags as ``ask`` found them, and their handle in the step's read."""
         self._backend = backend
         backend.subscribe(self)
 
@@ -180,31 +183,52 @@ class NonFiniteCheck(Check, GradientListener):
     # -- per step ---------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         self._local = None
+        self._asked = None
         self._reduced_host = []
         self._reduced_device = []
 
-    def host_flags(self) -> tuple[bool, bool]:
-        """``(local_bad, reduced_bad)`` for this step, as Python bools.
+    def _flags(self) -> tuple[Flag, Flag]:
+        """``(local_bad, reduced_bad)`` for this step: Python bools where every flag is on the
+        host (the CPU, with the C kernel), else 0-d device bools, never copied back.
 
         Call after the backward pass (DDP waits for every bucket's future, so every
-        ``reduced`` has run). On the CPU (with the C kernel) every flag is already a host
-        value; flags that live on a device cost one host sync, for all of them together.
-        """
+        ``reduced`` has run)."""
         local: Flag = False if self._local is None else self._local
-        on_host = any(self._reduced_host)
-        reduced: torch.Tensor | None = None  # the device flags, never a host value copied
-        for t in self._reduced_device:  # to the device (a copy there is a stream sync)
+        reduced: Flag = any(self._reduced_host)
+        for t in self._reduced_device:  # no host value is copied to the device (a sync)
             bad = check_nonfinite(t)
             if isinstance(bad, bool):
-                on_host = on_host or bad
+                reduced = bad or reduced
+            elif isinstance(reduced, bool):
+                reduced = bad | reduced if reduced else bad
             else:
-                reduced = bad if reduced is None else reduced | bad.to(reduced.device)
-        if reduced is None:
-            return bool(local), on_host  # a tensor ``local``: one .item(), one host sync
-        if isinstance(local, torch.Tensor):
-            both = torch.stack([local.to(reduced.device), reduced]).tolist()  # one host sync
-            return bool(both[0]), on_host or bool(both[1])
-        return bool(local), on_host or bool(reduced)  # one host sync
+                reduced = reduced | bad.to(reduced.device)
+        return local, reduced
+
+    def ask(self, step: int, read: StepRead) -> None:
+        """The device flags of this step and the flags word in flight, for the step's one read."""
+        local, reduced = self._flags()
+        device = [f.reshape(1).to(self.device) for f in (local, reduced)
+                  if isinstance(f, torch.Tensor)]
+        self._asked = (local, reduced, None if not device else
+                       (read, read.ask(device[0] if len(device) == 1 else torch.cat(device))))
+        self._deferred.ask(read)
+
+    def host_flags(self) -> tuple[bool, bool]:
+        """``(local_bad, reduced_bad)`` for this step, as Python bools: from the step's read
+        where ``ask`` put them, else one read of their own (none where they are host bools)."""
+        asked, self._asked = self._asked, None
+        local, reduced = asked[:2] if asked is not None else self._flags()
+        if asked is not None and asked[2] is not None:
+            read, handle = asked[2]
+            got = iter(read.get(handle))
+        else:
+            device = [f.reshape(1) for f in (local, reduced) if isinstance(f, torch.Tensor)]
+            got = iter(torch.cat([d.to(device[0].device) for d in device]).tolist()
+                       if device else [])
+        local_bad = bool(next(got)) if isinstance(local, torch.Tensor) else bool(local)
+        reduced_bad = bool(next(got)) if isinstance(reduced, torch.Tensor) else bool(reduced)
+        return local_bad, reduced_bad
 
     def pre_step(self, step: int) -> Verdict:
         """Flag ``step`` and judge the word that is due (its detections are of earlier steps,

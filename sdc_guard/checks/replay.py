@@ -88,6 +88,7 @@ from sdc_guard.collectives import (
     collectives_issued,
     gather_if_different,
     steps_disagree,
+    words_on,
 )
 from sdc_guard.determinism import (
     SavedBuffers,
@@ -99,15 +100,16 @@ from sdc_guard.determinism import (
 )
 from sdc_guard.fingerprints.digest import (
     concat_digest,
+    device_loss_word,
     digest_parts,
     host_concat_digest,
     host_loss_word,
     host_spans_digest,
-    loss_word,
     word_count,
 )
 from sdc_guard.fingerprints.public import fingerprint, fingerprint_tensor
 from sdc_guard.fingerprints.words import MASK64, mix64, mix64_int, to_signed64, to_unsigned64
+from sdc_guard.hostread import StepRead, on_host
 from sdc_guard.parallel.base import (
     Backend,
     Bucket,
@@ -141,9 +143,13 @@ def add_words(a: Word | None, b: Word) -> Word:
 
 
 def _loss_word(losses: Sequence[torch.Tensor]) -> Word:
-    """``loss_word`` as a host int for CPU losses, else as a tensor on their device."""
-    host = host_loss_word(losses)
-    return host if host is not None else loss_word(losses)
+    """``loss_word`` as a host int for CPU losses, else as a tensor on their device (never a
+    read to the host there)."""
+    if losses and on_host(losses[0]):
+        host = host_loss_word(losses)
+        if host is not None:
+            return host
+    return device_loss_word(losses)
 
 
 _TWO_WORDS = struct.Struct("=qq")
@@ -152,17 +158,17 @@ words written into the send buffer without a tensor op (``ReplayAudit._send_repl
 
 
 def as_tensor(w: Word, device: torch.device | None = None) -> torch.Tensor:
-    """The word as a 0-d int64 tensor (an int on ``device``, default the CPU)."""
+    """The word as a 0-d int64 tensor (an int on ``device``, default the CPU; copied to a
+    device without a host sync)."""
     if isinstance(w, int):
-        return torch.tensor(to_signed64(w), dtype=torch.int64, device=device)
+        return words_on([to_signed64(w)], device or torch.device("cpu")).reshape(())
     return w if device is None else w.to(device)
 
 
 def words_tensor(words: Sequence[Word], device: torch.device) -> torch.Tensor:
     """int64 ``[len(words)]`` on ``device``: one op when every word is a host int."""
     if all(isinstance(w, int) for w in words):
-        return torch.tensor([to_signed64(int(w)) for w in words], dtype=torch.int64,
-                            device=device)
+        return words_on([to_signed64(int(w)) for w in words], device)
     return torch.stack([as_tensor(w, device) for w in words])
 
 
@@ -207,9 +213,8 @@ class BucketPlan:
             covered = b
         if covered != buf.numel() * size // 8 or not spans:
             return None
-        shift = torch.tensor([offsets[i] - a for a, _, i in spans], dtype=torch.int64,
-                             device=buf.device)
-        last = torch.tensor([b - 1 for _, b, _ in spans], dtype=torch.int64, device=buf.device)
+        shift = words_on([offsets[i] - a for a, _, i in spans], buf.device)
+        last = words_on([b - 1 for _, b, _ in spans], buf.device)
         return BucketPlan([(a, b) for a, b, _ in spans], shift,
                            [(a, b, offsets[i]) for a, b, i in spans], last)
 
@@ -245,12 +250,12 @@ def grads_digest(grads: Sequence[torch.Tensor], offsets: Sequence[int],
     """
     if not grads:
         return torch.zeros((), dtype=torch.int64, device=device)
-    if device.type == "cpu":  # one kernel call per gradient, no torch op
+    if on_host(device):  # one kernel call per gradient, no torch op
         host = host_concat_digest(zip(grads, offsets, strict=True))
         if host is not None:
             return torch.tensor(to_signed64(host), dtype=torch.int64)
     parts = torch.stack([digest_parts(g).to(device) for g in grads])
-    return concat_digest(parts, torch.tensor(list(offsets), dtype=torch.int64, device=device))
+    return concat_digest(parts, words_on(list(offsets), device))
 
 
 def _strided_pieces(grads: Sequence[torch.Tensor], offsets: Sequence[int],
@@ -328,7 +333,7 @@ def replay_term(row: torch.Tensor) -> torch.Tensor:
     the ranks on to the full gather of the rows and ``judge``, which compares every edge
     word by word.
     """
-    if row.device.type == "cpu":  # a few integer ops on the host, not ~40 tiny kernels
+    if on_host(row):  # a few integer ops on the host, not ~40 tiny kernels
         return replay_term_host(row)
     return replay_term_device(row)
 
@@ -632,7 +637,7 @@ class ReplayAudit(Check, GradientListener):
         offsets = [self.offsets[i] for i in indices]
         if any(g.layout != torch.strided for g in grads):
             grads, offsets = _strided_pieces(grads, offsets, [self.names[i] for i in indices])
-        if self.device.type == "cpu" and grads:
+        if on_host(self.device) and grads:
             host = host_concat_digest(zip(grads, offsets, strict=True))
             if host is not None:
                 return host
@@ -753,7 +758,7 @@ class ReplayAudit(Check, GradientListener):
         if all(isinstance(w, int) for w in own):  # the host's words: compare as integers
             return [to_signed64(int(w)) for w in own] != self._peer.tolist()
         differs = (self.row()[:2] != self._peer).any()
-        return bool(differs) if differs.device.type == "cpu" else differs
+        return bool(differs) if on_host(differs) else differs
 
     def on_loss(self, loss: torch.Tensor) -> None:
         self._own_losses.append(loss)
@@ -850,6 +855,22 @@ class ReplayAudit(Check, GradientListener):
             _PROBED.add(self.batch_for)
 
     # -- verdict ----------------------------------------------------------------------------
+    def ask(self, step: int, read: StepRead) -> None:
+        """The step's containment answer (the owners compared in the comm hook), or else this
+        rank's term of the step word, sent now if the hook never saw a last bucket, for the
+        step's one read."""
+        if self._replayed is None:
+            raise RuntimeError("ReplayAudit.ask: begin_step did not run this step")
+        if self._veto_asked:
+            if self._answer is not None:
+                self._answer.ask(read)
+            return
+        self._finish_exchange()  # sent, but the hook never saw a last bucket
+        if self._pending is None:  # (alike on every rank)
+            self._send_words()
+        if self._pending is not None:
+            self._pending.ask(read)
+
     def pre_step(self, step: int) -> Verdict:
         """Agree on the step word; on a mismatch compare the gathered ring edges, arbitrate
         single bad edges, localise. A detection withholds the step on every rank."""
@@ -864,7 +885,7 @@ class ReplayAudit(Check, GradientListener):
                     self.verified(step)
                     return Verdict()
             else:
-                self._finish_exchange()  # sent, but the hook never saw a last bucket
+                self._finish_exchange()  # (ask did it, unless it was not called)
                 if self._pending is None:  # (alike on every rank)
                     self._send_words()
                 pending, self._pending = self._pending, None

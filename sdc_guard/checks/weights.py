@@ -2,11 +2,16 @@
 
 After ``optimizer.step()`` each rank fingerprints its parameters (in
 ``named_parameters`` order) and, optionally, its optimizer state tensors
-(param groups in order, parameters in order, state keys sorted). One small
-all-reduce (the maximum and minimum of the 64-bit words) settles the common case,
-every rank equal; otherwise one ``all_gather`` of the word per rank and a
-majority vote: ranks outside a strict majority are suspects; no strict majority
-(or world size 2) is a detection without a suspect.
+(param groups in order, parameters in order, state keys sorted), and starts one small
+all-reduce (the maximum and minimum of the 64-bit words) that nobody waits for. The next
+step reads its result in the step's one read from the device (``sdc_guard.hostread``),
+before that step's optimizer step: every rank equal settles the common case; otherwise
+one ``all_gather`` of the word per rank and a majority vote: ranks outside a strict
+majority are suspects; no strict majority (or world size 2) is a detection without a
+suspect. A vote that finds the replicas apart withholds the step it is read in on every
+rank: that step's gradients came in part from the replica that differed, so nothing of
+it reaches the weights, and the detection names the step whose state was voted on. After
+the last step, ``flush`` reads the vote still in flight.
 
 Repair by majority (``GuardConfig.repair_by_majority``, on by default): when the suspects
 are a strict minority, the lowest-numbered rank of the majority broadcasts its parameters and
@@ -19,12 +24,13 @@ unrepaired (quarantine, rollback), though the state is still made whole.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from sdc_guard.checks.base import Check
+from sdc_guard.checks.base import Check, Verdict
 from sdc_guard.checks.weightpass import WeightPass
 from sdc_guard.collectives import (
     STEPS_FIX,
@@ -37,6 +43,7 @@ from sdc_guard.collectives import (
 )
 from sdc_guard.fingerprints.public import fingerprint_tensor
 from sdc_guard.fingerprints.words import mix64_int, to_signed64, to_unsigned64
+from sdc_guard.hostread import StepRead
 from sdc_guard.optimizers import Optimizers, param_groups
 from sdc_guard.report import Detection
 from sdc_guard.state import state_tensors
@@ -78,8 +85,23 @@ def settings_differ(everyone: list[list[dict[str, Any]]]) -> list[str]:
     return out
 
 
+@dataclass(eq=False)
+class _Vote:
+    """A weights vote in flight: the state after ``step``, its stamped word, and the
+    all-reduce of ``[word, ~word]`` (MAX) that says whether every rank's word is the same."""
+
+    step: int
+    stamp: int
+    word: torch.Tensor
+    both: torch.Tensor
+    work: Any
+    asked: tuple[StepRead, int] | None = None
+    """Its handle in the step's one read (``WeightsCheck.ask``)."""
+
+
 class WeightsCheck(Check):
-    """Replicas' weights (and optimizer state) compared after the step, every ``interval``."""
+    """Replicas' weights (and optimizer state) compared after the step, every ``interval``;
+    the vote is read before the next step's optimizer step."""
 
     name = "weights"
     compares_replicas = True
@@ -108,6 +130,8 @@ class WeightsCheck(Check):
         self.repair_window_steps = repair_window_steps
         self.repairs: dict[int, list[int]] = {}
         """Steps at which each rank was repaired."""
+        self._vote: _Vote | None = None
+        """The vote of the state after the last step it was due at, until it is read."""
         self.weight_pass = WeightPass() if weight_pass is None else weight_pass
         """The read of the weights this check runs after each step it is due at; other
         checks may have sums taken in it (``WeightPass.subscribe``)."""
@@ -151,19 +175,76 @@ class WeightsCheck(Check):
             "state). Load it on every rank (sdc_guard.CheckpointManager.restore does), or load "
             "the weights before wrapping the model in DDP.")
 
+    def awaiting(self, step: int) -> bool:
+        return self._vote is not None
+
     def post_step(self, step: int) -> list[Detection]:
-        """Fingerprint this rank's state; one small all-reduce; a vote only on a mismatch.
+        """Fingerprint this rank's state and start the vote's all-reduce; read in the next
+        step's ``pre_step`` (or ``flush``).
 
         The word carries the step agreement too: each rank XORs a 64-bit stamp of its step
         into it, so ranks at different steps differ like replicas that differ, and the
         mismatch path first gathers the steps (``StepsDisagree`` on every rank) before anyone
         is blamed."""
+        self._drop_vote()
         stamp = to_signed64(mix64_int(step ^ _STEP_SALT))
-        fp = self.local_fingerprint(step).to(self.device).reshape(1)
-        gathered = gather_if_different(fp ^ stamp, self.group)
-        if gathered is None:
+        word = self.local_fingerprint(step).to(self.device).reshape(1) ^ stamp
+        both = torch.cat([word, torch.bitwise_not(word)])  # MAX of both: the max and ~min
+        work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        if work is None:  # pragma: no cover - async_op=True always returns a Work handle
+            raise RuntimeError("torch.distributed.all_reduce(async_op=True) returned no Work")
+        self._vote = _Vote(step, stamp, word, both, work)
+        return []
+
+    def ask(self, step: int, read: StepRead) -> None:
+        vote = self._vote
+        if vote is not None and vote.asked is None:
+            vote.work.wait()  # on a GPU the stream waits, not the host
+            vote.asked = (read, read.ask(vote.both))
+
+    def pre_step(self, step: int) -> Verdict:
+        """Judge the vote of the state an earlier step left (read in the step's one read); a
+        mismatch withholds this step on every rank (every rank holds the same words)."""
+        vote, self._vote = self._vote, None
+        if vote is None:
+            return Verdict()
+        found = self._judge(vote)
+        return Verdict(found, withhold=bool(found))
+
+    def flush(self) -> list[Detection]:
+        """After the last step: the vote still in flight, if any (collective on a mismatch)."""
+        vote, self._vote = self._vote, None
+        return [] if vote is None else self._judge(vote)
+
+    def rewind(self, step: int) -> None:
+        """A restore: the vote in flight was of the abandoned state; waited for, dropped."""
+        self._drop_vote()
+        super().rewind(step)
+
+    def close(self) -> None:
+        """Replaced (``SDCGuard.reconfigure``): a vote in flight is waited for and dropped
+        (call ``SDCGuard.flush`` first to have it judged)."""
+        self._drop_vote()
+
+    def _drop_vote(self) -> None:
+        vote, self._vote = self._vote, None
+        if vote is not None:
+            vote.work.wait()
+
+    def _judge(self, vote: _Vote) -> list[Detection]:
+        """The vote's verdict on the state after ``vote.step``: none when every rank's word is
+        the same; else the gather, the steps' agreement, the majority and the repair."""
+        if vote.asked is not None:
+            read, handle = vote.asked
+            largest, not_smallest = (int(v) for v in read.get(handle))
+        else:
+            vote.work.wait()
+            largest, not_smallest = (int(v) for v in vote.both.tolist())
+        step, stamp = vote.step, vote.stamp
+        if largest == ~not_smallest:  # max == min: every rank holds the same word
             self.verified(step)
             return []
+        gathered = [int(v) for v in all_gather_rows(vote.word, self.group)[:, 0].tolist()]
         steps = all_gather_rows(torch.tensor([step], dtype=torch.int64, device=self.device),
                                 self.group)[:, 0].tolist()
         differ = steps_disagree(steps)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
+    from sdc_guard.hostread import StepRead
     from sdc_guard.scaling import Flag, RowSums, Spans
 
 
@@ -42,6 +43,11 @@ class Bucket(Protocol):
 
 class Containment(Protocol):
     """The step's containment answer, the same on every rank (``GradientListener.vetoed``)."""
+
+    def ask(self, read: StepRead) -> None:
+        """Have the answer come in the step's one read (``sdc_guard.hostread``); ``read``
+        then costs no read of its own."""
+        ...
 
     def read(self, *, expect_overflow: bool = False) -> bool:
         """Did some rank withhold this step? One host read the first time (a sync on a

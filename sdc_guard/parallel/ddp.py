@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket
 
 from sdc_guard.collectives import PendingSum, words_on
+from sdc_guard.hostread import StepRead
 from sdc_guard.parallel.base import Containment, GradientListener
 from sdc_guard.scaling import (
     Flag,
@@ -71,11 +72,16 @@ def _half_max(dtype: torch.dtype) -> float:
 class _SentinelAnswer:
     """The containment answer carried by the last bucket's reduced sentinel slots."""
 
-    __slots__ = ("_answer", "slots")
+    __slots__ = ("_answer", "_asked", "slots")
 
     def __init__(self, slots: torch.Tensor) -> None:
         self.slots = slots
         self._answer: dict[bool, bool] = {}
+        self._asked: tuple[StepRead, int] | None = None
+
+    def ask(self, read: StepRead) -> None:
+        if self._asked is None:
+            self._asked = (read, read.ask(self.slots))
 
     def read(self, *, expect_overflow: bool = False) -> bool:
         """One of the slots at least half the dtype's largest finite value (no gradient is
@@ -84,7 +90,11 @@ class _SentinelAnswer:
         there to skip the step itself."""
         got = self._answer.get(expect_overflow)
         if got is None:
-            values = self.slots.tolist()
+            if self._asked is not None:
+                read, handle = self._asked
+                values = read.get(handle)
+            else:
+                values = self.slots.tolist()
             half = _half_max(self.slots.dtype)
             got = any(math.isfinite(v) and abs(v) >= half for v in values) or not (
                 expect_overflow or all(math.isfinite(v) for v in values))
@@ -99,6 +109,9 @@ class _WordAnswer:
 
     def __init__(self, pending: PendingSum) -> None:
         self.pending = pending
+
+    def ask(self, read: StepRead) -> None:
+        self.pending.ask(read)
 
     def read(self, *, expect_overflow: bool = False) -> bool:
         return self.pending.wait() > 0

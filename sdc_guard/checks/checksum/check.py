@@ -47,6 +47,7 @@ from sdc_guard.checks.flagword import DeferredFlags
 from sdc_guard.checks.weightpass import WeightPass
 from sdc_guard.config import PRODUCTS, ChecksumConfig
 from sdc_guard.fingerprints.native import active_kernel
+from sdc_guard.hostread import StepRead, on_host
 from sdc_guard.parallel.base import (
     Backend,
     Bucket,
@@ -105,6 +106,9 @@ class ChecksumCheck(Hooks, Check, GradientListener):
     name = "checksum"
     withholds = True
     wants_veto = True
+
+    _read: tuple[StepRead, int] | None = None
+    """This step's failure flag's handle in the step's read (``ask``)."""
 
     def __init__(
         self,
@@ -285,6 +289,7 @@ class ChecksumCheck(Hooks, Check, GradientListener):
 
     def begin_step(self, step: int) -> None:
         self._active = True
+        self._read = None
         self._forward_phase = False
         self._micro = 0
         self._generation += 1
@@ -313,7 +318,7 @@ class ChecksumCheck(Hooks, Check, GradientListener):
             flag = failures[0].bad
         else:
             flag = torch.stack([f.bad.to(failures[-1].bad.device) for f in failures]).any()
-        return (bool(flag) if flag.device.type == "cpu" else flag), failures
+        return (bool(flag) if on_host(flag) else flag), failures
 
     def veto(self) -> Flag | None:
         """Called by the comm hook before the step's last gradient all-reduce: does this rank
@@ -327,6 +332,20 @@ class ChecksumCheck(Hooks, Check, GradientListener):
 
     def vetoed(self, answer: Containment) -> None:
         self._answer = answer
+
+    def ask(self, step: int, read: StepRead) -> None:
+        """The step's failure flag (a device flag), the containment answer and the flags word
+        in flight, for the step's one read."""
+        if self._active:  # no veto was asked for (no gradient all-reduce ran)
+            self._done()
+        if self._answer is not None and self.contain:
+            self._answer.ask(read)
+        self._deferred.ask(read)
+        self._read = None
+        if self._failures or self._entries:
+            flag, _ = self._flags()
+            if isinstance(flag, torch.Tensor):
+                self._read = (read, read.ask(flag))
 
     def pre_step(self, step: int) -> Verdict:
         if self._active:  # no veto was asked for (no gradient all-reduce ran)
@@ -355,7 +374,11 @@ class ChecksumCheck(Hooks, Check, GradientListener):
         products = [False] * len(PRODUCTS)
         first = 0
         flag, failures = self._flags()
-        if bool(flag):  # a device flag: one host sync per checked step
+        asked, self._read = self._read, None
+        if isinstance(flag, torch.Tensor) and asked is not None:
+            read, handle = asked
+            flag = bool(read.get(handle)[0])  # in the step's one read
+        if bool(flag):  # a device flag not asked for: a read of its own
             entries = []
             for f in (one for group in failures for one in group.split()):
                 products[PRODUCTS.index(f.product)] = True
