@@ -72,11 +72,11 @@ class HostReads(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._wrap(torch.Tensor, "cpu", "cpu")
         self._wrap(torch, "tensor", "tensor(device=)",
                    lambda *a, **k: k.get("device") is not None)
-        super().__enter__()
+        super().__enter__()  # type: ignore[no-untyped-call]
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]
         for owner, attr, original in reversed(self._saved):
             setattr(owner, attr, original)
         self._saved.clear()

@@ -99,12 +99,12 @@ from sdc_guard.determinism import (
     state_tensors_written,
 )
 from sdc_guard.fingerprints.digest import (
-    concat_digest,
     device_loss_word,
     digest_parts,
     host_concat_digest,
     host_loss_word,
     host_spans_digest,
+    tensors_digest,
     word_count,
 )
 from sdc_guard.fingerprints.public import fingerprint, fingerprint_tensor
@@ -246,7 +246,8 @@ def grads_digest(grads: Sequence[torch.Tensor], offsets: Sequence[int],
     """The gradient word (0-d int64) of separate gradients at word ``offsets`` in parameter order.
 
     On the CPU one C-kernel call per gradient, combined in Python integers; elsewhere
-    ``digest_parts`` per gradient and ``concat_digest`` on ``device``. The same value.
+    ``tensors_digest`` on ``device``, in a number of ops that does not grow with the number of
+    gradients. The same value.
     """
     if not grads:
         return torch.zeros((), dtype=torch.int64, device=device)
@@ -254,8 +255,7 @@ def grads_digest(grads: Sequence[torch.Tensor], offsets: Sequence[int],
         host = host_concat_digest(zip(grads, offsets, strict=True))
         if host is not None:
             return torch.tensor(to_signed64(host), dtype=torch.int64)
-    parts = torch.stack([digest_parts(g).to(device) for g in grads])
-    return concat_digest(parts, words_on(list(offsets), device))
+    return tensors_digest(grads, offsets, device)
 
 
 def _strided_pieces(grads: Sequence[torch.Tensor], offsets: Sequence[int],
