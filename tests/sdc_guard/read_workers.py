@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from sdc_guard import GuardConfig, SDCGuard
 from sdc_guard.fingerprints.native import native_kernel
 from sdc_guard.internal import cpu_as_device
-from tests.hostsync import HostReads
+from tests.hostsync import DispatchedOps, HostReads
 from tests.workers import batch_for, loss_fn
 
 
@@ -25,10 +25,11 @@ def _mlp(layers: int) -> nn.Module:
 
 
 def reads_per_step(rank: int, world: int, config: dict[str, Any] | None, optimizer: str,
-                   steps: int, layers: int = 1) -> list[dict[str, int]]:
+                   steps: int, layers: int = 1, ops: bool = False) -> list[dict[str, int]]:
     """The reads to the host of each step (by kind), on the path GPUs take: the C kernel off,
     the CPU treated as a device. ``config`` None: a plain loop (forward, backward, optimizer
-    step) with the same model, data and optimizer."""
+    step) with the same model, data and optimizer. ``ops``: the aten ops dispatched instead
+    (by name), and ``layers`` hidden layers."""
     torch.set_num_threads(1)
     with native_kernel(False), cpu_as_device():
         model = DDP(_mlp(layers))
@@ -38,7 +39,7 @@ def reads_per_step(rank: int, world: int, config: dict[str, Any] | None, optimiz
         if config is None:
             def step(s: int) -> None:
                 opt.zero_grad(set_to_none=True)
-                loss_fn(model, batch_for(rank, s)).backward()
+                loss_fn(model, batch_for(rank, s)).backward()  # type: ignore[no-untyped-call]
                 opt.step()
         else:
             guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=batch_for,
@@ -49,7 +50,7 @@ def reads_per_step(rank: int, world: int, config: dict[str, Any] | None, optimiz
                 assert not report.detections and not report.skipped, report
         per_step = []
         for s in range(steps):
-            with HostReads() as reads:
+            with DispatchedOps() if ops else HostReads() as reads:
                 step(s)
             per_step.append(dict(reads.counts))
         if config is not None:
