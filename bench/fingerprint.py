@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -185,6 +186,7 @@ def after_torch_op(sizes_mib: tuple[int, ...], rounds: int) -> dict[str, Any] | 
         pass
     isas = [i for i in ("avx2", kernel.cpu_isa) if ISAS.index(i) <= ISAS.index(kernel.cpu_isa)]
     isas = list(dict.fromkeys(isas))
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     out: dict[str, Any] = {"machine": cpu_name(), "threads": torch.get_num_threads(),
                            "rounds": rounds, "pause_s": PAUSE_S, "default_isa": kernel.isa,
                            "builds": {name: _described(k) for name, k in builds.items()},
@@ -192,6 +194,8 @@ def after_torch_op(sizes_mib: tuple[int, ...], rounds: int) -> dict[str, Any] | 
     for mib in sizes_mib:
         out["sizes"][str(mib)] = _conditions(torch.randn(mib * 1024 * 1024 // 4), builds,
                                              isas, rounds)
+    if load is not None:  # the machine's other work, from the first round to the last
+        out["load_average"] = [load, os.getloadavg()[0]]
     return out
 
 
@@ -264,6 +268,10 @@ def after_torch_op_md(section: dict[str, Any]) -> list[str]:
              f"spinning), and after a pause a sleep of {section['pause_s'] * 1e3:.0f} ms too. "
              "The builds: " + "; ".join(f"{k}, {v}" for k, v in builds.items())
              + " (where OpenMP is to be had, the first is the default)."]
+    if "load_average" in section:
+        start, end = section["load_average"]
+        lines[-1] += (f" The machine's load average (1 minute) was {start:.1f} at the start "
+                      f"and {end:.1f} at the end.")
     for mib, conds in section["sizes"].items():
         lines += ["", f"| {mib} MiB float32: word loop, threads | {HOT} | {PAUSED} |",
                   "|---|---|---|"]

@@ -53,7 +53,9 @@ def test_after_a_torch_op_times_both_builds_on_avx2_and_the_widest_in_both_condi
         for name in want[1:]:
             lo, hi = rows[name]["ratio_interval_90"]
             assert 0 < lo <= hi and rows[name]["median_s"] > 0
+    assert len(res["load_average"]) == 2
     page = "\n".join(after_torch_op_md(res))
+    assert "load average (1 minute) was " in page
     assert cpu_name() in page and f"| 2 MiB float32: word loop, threads | {HOT} | {PAUSED} |" \
         in page
     assert all(f"| {i}, {b} | " in page for b in builds for i in isas)
