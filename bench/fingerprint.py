@@ -20,8 +20,14 @@ import torch
 
 from bench.timing import alternate, bootstrap_interval, cpu_name, seconds
 from sdc_guard import fingerprint, fingerprint_tensor, native_enabled, native_kernel
-from sdc_guard.fingerprints.native import NativeKernel, kernel_in_use, pthreads_kernel, torch_libgomp
-from sdc_guard.internal import ISAS, active_kernel
+from sdc_guard.internal import (
+    ISAS,
+    NativeKernel,
+    active_kernel,
+    kernel_in_use,
+    pthreads_kernel,
+    torch_libgomp,
+)
 
 GIB = 1024**3
 

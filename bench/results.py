@@ -322,6 +322,10 @@ def markdown(results: dict[str, Any]) -> str:
                   "With no wait for memory, this is what each loop's instructions allow: "
                   "where it is well above a machine's one-thread memory bandwidth, that "
                   "loop is not what binds the fingerprint there."]
+    if fp.get("after_torch_op"):
+        from bench.fingerprint import after_torch_op_md  # (it imports this module to write)
+
+        lines += after_torch_op_md(fp["after_torch_op"])
     lines += overhead_md({**results["overhead"], "blocks": results.get("overhead_blocks")},
                           reference=True)
     if results.get("guard_off"):

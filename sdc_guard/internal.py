@@ -20,7 +20,14 @@ from sdc_guard.checks.sides import FUSED_DEVICES as SIDES_FUSED_DEVICES
 from sdc_guard.collectives import PendingSum, flag_rows, flag_words
 from sdc_guard.determinism import derive_seed, rng_stream
 from sdc_guard.fingerprints.digest import digest_value, loss_word
-from sdc_guard.fingerprints.native import ISAS, active_kernel
+from sdc_guard.fingerprints.native import (
+    ISAS,
+    NativeKernel,
+    active_kernel,
+    kernel_in_use,
+    pthreads_kernel,
+    torch_libgomp,
+)
 from sdc_guard.fingerprints.public import tensor_value, tensor_values
 from sdc_guard.fingerprints.weighted import DEVICE_CHUNK, INT_OF_SIZE
 from sdc_guard.fingerprints.weighted import FUSED_DEVICES as FINGERPRINT_FUSED_DEVICES
@@ -39,6 +46,7 @@ __all__ = [
     "BucketListener",
     "BucketPlan",
     "ChecksumCheck",
+    "NativeKernel",
     "PendingSum",
     "ReplayAudit",
     "StepRead",
@@ -52,8 +60,10 @@ __all__ = [
     "flag_words",
     "fused_unscale_ok",
     "grads_digest",
+    "kernel_in_use",
     "loss_word",
     "on_host",
+    "pthreads_kernel",
     "replay_term_device",
     "replay_term_host",
     "rng_stream",
@@ -63,4 +73,5 @@ __all__ = [
     "tensor_values",
     "to_signed64",
     "to_unsigned64",
+    "torch_libgomp",
 ]
