@@ -42,10 +42,10 @@ docs/recovery.md).
 Without Kubernetes credentials (in-cluster, or ``--kubeconfig``) it exits with code 2 at once
 and says so; ``--no-quarantine`` detects, repairs and rolls back without a cluster.
 
-``--plant-fault STEP`` sticks a bit of one weight of rank 1 at 1 from STEP on, to see the whole
-path: the weights check repairs it from the majority once, and convicts rank 1 the second
-time. The stuck bit stands for a part that a rollback's operator replaced: it is gone after a
-rollback, unless ``--fault-persists`` (then it comes back, and the job ends with
+``--plant-fault STEP`` flips a bit of one weight of rank 1 at every step from STEP on, to see
+the whole path: the weights check repairs it from the majority once, and convicts rank 1 the
+second time. The faulty bit stands for a part that a rollback's operator replaced: it is gone
+after a rollback, unless ``--fault-persists`` (then it comes back, and the job ends with
 ``EXIT_CONVICTED``).
 """
 
@@ -95,17 +95,17 @@ def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     return F.cross_entropy(model(x), y)
 
 
-class StuckBit:
-    """A ``before_step`` hook: bit 22 of the first element of ``param`` stuck at 1 from step
-    ``at`` on (a permanent fault: repaired once by the majority, convicted the second time).
-    ``disarm()`` stands for the part being replaced."""
+class FaultyBit:
+    """A ``before_step`` hook: bit 22 of the first element of ``param`` flipped at every step
+    from ``at`` on (a permanent fault: repaired once by the majority, convicted the second
+    time). ``disarm()`` stands for the part being replaced."""
 
     def __init__(self, param: torch.Tensor, at: int) -> None:
         self.param, self.at, self.armed = param, at, True
 
     def __call__(self, step: int) -> None:
         if self.armed and step >= self.at:
-            self.param.detach().view(-1)[:1].view(torch.int32).bitwise_or_(1 << 22)
+            self.param.detach().view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 22)
 
     def disarm(self) -> None:
         self.armed = False
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                                config=config, remediation=quarantine, checkpoints=ckpt)
     fault = None
     if args.plant_fault is not None and rank == 1:
-        fault = StuckBit(next(model.module.parameters()), args.plant_fault)
+        fault = FaultyBit(next(model.module.parameters()), args.plant_fault)
         guard.before_step.append(fault)
     extra = {"lr": schedule}  # state that belongs to the step, rolled back with the model
     start = step = 0 if ckpt is None else ckpt.restore(model, optimizer, extra=extra)

@@ -145,7 +145,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     factor = speed_factor()
     limit = timeout * factor
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.parallel"])
+    # torch._dynamo: DDP's constructor imports it, seconds of CPU in every rank otherwise
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo"])
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="sdc-guard-test-") as tmp:
         store = os.path.join(tmp, "store")

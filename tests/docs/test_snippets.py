@@ -163,7 +163,7 @@ def scenario_loop(snippet: Snippet, tmp: Path) -> None:
     log = faulted[0].out
     assert re.search(r"SDC detection at step 11 by nonfinite: suspects \[1\] .*; contained", log)
     assert "not contained" in log and _resumed(log) <= 11
-    three = launch(snippet, tmp / "three", 3, faults={"flip": [13, 14]})
+    three = launch(snippet, tmp / "three", 3, faults={"flip": [13, 15]})
     _ok(three)
     log = three[0].out
     assert "repaired in place" in log and "a permanent fault" in log
@@ -196,7 +196,8 @@ def scenario_restart(snippet: Snippet, tmp: Path) -> None:
         for rank in range(3):
             srv.add_node(f"gpu-{rank}")
         kubeconfig = srv.write_kubeconfig(tmp / "kubeconfig")
-        runs = launch(snippet, tmp / "run", 3, faults={"flip": [13, 14]}, kubeconfig=kubeconfig)
+        # (13, then 15: the vote of 13 is read and repaired in 14, which it withholds)
+        runs = launch(snippet, tmp / "run", 3, faults={"flip": [13, 15]}, kubeconfig=kubeconfig)
         assert [r.code for r in runs] == [EXIT_QUARANTINED] * 3, "\n\n".join(r.out for r in runs)
         assert [n for n in ("gpu-0", "gpu-1", "gpu-2")
                 if srv.node(n)["spec"].get("unschedulable")] == ["gpu-1"]

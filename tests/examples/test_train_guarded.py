@@ -144,7 +144,7 @@ def test_without_a_quarantine_a_conviction_rolls_back_and_the_run_ends_as_if_fau
 
 def test_a_fault_that_comes_back_after_the_rollback_ends_with_exit_convicted(
         tmp_path: Path) -> None:
-    # The stuck bit survives the rollback (--fault-persists): rank 1 is convicted again before a
+    # The faulty bit survives the rollback (--fault-persists): rank 1 is convicted again before a
     # new clean checkpoint exists, and a second rollback to the same checkpoint would loop.
     ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2",
             "--keep-checkpoints", "10"]
@@ -165,8 +165,9 @@ def _fingerprints(out: list[tuple[int, str]]) -> set[str]:
 def test_the_restarted_job_resumes_from_the_last_clean_checkpoint(
         tmp_path: Path, quarantined: Quarantined,
         fault_free: tuple[Path, list[tuple[int, str]]]) -> None:
-    # The whole path as a PyTorchJob takes it: rank 1's stuck bit is repaired at step 5 and
-    # convicted at step 6; its node is cordoned and every rank exits 200 (``quarantined``). The
+    # The whole path as a PyTorchJob takes it: rank 1's faulty bit is repaired at step 5 (read
+    # in step 6) and convicted at step 7 (in 8); its node is cordoned and every rank exits 200
+    # (``quarantined``). The
     # job's pods come back on other nodes (gpu-3 for gpu-1) and restore the checkpoint of step
     # 3, the newest before the suspect window (the fault's first sign, step 5: the checkpoint of
     # step 5 is refused), and train on. They end bit for bit where a fault-free job restarted

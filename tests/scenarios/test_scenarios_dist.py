@@ -332,14 +332,16 @@ def test_quarantine_cordons_the_faulty_ranks_node_and_nothing_on_clean_trials(
     ("recovery.toml", {"rolled_back": True, "repaired": False, "cordoned_nodes": ["node-1"],
                        "suspect_nodes": ["node-1"]}),
     ("recovery_repair.toml", {"rolled_back": False, "repaired": True, "cordoned_nodes": [],
-                              "wasted_steps": 0}),
+                              "wasted_steps": 0, "final_matches_golden": False}),
 ])
 def test_recovery_scenarios_end_bit_identical_to_the_fault_free_run(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], config: str,
         expect: dict[str, Any]) -> None:
     """``python -m scenarios run`` of the shipped recovery scenarios: a permanent fault is
-    quarantined and rolled back; a transient one in one replica's state is repaired in place.
-    Both runs end bit-identical to the golden run."""
+    quarantined and rolled back, and the run ends bit-identical to the golden run; a transient
+    one in one replica's state is repaired in place, and the run ends with its replicas whole
+    but without the update of the step the vote was read in (withheld on every rank: it
+    computed on the odd replica), so not as the golden run ends."""
     out = tmp_path / "out"
     code, err = _cli(capsys, "run", str(ROOT / "scenarios" / "configs" / config), "--out",
                      str(out), "--no-progress")
@@ -347,8 +349,8 @@ def test_recovery_scenarios_end_bit_identical_to_the_fault_free_run(
     import json
 
     rec = json.loads((out / "summary.json").read_text())["recovery"]
-    assert rec["final_matches_golden"] is True
-    assert {k: rec[k] for k in expect} == expect
+    assert {k: rec[k] for k in {"final_matches_golden", *expect}} == {
+        "final_matches_golden": True, **expect}, rec
     if rec["rolled_back"]:
         assert rec["rollback_step"] <= rec["detected_step"] and rec["wasted_steps"] > 0
         assert rec["fault_to_resume_s"] > 0
