@@ -90,6 +90,34 @@ def alone_bytes(device: torch.device) -> int:
     return min(CPU_ALONE_BYTES, CPU_CHUNK_BYTES) if device.type == "cpu" else DEVICE_CHUNK_BYTES
 
 
+@dataclass(frozen=True)
+class Split:
+    """Indices of a list of tensors by how a multi-tensor pass on ``device`` takes them
+    (``split``)."""
+
+    batched: list[int]
+    """On ``device`` and under ``alone_bytes``: read together, by the pass."""
+    alone: list[int]
+    """On ``device``, ``alone_bytes`` or more: each read by a pass of its own."""
+    elsewhere: dict[torch.device, list[int]]
+    """On another device, by device: valued there, the value moved."""
+
+
+def split(tensors: Sequence[torch.Tensor], device: torch.device) -> Split:
+    """Which of ``tensors`` the pass on ``device`` reads together, which alone, which
+    elsewhere."""
+    limit = alone_bytes(device)
+    out = Split([], [], {})
+    for i, t in enumerate(tensors):
+        if t.device != device:
+            out.elsewhere.setdefault(t.device, []).append(i)
+        elif t.numel() * t.element_size() >= limit:
+            out.alone.append(i)
+        else:
+            out.batched.append(i)
+    return out
+
+
 def unit_of(mode: int) -> int:
     """Bytes per value read in ``mode``."""
     return 4 if mode == MODE_LANES else 8

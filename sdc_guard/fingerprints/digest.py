@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from sdc_guard.fingerprints.batched import alone_bytes, stream_total
+from sdc_guard.fingerprints.batched import split, stream_total
 from sdc_guard.fingerprints.native import active_kernel
 from sdc_guard.fingerprints.weighted import INT_OF_SIZE, odd_weights, raw_bytes, tail_word, weighted_sum
 from sdc_guard.fingerprints.words import MASK64, to_signed64
@@ -148,22 +148,13 @@ def tensors_digest(tensors: Sequence[torch.Tensor], offsets: Sequence[int],
         if isinstance(o, bool) or not isinstance(o, int) or o < 0:
             raise TypeError(f"tensors_digest: offsets[{i}] is {o!r}; give a word offset, an "
                             "int >= 0.")
-    limit = alone_bytes(device)
-    batch: list[int] = []
-    alone: list[int] = []
-    elsewhere: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        if t.device != device:
-            elsewhere.setdefault(t.device, []).append(i)
-        elif t.numel() * t.element_size() >= limit:
-            alone.append(i)
-        else:
-            batch.append(i)
+    parts_of = split(tensors, device)
+    batch = parts_of.batched
     total = stream_total([tensors[i] for i in batch], [offsets[i] for i in batch], device)
-    for i in alone:
+    for i in parts_of.alone:
         parts = digest_parts(tensors[i])
         total = total + parts[0] + 2 * offsets[i] * parts[1]
-    for other, idx in elsewhere.items():
+    for other, idx in parts_of.elsewhere.items():
         part = tensors_digest([tensors[i] for i in idx], [offsets[i] for i in idx], other)
         total = total + part.to(device, non_blocking=True)
     return total

@@ -85,7 +85,7 @@ from typing import Any, Final
 
 import torch
 
-from sdc_guard.fingerprints.batched import MODE_LANES, MODE_WORDS, alone_bytes, stream_values
+from sdc_guard.fingerprints.batched import MODE_LANES, MODE_WORDS, split, stream_values
 from sdc_guard.fingerprints.native import NativeKernel, active_kernel
 from sdc_guard.fingerprints.weighted import (
     prep_lanes,
@@ -386,17 +386,11 @@ def _grouped_values(tensors: Sequence[torch.Tensor],
     if len(tensors) <= 1:
         return ((tensor_value(tensors[0]).to(device).reshape(1) if tensors
                  else torch.zeros(0, dtype=torch.int64, device=device)), list(range(len(tensors))))
-    limit = alone_bytes(device)
+    parts_of = split(tensors, device)
+    alone, elsewhere = parts_of.alone, parts_of.elsewhere
     streams: dict[int, list[int]] = {MODE_LANES: [], MODE_WORDS: []}
-    alone: list[int] = []
-    elsewhere: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        if t.device != device:
-            elsewhere.setdefault(t.device, []).append(i)
-        elif t.numel() * t.element_size() >= limit:
-            alone.append(i)
-        else:
-            streams[MODE_WORDS if t.element_size() == 8 else MODE_LANES].append(i)
+    for i in parts_of.batched:
+        streams[MODE_WORDS if tensors[i].element_size() == 8 else MODE_LANES].append(i)
     parts: list[torch.Tensor] = []
     order: list[int] = []
     for mode, idx in streams.items():
