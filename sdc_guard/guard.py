@@ -1,4 +1,4 @@
-"""SDCGuard: sequences the checks around one DDP training step."""
+"""SDCGuard: sequences the checks around one data-parallel training step (DDP, FSDP2, HSDP)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from sdc_guard.watchdog import Watchdog
 log = logging.getLogger(__name__)
 
 
-FORWARD_BACKWARD = "the forward and backward passes (DDP's gradient all-reduce)"
+FORWARD_BACKWARD = "the forward and backward passes (the gradients' reduction)"
 """Where a rank waits for a rank that stopped calling ``step`` (the watchdog's mark)."""
 
 
@@ -68,6 +68,14 @@ def _timed(into: dict[str, float], name: str, call: Callable[..., Any], step: in
         into[name] = into.get(name, 0.0) + time.perf_counter() - t
 
 
+def _is_fsdp(model: torch.nn.Module) -> bool:
+    """Is ``model`` FSDP2's (``fully_shard``)? Asked without importing FSDP2 for DDP users."""
+    import sys
+
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
+
+
 def _sparse_gradients(model: torch.nn.Module) -> bool:
     """Does a trained parameter get a sparse gradient (``nn.Embedding`` or
     ``nn.EmbeddingBag`` with ``sparse=True``)?"""
@@ -91,7 +99,7 @@ class SDCGuard:
 
     def __init__(
         self,
-        model: DistributedDataParallel,
+        model: torch.nn.Module,
         optimizer: Optimizers,
         *,
         loss_fn: LossFn,
@@ -119,11 +127,19 @@ class SDCGuard:
                 "DistributedDataParallel(torch.compile(module)) (the replay audit recomputes "
                 "through that module, which must run the same compiled code as the step)."
             )
-        if not isinstance(model, DistributedDataParallel):
+        sharded = _is_fsdp(model)
+        if not isinstance(model, DistributedDataParallel) and not sharded:
             raise TypeError(
-                f"SDCGuard(model=...) must be a torch.nn.parallel.DistributedDataParallel, got "
-                f"{type(model).__name__}. Wrap it first: DistributedDataParallel(model)."
+                f"SDCGuard(model=...) must be a torch.nn.parallel.DistributedDataParallel or a "
+                f"model wrapped by FSDP2's fully_shard (its root), got {type(model).__name__}. "
+                "Wrap it first: DistributedDataParallel(model), or fully_shard each block and "
+                "then the model."
             )
+        if sharded and comm_hook is not None:
+            raise ValueError(
+                "SDCGuard(comm_hook=...) is DDP's: a fully_shard model reduces its gradients "
+                "through FSDP2's own collectives, which the guard hooks itself. Drop comm_hook "
+                "(FSDP2's set_custom_reduce_scatter is the guard's to set).")
         optimizers = as_optimizers(optimizer, "SDCGuard(optimizer=...)")
         _refuse_foreign_optimizer(model, optimizers)
         if not callable(loss_fn):
@@ -174,13 +190,19 @@ class SDCGuard:
                 "SDCGuard(model=...) already has a DDP comm hook registered, and DDP takes one "
                 "per model: build the DDP model without it and pass it to the guard instead, "
                 "SDCGuard(..., comm_hook=my_hook, comm_hook_state=my_state).")
-        self.backend = GuardCommHook(process_group, model=model, inner_hook=comm_hook,
-                                     inner_state=comm_hook_state,
-                                     sparse_gradients=_sparse_gradients(model))
-        """How gradients are observed and reduced, the containment channel and the group the
-        checks compare within (docs/architecture.md, "The backend seam": DDP's comm hook
-        here). Fault injectors
-        add their gradient callbacks to it."""
+        self.backend: Any
+        """How gradients are observed and reduced, the containment channel and which ranks
+        hold the same state (docs/architecture.md, "The backend seam": DDP's comm hook, or
+        FSDP2's reduce-scatter and all-reduce hooks). Fault injectors add their gradient
+        callbacks to it."""
+        if sharded:
+            from sdc_guard.parallel.fsdp import FSDPBackend  # torch.distributed.fsdp on demand
+
+            self.backend = FSDPBackend(model, process_group)
+        else:
+            self.backend = GuardCommHook(process_group, model=model, inner_hook=comm_hook,
+                                         inner_state=comm_hook_state,
+                                         sparse_gradients=_sparse_gradients(model))
         self._step_agreed = False
         """Have the ranks been seen at one step (``_agree_on_step``) since the last restore?"""
         self._forwards = [0]
@@ -264,6 +286,16 @@ class SDCGuard:
                 f"built): {mismatch}. A healthy rank would be convicted at every audit step. "
                 "Make them alike, or set replay_interval=0 (the other checks compare no "
                 "computation across ranks).")
+        if self.backend.layout.sharded:
+            off = [f"{name}={value!r}" for name, value, on in (
+                ("replay_interval", config.replay_interval, bool(config.replay_interval)),
+                ("checksum", config.checksum, config.checksum_config is not None)) if on]
+            if off:
+                raise ValueError(
+                    f"GuardConfig({', '.join(off)}): under FSDP2 ({self.backend.parallel}) the "
+                    "guard runs the non-finite and weights checks; the replay audit and the "
+                    "checksum check are not supported there yet. Set replay_interval=0 and "
+                    "checksum=False for a fully_shard model.")
         if config.micro_batches > 1 and getattr(self.model, "static_graph", False):
             raise ValueError(
                 f"GuardConfig.micro_batches={config.micro_batches} with "
@@ -306,7 +338,7 @@ class SDCGuard:
         self.backend.attach()
 
     @property
-    def comm(self) -> GuardCommHook:
+    def comm(self) -> Any:
         """``backend`` under the name fault injectors and harnesses first knew it by."""
         return self.backend
 
@@ -314,7 +346,7 @@ class SDCGuard:
     def comm_hook_registered(self) -> bool:
         """Is the guard's comm hook registered with DDP (``GuardCommHook.attach``: only once
         something needs the gradient buckets)?"""
-        return self.backend.attached
+        return bool(self.backend.attached)
 
     # -- the step ---------------------------------------------------------------------------
     def step(self, step: int) -> StepReport:
@@ -383,11 +415,12 @@ class SDCGuard:
         if watch is not None:
             watch.at(step, FORWARD_BACKWARD)
         for i in range(len(batches)):
-            if i == len(batches) - 1:  # DDP all-reduces the gradients in this backward
+            if i == len(batches) - 1:  # the gradients are reduced in this backward
                 self._micro_batch(batches, i, step, due, losses)
             else:
-                with self.model.no_sync():
+                with self.backend.no_sync():
                     self._micro_batch(batches, i, step, due, losses)
+        self.backend.after_backward()
         if self._counting is not None:
             self._refuse_bypass()
         if versions is not None:

@@ -23,6 +23,14 @@ def ddp_ignored(model: torch.nn.Module) -> set[int]:
     return {id(p) for n, p in module.named_parameters() if n in names}
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as this rank holds it: a ``DTensor``'s local shard (FSDP2), else ``t``; detached."""
+    to_local = getattr(t, "to_local", None)
+    if to_local is not None:
+        t = to_local()
+    return t.detach()
+
+
 def state_tensors(
     model: torch.nn.Module, optimizer: Optimizers | None, *, every: bool = False
 ) -> list[torch.Tensor]:
@@ -32,9 +40,10 @@ def state_tensors(
     Parameters that DDP ignores (``ddp_ignored``), and their optimizer state, are not
     replicated and are left out, unless ``every`` (a checkpoint's own fingerprint). So is
     the state of an optimizer that shards it over the ranks (``ZeroRedundancyOptimizer``,
-    known by its ``consolidate_state_dict``): each rank holds another part."""
+    known by its ``consolidate_state_dict``): each rank holds another part. A sharded
+    tensor (FSDP2's ``DTensor``) is given as this rank's shard."""
     skip = set() if every else ddp_ignored(model)
-    tensors = [p.detach() for _, p in model.named_parameters() if id(p) not in skip]
+    tensors = [local(p) for _, p in model.named_parameters() if id(p) not in skip]
     for opt in () if optimizer is None else each(optimizer):
         if callable(getattr(opt, "consolidate_state_dict", None)):
             continue
@@ -46,5 +55,5 @@ def state_tensors(
                 for key in sorted(st, key=str):
                     v = st[key]
                     if isinstance(v, torch.Tensor):
-                        tensors.append(v.detach())
+                        tensors.append(local(v))
     return tensors

@@ -6,8 +6,9 @@ loops over what it returns.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.checks.base import Check, Verdict
@@ -39,7 +40,7 @@ __all__ = [
 def build_checks(
     config: GuardConfig,
     *,
-    model: DistributedDataParallel,
+    model: torch.nn.Module,
     optimizer: Optimizers,
     backend: Backend,
     loss_fn: LossFn,
@@ -57,8 +58,9 @@ def build_checks(
     weight_pass = WeightPass()
     checks: list[Check] = []
     if config.nonfinite:
-        recompute = None if batch_for is None else NeighbourRecompute(
-            model.module, loss_fn=loss_fn, batch_for=batch_for,
+        # (under sharding a recomputation is collective: not on the ranks that flag alone)
+        recompute = None if batch_for is None or backend.layout.sharded else NeighbourRecompute(
+            cast(DistributedDataParallel, model).module, loss_fn=loss_fn, batch_for=batch_for,
             micro_batches=config.micro_batches,
             seed=config.seed if config.deterministic else None, device=device, group=group)
         checks.append(NonFiniteCheck(
@@ -68,7 +70,8 @@ def build_checks(
         if batch_for is None:
             raise ValueError("GuardConfig.replay_interval needs batch_for.")
         checks.append(ReplayAudit(
-            model, interval=config.replay_interval, loss_fn=loss_fn, batch_for=batch_for,
+            cast(DistributedDataParallel, model), interval=config.replay_interval,
+            loss_fn=loss_fn, batch_for=batch_for,
             backend=backend, seed=config.seed, micro_batch_count=config.micro_batches, group=group,
             scale=grad_scaler.scale if grad_scaler is not None else None,
             contain=config.skip_step_on_detection))
@@ -77,7 +80,7 @@ def build_checks(
             model, optimizer, interval=config.weights_interval,
             include_optimizer_state=config.include_optimizer_state, device=device, group=group,
             repair=config.repair_by_majority, repair_window_steps=config.repair_window_steps,
-            weight_pass=weight_pass))
+            weight_pass=weight_pass, layout=backend.layout))
     checksum = config.checksum_config
     if checksum is not None:
         checks.append(ChecksumCheck(

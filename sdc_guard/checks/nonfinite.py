@@ -67,7 +67,7 @@ from sdc_guard.collectives import COMMUNICATING_LOSS, collectives_issued
 from sdc_guard.determinism import buffers_saved, buffers_set, module_state_kept, rng_stream
 from sdc_guard.fingerprints.native import active_kernel
 from sdc_guard.hostread import StepRead
-from sdc_guard.parallel.base import Backend, GradientListener
+from sdc_guard.parallel.base import Backend, Containment, GradientListener
 from sdc_guard.report import Detection
 from sdc_guard.scaling import Flag, check_nonfinite, host_words
 from sdc_guard.types import BatchFor, LossFn, fetch_micro_batches, recomputed_loss
@@ -153,6 +153,14 @@ class NonFiniteCheck(Check, GradientListener):
         """Reduced buckets whose flag ``host_flags`` computes (not host float32 words)."""
         self._asked: tuple[Flag, Flag, tuple[StepRead, int] | None] | None = None
         """This step's flags as ``ask`` found them, and their handle in the step's read."""
+        self.sharded = backend.layout.sharded
+        """Each rank reduces a shard of its own (FSDP2): a rank's verdict must travel to
+        every rank in its step (the backend's veto word) before any withholds."""
+        self.wants_veto = self.sharded and not expect_overflow
+        self._found: tuple[Flag, Flag] | None = None
+        """This step's flags, once ``veto`` computed them."""
+        self._answer: Containment | None = None
+        """This step's containment answer (sharded backends)."""
         self._backend = backend
         backend.subscribe(self)
 
@@ -181,8 +189,22 @@ class NonFiniteCheck(Check, GradientListener):
             self._reduced_device.append(out)
 
     # -- per step ---------------------------------------------------------------------------
+    def veto(self) -> Flag | None:
+        """Sharded backends: withhold on every rank when this rank's local gradients or its
+        reduced shard hold a NaN/Inf."""
+        self._found = self._flags()
+        local, reduced = self._found
+        if isinstance(local, bool) and isinstance(reduced, bool):
+            return local or reduced
+        return torch.as_tensor(local).to(self.device) | torch.as_tensor(reduced).to(self.device)
+
+    def vetoed(self, answer: Containment) -> None:
+        self._answer = answer
+
     def begin_step(self, step: int) -> None:
         self._local = None
+        self._found = None
+        self._answer = None
         self._asked = None
         self._reduced_host = []
         self._reduced_device = []
@@ -207,7 +229,9 @@ class NonFiniteCheck(Check, GradientListener):
 
     def ask(self, step: int, read: StepRead) -> None:
         """The device flags of this step and the flags word in flight, for the step's one read."""
-        local, reduced = self._flags()
+        local, reduced = self._flags() if self._found is None else self._found
+        if self._answer is not None:
+            self._answer.ask(read)
         device = [f.reshape(1).to(self.device) for f in (local, reduced)
                   if isinstance(f, torch.Tensor)]
         self._asked = (local, reduced, None if not device else
@@ -240,6 +264,9 @@ class NonFiniteCheck(Check, GradientListener):
             reproduced = self._recompute((self.rank + 1) % self.world, step)
         found = self._deferred.collect(self)  # the word sent at the end of the previous window
         self._deferred.add(step, (local, reduced, reproduced))
+        if self.sharded:  # some rank's local or reduced gradients: every rank withholds
+            answer, self._answer = self._answer, None
+            return Verdict(found, withhold=answer is not None and answer.read())
         return Verdict(found, withhold=reduced and not self.expect_overflow)
 
     def _recompute(self, rank: int, step: int) -> bool:
@@ -276,10 +303,11 @@ class NonFiniteCheck(Check, GradientListener):
         n = len(rows)
         local = tuple(r for r, row in enumerate(rows) if row[0])
         reduced = tuple(r for r, row in enumerate(rows) if row[1])
+        withheld = (list(range(n)) if self.sharded and (local or reduced) else list(reduced))
         evidence: dict[str, Any] = {"local_nonfinite": list(local),
                                     "reduced_nonfinite": list(reduced),
                                     "withheld_ranks": [] if self.expect_overflow
-                                    else list(reduced)}
+                                    else withheld}
         if local and not self.expect_overflow:
             # rank r's batch, recomputed by rank r - 1 (a third flag of that rank's row)
             again = {r: (r - 1) % n for r in local if n > 1 and rows[(r - 1) % n][2]}
@@ -294,10 +322,12 @@ class NonFiniteCheck(Check, GradientListener):
             return [Detection("nonfinite", step, suspects, detail=detail, evidence=evidence)]
         if reduced and not local:
             world = len(rows)
-            suspects = reduced if len(reduced) < world else ()
+            suspects = reduced if len(reduced) < world and not self.sharded else ()
             where = (
                 f"only on rank(s) {list(reduced)}: a fault in their reduction or link"
                 if suspects
+                else f"in the shards of rank(s) {list(reduced)}, which each rank reduces from "
+                "every rank's part: the reduction, no rank to blame" if self.sharded
                 else "on every rank: the reduction itself, no rank to blame"
             )
             return [

@@ -13,6 +13,14 @@ rank: that step's gradients came in part from the replica that differed, so noth
 it reaches the weights, and the detection names the step whose state was voted on. After
 the last step, ``flush`` reads the vote still in flight.
 
+Under FSDP2 (``sdc_guard.parallel.base.Layout``) each shard is voted among the ranks that
+hold it: HSDP's replicas across the replicate dimension. The vote is still one all-reduce
+over every rank (a slot per shard), so every rank reads every shard's verdict and withholds
+alike. Pure FSDP holds no replica to vote with: the check is then *at rest*, each rank's
+shard fingerprinted after the optimizer step and again before the next optimizer step
+uses it (in the next step's read), and a rank whose shard changed in between is named.
+Its remedy is a rollback (there is no majority to repair from).
+
 Repair by majority (``GuardConfig.repair_by_majority``, on by default): when the suspects
 are a strict minority, the lowest-numbered rank of the majority broadcasts its parameters and
 optimizer state to every rank, and a second vote verifies that every rank now agrees. The
@@ -45,11 +53,15 @@ from sdc_guard.fingerprints.public import fingerprint_tensor
 from sdc_guard.fingerprints.words import mix64_int, to_signed64, to_unsigned64
 from sdc_guard.hostread import StepRead
 from sdc_guard.optimizers import Optimizers, param_groups
+from sdc_guard.parallel.base import Layout
 from sdc_guard.report import Detection
 from sdc_guard.state import state_tensors
 
 _STEP_SALT = 0x5344435F53544550
 """Mixed with the step before its stamp is taken (``WeightsCheck.post_step``)."""
+
+_LOWEST = -(1 << 63)
+"""The slots of the other shards in a rank's vote vector (MAX leaves theirs)."""
 
 
 def hyperparameters(optimizer: Optimizers) -> list[dict[str, Any]]:
@@ -93,7 +105,8 @@ class _Vote:
     step: int
     stamp: int
     word: torch.Tensor
-    both: torch.Tensor
+    both: torch.Tensor | None
+    """``[word, ~word]`` in this rank's shard's slots; None at rest until ``ask`` compares."""
     work: Any
     asked: tuple[StepRead, int] | None = None
     """Its handle in the step's one read (``WeightsCheck.ask``)."""
@@ -119,8 +132,14 @@ class WeightsCheck(Check):
         repair: bool = False,
         repair_window_steps: int = 1000,
         weight_pass: WeightPass | None = None,
+        layout: Layout | None = None,
     ) -> None:
         self.model = model
+        self.layout = (Layout.replicated(dist.get_world_size(group)) if layout is None
+                       else layout)
+        """Which ranks hold the same state: the vote runs within each set."""
+        self.at_rest = self.layout.sharded and self.layout.replicas == 1
+        """Pure FSDP: no replica; each rank's state is compared with itself between steps."""
         self.optimizer = optimizer
         self.interval = interval
         self.include_optimizer_state = include_optimizer_state
@@ -154,15 +173,22 @@ class WeightsCheck(Check):
         or the optimizer's state) leaves the replicas apart. This check would then convict
         the ranks outside the majority at the first step, and repair by majority would
         overwrite the loaded weights with the others'."""
+        if self.at_rest:
+            return  # no replicas to start alike
         words = [fingerprint_tensor(state_tensors(self.model, None)), self.local_fingerprint()]
         rows = all_gather_rows(torch.stack([w.to(self.device).reshape(()) for w in words]),
                                self.group).tolist()
-        if all(row == rows[0] for row in rows):
+        sets = self.layout.sets
+        apart = [s for s in sets if any(rows[r] != rows[s[0]] for r in s)]
+        if not apart:
             return
-        what = ("parameters" if any(row[0] != rows[0][0] for row in rows)
+        what = ("parameters" if any(rows[r][0] != rows[s[0]][0] for s in apart for r in s)
                 else "optimizer states")
         column = 0 if what == "parameters" else 1
-        odd = majority_outliers([row[column] for row in rows])
+        odd: tuple[int, ...] | None = ()
+        for s in apart:
+            out = majority_outliers([rows[r][column] for r in s])
+            odd = None if out is None or odd is None else odd + tuple(s[i] for i in out)
         where = (f"ranks {list(odd)} differ from the others" if odd
                  else "no majority of the ranks agrees")
         raise ValueError(
@@ -187,18 +213,40 @@ class WeightsCheck(Check):
         mismatch path first gathers the steps (``StepsDisagree`` on every rank) before anyone
         is blamed."""
         self._drop_vote()
+        if self.at_rest:  # compared with itself before the next optimizer step (``ask``)
+            word = self.local_fingerprint(step).to(self.device).reshape(1)
+            self._vote = _Vote(step, 0, word, None, None)
+            return []
         stamp = to_signed64(mix64_int(step ^ _STEP_SALT))
         word = self.local_fingerprint(step).to(self.device).reshape(1) ^ stamp
-        both = torch.cat([word, torch.bitwise_not(word)])  # MAX of both: the max and ~min
-        work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        if work is None:  # pragma: no cover - async_op=True always returns a Work handle
-            raise RuntimeError("torch.distributed.all_reduce(async_op=True) returned no Work")
+        both, work = self._start(word, torch.bitwise_not(word))
         self._vote = _Vote(step, stamp, word, both, work)
         return []
 
+    def _start(self, first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The MAX all-reduce over every rank of ``[first, second]`` in this rank's shard's
+        slots (the lowest int64 in the others'): per shard, the max of ``first`` and of
+        ``second`` over the ranks that hold it."""
+        pair = torch.cat([first, second])
+        if len(self.layout.sets) == 1:
+            both = pair
+        else:
+            both = torch.full((2 * len(self.layout.sets),), _LOWEST, dtype=torch.int64,
+                              device=self.device)
+            part = self.layout.part
+            both[2 * part:2 * part + 2] = pair
+        work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        if work is None:  # pragma: no cover - async_op=True always returns a Work handle
+            raise RuntimeError("torch.distributed.all_reduce(async_op=True) returned no Work")
+        return both, work
+
     def ask(self, step: int, read: StepRead) -> None:
         vote = self._vote
+        if vote is not None and vote.both is None:  # at rest: the state as it is now
+            now = self.local_fingerprint().to(self.device).reshape(1)
+            vote.both, vote.work = self._start(vote.word, torch.bitwise_not(now))
         if vote is not None and vote.asked is None:
+            assert vote.both is not None
             vote.work.wait()  # on a GPU the stream waits, not the host
             vote.asked = (read, read.ask(vote.both))
 
@@ -228,22 +276,29 @@ class WeightsCheck(Check):
 
     def _drop_vote(self) -> None:
         vote, self._vote = self._vote, None
-        if vote is not None:
+        if vote is not None and vote.work is not None:
             vote.work.wait()
 
     def _judge(self, vote: _Vote) -> list[Detection]:
         """The vote's verdict on the state after ``vote.step``: none when every rank's word is
         the same; else the gather, the steps' agreement, the majority and the repair."""
+        if vote.both is None:  # at rest, flushed before the next step compared it
+            now = self.local_fingerprint().to(self.device).reshape(1)
+            vote.both, vote.work = self._start(vote.word, torch.bitwise_not(now))
         if vote.asked is not None:
             read, handle = vote.asked
-            largest, not_smallest = (int(v) for v in read.get(handle))
+            words = [int(v) for v in read.get(handle)]
         else:
             vote.work.wait()
-            largest, not_smallest = (int(v) for v in vote.both.tolist())
+            words = [int(v) for v in vote.both.tolist()]
         step, stamp = vote.step, vote.stamp
-        if largest == ~not_smallest:  # max == min: every rank holds the same word
+        # per shard: max == min (at rest: then == now), every rank holding it alike
+        apart = [j for j in range(len(words) // 2) if words[2 * j] != ~words[2 * j + 1]]
+        if not apart:
             self.verified(step)
             return []
+        if self.at_rest:
+            return self._changed_at_rest(step, apart)
         gathered = [int(v) for v in all_gather_rows(vote.word, self.group)[:, 0].tolist()]
         steps = all_gather_rows(torch.tensor([step], dtype=torch.int64, device=self.device),
                                 self.group)[:, 0].tolist()
@@ -252,12 +307,25 @@ class WeightsCheck(Check):
             raise StepsDisagree(f"SDCGuard.step: the ranks are not at one step ({differ}, found "
                                 f"in the weights check's vote); {STEPS_FIX}")
         values = [to_unsigned64(v ^ stamp) for v in gathered]
-        outliers = majority_outliers(values)
-        if outliers == ():
+        bad: dict[int, tuple[int, ...]] = {}
+        """Per shard whose ranks differ: the ranks outside its strict majority."""
+        unattributed = []
+        for j in apart:
+            members = self.layout.sets[j]
+            out = majority_outliers([values[r] for r in members])
+            if out is None:
+                unattributed.append(j)
+            elif out:
+                bad[j] = tuple(members[i] for i in out)
+        if not bad and not unattributed:
             self.verified(step)
             return []
         self._refuse_settings_drift(step)
         evidence: dict[str, Any] = {"fingerprints": [f"{v:016x}" for v in values]}
+        if len(self.layout.sets) > 1:
+            evidence["shards"] = {str(j): list(self.layout.sets[j]) for j in apart}
+        outliers: tuple[int, ...] | None = (
+            None if unattributed and not bad else tuple(sorted(r for o in bad.values() for r in o)))
         if outliers is None:
             self.tainted()
             return [
@@ -271,20 +339,27 @@ class WeightsCheck(Check):
                 )
             ]
         detail = f"rank(s) {list(outliers)} hold weights that differ from the majority"
+        if unattributed:
+            detail += (f"; the replicas of shard(s) {unattributed} differ too, with no strict "
+                       "majority among them: cannot attribute")
         repaired = False
-        if self.repair and 2 * len(outliers) < len(values):
+        if self.repair:
             repeat = [r for r in outliers if any(step - s < self.repair_window_steps
                                                  for s in self.repairs.get(r, []))]
-            ok = self._repair(outliers)
+            sources = self._repair(bad)
+            ok = self._agree_now() and not unattributed
             for r in outliers:
                 self.repairs.setdefault(r, []).append(step)
-            evidence["repair"] = {"source": min(set(range(len(values))) - set(outliers)),
+            evidence["repair"] = {"source": (next(iter(sources.values())) if len(sources) == 1
+                                             else {str(j): r for j, r in sources.items()}),
                                   "verified": ok, "repeat_ranks": repeat}
             if repeat:  # the earlier repair was this permanent fault too: the window opens there
                 evidence["repair"]["since"] = min(
                     s for r in repeat for s in self.repairs[r] if step - s < self.repair_window_steps)
             repaired = ok and not repeat
-            detail += (f"; repaired in place from rank {evidence['repair']['source']}"
+            detail += ("; repaired in place from rank" + (
+                f" {sources[next(iter(sources))]}" if len(sources) == 1
+                else f"s {sorted(sources.values())}")
                        + (" and verified" if ok else ", but the ranks still differ"))
             if repeat:
                 detail += (f"; rank(s) {repeat} repaired before within "
@@ -313,14 +388,39 @@ class WeightsCheck(Check):
                 "learning rate) on every rank alike, not under `if rank == 0`. Not a fault of "
                 "the hardware: no rank is blamed.")
 
-    def _repair(self, outliers: tuple[int, ...]) -> bool:
-        """Broadcast the majority's parameters and optimizer state; vote again. Collective."""
-        world = dist.get_world_size(self.group)
-        source = min(set(range(world)) - set(outliers))
-        src = dist.get_global_rank(self.group, source) if self.group is not None else source
-        with torch.no_grad():
-            for t in state_tensors(self.model, self.optimizer):
-                dist.broadcast(t, src=src, group=self.group)
+    def _repair(self, bad: dict[int, tuple[int, ...]]) -> dict[int, int]:
+        """Per shard in ``bad``, its majority's lowest rank broadcasts the parameters and
+        optimizer state to the shard's other holders; the sources, by shard. Collective within
+        each repaired shard's holders."""
+        sources = {j: min(set(self.layout.sets[j]) - set(out)) for j, out in bad.items()}
+        mine = sources.get(self.layout.part)
+        if mine is not None:
+            src = dist.get_global_rank(self.group, mine) if self.group is not None else mine
+            within = self.group if len(self.layout.sets) == 1 else self.layout.replica_group
+            with torch.no_grad():
+                for t in state_tensors(self.model, self.optimizer):
+                    dist.broadcast(t, src=src, group=within)
         self.weight_pass.invalidate()  # its sums were taken from the weights as they were
-        return gather_if_different(self.local_fingerprint().to(self.device).reshape(1),
-                                   self.group) is None
+        return sources
+
+    def _agree_now(self) -> bool:
+        """Does every shard's holders' state agree now? One vote, waited for. Collective."""
+        word = self.local_fingerprint().to(self.device).reshape(1)
+        if len(self.layout.sets) == 1:
+            return gather_if_different(word, self.group) is None
+        both, work = self._start(word, torch.bitwise_not(word))
+        work.wait()
+        words = [int(v) for v in both.tolist()]
+        return all(words[2 * j] == ~words[2 * j + 1] for j in range(len(words) // 2))
+
+    def _changed_at_rest(self, step: int, apart: list[int]) -> list[Detection]:
+        """Pure FSDP: the ranks whose shard changed between ``step``'s optimizer step and the
+        next one's use of it. Nothing to repair from: a rollback's."""
+        ranks = tuple(sorted(r for j in apart for r in self.layout.sets[j]))
+        self.tainted()
+        return [Detection(
+            "weights", step, ranks,
+            detail=f"rank(s) {list(ranks)}: the shard of the weights (or optimizer state) each "
+            f"holds changed at rest, after step {step}'s optimizer step and before the next "
+            "one (FSDP holds no replica to repair it from: roll back)",
+            evidence={"at_rest": True, "shards": [int(j) for j in apart]})]

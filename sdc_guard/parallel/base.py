@@ -8,15 +8,19 @@ A *backend* owns three things the checks need and must not reach for themselves:
 - **the containment channel**: once per step, before the step's last gradient reduction,
   it asks every listener that wants to whether this rank withholds the step (``veto``), and
   hands each of them one ``Containment`` answer that every rank reads alike (``vetoed``);
-- **the group the checks compare within** (``group``): DDP's replicas are the whole
-  process group.
+- **which ranks hold the same state** (``layout``): DDP's replicas are the whole process
+  group; under FSDP each rank holds a shard of its own; under HSDP each shard has its
+  replicas across the replicate dimension of the mesh.
 
 The checks know only this module; ``sdc_guard.parallel.ddp`` is the implementation for
-``DistributedDataParallel``. docs/architecture.md draws the seam.
+``DistributedDataParallel``, ``sdc_guard.parallel.fsdp`` the one for FSDP2's
+``fully_shard`` (FSDP and HSDP). docs/architecture.md draws the seam.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -25,6 +29,42 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from sdc_guard.hostread import StepRead
     from sdc_guard.scaling import Flag, RowSums, Spans
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which ranks hold the same state: what the weights check votes within.
+
+    ``sets[j]`` are the ranks (numbered in the backend's ``group``) that hold part ``j`` of
+    the state alike, in rank order; this rank holds part ``part``. DDP: one part, every rank.
+    FSDP over N ranks: N parts of one rank each (nothing to vote with). HSDP over an R x S
+    mesh: S parts (the shards) of R replicas each."""
+
+    sets: tuple[tuple[int, ...], ...]
+    part: int
+    replica_group: dist.ProcessGroup | None
+    """The group of the ranks in ``sets[part]`` (a repair broadcasts within it); None where
+    the part has one rank, or where it is the backend's whole group (DDP)."""
+
+    @classmethod
+    def replicated(cls, world: int) -> Layout:
+        """Every rank a replica of the same state (DDP)."""
+        return cls((tuple(range(world)),), 0, None)
+
+    @property
+    def sharded(self) -> bool:
+        """Do the ranks hold different parts (the reduced gradients then differ per rank,
+        and a per-rank verdict on them must travel to every rank before it withholds)?"""
+        return len(self.sets) > 1
+
+    @property
+    def replicas(self) -> int:
+        """How many ranks hold each part (1: pure FSDP, no replica to compare with)."""
+        return min(len(s) for s in self.sets)
+
+    def part_of(self, rank: int) -> int:
+        """The part ``rank`` holds."""
+        return next(j for j, s in enumerate(self.sets) if rank in s)
 
 
 class Bucket(Protocol):
@@ -128,7 +168,9 @@ class Backend(Protocol):
     """What ``SDCGuard`` and its checks need from a kind of data parallelism."""
 
     group: dist.ProcessGroup | None
-    """The group whose members hold replicas of the same state: the checks compare within it."""
+    """The group every rank of the job is in: the checks' words travel within it."""
+    layout: Layout
+    """Which ranks of ``group`` hold the same state (the weights check votes within each set)."""
     rank: int
     world_size: int
     step: int
@@ -148,6 +190,16 @@ class Backend(Protocol):
 
     def attach(self) -> None:
         """Observe the gradients from now on, if anything needs them (idempotent)."""
+        ...
+
+    def no_sync(self) -> AbstractContextManager[Any]:
+        """Backward passes inside accumulate gradients without reducing them (the step's
+        micro-batches before its last)."""
+        ...
+
+    def after_backward(self) -> None:
+        """After the step's last backward, before the checks' verdicts: a backend whose
+        reductions end before it knows they are the step's last asks for the veto here."""
         ...
 
 

@@ -37,6 +37,7 @@ without the guard (the flag is then a separate read, and nothing is fused).
 import functools
 import math
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ from torch._C._distributed_c10d import GradBucket
 
 from sdc_guard.collectives import PendingSum, words_on
 from sdc_guard.hostread import StepRead
-from sdc_guard.parallel.base import Containment, GradientListener
+from sdc_guard.parallel.base import Containment, GradientListener, Layout
 from sdc_guard.scaling import (
     Flag,
     RowPlans,
@@ -102,7 +103,7 @@ class _SentinelAnswer:
         return got
 
 
-class _WordAnswer:
+class WordAnswer:
     """The containment answer carried by a word of its own (an int64 SUM all-reduce)."""
 
     __slots__ = ("pending",)
@@ -136,6 +137,8 @@ class GuardCommHook:
         every member holds a replica of the same state."""
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
+        self.layout = Layout.replicated(self.world_size)
+        """Every rank a replica of the same state."""
         self.model = model
         """The DDP model ``attach`` registers this hook with (None: the caller registers it)."""
         self.inner_hook = inner_hook
@@ -190,6 +193,14 @@ class GuardCommHook:
         self.step = step
         self._answer_due = False
 
+    def no_sync(self) -> AbstractContextManager[Any]:
+        """DDP's own ``no_sync``: the buckets are reduced in the last micro-batch's backward."""
+        ctx: AbstractContextManager[Any] = self.model.no_sync()
+        return ctx
+
+    def after_backward(self) -> None:
+        """Nothing: the veto rode the last bucket (``_veto``)."""
+
     def _veto(self, bucket: GradBucket) -> None:
         """Ask the listeners that want to whether this rank withholds the step, and carry the
         answer to every rank (``GradientListener.vetoed``).
@@ -217,7 +228,7 @@ class GuardCommHook:
             else:
                 word = torch.stack([torch.as_tensor(f, device=device)
                                     for f in raised]).any().to(torch.int64).reshape(1)
-            answer = _WordAnswer(PendingSum(word, self.group, in_place=True))
+            answer = WordAnswer(PendingSum(word, self.group, in_place=True))
             for lst in asked:
                 lst.vetoed(answer)
             return

@@ -1,0 +1,294 @@
+"""The FSDP2 backend: ``fully_shard`` models on a 1-D mesh (FSDP) or a 2-D mesh (HSDP).
+
+``FSDPBackend`` implements ``sdc_guard.parallel.base.Backend`` for a model that
+``torch.distributed.fsdp.fully_shard`` wrapped. FSDP2 reduces each of its modules'
+gradients on its own: per module (a "param group"), the rank's local, unsharded
+gradients are copied into one flat buffer laid out ``[shard ranks, -1]`` and
+reduce-scattered over the shard dimension, then, under HSDP, all-reduced over the
+replicate dimension. Two public seams show them, and this backend takes both:
+
+- ``FSDPModule.set_custom_reduce_scatter(comm)``: ``comm(output, input, group, op)`` runs
+  the reduce-scatter, and ``input`` is this rank's local gradients (event ``local``,
+  ``after_scaling``; fault injectors' site "gradient_before_allreduce"). The backend runs
+  the same ``reduce_scatter_single`` FSDP2 runs by default, with the op FSDP2 chose, so
+  training stays bit-identical to FSDP2 without the guard;
+- ``FSDPModule.set_all_reduce_hook(hook)``: ``hook(output)`` sees the reduced shard (under
+  HSDP after the replicate all-reduce): event ``reduced``; site
+  "gradient_after_allreduce".
+
+The interface class of the custom reduce-scatter lives in a private module of torch; the
+backend's object matches it structurally (``allocate`` and ``__call__``) and imports
+nothing private. Both seams need torch 2.8 or newer.
+
+**Containment.** Under sharding a NaN in rank 1's local gradients lands in the shard of
+whichever rank owns those elements; each rank sees only its own shard reduced. A verdict
+must reach every rank in its step, or one shard would be updated and another not (and
+the replicas of a shard would drift apart). No reduction of FSDP2 knows it is the step's
+last, so the veto travels in a word of its own: after the step's last backward
+(``after_backward``) every listener that takes part says whether this rank withholds,
+and one int64 SUM all-reduce over every rank carries the answer, read in the step's one
+read from the device (``sdc_guard.hostread``). A step in which no listener takes part
+sends nothing.
+
+What it refuses, at construction: a model that is not the ``fully_shard`` root (the
+outermost module must be an ``FSDPModule``), parameters on more than one mesh, a mesh of
+more than two dimensions or placements other than FSDP2's own (tensor or pipeline
+parallelism), a mesh that does not span the process group, and modules with more than one
+param group (FSDP2's custom reduce-scatter refuses those itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from sdc_guard.collectives import PendingSum, words_on
+from sdc_guard.parallel.base import GradientListener, Layout
+from sdc_guard.parallel.ddp import WordAnswer
+from sdc_guard.scaling import Flag, check_nonfinite
+
+FSDP_FIX = ("Wrap the model as FSDP2 does it (torchtitan's way): fully_shard(block, "
+            "mesh=mesh) for each block, then fully_shard(model, mesh=mesh) for the root, on a "
+            "1-D mesh (FSDP) or a 2-D mesh with dims (replicate, shard) (HSDP), and pass the "
+            "root to SDCGuard.")
+
+
+class ShardChunk:
+    """One FSDP2 module's gradients on their way to the reduce-scatter, as a ``Bucket``.
+
+    ``buffer()`` is this rank's local, unsharded gradients of that module, laid out
+    ``[shard ranks, -1]`` (each row the part one rank will own); writing it changes what
+    is reduced (fault injectors do)."""
+
+    __slots__ = ("_buffer", "_index", "_module")
+
+    def __init__(self, buffer: torch.Tensor, index: int, module: torch.nn.Module) -> None:
+        self._buffer, self._index, self._module = buffer, index, module
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def index(self) -> int:
+        """The module's place among the model's ``fully_shard`` modules (outermost first)."""
+        return self._index
+
+    def is_last(self) -> bool:
+        """Never known: FSDP2 reduces each module on its own (``after_backward`` ends the step)."""
+        return False
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The module's own sharded parameters (``DTensor``), in order."""
+        return list(_own_parameters(self._module))
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Not views of the buffer: each gradient is split across its rows."""
+        return []
+
+
+def _own_parameters(module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """The parameters ``fully_shard(module)`` manages: its own, not those of a nested
+    ``FSDPModule``."""
+    nested = [m for m in module.modules() if m is not module and isinstance(m, FSDPModule)]
+    inner = {id(p) for m in nested for p in m.parameters()}
+    for p in module.parameters():
+        if id(p) not in inner:
+            yield p
+
+
+class _ReduceScatter:
+    """The custom reduce-scatter of one FSDP2 module (structurally FSDP2's ``ReduceScatter``):
+    FSDP2's default collective, with the backend's events around it."""
+
+    def __init__(self, backend: FSDPBackend, index: int, module: torch.nn.Module) -> None:
+        self.backend, self.index, self.module = backend, index, module
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op: Any, async_op: bool = False) -> Any:
+        self.backend._local(ShardChunk(input_tensor, self.index, self.module))
+        return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group,
+                                          op=op, async_op=async_op)
+
+
+class FSDPBackend:
+    """The FSDP2 backend (``sdc_guard.parallel.base.Backend``); see the module doc."""
+
+    def __init__(self, model: torch.nn.Module,
+                 process_group: dist.ProcessGroup | None = None) -> None:
+        self.model = model
+        self.group = process_group
+        """Every rank of the job: the checks' words and the veto travel within it."""
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.mesh = mesh_of(model, self.world_size)
+        self.layout = _layout(self.mesh, process_group)
+        """Under FSDP each rank its own part; under HSDP the replicas of each shard."""
+        self.parallel = "hsdp" if self.mesh.ndim == 2 else "fsdp"
+        self.modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        """Every ``fully_shard`` module, outermost first."""
+        for m in self.modules:
+            groups = len(m._get_fsdp_state()._fsdp_param_groups)
+            if groups > 1:
+                raise ValueError(
+                    f"SDCGuard(model=...): the fully_shard module {type(m).__name__} manages "
+                    f"{groups} param groups (a per-parameter mesh from shard_placement_fn), "
+                    "and FSDP2 hands the guard one group's gradients at a time only. "
+                    f"Shard it with one mesh and placement. {FSDP_FIX}")
+        self.before: list[Callable[[ShardChunk], None]] = []
+        """Fault injectors' callbacks on the local gradients (may modify them)."""
+        self.after: list[Callable[[ShardChunk, torch.Tensor], None]] = []
+        """Fault injectors' callbacks on the reduced shard (may modify it)."""
+        self.listeners: list[GradientListener] = []
+        self.step = -1
+        self.attached = False
+        """Are the reduce-scatter and all-reduce hooks set on the model's modules?"""
+        self._chunks: list[ShardChunk] = []
+        """This step's chunks, by reduce-scatter, to pair with the all-reduce hook's outputs."""
+
+    # -- the Backend protocol --------------------------------------------------------------
+    def subscribe(self, listener: GradientListener) -> None:
+        self.listeners.append(listener)
+
+    def unsubscribe(self, listener: GradientListener) -> None:
+        self.listeners[:] = [x for x in self.listeners if x is not listener]
+
+    def attach(self) -> None:
+        """Set the hooks on every module that owns parameters, the first time something needs
+        the gradients. Once set they stay (FSDP2 has no way to unset them); training is
+        bit-identical either way."""
+        if self.attached or not (self.listeners or self.before or self.after):
+            return
+        for i, m in enumerate(self.modules):
+            if not m._get_fsdp_state()._fsdp_param_groups:
+                continue  # a root that owns no parameters reduces nothing
+            m.set_custom_reduce_scatter(_ReduceScatter(self, i, m))  # type: ignore[arg-type]
+            m.set_all_reduce_hook(self._reduced)
+        self.attached = True
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self._chunks = []
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """FSDP2's ``set_requires_gradient_sync(False)`` for the micro-batches before the last."""
+        root: Any = self.model
+        root.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            root.set_requires_gradient_sync(True)
+
+    # -- events ------------------------------------------------------------------------------
+    def _local(self, chunk: ShardChunk) -> None:
+        for cb in self.before:
+            cb(chunk)
+        flag: Flag | None = None
+        if any(lst.wants_flag for lst in self.listeners):
+            flag = check_nonfinite(chunk.buffer())
+        for lst in self.listeners:
+            lst.local(chunk)
+        for lst in self.listeners:
+            lst.after_scaling(chunk, flag, None)
+        self._chunks.append(chunk)
+
+    def _reduced(self, out: torch.Tensor) -> None:
+        """FSDP2's all-reduce hook: the module's reduced shard. The hooks run in the order of
+        the reduce-scatters, each after its own."""
+        chunk = self._chunks[-1] if self._chunks else ShardChunk(out, -1, self.model)
+        for cb in self.after:
+            cb(chunk, out)
+        for lst in self.listeners:
+            lst.reduced(chunk, out)
+
+    def after_backward(self) -> None:
+        """The step's veto: every listener that takes part says whether this rank withholds,
+        and one int64 SUM all-reduce over every rank carries the answer (``vetoed``)."""
+        asked = [lst for lst in self.listeners if lst.wants_veto]
+        if not asked:
+            return
+        for lst in asked:
+            lst.before_last_allreduce()
+        flags = [f for lst in asked if (f := lst.veto()) is not None]
+        if not flags:  # every listener sits this step out (alike on every rank)
+            return
+        raised = [f for f in flags if f is not False]
+        device = self.mesh.device_type
+        if all(isinstance(f, bool) for f in raised):
+            word = words_on([int(bool(raised))], torch.device(device))
+        else:
+            word = torch.stack([torch.as_tensor(f).reshape(()) for f in raised]).any().to(
+                torch.int64).reshape(1)
+        answer = WordAnswer(PendingSum(word, self.group, in_place=True))
+        for lst in asked:
+            lst.vetoed(answer)
+
+
+def mesh_of(model: torch.nn.Module, world: int) -> Any:
+    """The one ``DeviceMesh`` every parameter of ``model`` is sharded on, checked."""
+    if not isinstance(model, FSDPModule):
+        raise TypeError(f"SDCGuard(model=...) got {type(model).__name__}, not the fully_shard "
+                        f"root. {FSDP_FIX}")
+    meshes: dict[int, Any] = {}
+    plain = []
+    for name, p in model.named_parameters():
+        if not isinstance(p, DTensor):
+            plain.append(name)
+            continue
+        meshes.setdefault(id(p.device_mesh), p.device_mesh)
+        want = (Shard(0),) if p.device_mesh.ndim == 1 else (Replicate(), Shard(0))
+        if tuple(p.placements) != want:
+            raise ValueError(
+                f"SDCGuard(model=...): parameter {name!r} is placed {tuple(p.placements)} on "
+                f"its mesh, not as FSDP2 places it ({want}): tensor or pipeline parallelism "
+                "is not supported yet. Use FSDP2 alone (fully_shard on a 1-D or 2-D data-"
+                "parallel mesh).")
+    if plain:
+        raise ValueError(f"SDCGuard(model=...): parameters {plain[:4]} are not sharded by "
+                         f"fully_shard (plain tensors beside DTensors). {FSDP_FIX}")
+    if not meshes:
+        raise ValueError("SDCGuard(model=...): the fully_shard model has no parameters.")
+    if len(meshes) > 1:
+        raise ValueError(
+            f"SDCGuard(model=...): the model's parameters are sharded on {len(meshes)} "
+            "different meshes; the guard supports one data-parallel mesh. Pass the same mesh "
+            f"to every fully_shard call. {FSDP_FIX}")
+    mesh = next(iter(meshes.values()))
+    if mesh.ndim > 2:
+        raise ValueError(f"SDCGuard(model=...): a {mesh.ndim}-D mesh {tuple(mesh.shape)}: the "
+                         f"guard supports FSDP (1-D) and HSDP (2-D: replicate, shard). {FSDP_FIX}")
+    if mesh.shape[-1] < 2:
+        raise ValueError(
+            f"SDCGuard(model=...): the model's mesh {tuple(mesh.shape)} has a shard dimension "
+            "of 1, so nothing is sharded: wrap the model in DistributedDataParallel instead "
+            "(the same replicas, the guard's DDP path).")
+    if mesh.size() != world:
+        raise ValueError(
+            f"SDCGuard(model=...): the model's mesh {tuple(mesh.shape)} spans {mesh.size()} "
+            f"ranks, the process group {world}. Build the mesh over every rank "
+            "(init_device_mesh(device, shape) with a shape whose product is the world size).")
+    return mesh
+
+
+def _layout(mesh: Any, group: dist.ProcessGroup | None) -> Layout:
+    """Which ranks of ``group`` hold each shard: ``mesh.mesh``'s columns (HSDP), or one rank
+    each (FSDP)."""
+    ranks = mesh.mesh.reshape(-1, mesh.mesh.shape[-1]) if mesh.ndim == 2 else mesh.mesh.reshape(1, -1)
+
+    def local(r: int) -> int:
+        return r if group is None else dist.get_group_rank(group, r)
+
+    sets = tuple(tuple(sorted(local(int(r)) for r in ranks[:, j].tolist()))
+                 for j in range(ranks.shape[1]))
+    me = dist.get_rank(group)
+    part = next(j for j, s in enumerate(sets) if me in s)
+    replica_group = mesh.get_group(0) if mesh.ndim == 2 and mesh.shape[0] > 1 else None
+    return Layout(sets, part, replica_group)
