@@ -152,6 +152,8 @@ class FSDPBackend:
         """Are the reduce-scatter and all-reduce hooks set on the model's modules?"""
         self._chunks: list[ShardChunk] = []
         """This step's chunks, by reduce-scatter, to pair with the all-reduce hook's outputs."""
+        self._root_seen = False
+        """Has the first backward shown that the model is FSDP2's root (``_refuse_inner``)?"""
 
     # -- the Backend protocol --------------------------------------------------------------
     def subscribe(self, listener: GradientListener) -> None:
@@ -212,6 +214,8 @@ class FSDPBackend:
     def after_backward(self) -> None:
         """The step's veto: every listener that takes part says whether this rank withholds,
         and one int64 SUM all-reduce over every rank carries the answer (``vetoed``)."""
+        if not self._root_seen:
+            self._refuse_inner()
         asked = [lst for lst in self.listeners if lst.wants_veto]
         if not asked:
             return
@@ -230,6 +234,18 @@ class FSDPBackend:
         answer = WordAnswer(PendingSum(word, self.group, in_place=True))
         for lst in asked:
             lst.vetoed(answer)
+
+
+    def _refuse_inner(self) -> None:
+        """A block that ``fully_shard`` wrapped looks like the root until the first forward
+        tells FSDP2 which one is: the guard given a block would hook part of the model and
+        call the rest clean. Asked after the first backward, alike on every rank."""
+        root = getattr(self.model._get_fsdp_state(), "_is_root", True)
+        if root is False:
+            raise ValueError(
+                f"SDCGuard(model=...) got a fully_shard module ({type(self.model).__name__}) "
+                f"that is inside another one, not the root the loss function calls. {FSDP_FIX}")
+        self._root_seen = True
 
 
 def mesh_of(model: torch.nn.Module, world: int) -> Any:

@@ -1,0 +1,179 @@
+"""Rank functions of the FSDP2 tests (``test_fsdp.py``): a small MLP under ``fully_shard``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from sdc_guard import GuardConfig, SDCGuard
+
+
+def mesh_for(shape: tuple[int, ...]) -> Any:
+    """A 1-D mesh (FSDP) or a 2-D ``(replicate, shard)`` mesh (HSDP) on the CPU."""
+    if len(shape) == 1:
+        return init_device_mesh("cpu", shape)
+    return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+
+
+def build(shape: tuple[int, ...], *, seed: int = 0) -> nn.Module:
+    """An MLP 8-16-16-4, each Linear ``fully_shard``-ed and then the root, as torchtitan does;
+    the last layer left to the root (a root that owns parameters)."""
+    mesh = mesh_for(shape)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                          nn.Linear(16, 4))
+    for i in (0, 2):
+        fully_shard(model[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def batch_for(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+
+
+def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.mse_loss(model(batch[0]), batch[1])
+
+
+def local_state(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """This rank's shards of the parameters and the optimizer state, copied."""
+    out = [p.detach().to_local().clone() for p in model.parameters()]
+    for p in model.parameters():
+        for k in sorted(opt.state.get(p, {})):
+            v = opt.state[p][k]
+            out.append((v.to_local() if hasattr(v, "to_local") else v).detach().clone())
+    return out
+
+
+def plain_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: int, rank: int,
+                micro_batches: int) -> None:
+    """FSDP2 training without the guard: what the guarded run must equal bit for bit."""
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        for i in range(micro_batches):
+            model.set_requires_gradient_sync(i == micro_batches - 1)  # type: ignore[operator]
+            batch = batch_for(rank, step * micro_batches + i)
+            loss_fn(model, batch).backward()
+        opt.step()
+
+
+def same_as_plain(rank: int, world: int, shape: tuple[int, ...], micro_batches: int) -> bool:
+    """Train 4 steps guarded (non-finite and weights checks on) and 4 unguarded from the same
+    start: is every shard of the parameters and optimizer state bit for bit the same?"""
+    guarded = build(shape)
+    opt_g = torch.optim.AdamW(guarded.parameters(), lr=0.01)
+
+    def per_micro(r: int, step: int) -> Any:  # the guard asks per step, micro-batches by index
+        if micro_batches == 1:
+            return batch_for(r, step)
+        return [batch_for(r, step * micro_batches + i) for i in range(micro_batches)]
+
+    cfg = GuardConfig(micro_batches=micro_batches)
+    guard = SDCGuard(guarded, opt_g, loss_fn=loss_fn, batch_for=per_micro, config=cfg)
+    for step in range(4):
+        report = guard.step(step)
+        assert not report.skipped and not report.detections, report
+    assert guard.flush() == []
+    assert guard.comm_hook_registered  # the hooks ran, not FSDP2's defaults alone
+    plain = build(shape)
+    opt_p = torch.optim.AdamW(plain.parameters(), lr=0.01)
+    plain_steps(plain, opt_p, 4, rank, micro_batches)
+    a, b = local_state(guarded, opt_g), local_state(plain, opt_p)
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def faults(rank: int, world: int, shape: tuple[int, ...], site: str, target: int,
+           at: int) -> dict[str, Any]:
+    """Train 8 steps with the defaults and one fault on rank ``target`` at step ``at``:
+
+    - "local_nan": a NaN in rank ``target``'s local gradients of the second Linear, in the
+      row of the rank after it (so it lands in another rank's shard);
+    - "reduced_inf": an Inf in rank ``target``'s reduced shard;
+    - "state": after step ``at``'s optimizer step, a change in rank ``target``'s shard of
+      the first weight's Adam ``exp_avg`` (one replica's state only);
+    - "at_rest": before step ``at``, a change in rank ``target``'s shard of the first weight.
+
+    Returns the steps withheld, the detections (check, step, suspects, repaired) as every
+    rank saw them, and whether the ranks that hold each shard hold it alike at the end."""
+    model = build(shape)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=batch_for, config=GuardConfig())
+    backend = guard.backend
+    shards = shape[-1]
+
+    def local_nan(chunk: Any) -> None:
+        if backend.step == at and rank == target and chunk.index() == 2:
+            rows = chunk.buffer().view(shards, -1)
+            rows[(target + 1) % shards, 3] = float("nan")
+
+    def reduced_inf(chunk: Any, out: torch.Tensor) -> None:
+        if backend.step == at and rank == target and chunk.index() == 2:
+            out.view(-1)[0] = float("inf")
+
+    if site == "local_nan":
+        backend.before.append(local_nan)
+    if site == "reduced_inf":
+        backend.after.append(reduced_inf)
+    first = next(model.parameters())
+    withheld, seen = [], []
+    for step in range(8):
+        if site == "at_rest" and step == at and rank == target:
+            with torch.no_grad():
+                first.to_local().view(-1)[1] += 0.25
+        report = guard.step(step)
+        if report.skipped:
+            withheld.append(step)
+        seen += report.detections
+        if site == "state" and step == at and rank == target:
+            with torch.no_grad():
+                opt.state[first]["exp_avg"].to_local().view(-1)[1] += 0.5
+    seen += guard.flush()
+    # Do the holders of each shard hold it alike? Every rank's state words, compared per shard.
+    mine = torch.cat([t.reshape(-1).double() for t in local_state(model, opt)])
+    rows = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(rows, mine)
+    alike = all(torch.equal(rows[r], rows[s[0]]) for s in backend.layout.sets for r in s)
+    return {"withheld": withheld, "alike": alike,
+            "detections": [(d.check, d.step, tuple(d.suspect_ranks), d.repaired)
+                           for d in seen]}
+
+
+def refusals(rank: int, world: int) -> list[str]:
+    """The guard's errors for what it cannot guard under FSDP2, each message."""
+    out = []
+    model = build((world,))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    attempts: list[tuple[Any, dict[str, Any]]] = [
+        (model, {"config": GuardConfig(replay_interval=2, deterministic=True)}),
+        (model, {"config": GuardConfig(checksum=True)}),
+        (model, {"comm_hook": lambda state, bucket: None}),
+        # a block, not the root (the loss function calls the whole model)
+        (model[0], {"loss_fn": lambda m, batch: loss_fn(model, batch)}),
+        (nn.Sequential(nn.Linear(2, 2)), {}),  # not wrapped at all
+    ]
+    for m, kw in attempts:
+        try:  # the block is found out at its first step (FSDP2 names the root in the forward)
+            SDCGuard(m, opt, **{"loss_fn": loss_fn, "batch_for": batch_for, **kw}).step(0)
+        except (TypeError, ValueError) as e:
+            out.append(f"{type(e).__name__}: {e}")
+        else:
+            out.append("accepted")
+    flat = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    unsharded = nn.Sequential(nn.Linear(4, 4))
+    fully_shard(unsharded, mesh=flat)
+    try:
+        SDCGuard(unsharded, torch.optim.SGD(unsharded.parameters(), lr=0.1), loss_fn=loss_fn,
+                 batch_for=batch_for)
+    except ValueError as e:
+        out.append(f"ValueError: {e}")
+    else:
+        out.append("accepted")
+    return out

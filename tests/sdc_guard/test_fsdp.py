@@ -1,0 +1,98 @@
+"""The guard under FSDP2 (``fully_shard``): FSDP on 2 and 4 ranks, HSDP 2x2 and 3x2, on gloo.
+
+Every test trains a real sharded model through ``SDCGuard`` in real process groups
+(``tests.launch.run_ranks``); the rank functions live in ``fsdp_workers``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.launch import run_ranks
+from tests.sdc_guard import fsdp_workers as w
+
+SHAPES = {"fsdp2": (2,), "fsdp4": (4,), "hsdp2x2": (2, 2), "hsdp3x2": (3, 2)}
+
+
+def _world(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+@pytest.mark.parametrize(("name", "micro_batches"), [("fsdp2", 1), ("fsdp2", 2),
+                                                     ("hsdp2x2", 1)])
+def test_guarded_training_is_bit_identical_to_plain_fsdp2(name: str, micro_batches: int) -> None:
+    """The guard's own reduce-scatter and its hooks change nothing FSDP2 computes: every
+    shard of the weights and optimizer state equals unguarded FSDP2's bit for bit."""
+    shape = SHAPES[name]
+    assert run_ranks(w.same_as_plain, _world(shape), shape, micro_batches) == [True] * _world(shape)
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp4", "hsdp2x2", "hsdp3x2"])
+def test_nonfinite_local_gradient_names_its_rank_and_is_withheld_everywhere(name: str) -> None:
+    """A NaN in rank r's local gradients lands in another rank's shard after the
+    reduce-scatter: every rank withholds that step (the veto word), and the detection names r
+    on every rank."""
+    shape = SHAPES[name]
+    world = _world(shape)
+    target = world - 1
+    results = run_ranks(w.faults, world, shape, "local_nan", target, 3)
+    for res in results:
+        assert res["withheld"] == [3]
+        assert res["detections"] == [("nonfinite", 3, (target,), False)]
+        assert res["alike"]
+
+
+def test_nonfinite_reduced_shard_is_withheld_everywhere_without_a_suspect() -> None:
+    """An Inf in one rank's reduced shard, its local gradients finite: withheld on every rank
+    (the other ranks' shards are finite), no rank named (the reduction is every rank's)."""
+    results = run_ranks(w.faults, 2, (2,), "reduced_inf", 0, 2)
+    for res in results:
+        assert res["withheld"] == [2]
+        assert res["detections"] == [("nonfinite", 2, (), False)]
+
+
+def test_hsdp_state_fault_is_named_and_repaired_from_the_shards_majority() -> None:
+    """HSDP 3x2: rank 2's shard of the optimizer state changes after step 4's vote; step
+    5's vote finds rank 2 outside its shard's majority (ranks 0, 2, 4), withholds step 6 on
+    every rank and repairs it from rank 0; at the end every shard's replicas agree."""
+    results = run_ranks(w.faults, 6, (3, 2), "state", 2, 4)
+    for res in results:
+        assert res["detections"] == [("weights", 5, (2,), True)]
+        assert res["withheld"] == [6]
+        assert res["alike"]
+
+
+def test_hsdp_two_replicas_differ_without_a_suspect() -> None:
+    """HSDP 2x2: two replicas of a shard that differ have no majority: a detection without
+    a suspect, not repaired (as two DDP ranks: each later vote finds them apart again, and
+    withholds, until a rollback)."""
+    results = run_ranks(w.faults, 4, (2, 2), "state", 3, 4)
+    for res in results:
+        assert res["detections"] == [("weights", s, (), False) for s in (5, 6, 7)]
+        assert res["withheld"] == [6, 7]
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp4"])
+def test_fsdp_shard_changed_at_rest_names_its_rank(name: str) -> None:
+    """Pure FSDP has no replica: rank r's weight shard changed after step 4's optimizer step
+    and before step 5's is caught in step 5 (named as the state after step 4), that step
+    withheld on every rank, nothing repaired (a rollback's)."""
+    shape = SHAPES[name]
+    world = _world(shape)
+    results = run_ranks(w.faults, world, shape, "at_rest", 1, 5)
+    for res in results:
+        assert res["detections"] == [("weights", 4, (1,), False)]
+        assert res["withheld"] == [5]
+
+
+def test_what_the_guard_cannot_guard_under_fsdp2_is_refused_with_the_fix() -> None:
+    got = run_ranks(w.refusals, 2)[0]
+    replay, checksum, hook, block, plain, flat = got
+    assert "replay_interval=2" in replay and "replay_interval=0" in replay
+    assert "checksum=True" in checksum and "checksum=False" in checksum
+    assert "comm_hook" in hook
+    assert "ValueError" in block and "root" in block
+    assert "TypeError" in plain and "fully_shard" in plain
+    assert "shard dimension of 1" in flat and "DistributedDataParallel" in flat
