@@ -62,6 +62,7 @@ marker with a lease (``owner``) refuses a second job.
 
 from __future__ import annotations
 
+from sdc_guard.checkpoint.dcp import ShardedCheckpointManager
 from sdc_guard.checkpoint.files import (
     CheckpointError,
     CheckpointWriteError,
@@ -84,6 +85,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointOwnerError",
     "CheckpointWriteError",
+    "ShardedCheckpointManager",
     "SuspectWindows",
     "Verifier",
     "rng_state",

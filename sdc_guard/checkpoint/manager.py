@@ -377,6 +377,9 @@ class CheckpointManager:
         for m in self.directory.glob("step-*.json"):
             try:
                 rec = json.loads(m.read_text())
+                if rec.get("kind") == "dcp":
+                    raise ValueError("it is a sharded (DCP) checkpoint's; read it with "
+                                     "sdc_guard.checkpoint.ShardedCheckpointManager")
                 if rec["file"] != f"{m.stem}.pt":
                     raise ValueError(f"it names the data file {rec['file']!r}, not its own "
                                      f"{m.stem}.pt")
@@ -514,10 +517,17 @@ class CheckpointManager:
         protected = {id(c) for c in [clean] + [next((c for c in usable if c.step < r), None)
                                                for r in repairs] if c is not None}
         for c in usable[self.keep:] + refused[self.keep:]:
-            if id(c) in protected:
-                continue
-            for p in (c.manifest, c.file):  # the manifest first: never a manifest without data
-                _unlink(p)
+            if id(c) not in protected:
+                self._remove(c)
+        self._sweep()
+
+    def _remove(self, c: CheckpointInfo) -> None:
+        """Delete checkpoint ``c``: the manifest first, never a manifest without data."""
+        for p in (c.manifest, c.file):
+            _unlink(p)
+
+    def _sweep(self) -> None:
+        """Remove what a failed or killed save left (each logged)."""
         for p in self.directory.glob("step-*.pt"):
             if p.is_file() and not p.with_suffix(".json").exists():
                 log.warning("sdc-guard: removing %s: a checkpoint's data without its manifest "

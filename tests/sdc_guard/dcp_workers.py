@@ -1,0 +1,221 @@
+"""Rank functions for the sharded-checkpoint tests: FSDP2 and HSDP on gloo, saved and restored.
+
+Each builds a tiny MLP whose Linears and root are ``fully_shard``-ed over a CPU device mesh,
+trains it with AdamW on batches drawn from the global RNG (so the RNG state moves with
+training), and returns plain data: snapshots of every rank's local shards (parameters and
+optimizer state), its RNG state, the checkpoint directory's listing, the log records.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from sdc_guard.checkpoint.dcp import ShardedCheckpointManager
+from sdc_guard.report import Detection
+
+
+class Records(logging.Handler):
+    """The checkpoint logger's records, as (level, message)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.seen: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append((record.levelname, record.getMessage()))
+
+
+def listen() -> Records:
+    h = Records()
+    logger = logging.getLogger("sdc_guard.checkpoint")
+    logger.addHandler(h)
+    logger.setLevel(logging.DEBUG)
+    return h
+
+
+def build(mesh: DeviceMesh) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The same tiny MLP on every rank (seeded), each Linear and the root sharded."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    for _ in range(steps):
+        x = torch.randn(4, 6)
+        model(x).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _local(t: Any) -> Any:
+    if isinstance(t, DTensor):
+        return t.to_local().clone()
+    if isinstance(t, torch.Tensor):
+        return t.clone()
+    return t
+
+
+def snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's local shards of every parameter and optimizer state, and its RNG state."""
+    params = {n: _local(p) for n, p in model.named_parameters()}
+    state = {n: {k: _local(v) for k, v in opt.state[p].items()}
+             for n, p in model.named_parameters()}
+    return {"params": params, "state": state, "rng": torch.get_rng_state().clone()}
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """What differs between two snapshots, bit for bit (empty: identical)."""
+    out = [n for n in a["params"] if not torch.equal(a["params"][n].view(torch.uint8),
+                                                     b["params"][n].view(torch.uint8))]
+    for n, st in a["state"].items():
+        for k, v in st.items():
+            w = b["state"][n].get(k)
+            if w is None or not torch.equal(v.reshape(-1).view(torch.uint8),
+                                            w.reshape(-1).view(torch.uint8)):
+                out.append(f"{n}.{k}")
+    if not torch.equal(a["rng"], b["rng"]):
+        out.append("rng")
+    return out
+
+
+def listing(directory: str) -> list[str]:
+    return sorted(p.name for p in Path(directory).iterdir())
+
+
+def fsdp_keep_and_restore(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """Saves at steps 1, 2, 3 (keep=1, verified clean through 1) and leftovers of killed
+    saves; then training on and a restore: the newest (step 3) comes back bit for bit."""
+    seen = listen()
+    mesh = init_device_mesh("cpu", (world,))
+    model, opt = build(mesh)
+    ckpt = ShardedCheckpointManager(directory, keep=1)
+    train(model, opt, 2)
+    ckpt.save(1, model, opt, verified_through=1)
+    train(model, opt, 1)
+    ckpt.save(2, model, opt, verified_through=1)
+    train(model, opt, 1)
+    if rank == 0:  # what a save killed before its commit leaves: never restored, swept
+        (Path(directory) / ".step-000000009-g0.tmp").mkdir()
+        (Path(directory) / "step-000000008-g0").mkdir()
+    ckpt.save(3, model, opt, verified_through=1)
+    after_save = listing(directory)
+    saved = snapshot(model, opt)
+    train(model, opt, 3)
+    changed = same(saved, snapshot(model, opt))
+    start = ckpt.restore(model, opt)
+    return {"start": start, "after_save": after_save, "changed": changed,
+            "diff": same(saved, snapshot(model, opt)), "log": seen.seen}
+
+
+def fsdp_corrupt(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """Saves at steps 1 and 2; rank 0 flips a byte of a local shard's values inside step 2's
+    ``.distcp`` files: restore logs it and brings step 1 back bit for bit."""
+    seen = listen()
+    mesh = init_device_mesh("cpu", (world,))
+    model, opt = build(mesh)
+    ckpt = ShardedCheckpointManager(directory, keep=3)
+    train(model, opt, 2)
+    ckpt.save(1, model, opt)
+    first = snapshot(model, opt)
+    train(model, opt, 1)
+    ckpt.save(2, model, opt)
+    # Every rank's own shard of the first Linear's weight: its bytes are in one file.
+    needle = _local(model.get_parameter("0.weight")).detach().numpy().tobytes()
+    flipped = None
+    for p in sorted((Path(directory) / "step-000000002-g0").glob("*.distcp")):
+        data = bytearray(p.read_bytes())
+        at = data.find(needle)
+        if at >= 0 and rank == 0:
+            data[at + len(needle) // 2] ^= 0x10
+            p.write_bytes(bytes(data))
+            flipped = p.name
+            break
+    torch.distributed.barrier()
+    train(model, opt, 2)
+    start = ckpt.restore(model, opt)
+    return {"start": start, "flipped": flipped, "diff": same(first, snapshot(model, opt)),
+            "log": seen.seen}
+
+
+def fsdp_window(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """Saves at steps 1 and 3; a detection at step 3 when every check had verified the run
+    through step 1 opens a window from step 2: restore skips step 3 and brings step 1 back.
+    Then a restore with the directory emptied: 0, the model left as it is."""
+    seen = listen()
+    mesh = init_device_mesh("cpu", (world,))
+    model, opt = build(mesh)
+    ckpt = ShardedCheckpointManager(directory, keep=3)
+    train(model, opt, 1)
+    ckpt.save(1, model, opt)
+    first = snapshot(model, opt)
+    train(model, opt, 2)
+    ckpt.save(3, model, opt)
+    ckpt.record_detection(Detection("weights", 3, (1,), "", {}), verified_through=1)
+    refused = ckpt.save(4, model, opt)  # the window is open: no save until a restore
+    start = ckpt.restore(model, opt)
+    diff = same(first, snapshot(model, opt))
+    empty = ShardedCheckpointManager(Path(directory) / "empty")
+    train(model, opt, 1)
+    before = snapshot(model, opt)
+    scratch = empty.restore(model, opt)
+    return {"start": start, "refused": refused, "diff": diff, "scratch": scratch,
+            "untouched": same(before, snapshot(model, opt)), "log": seen.seen}
+
+
+def hsdp_roundtrip(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """HSDP on a 2x2 mesh (replicate x shard): save, train on, restore, bit for bit."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model, opt = build(mesh)
+    ckpt = ShardedCheckpointManager(directory)
+    train(model, opt, 1)
+    ckpt.save(1, model, opt)
+    saved = snapshot(model, opt)
+    train(model, opt, 1)
+    start = ckpt.restore(model, opt)
+    return {"start": start, "diff": same(saved, snapshot(model, opt))}
+
+
+def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, bytes]:
+    """Every parameter and optimizer state whole (gathered across the mesh), as its bytes
+    (tensors would travel back through shared memory that dies with the rank)."""
+    out = {}
+    for n, p in model.named_parameters():
+        out[n] = _bytes(p.full_tensor() if isinstance(p, DTensor) else p)
+        for k, v in opt.state[p].items():
+            out[f"{n}.{k}"] = _bytes(v.full_tensor() if isinstance(v, DTensor) else v)
+    return out
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).tolist())
+
+
+def reshard_save(rank: int, world: int, directory: str) -> dict[str, bytes]:
+    """Save step 1 on ``world`` ranks; the state whole."""
+    mesh = init_device_mesh("cpu", (world,))
+    model, opt = build(mesh)
+    train(model, opt, 1)
+    ShardedCheckpointManager(directory).save(1, model, opt)
+    return full_state(model, opt)
+
+
+def reshard_restore(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """Restore on ``world`` ranks what another number of ranks saved; the state whole."""
+    seen = listen()
+    mesh = init_device_mesh("cpu", (world,))
+    model, opt = build(mesh)
+    train(model, opt, 2)
+    start = ShardedCheckpointManager(directory).restore(model, opt)
+    return {"start": start, "state": full_state(model, opt), "log": seen.seen}
