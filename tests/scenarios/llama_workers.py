@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from scenarios.spec.models import build_model, scenario_loss, synthetic_batch
 from scenarios.spec.sharding import is_checkpointed, parallel_of, shard_model, shard_units
@@ -23,7 +24,7 @@ def train(parallel: str, mesh_shape: tuple[int, ...], steps: int, *, mixed_preci
     model = shard_model(build_model("llama", width=WIDTH, depth=DEPTH, seed=0),
                         parallel=parallel, mesh_shape=mesh_shape, mixed_precision=mixed_precision,
                         activation_checkpointing=activation_checkpointing)
-    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     rank = dist.get_rank()
     losses, calls = [], [0]
@@ -86,3 +87,27 @@ def refusals(rank: int, world: int) -> list[str]:
     except ValueError as e:
         messages.append(str(e))
     return messages
+
+
+def every_kind(rank: int, world: int, kinds: list[str], steps: int) -> dict[str, dict[str, Any]]:
+    """Each model kind of ``kinds`` (width 8, depth 2) trained ``steps`` AdamW steps under DDP
+    and under FSDP2: the losses and the full parameters after the last step."""
+    out: dict[str, dict[str, Any]] = {}
+    for kind in kinds:
+        for parallel in ("ddp", "fsdp"):
+            model = shard_model(build_model(kind, width=8, depth=2, seed=0), parallel=parallel,
+                                mesh_shape=(world,))
+            inner = model.module if isinstance(model, DistributedDataParallel) else model
+            opt = torch.optim.AdamW(model.parameters(), lr=LR)
+            losses = []
+            for step in range(steps):
+                loss = scenario_loss(model, synthetic_batch(kind, 0, rank, step, 0, batch=BATCH))
+                loss.backward()  # type: ignore[no-untyped-call]
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().flatten()
+                    .tolist() for n, p in inner.named_parameters()}
+            out[f"{kind}/{parallel}"] = {"losses": losses, "full": full,
+                                         "parallel_of": parallel_of(model)}
+    return out
