@@ -290,10 +290,16 @@ class ShardedCheckpointManager(CheckpointManager):
         device = _device(model)
         if self._world() > 1:  # the last save is committed before any rank looks
             dist.barrier(group=self.group)
+        stateless = [o for o in opts if not o.state]  # get_state_dict steps them (lr 0)
         msd, osd = get_state_dict(model, opts)
         live = {"model": msd, "optim": osd}
         chosen = None
-        for info in self.checkpoints():
+        candidates = self.checkpoints()
+        seen = self._gather([c.manifest.name for c in candidates], device)
+        if any(s != seen[0] for s in seen):  # the loads below are collective
+            raise CheckpointError(f"ranks see different checkpoints in {self.directory}: "
+                                  f"{seen}; is the directory shared storage every rank reads?")
+        for info in candidates:
             w = self.refused(info)
             if w is not None:
                 log.warning("sdc-guard: not restoring %s: saved at step %d, inside the suspect "
@@ -314,6 +320,8 @@ class ShardedCheckpointManager(CheckpointManager):
             log.error("sdc-guard: restoring without recording the new timeline (%s); it holds "
                       "in memory and the next save writes it first", e)
         if chosen is None:
+            for o in stateless:  # left as they were: a run from scratch starts stateless
+                o.state.clear()
             if self._rank() == 0:
                 log.error("sdc-guard: no usable checkpoint in %s: training starts from scratch "
                           "(step 0)", self.directory, extra={"sdc_event": self.FROM_SCRATCH})
@@ -379,12 +387,16 @@ class ShardedCheckpointManager(CheckpointManager):
         unknown = [k for k in got if tensors.get(k, {}).get("digest") is None]
         bad = sorted({k for k in got if k not in unknown
                       and got[k] != tensors[k]["digest"]} | {d.split(" ")[0] for d in differ})
-        if bad:
+        same_layout = all(v[1] for v in verdicts)
+        ranks_bad = [r for r, v in enumerate(verdicts) if not v[2]] if same_layout else []
+        if bad:  # on the saved layout, the boxes of the ranks whose fingerprint differs
+            where = ([(k, pieces[r][k][0].offsets) for r in ranks_bad for k in bad]
+                     if ranks_bad else [(k, None) for k in bad])
             return None, (f"the state it holds differs from what was saved in {bad[:4]}"
-                          f"{' ...' if len(bad) > 4 else ''} (files {files_of(info.file, bad)}); "
-                          "nothing was loaded")
-        if all(v[1] for v in verdicts):  # same layout, a fingerprint differs, no digest does
-            ranks_bad = [r for r, v in enumerate(verdicts) if not v[2]]
+                          f"{' ...' if len(bad) > 4 else ''}"
+                          f"{f' on ranks {ranks_bad}' if ranks_bad else ''} (in "
+                          f"{', '.join(files_of(info.file, where))}); nothing was loaded")
+        if same_layout:  # a fingerprint differs where no digest does (a swap of values)
             return None, (f"the fingerprint of the shards of ranks {ranks_bad} is not the "
                           "recorded one; nothing was loaded")
         if unknown:

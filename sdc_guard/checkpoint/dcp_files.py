@@ -124,17 +124,23 @@ def refuse_other(directory: Path, rec: dict[str, Any],
             "directory.")
 
 
-def files_of(directory: Path, keys: Sequence[str]) -> list[str]:
-    """The DCP files that hold ``keys`` (DCP's flattened names), from its ``.metadata``."""
+def files_of(directory: Path,
+             where: Sequence[tuple[str, tuple[int, ...] | None]]) -> list[str]:
+    """The DCP files that hold each (key, box offsets) of ``where`` (offsets None: every box
+    of the key), keys by DCP's flattened names, from its ``.metadata``; the directory when
+    the metadata cannot say."""
     try:
         from torch.distributed.checkpoint.filesystem import FileSystemReader
 
         md = FileSystemReader(str(directory)).read_metadata()
     except Exception:  # the metadata itself is unreadable: name the directory
         return [str(directory)]
-    wanted = set(keys)
-    names = {str(directory / info.relative_path) for index, info in md.storage_data.items()
-             if index.fqn in wanted}
+    names = set()
+    for index, info in md.storage_data.items():
+        for key, offsets in where:
+            if index.fqn == key and (offsets is None or index.offset is None
+                                     or tuple(index.offset) == tuple(offsets)):
+                names.add(str(directory / info.relative_path))
     return sorted(names) or [str(directory)]
 
 

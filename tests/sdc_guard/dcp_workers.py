@@ -70,7 +70,7 @@ def _local(t: Any) -> Any:
 def snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """This rank's local shards of every parameter and optimizer state, and its RNG state."""
     params = {n: _local(p) for n, p in model.named_parameters()}
-    state = {n: {k: _local(v) for k, v in opt.state[p].items()}
+    state = {n: {k: _local(v) for k, v in opt.state.get(p, {}).items()}
              for n, p in model.named_parameters()}
     return {"params": params, "state": state, "rng": torch.get_rng_state().clone()}
 
@@ -170,8 +170,16 @@ def fsdp_window(rank: int, world: int, directory: str) -> dict[str, Any]:
     train(model, opt, 1)
     before = snapshot(model, opt)
     scratch = empty.restore(model, opt)
+    untouched = same(before, snapshot(model, opt))
+    # A job's first restore: an optimizer without state yet keeps none.
+    model, opt = build(mesh)
+    params = snapshot(model, opt)["params"]
+    scratch += empty.restore(model, opt)
+    after = snapshot(model, opt)["params"]
+    fresh = [n for n in params if not torch.equal(params[n], after[n])] + (
+        ["optimizer state"] if opt.state else [])
     return {"start": start, "refused": refused, "diff": diff, "scratch": scratch,
-            "untouched": same(before, snapshot(model, opt)), "log": seen.seen}
+            "untouched": untouched, "fresh": fresh, "log": seen.seen}
 
 
 def hsdp_roundtrip(rank: int, world: int, directory: str) -> dict[str, Any]:
@@ -215,7 +223,6 @@ def reshard_restore(rank: int, world: int, directory: str) -> dict[str, Any]:
     """Restore on ``world`` ranks what another number of ranks saved; the state whole."""
     seen = listen()
     mesh = init_device_mesh("cpu", (world,))
-    model, opt = build(mesh)
-    train(model, opt, 2)
+    model, opt = build(mesh)  # a new job: the optimizer has no state yet
     start = ShardedCheckpointManager(directory).restore(model, opt)
     return {"start": start, "state": full_state(model, opt), "log": seen.seen}
