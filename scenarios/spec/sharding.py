@@ -6,8 +6,8 @@ with ``fully_shard`` on a 1-D mesh of every rank; ``"hsdp"`` with ``fully_shard`
 mesh ``("replicate", "shard")``, each parameter sharded within a row and replicated across
 the rows. FSDP2 wraps each transformer block (each parameterised layer of the smaller
 models) and then the root (embeddings, final norm, output), so one block's parameters are
-gathered at a time. ``parallel_of`` reads
-back which of the three a wrapped model is, from its parameters' ``DTensor`` meshes.
+gathered at a time. ``parallel_of`` reads back which of the three a wrapped model is, from
+its parameters' ``DTensor`` meshes.
 
 Activation checkpointing recomputes each block's forward in the backward
 (``torch.utils.checkpoint``, non-reentrant) instead of keeping its activations. It changes
@@ -43,7 +43,7 @@ def shard_model(model: nn.Module, *, parallel: str, mesh_shape: tuple[int, ...],
     ``mesh_shape`` is ``(world,)`` for ``"ddp"`` and ``"fsdp"`` and ``(replicas, shards)``
     with ``replicas * shards == world`` for ``"hsdp"``. ``mixed_precision`` (FSDP2 only)
     gathers parameters in bfloat16 and reduces gradients in float32, the policy torchtitan
-    trains with; the sharded parameters and the optimizer stay in float32.
+    trains with; the sharded parameters, and so the optimizer, keep the model's own dtype.
     ``activation_checkpointing`` recomputes each block in the backward (see the module's
     docstring). Call it on every rank with the same arguments (the meshes are collective).
     FSDP2 shards ``model`` in place and returns it; DDP returns its wrapper.
@@ -164,10 +164,11 @@ def _check_arguments(parallel: str, mesh_shape: tuple[int, ...], mixed_precision
         raise ValueError(f"mesh_shape={mesh_shape} has {len(mesh_shape)} dimension(s); "
                          f"parallel={parallel!r} takes {dims}: use {example}.")
     if math.prod(mesh_shape) != world:
+        replicas = 2 if world % 2 == 0 else 1
+        example = f", e.g. ({replicas}, {world // replicas})" if parallel == "hsdp" else f": ({world},)"
         raise ValueError(f"mesh_shape={mesh_shape} covers {math.prod(mesh_shape)} ranks but the "
-                         f"process group has {world}; give a mesh_shape whose product is {world}"
-                         + (f", e.g. (2, {world // 2})." if parallel == "hsdp" and world % 2 == 0
-                            else f": ({world},)."))
+                         f"process group has {world}; give a mesh_shape whose product is "
+                         f"{world}{example}.")
     if mixed_precision and parallel == "ddp":
         raise ValueError("mixed_precision=True is FSDP2's policy (bfloat16 parameters, float32 "
                          "reduction); for parallel='ddp' build the model in bfloat16 "

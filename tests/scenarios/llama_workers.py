@@ -74,6 +74,7 @@ def refusals(rank: int, world: int) -> list[str]:
     for kwargs in ({"parallel": "tp", "mesh_shape": (world,)},
                    {"parallel": "fsdp", "mesh_shape": (world + 1,)},
                    {"parallel": "hsdp", "mesh_shape": (world,)},
+                   {"parallel": "hsdp", "mesh_shape": (2, 2)},
                    {"parallel": "fsdp", "mesh_shape": [world]},
                    {"parallel": "ddp", "mesh_shape": (world,), "mixed_precision": True}):
         try:

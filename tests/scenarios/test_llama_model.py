@@ -303,6 +303,9 @@ def test_bad_arguments_are_refused_by_name() -> None:
                            "mesh_shape whose product is 1: (1,).")
     assert messages[2] == ("mesh_shape=(1,) has 1 dimension(s); parallel='hsdp' takes 2: use "
                            "(replicas, shards).")
-    assert messages[3].startswith("mesh_shape=[1] must be a tuple of positive ints")
-    assert messages[4].startswith("mixed_precision=True is FSDP2's policy")
-    assert messages[5].startswith("model: a TinyLlama with no DTensor parameters is not wrapped")
+    assert messages[3] == ("mesh_shape=(2, 2) covers 4 ranks but the process group has 1; give "
+                           "a mesh_shape whose product is 1, e.g. (1, 1).")
+    assert messages[4].startswith("mesh_shape=[1] must be a tuple of positive ints")
+    assert messages[5].startswith("mixed_precision=True is FSDP2's policy")
+    assert messages[6].startswith("model: a TinyLlama with no DTensor parameters is not wrapped")
+    assert len(messages) == 7
