@@ -170,12 +170,6 @@ class ShardedCheckpointManager(CheckpointManager):
             remove_tree(tmp)
 
         self._agree(prepare if writer else None, device)
-        try:
-            dcp_save(tree, checkpoint_id=str(tmp), process_group=self.group)
-            failed: BaseException | None = None
-        except Exception as e:  # every rank agrees below, whichever failed
-            failed = e
-        self._agree(None, device, mine_failed=failed, what=f"the DCP write of {tmp}")
         info: CheckpointInfo | None = None
 
         def commit() -> None:
@@ -184,8 +178,14 @@ class ShardedCheckpointManager(CheckpointManager):
                                 per_check, opts, mesh_of(leaves))
 
         try:
+            try:
+                dcp_save(tree, checkpoint_id=str(tmp), process_group=self.group)
+                failed: BaseException | None = None
+            except Exception as e:  # every rank agrees below, whichever failed
+                failed = e
+            self._agree(None, device, mine_failed=failed, what=f"the DCP write of {tmp}")
             self._agree(commit if writer else None, device)
-        except BaseException:
+        except BaseException:  # nothing of it is left behind
             if writer:
                 remove_tree(tmp)
             raise

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from sdc_guard.checkpoint import CheckpointError
 from sdc_guard.checkpoint.dcp import ShardedCheckpointManager
 from sdc_guard.report import Detection
 
@@ -192,7 +193,17 @@ def hsdp_roundtrip(rank: int, world: int, directory: str) -> dict[str, Any]:
     saved = snapshot(model, opt)
     train(model, opt, 1)
     start = ckpt.restore(model, opt)
-    return {"start": start, "diff": same(saved, snapshot(model, opt))}
+    diff = same(saved, snapshot(model, opt))
+    # Rank 2 holds a replica of rank 0's shard: one value of it off, and no rank saves.
+    if rank == 2:
+        with torch.no_grad():
+            model.get_parameter("0.weight").to_local()[0, 0] += 1.0
+    try:
+        ckpt.save(2, model, opt)
+        refused = ""
+    except CheckpointError as e:
+        refused = str(e)
+    return {"start": start, "diff": diff, "refused": refused, "listing": listing(directory)}
 
 
 def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, bytes]:

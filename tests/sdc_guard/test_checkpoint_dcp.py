@@ -67,10 +67,15 @@ def test_suspect_window_skips_checkpoints_and_nothing_usable_returns_0(
     assert any("no usable checkpoint" in e for e in _errors(res[0]["log"]))
 
 
-def test_hsdp_2x2_restore_is_bit_identical(tmp_path: Path) -> None:
+def test_hsdp_2x2_restore_is_bit_identical_and_diverged_replicas_are_not_saved(
+        tmp_path: Path) -> None:
     res = run_ranks(w.hsdp_roundtrip, 4, str(tmp_path))
     for r in res:
         assert r["start"] == 2 and r["diff"] == []
+        assert "replicas hold different values" in r["refused"], r["refused"]
+        assert "model.0.weight (ranks [0, 2])" in r["refused"]
+        assert not any(n.startswith(("step-000000002", ".step-000000002"))
+                       for n in r["listing"]), r["listing"]
     rec = json.loads((tmp_path / "step-000000001-g0.json").read_text())
     assert rec["mesh"] == {"shape": [2, 2], "dim_names": ["replicate", "shard"]}
 
