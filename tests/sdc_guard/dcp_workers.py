@@ -196,8 +196,10 @@ def hsdp_roundtrip(rank: int, world: int, directory: str) -> dict[str, Any]:
     diff = same(saved, snapshot(model, opt))
     # Rank 2 holds a replica of rank 0's shard: one value of it off, and no rank saves.
     if rank == 2:
+        weight = model.get_parameter("0.weight")
+        assert isinstance(weight, DTensor)
         with torch.no_grad():
-            model.get_parameter("0.weight").to_local()[0, 0] += 1.0
+            weight.to_local()[0, 0] += 1.0
     try:
         ckpt.save(2, model, opt)
         refused = ""
