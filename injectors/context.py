@@ -63,6 +63,14 @@ def _sink_fn(events: EventSink, rank: int) -> Callable[[Record], None]:
     )
 
 
+def _fsdp_backend(comm: Any) -> bool:
+    """Is ``comm`` the FSDP2 backend of a guard (its module loaded only for FSDP2 users)?"""
+    import sys
+
+    fsdp = sys.modules.get("sdc_guard.parallel.fsdp")
+    return fsdp is not None and isinstance(comm, fsdp.FSDPBackend)
+
+
 class InjectionContext:
     """The model, optimizer, comm hook, rank, world size, event sink and step source."""
 
@@ -71,7 +79,7 @@ class InjectionContext:
         model: torch.nn.Module,
         *,
         optimizer: Optimizers | None,
-        comm: GuardCommHook | None,
+        comm: Any,
         rank: int,
         world_size: int,
         sink: Callable[[Record], None],
@@ -84,10 +92,11 @@ class InjectionContext:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
         optimizers = () if optimizer is None else as_optimizers(optimizer, "optimizer")
-        if comm is not None and not isinstance(comm, GuardCommHook):
+        if comm is not None and not isinstance(comm, GuardCommHook) and not _fsdp_backend(comm):
             raise TypeError(
-                "comm must be the sdc_guard.parallel.ddp.GuardCommHook registered on the DDP model "
-                f"(or None), got {type(comm).__name__}."
+                "comm must be the sdc_guard.parallel.ddp.GuardCommHook registered on the DDP model, "
+                "a guard's FSDP2 backend (guard.backend), or None; got "
+                f"{type(comm).__name__}."
             )
         for name, v in (("rank", rank), ("world_size", world_size)):
             if isinstance(v, bool) or not isinstance(v, int):

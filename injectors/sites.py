@@ -19,11 +19,16 @@ activation_grad            the same forward hook registers a tensor hook on the
 gradient_before_allreduce  ``comm.before`` callback: the parameter's view in the
                            bucket (``bucket.gradients()[j]``, a view into
                            ``bucket.buffer()``), before the non-finite check and
-                           the all-reduce.
+                           the all-reduce. FSDP2: its local, unsharded gradient
+                           in the reduce-scatter's buffer (``gradient_of``).
 gradient_after_allreduce   ``comm.after`` callback: the parameter's slice of the
                            reduced tensor (same offset as in the bucket buffer).
-optimizer_state            start-of-step hook: ``optimizer.state[param][key]``.
-weight_storage             start-of-step hook: the parameter itself.
+                           FSDP2: its slice of this rank's reduced shard (after
+                           HSDP's replicate all-reduce).
+optimizer_state            start-of-step hook: ``optimizer.state[param][key]``
+                           (FSDP2: this rank's shard of it).
+weight_storage             start-of-step hook: the parameter itself (FSDP2: this
+                           rank's shard).
 linear_product             the ``nn.Linear``'s ``forward`` is wrapped (an instance
                            attribute, removed on undo); on a firing call it runs
                            ``F.linear`` as an autograd function of its own that
@@ -142,6 +147,12 @@ class Injector:
         return record
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a ``DTensor``'s local shard (FSDP2), else ``t``; detached."""
+    to_local = getattr(t, "to_local", None)
+    return (to_local() if to_local is not None else t).detach()
+
+
 def _remove_item(items: list[Any], item: Any) -> Undo:
     def undo() -> None:
         for i, x in enumerate(items):
@@ -234,6 +245,11 @@ def install_gradient_before_allreduce(inj: Injector) -> list[Undo]:
         step = inj.ctx.step
         if not inj.fires(step):
             return
+        if hasattr(bucket, "gradient_of"):  # FSDP2: the local gradient, split across rows
+            view = bucket.gradient_of(param)
+            if view is not None:
+                inj.corrupt(view, step)
+            return
         j = _bucket_slot(bucket, param)
         if j is not None:
             inj.corrupt(bucket.gradients()[j], step)  # a view into bucket.buffer()
@@ -249,6 +265,11 @@ def install_gradient_after_allreduce(inj: Injector) -> list[Undo]:
     def after(bucket: GradBucket, reduced: torch.Tensor) -> None:
         step = inj.ctx.step
         if not inj.fires(step):
+            return
+        if hasattr(bucket, "reduced_of"):  # FSDP2: this rank's shard of the reduced gradient
+            shard = bucket.reduced_of(param, reduced)
+            if shard is not None:
+                inj.corrupt(shard, step)
             return
         j = _bucket_slot(bucket, param)
         if j is None:
@@ -289,7 +310,7 @@ def install_optimizer_state(inj: Injector) -> list[Undo]:
                 "at the first optimizer.step(), so inject at a later step, and check the key "
                 "(Adam: exp_avg, exp_avg_sq; SGD with momentum: momentum_buffer)."
             )
-        inj.corrupt(value, step)
+        inj.corrupt(local(value), step)
 
     inj.ctx.step_hooks.append(on_step)
     return [_remove_item(inj.ctx.step_hooks, on_step)]
@@ -300,7 +321,7 @@ def install_weight_storage(inj: Injector) -> list[Undo]:
 
     def on_step(step: int) -> None:
         if inj.fires(step):
-            inj.corrupt(param.detach(), step)
+            inj.corrupt(local(param), step)
 
     inj.ctx.step_hooks.append(on_step)
     return [_remove_item(inj.ctx.step_hooks, on_step)]

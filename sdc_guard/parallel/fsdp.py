@@ -40,6 +40,7 @@ param group (FSDP2's custom reduce-scatter refuses those itself).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -66,10 +67,11 @@ class ShardChunk:
     ``[shard ranks, -1]`` (each row the part one rank will own); writing it changes what
     is reduced (fault injectors do)."""
 
-    __slots__ = ("_buffer", "_index", "_module")
+    __slots__ = ("_buffer", "_index", "_module", "_shards")
 
-    def __init__(self, buffer: torch.Tensor, index: int, module: torch.nn.Module) -> None:
-        self._buffer, self._index, self._module = buffer, index, module
+    def __init__(self, buffer: torch.Tensor, index: int, module: torch.nn.Module,
+                 shards: int) -> None:
+        self._buffer, self._index, self._module, self._shards = buffer, index, module, shards
 
     def buffer(self) -> torch.Tensor:
         return self._buffer
@@ -87,8 +89,44 @@ class ShardChunk:
         return list(_own_parameters(self._module))
 
     def gradients(self) -> list[torch.Tensor]:
-        """Not views of the buffer: each gradient is split across its rows."""
+        """Not views of the buffer: each gradient is split across its rows (``gradient_of``)."""
         return []
+
+    def _columns(self, param: torch.Tensor) -> tuple[int, int] | None:
+        """Where ``param``'s part lies in each row: (offset, length), or None when it is not
+        one of this module's. FSDP2 pads dim 0 to a multiple of the shard ranks and gives
+        each rank one slice of it, the parameters side by side in each row."""
+        offset, found = 0, None
+        for p in self.parameters():
+            shape = tuple(p.shape)  # (the global shape: indexing a DTensor communicates)
+            rows = -(-shape[0] // self._shards) if shape else 1
+            length = rows * math.prod(shape[1:])
+            if p is param:
+                found = (offset, length)
+            offset += length
+        if offset * self._shards != self._buffer.numel():
+            raise RuntimeError(
+                f"sdc-guard: FSDP2's reduce-scatter buffer holds {self._buffer.numel()} "
+                f"elements, not the {offset * self._shards} its module's parameters fill: "
+                "this version of FSDP2 lays it out otherwise")
+        return found
+
+    def gradient_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        """``param``'s local gradient in the buffer, padded: a ``[shard ranks, -1]`` view whose
+        elements come in the order of the gradient's own (writes reach the reduction)."""
+        where = self._columns(param)
+        if where is None:
+            return None
+        offset, length = where
+        return self._buffer.view(self._shards, -1)[:, offset:offset + length]
+
+    def reduced_of(self, param: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+        """``param``'s slice of this rank's reduced shard ``out`` (padded)."""
+        where = self._columns(param)
+        if where is None:
+            return None
+        offset, length = where
+        return out.view(-1)[offset:offset + length]
 
 
 def _own_parameters(module: torch.nn.Module) -> Iterator[torch.Tensor]:
@@ -113,7 +151,7 @@ class _ReduceScatter:
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> Any:
-        self.backend._local(ShardChunk(input_tensor, self.index, self.module))
+        self.backend._local(ShardChunk(input_tensor, self.index, self.module, group.size()))
         return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group,
                                           op=op, async_op=async_op)
 
@@ -123,7 +161,7 @@ class FSDPBackend:
 
     def __init__(self, model: torch.nn.Module,
                  process_group: dist.ProcessGroup | None = None) -> None:
-        self.model = model
+        self.model: Any = model
         self.group = process_group
         """Every rank of the job: the checks' words and the veto travel within it."""
         self.world_size = dist.get_world_size(process_group)
@@ -205,7 +243,7 @@ class FSDPBackend:
     def _reduced(self, out: torch.Tensor) -> None:
         """FSDP2's all-reduce hook: the module's reduced shard. The hooks run in the order of
         the reduce-scatters, each after its own."""
-        chunk = self._chunks[-1] if self._chunks else ShardChunk(out, -1, self.model)
+        chunk = self._chunks[-1] if self._chunks else ShardChunk(out, -1, self.model, 1)
         for cb in self.after:
             cb(chunk, out)
         for lst in self.listeners:

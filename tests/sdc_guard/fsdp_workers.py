@@ -177,3 +177,26 @@ def refusals(rank: int, world: int) -> list[str]:
     else:
         out.append("accepted")
     return out
+
+
+def injected(rank: int, world: int, shape: tuple[int, ...],
+             fault: dict[str, Any]) -> dict[str, Any]:
+    """Train 6 steps with the defaults and one fault armed through ``injectors`` (the
+    campaigns' way); the records it left on this rank, the steps withheld, the detections."""
+    from injectors import Fault, arm
+
+    model = build(shape)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=batch_for, config=GuardConfig())
+    withheld, seen = [], []
+    with arm(Fault(**fault), guard=guard) as handle:
+        for step in range(6):
+            report = guard.step(step)
+            if report.skipped:
+                withheld.append(step)
+            seen += report.detections
+        seen += guard.flush()
+        records = list(handle.records)
+    return {"records": len(records), "withheld": withheld,
+            "detections": [(d.check, d.step, tuple(d.suspect_ranks), d.repaired)
+                           for d in seen]}

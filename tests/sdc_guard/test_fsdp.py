@@ -96,3 +96,39 @@ def test_what_the_guard_cannot_guard_under_fsdp2_is_refused_with_the_fix() -> No
     assert "ValueError" in block and "root" in block
     assert "TypeError" in plain and "fully_shard" in plain
     assert "shard dimension of 1" in flat and "DistributedDataParallel" in flat
+
+
+NAN = float("nan")
+
+
+@pytest.mark.parametrize(("name", "fault", "expected"), [
+    # a NaN in rank 1's local gradient of the middle layer: named, withheld everywhere
+    ("fsdp2", {"site": "gradient_before_allreduce", "rank": 1, "step": 2, "target": "2.weight",
+               "kind": "set", "value": NAN}, [("nonfinite", 2, (1,), False)]),
+    # a NaN activation on rank 0: its local gradients, named
+    ("fsdp2", {"site": "activation", "rank": 0, "step": 3, "target": "1", "kind": "set",
+               "value": NAN}, [("nonfinite", 3, (0,), False)]),
+    # a NaN out of rank 1's product of the last layer (the root's own)
+    ("fsdp2", {"site": "linear_product", "rank": 1, "step": 1, "target": "4", "kind": "set",
+               "value": NAN, "product": "forward"}, [("nonfinite", 1, (1,), False)]),
+    # rank 1's weight shard flipped at the start of step 3: changed at rest after step 2
+    ("fsdp2", {"site": "weight_storage", "rank": 1, "step": 3, "target": "0.weight",
+               "bits": (22,)}, [("weights", 2, (1,), False)]),
+    # HSDP 3x2: rank 3's reduced shard (after the replicate all-reduce): its replica alone
+    # is updated apart; the vote of step 2 names it, the repair makes it whole
+    ("hsdp3x2", {"site": "gradient_after_allreduce", "rank": 3, "step": 2,
+                 "target": "2.weight", "bits": (29,)}, [("weights", 2, (3,), True)]),
+    # HSDP 3x2: rank 4's shard of the optimizer state
+    ("hsdp3x2", {"site": "optimizer_state", "rank": 4, "step": 2, "target": "0.weight",
+                 "state_key": "exp_avg", "bits": (29,)}, [("weights", 2, (4,), True)]),
+])
+def test_injected_faults_under_fsdp2(name: str, fault: dict, expected: list) -> None:
+    """Every site of ``injectors`` reaches its tensor under FSDP2 (a shard, a local gradient
+    before the reduce-scatter, a reduced shard, an activation, a product) and the check
+    that sees it names the rank that holds it."""
+    shape = SHAPES[name]
+    world = _world(shape)
+    results = run_ranks(w.injected, world, shape, fault)
+    assert results[fault["rank"]]["records"] == 1
+    for res in results:
+        assert res["detections"] == expected
