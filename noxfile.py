@@ -80,6 +80,13 @@ def shards(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
+def fsdp_bench(session: nox.Session) -> None:
+    """The guard's cost over plain FSDP2 (and DDP) on the Llama-style model; bench/fsdp.json."""
+    _install(session)
+    session.run("python", "-m", "bench.fsdp", *session.posargs)
+
+
+@nox.session(default=False)
 def guard_off(session: nox.Session) -> None:
     """The guard's own cost per step with its checks off, measured directly; bench/guard_off.json."""
     _install(session)
