@@ -58,7 +58,7 @@ def _runner(rank: int, world: int, parallel: str, config: GuardConfig | None,
     if config is None:
         def plain(step: int) -> None:
             opt.zero_grad(set_to_none=True)
-            scenario_loss(model, batch_for(rank, step)).backward()
+            scenario_loss(model, batch_for(rank, step)).backward()  # type: ignore[no-untyped-call]
             opt.step()
         return plain
     guard = SDCGuard(model, opt, loss_fn=scenario_loss, batch_for=batch_for, config=config)
