@@ -1,14 +1,15 @@
-"""sdc_guard: catch silent data corruption inside PyTorch DDP training.
+"""sdc_guard: catch silent data corruption inside PyTorch data-parallel training (DDP, FSDP2, HSDP).
 
 Public API (stable): ``fingerprint``, ``fingerprint_tensor``, ``GuardConfig``, ``ChecksumConfig``,
 ``SDCGuard``, ``StepReport``, ``Detection``, ``EventLog``, ``read_events``,
-``state_tensors``, ``native_kernel``, ``native_enabled``, ``CheckpointManager``, ``GuardMetrics``,
+``state_tensors``, ``native_kernel``, ``native_enabled``, ``CheckpointManager``,
+``ShardedCheckpointManager``, ``GuardMetrics``,
 ``TensorBoardMetrics``, ``PrometheusMetrics``, the exit codes ``EXIT_QUARANTINED``,
 ``EXIT_RANK_LOST``, ``EXIT_CONVICTED``; the types ``LossFn`` and
 ``BatchFor``. See README.md and docs/.
 """
 
-from sdc_guard.checkpoint import CheckpointManager
+from sdc_guard.checkpoint import CheckpointManager, ShardedCheckpointManager
 from sdc_guard.config import ChecksumConfig, GuardConfig
 from sdc_guard.events import EventLog, read_events
 from sdc_guard.exits import EXIT_CONVICTED, EXIT_QUARANTINED, EXIT_RANK_LOST
@@ -33,6 +34,7 @@ __all__ = [
     "LossFn",
     "PrometheusMetrics",
     "SDCGuard",
+    "ShardedCheckpointManager",
     "StepReport",
     "TensorBoardMetrics",
     "fingerprint",

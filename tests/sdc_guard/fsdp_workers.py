@@ -200,3 +200,40 @@ def injected(rank: int, world: int, shape: tuple[int, ...],
     return {"records": len(records), "withheld": withheld,
             "detections": [(d.check, d.step, tuple(d.suspect_ranks), d.repaired)
                            for d in seen]}
+
+
+def rollback(rank: int, world: int, shape: tuple[int, ...], directory: str,
+             faulty: bool) -> dict[str, Any]:
+    """Train 10 steps with the defaults and a ``ShardedCheckpointManager`` (DCP) bound to the
+    guard, saving after every odd step. ``faulty``: before step 6, rank 1's weight shard
+    changes at rest (pure FSDP: no replica to repair it); the guard names it in step 6, the
+    run restores the newest checkpoint before the suspect window and trains on. Returns this
+    rank's final shards, the detections and where the run resumed."""
+    from sdc_guard import ShardedCheckpointManager
+
+    model = build(shape)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ckpt = ShardedCheckpointManager(directory, keep=3)
+    # (the non-finite check's words every step: its verified steps keep up with the saves)
+    guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=batch_for,
+                     config=GuardConfig(nonfinite_exchange_interval=1), checkpoints=ckpt)
+    seen, resumed = [], []
+    step, struck = 0, False
+    while step < 10:
+        if faulty and step == 6 and rank == 1 and not struck:
+            with torch.no_grad():
+                next(model.parameters()).to_local().view(-1)[2] += 0.125
+            struck = True
+        report = guard.step(step)
+        seen += report.detections
+        if any(not d.repaired for d in report.detections):
+            step = ckpt.restore(model, opt)
+            resumed.append(step)
+            continue
+        if step % 2 == 1:
+            ckpt.save(step, model, opt)
+        step += 1
+    seen += guard.flush()
+    return {"state": [t.reshape(-1).tolist() for t in local_state(model, opt)],
+            "resumed": resumed,
+            "detections": [(d.check, d.step, tuple(d.suspect_ranks)) for d in seen]}

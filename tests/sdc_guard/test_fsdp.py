@@ -132,3 +132,17 @@ def test_injected_faults_under_fsdp2(name: str, fault: dict, expected: list) -> 
     assert results[fault["rank"]]["records"] == 1
     for res in results:
         assert res["detections"] == expected
+
+
+def test_fsdp_rollback_through_dcp_ends_bit_identical_to_the_fault_free_run(tmp_path) -> None:
+    """FSDP 2: a shard changed at rest is named in its step; the guard marks the suspect
+    window in the ShardedCheckpointManager, the run restores the DCP checkpoint before it
+    (after step 3: the one after step 5 was saved before the state after step 5 was
+    verified) and trains on to the end, bit for bit the fault-free run's."""
+    golden = run_ranks(w.rollback, 2, (2,), str(tmp_path / "golden"), False)
+    faulty = run_ranks(w.rollback, 2, (2,), str(tmp_path / "faulty"), True)
+    for g, f in zip(golden, faulty, strict=True):
+        assert g["detections"] == [] and g["resumed"] == []
+        assert f["detections"] == [("weights", 5, (1,))]
+        assert f["resumed"] == [4]
+        assert g["state"] == f["state"]  # (float lists: equal floats are equal bits here)
