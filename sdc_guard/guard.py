@@ -286,16 +286,6 @@ class SDCGuard:
                 f"built): {mismatch}. A healthy rank would be convicted at every audit step. "
                 "Make them alike, or set replay_interval=0 (the other checks compare no "
                 "computation across ranks).")
-        if self.backend.layout.sharded:
-            off = [f"{name}={value!r}" for name, value, on in (
-                ("replay_interval", config.replay_interval, bool(config.replay_interval)),
-                ("checksum", config.checksum, config.checksum_config is not None)) if on]
-            if off:
-                raise ValueError(
-                    f"GuardConfig({', '.join(off)}): under FSDP2 ({self.backend.parallel}) the "
-                    "guard runs the non-finite and weights checks; the replay audit and the "
-                    "checksum check are not supported there yet. Set replay_interval=0 and "
-                    "checksum=False for a fully_shard model.")
         if config.micro_batches > 1 and getattr(self.model, "static_graph", False):
             raise ValueError(
                 f"GuardConfig.micro_batches={config.micro_batches} with "

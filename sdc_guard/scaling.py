@@ -167,13 +167,16 @@ RowSums = tuple[torch.Tensor, torch.Tensor]
 
 def row_sums(requests: Sequence[RowSums]) -> None:
     """Write each view's float32 row sums into its output (a pass of its own; the C kernel
-    where it can read the view, else torch)."""
+    where it can read the view, else torch). A 3-D view is a matrix split in blocks of rows
+    (FSDP2's layout), its rows in order, the first ``out.numel()`` of them written."""
     kernel = active_kernel()
     for view, out in requests:
         if (kernel is not None and host_words(out) and view.dtype == torch.float32
                 and view.device.type == "cpu" and view.is_contiguous()):
             kernel.cs_rows(A=view.data_ptr(), n=view.shape[0], cols=view.shape[1],
                            ld=view.shape[1], k=1, ka=0, r0=out.data_ptr())
+        elif view.dim() == 3:  # FSDP2: [shard ranks, rows each, columns], rows padded
+            out.copy_(view.sum(2, dtype=torch.float32).reshape(-1)[:out.numel()])
         else:
             out.copy_(view.sum(1, dtype=torch.float32))
 

@@ -37,6 +37,18 @@ __all__ = [
 ]
 
 
+def refuse_sharded(config: GuardConfig) -> None:
+    """The checks not yet guarding a sharded model (FSDP2), refused with the fix."""
+    off = [f"{name}={value!r}" for name, value, on in (
+        ("replay_interval", config.replay_interval, bool(config.replay_interval)),
+        ("checksum", config.checksum, config.checksum_config is not None)) if on]
+    if off:
+        raise ValueError(
+            f"GuardConfig({', '.join(off)}): for a fully_shard model (FSDP2, HSDP) the guard "
+            "runs the non-finite and weights checks; the replay audit and the checksum check "
+            "do not guard sharded models yet. Set replay_interval=0 and checksum=False.")
+
+
 def build_checks(
     config: GuardConfig,
     *,
@@ -53,6 +65,8 @@ def build_checks(
     Checks that need the gradients subscribe to ``backend`` as they are built. The weights
     check and the checksum check share one read of the weights (``WeightPass``).
     """
+    if backend.layout.sharded:
+        refuse_sharded(config)
     device = next(model.parameters()).device
     group = backend.group
     weight_pass = WeightPass()

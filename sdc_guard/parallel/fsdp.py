@@ -52,7 +52,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from sdc_guard.collectives import PendingSum, words_on
 from sdc_guard.parallel.base import GradientListener, Layout
 from sdc_guard.parallel.ddp import WordAnswer
-from sdc_guard.scaling import Flag, check_nonfinite
+from sdc_guard.scaling import Flag, check_nonfinite, row_sums
 
 FSDP_FIX = ("Wrap the model as FSDP2 does it (torchtitan's way): fully_shard(block, "
             "mesh=mesh) for each block, then fully_shard(model, mesh=mesh) for the root, on a "
@@ -152,6 +152,9 @@ class _ReduceScatter:
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> Any:
         self.backend._local(ShardChunk(input_tensor, self.index, self.module, group.size()))
+        if self.backend.quiet:  # a recomputation's gradients: seen, never reduced
+            output_tensor.zero_()
+            return None
         return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group,
                                           op=op, async_op=async_op)
 
@@ -190,6 +193,9 @@ class FSDPBackend:
         """Are the reduce-scatter and all-reduce hooks set on the model's modules?"""
         self._chunks: list[ShardChunk] = []
         """This step's chunks, by reduce-scatter, to pair with the all-reduce hook's outputs."""
+        self.quiet = False
+        """Inside ``recomputing``: the reduce-scatters show the local gradients and reduce
+        nothing."""
         self._root_seen = False
         """Has the first backward shown that the model is FSDP2's root (``_refuse_inner``)?"""
 
@@ -227,6 +233,24 @@ class FSDPBackend:
         finally:
             root.set_requires_gradient_sync(True)
 
+    @contextlib.contextmanager
+    def recomputing(self) -> Iterator[None]:
+        """A forward and backward whose gradients are only looked at (a check's recomputation
+        of a batch, on every rank at once): the listeners see each module's local gradients
+        as in a step (``local``, ``row_sums``, ``after_scaling``), but nothing is reduced:
+        the reduce-scatters do not communicate and leave a zero shard, HSDP's replicate
+        all-reduce is off, no ``reduced`` event. Zero the gradients after it. Collective:
+        the forward all-gathers the parameters."""
+        root: Any = self.model
+        self.attach()
+        self.quiet = True
+        root.set_requires_all_reduce(False)
+        try:
+            yield
+        finally:
+            self.quiet = False
+            root.set_requires_all_reduce(True)
+
     # -- events ------------------------------------------------------------------------------
     def _local(self, chunk: ShardChunk) -> None:
         for cb in self.before:
@@ -234,15 +258,20 @@ class FSDPBackend:
         flag: Flag | None = None
         if any(lst.wants_flag for lst in self.listeners):
             flag = check_nonfinite(chunk.buffer())
-        for lst in self.listeners:
-            lst.local(chunk)
-        for lst in self.listeners:
-            lst.after_scaling(chunk, flag, None)
+        wants = [lst.local(chunk) for lst in self.listeners]
+        digests = [None if w is None else w.digest(chunk.buffer()) for w in wants]
+        rows = [r for lst in self.listeners for r in (lst.row_sums(chunk) or ())]
+        if rows:
+            row_sums(rows)
+        for lst, digest in zip(self.listeners, digests, strict=True):
+            lst.after_scaling(chunk, flag, digest)
         self._chunks.append(chunk)
 
     def _reduced(self, out: torch.Tensor) -> None:
         """FSDP2's all-reduce hook: the module's reduced shard. The hooks run in the order of
         the reduce-scatters, each after its own."""
+        if self.quiet:
+            return
         chunk = self._chunks[-1] if self._chunks else ShardChunk(out, -1, self.model, 1)
         for cb in self.after:
             cb(chunk, out)
