@@ -237,3 +237,50 @@ def rollback(rank: int, world: int, shape: tuple[int, ...], directory: str,
     return {"state": [t.reshape(-1).tolist() for t in local_state(model, opt)],
             "resumed": resumed,
             "detections": [(d.check, d.step, tuple(d.suspect_ranks)) for d in seen]}
+
+
+def llama_as_users_run_it(rank: int, world: int, shape: tuple[int, ...],
+                          nan_at: int | None) -> dict[str, Any]:
+    """The harness's Llama-style model under FSDP2 with bf16 parameters, float32 reductions
+    and activation checkpointing (torchtitan's way), 5 steps with the defaults beside 5
+    plain ones; ``nan_at``: a NaN in rank 1's local gradients at that step."""
+    from scenarios.spec.models import build_model, scenario_loss, synthetic_batch
+    from scenarios.spec.sharding import shard_model
+
+    parallel = "fsdp" if len(shape) == 1 else "hsdp"
+
+    def model_and_opt() -> tuple[nn.Module, torch.optim.Optimizer]:
+        m = shard_model(build_model("llama", width=64, depth=2, seed=0), parallel=parallel,
+                        mesh_shape=shape, mixed_precision=True, activation_checkpointing=True)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+    def batch_of(r: int, step: int) -> Any:
+        return synthetic_batch("llama", 0, r, step, 0, batch=4)
+
+    model, opt = model_and_opt()
+    guard = SDCGuard(model, opt, loss_fn=scenario_loss, batch_for=batch_of, config=GuardConfig())
+
+    def poison(chunk: Any) -> None:
+        if guard.backend.step == nan_at and rank == 1 and chunk.index() == 1:
+            chunk.buffer().view(-1)[5] = float("nan")
+
+    guard.backend.before.append(poison)
+    withheld, seen = [], []
+    for step in range(5):
+        report = guard.step(step)
+        if report.skipped:
+            withheld.append(step)
+        seen += report.detections
+    seen += guard.flush()
+    same = None
+    if nan_at is None:
+        plain, opt_p = model_and_opt()
+        for step in range(5):
+            opt_p.zero_grad(set_to_none=True)
+            scenario_loss(plain, batch_of(rank, step)).backward()  # type: ignore[no-untyped-call]
+            opt_p.step()
+        a, b = local_state(model, opt), local_state(plain, opt_p)
+        same = all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    return {"withheld": withheld, "same_as_plain": same,
+            "dtype": str(next(model.parameters()).dtype),
+            "detections": [(d.check, d.step, tuple(d.suspect_ranks)) for d in seen]}

@@ -146,3 +146,20 @@ def test_fsdp_rollback_through_dcp_ends_bit_identical_to_the_fault_free_run(tmp_
         assert f["detections"] == [("weights", 5, (1,))]
         assert f["resumed"] == [4]
         assert g["state"] == f["state"]  # (float lists: equal floats are equal bits here)
+
+
+@pytest.mark.parametrize(("name", "nan_at"), [("fsdp2", None), ("fsdp2", 2), ("hsdp2x2", 2)])
+def test_mixed_precision_and_activation_checkpointing(name: str, nan_at: int | None) -> None:
+    """FSDP2 as users run it: bf16 parameters in the forward, float32 reductions, each block
+    recomputed in the backward (the harness's Llama-style model). Clean: no detection, and
+    bit for bit plain FSDP2's run; a NaN in rank 1's local gradients: named, withheld on
+    every rank."""
+    shape = SHAPES[name]
+    for res in run_ranks(w.llama_as_users_run_it, _world(shape), shape, nan_at):
+        assert res["dtype"] == "torch.float32"  # the sharded parameters keep the model's dtype
+        if nan_at is None:
+            assert res["detections"] == [] and res["withheld"] == []
+            assert res["same_as_plain"]
+        else:
+            assert res["detections"] == [("nonfinite", nan_at, (1,))]
+            assert res["withheld"] == [nan_at]
