@@ -18,7 +18,7 @@ replicate dimension. Two public seams show them, and this backend takes both:
 
 The interface class of the custom reduce-scatter lives in a private module of torch; the
 backend's object matches it structurally (``allocate`` and ``__call__``) and imports
-nothing private. Both seams need torch 2.8 or newer.
+nothing private. The seams need torch 2.8 or newer (checked at construction).
 
 **Containment.** Under sharding a NaN in rank 1's local gradients lands in the shard of
 whichever rank owns those elements; each rank sees only its own shard reduced. A verdict
@@ -53,6 +53,11 @@ from sdc_guard.collectives import PendingSum, words_on
 from sdc_guard.parallel.base import GradientListener, Layout
 from sdc_guard.parallel.ddp import WordAnswer
 from sdc_guard.scaling import Flag, check_nonfinite, row_sums
+
+_REDUCE_SCATTER: Any = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+"""FSDP2's own default collective (``reduce_scatter_single`` where torch has it)."""
+SEAMS = ("set_custom_reduce_scatter", "set_all_reduce_hook", "set_requires_all_reduce")
+"""What the backend needs of ``FSDPModule`` (torch 2.8 and newer have them)."""
 
 FSDP_FIX = ("Wrap the model as FSDP2 does it (torchtitan's way): fully_shard(block, "
             "mesh=mesh) for each block, then fully_shard(model, mesh=mesh) for the root, on a "
@@ -155,8 +160,8 @@ class _ReduceScatter:
         if self.backend.quiet:  # a recomputation's gradients: seen, never reduced
             output_tensor.zero_()
             return None
-        return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group,
-                                          op=op, async_op=async_op)
+        return _REDUCE_SCATTER(output_tensor, input_tensor, group=group, op=op,
+                               async_op=async_op)
 
 
 class FSDPBackend:
@@ -320,6 +325,12 @@ def mesh_of(model: torch.nn.Module, world: int) -> Any:
     if not isinstance(model, FSDPModule):
         raise TypeError(f"SDCGuard(model=...) got {type(model).__name__}, not the fully_shard "
                         f"root. {FSDP_FIX}")
+    missing = [name for name in SEAMS if not hasattr(model, name)]
+    if missing:
+        raise RuntimeError(
+            f"SDCGuard(model=...): this torch ({torch.__version__}) has no FSDPModule."
+            f"{missing[0]}, which the guard needs to see FSDP2's gradients: install torch 2.8 "
+            "or newer for FSDP2, or guard a DistributedDataParallel model.")
     meshes: dict[int, Any] = {}
     plain = []
     for name, p in model.named_parameters():

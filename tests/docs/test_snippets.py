@@ -1,5 +1,5 @@
 """The documentation's Python snippets run as written (README.md, docs/usage.md,
-docs/recovery.md).
+docs/recovery.md, docs/fsdp.md).
 
 Every fenced ``python`` block of those pages carries a marker on the line before it:
 
@@ -43,7 +43,7 @@ from sdc_guard import EXIT_CONVICTED, EXIT_QUARANTINED
 from tests.launch import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ("README.md", "docs/usage.md", "docs/recovery.md")
+DOCS = ("README.md", "docs/usage.md", "docs/recovery.md", "docs/fsdp.md")
 MARKER = re.compile(r"^<!--\s*(run|not run):\s*(.*?)\s*-->$")
 FENCE = re.compile(r"^```python\s*$")
 
