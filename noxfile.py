@@ -87,6 +87,13 @@ def fsdp_bench(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
+def soak(session: nox.Session) -> None:
+    """False positives of every check on clean FSDP2 and HSDP runs; bench/soak.json."""
+    _install(session)
+    session.run("python", "-m", "bench.soak", *session.posargs)
+
+
+@nox.session(default=False)
 def guard_off(session: nox.Session) -> None:
     """The guard's own cost per step with its checks off, measured directly; bench/guard_off.json."""
     _install(session)
