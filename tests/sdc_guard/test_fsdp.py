@@ -163,3 +163,12 @@ def test_mixed_precision_and_activation_checkpointing(name: str, nan_at: int | N
         else:
             assert res["detections"] == [("nonfinite", nan_at, (1,))]
             assert res["withheld"] == [nan_at]
+
+
+def test_fsdp_optimizer_state_shard_changed_at_rest_names_its_rank() -> None:
+    """FSDP 4: rank 2's shard of the Adam state changes after step 4's optimizer step: the
+    at-rest check (the optimizer state is fingerprinted with the weights) names rank 2 in
+    step 5, withheld on every rank."""
+    for res in run_ranks(w.faults, 4, (4,), "state", 2, 4):
+        assert res["detections"] == [("weights", 4, (2,), False)]
+        assert res["withheld"] == [5]
