@@ -108,6 +108,7 @@ def base_row(trial: TrialSpec) -> dict[str, Any]:
         "replay_interval": trial.replay_interval,
         "checksum": trial.checksum,
         "product": f.product if f else None,
+        "parallel": trial.parallel,
         "fault": [x.to_dict() for x in trial.faults] if trial.faults else (
             {"chaos": trial.chaos.action} if trial.chaos else None),
     }

@@ -30,7 +30,7 @@ from scenarios.run.session import Session
 from scenarios.spec.overhead import campaign_configs
 from scenarios.spec.scenario import Scenario
 from scenarios.spec.trials import Chaos, TrialSpec
-from sdc_guard import CheckpointManager, GuardConfig
+from sdc_guard import CheckpointManager, GuardConfig, ShardedCheckpointManager
 from sdc_guard.remediation import KubeQuarantine
 
 
@@ -183,7 +183,7 @@ class RankRunner:
             nonlocal rolled
             assert recovery is not None and s.guard is not None
             recovery.disarm()
-            resume = recovery.checkpoints.restore(s.ddp, s.optimizer)
+            resume = recovery.checkpoints.restore(s.model, s.optimizer)
             if resume == 0:  # no usable checkpoint: from scratch, the initial state
                 s.reset()
                 s.guard.rewind(-1)
@@ -218,7 +218,7 @@ class RankRunner:
                     step = roll_back(step)
                     continue
                 if (step + 1) % recovery.every == 0:
-                    recovery.checkpoints.save(step, s.ddp, s.optimizer)
+                    recovery.checkpoints.save(step, s.model, s.optimizer)
                 step += 1
             # The non-finite flags still out (sent every few steps, collected a step later).
             found = s.guard.flush()
@@ -251,7 +251,7 @@ class RankRunner:
         out = self._train(s, sc.steps, stop_on_detection=False, params_too=True)
         out["seconds"] = time.perf_counter() - t0
         out["initial_fp"] = initial
-        final = [p.detach().to("cpu", copy=True) for p in s.module.parameters()]
+        final = [p.to("cpu", copy=True) for p in s.full_parameters()]
         self.golden_final[sc.training_key()] = final
         if cmd.save_to is not None and self.rank == 0:
             tmp = f"{cmd.save_to}.tmp{os.getpid()}"
@@ -284,7 +284,8 @@ class RankRunner:
             s.guard.set_remediation(quarantine)
         recovery = None
         if sc.recovery is not None and cmd.checkpoint_dir is not None:
-            ckpt = CheckpointManager(cmd.checkpoint_dir, keep=sc.recovery.keep)
+            manager = ShardedCheckpointManager if sc.sharded else CheckpointManager
+            ckpt = manager(cmd.checkpoint_dir, keep=sc.recovery.keep)
             s.guard.set_checkpoints(ckpt)
 
             def disarm() -> None:
@@ -307,9 +308,10 @@ class RankRunner:
         out["quarantine"] = [a.to_json() for a in quarantine.actions] if quarantine else None
         out["rel_weight_dev"] = None
         golden = self._golden_weights(sc, cmd.golden_path)
+        # the same on every rank (the gathers under FSDP2 are collective): a trial that ran
+        # to its end compares whole parameters
         if golden is not None and len(out["state_fps"]) == sc.steps:
-            out["rel_weight_dev"] = _relative_deviation(
-                [p.detach() for p in s.module.parameters()], golden)
+            out["rel_weight_dev"] = _relative_deviation(s.full_parameters(), golden)
         out["seconds"] = time.perf_counter() - t0
         return out
 

@@ -1,7 +1,9 @@
-"""One scenario's DDP model, optimizer and guard on one rank, reused by every trial.
+"""One scenario's model (DDP, FSDP2 or HSDP), optimizer and guard on one rank, reused by every trial.
 
-A ``Session`` is one DDP model, optimizer and ``SDCGuard``. DDP accepts one comm
-hook and the guard registers it in its constructor, so a session is built once
+A ``Session`` is one wrapped model, optimizer and ``SDCGuard``. The model is spread over
+the ranks as the scenario's ``parallel`` says (``scenarios.spec.sharding.shard_model``);
+the guard is handed the wrapper (DDP) or the ``fully_shard`` root (FSDP2). DDP accepts one
+comm hook and the guard registers it in its constructor, so a session is built once
 and reused: each trial restores the step-0 snapshot (``state_dict`` copies taken
 right after construction) into the same parameters (``load_state_dict`` copies
 in place) and a fresh optimizer state, gets its guard configuration
@@ -13,7 +15,12 @@ Two warm-up iterations (forward and backward, no optimizer step) run before the
 snapshot is restored the first time: DDP rebuilds its gradient buckets at the
 second iteration, and the bucket layout decides the summation order of the
 all-reduce, so without them the golden run's first step would not be
-bit-identical to a later trial's.
+bit-identical to a later trial's. FSDP2 has no buckets to rebuild: no warm-up.
+
+Under FSDP2 each rank holds shards, so what a run is compared by is gathered: the state
+fingerprint is one value over every rank's shard fingerprint (the same on every rank; a
+changed bit in any shard, any replica, changes it), and the final parameters are the full
+tensors.
 """
 
 from __future__ import annotations
@@ -24,12 +31,16 @@ import functools
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scenarios.spec.models import DTYPES, build_model, scenario_loss, synthetic_batch
 from scenarios.spec.scenario import Scenario
 from scenarios.spec.seeds import seed_of
+from scenarios.spec.sharding import shard_model
 from sdc_guard import BatchFor, GuardConfig, LossFn, SDCGuard, fingerprint, state_tensors
 from sdc_guard.optimizers import Optimizers, load_state_dict, state_dict
 
@@ -74,7 +85,8 @@ def loss_for(micro_batches: int, model: nn.Module, batch: Any) -> torch.Tensor:
 
 
 class Session:
-    """A DDP model, its optimizer and (unless ``config`` is None) an SDCGuard, reused by trials."""
+    """A wrapped model (DDP or FSDP2), its optimizer and (unless ``config`` is None) an
+    SDCGuard, reused by trials."""
 
     def __init__(self, scenario: Scenario, config: GuardConfig | None, rank: int, world: int,
                  device: torch.device) -> None:
@@ -84,8 +96,15 @@ class Session:
         module = build_model(scenario.model.kind, width=scenario.model.width,
                              depth=scenario.model.depth, seed=scenario.seed)
         module = module.to(device=device, dtype=DTYPES[scenario.dtype])
-        ids = [device.index] if device.type == "cuda" else None
-        self.ddp = DDP(module, device_ids=ids)
+        self.model: nn.Module
+        """What trains and what the guard and the checkpoints are handed: the DDP wrapper,
+        or the ``fully_shard`` root (``module`` itself, sharded in place)."""
+        if scenario.sharded:
+            self.model = shard_model(module, parallel=scenario.parallel,
+                                     mesh_shape=scenario.mesh_shape)
+        else:
+            ids = [device.index] if device.type == "cuda" else None
+            self.model = DDP(module, device_ids=ids)
         self.module = module
         optimizers = _optimizer(scenario, module.parameters())
         self.optimizers = optimizers
@@ -93,16 +112,35 @@ class Session:
         self.batch_for: BatchFor = functools.partial(batch_for, scenario, device)
         self.loss_fn: LossFn = functools.partial(loss_for, scenario.micro_batches)
         self.guard = None if config is None else SDCGuard(
-            self.ddp, self.optimizer, loss_fn=self.loss_fn, batch_for=self.batch_for,
+            self.model, self.optimizer, loss_fn=self.loss_fn, batch_for=self.batch_for,
             config=config)
         self._model0 = copy.deepcopy(module.state_dict())
         self._opt0 = copy.deepcopy(state_dict(self.optimizer))
-        for step in range(2):  # DDP rebuilds its buckets at the second iteration
-            self.ddp.zero_grad(set_to_none=True)
+        for step in range(0 if scenario.sharded else 2):  # DDP rebuilds its buckets at the
+            self.model.zero_grad(set_to_none=True)           # second iteration
             batch = self.batch_for(rank, step)
             first = batch[0] if scenario.micro_batches > 1 else batch
-            self.loss_fn(self.ddp, first).backward()  # type: ignore[no-untyped-call]
+            self.loss_fn(self.model, first).backward()  # type: ignore[no-untyped-call]
         self.reset()
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is sharded by FSDP2 (each rank holds shards of the state)."""
+        return isinstance(self.model, FSDPModule)
+
+    @contextlib.contextmanager
+    def _no_sync(self) -> Any:
+        """Accumulate this micro-batch's gradients without reducing them (DDP's ``no_sync``;
+        FSDP2's ``set_requires_gradient_sync(False)``)."""
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self.model.set_requires_gradient_sync(True)
+        else:
+            with self.model.no_sync():  # type: ignore[operator]
+                yield
 
     def reset(self) -> None:
         """Back to step 0: the snapshot's weights and buffers, an empty optimizer state."""
@@ -125,8 +163,8 @@ class Session:
         batches = batch if self.scenario.micro_batches > 1 else [batch]
         for i, mb in enumerate(batches):
             last = i == len(batches) - 1
-            with contextlib.nullcontext() if last else self.ddp.no_sync():
-                loss = self.loss_fn(self.ddp, mb)
+            with contextlib.nullcontext() if last else self._no_sync():
+                loss = self.loss_fn(self.model, mb)
                 loss.backward()  # type: ignore[no-untyped-call]
         for opt in self.optimizers:
             opt.step()
@@ -142,13 +180,37 @@ class Session:
         """
         tensors = [t.detach() for t in state_tensors(self.module, self.optimizer)]
         if sum(t.numel() * t.element_size() for t in tensors) > _CONCAT_BYTES:
-            return fingerprint(tensors)
-        return fingerprint(torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]))
+            return self._over_ranks(fingerprint(tensors))
+        return self._over_ranks(fingerprint(
+            torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])))
 
     def weights_fingerprint(self) -> int:
-        """The parameters alone (``sdc_guard.fingerprint``)."""
-        return fingerprint([p.detach() for p in self.module.parameters()])
+        """The parameters alone (``sdc_guard.fingerprint``; this rank's shards under FSDP2,
+        gathered as ``state_fingerprint``'s)."""
+        return self._over_ranks(fingerprint([_local(p.detach()) for p in self.module.parameters()]))
+
+    def _over_ranks(self, fp: int) -> int:
+        """``fp`` as it is (DDP: every rank holds the whole state), or under FSDP2 one value
+        over every rank's (an all-gather of one word; collective: every rank calls it)."""
+        if not self.sharded:
+            return fp
+        word = torch.tensor([fp - (1 << 64) if fp >= 1 << 63 else fp], dtype=torch.int64,
+                            device=self.device)
+        words = [torch.empty_like(word) for _ in range(dist.get_world_size())]
+        dist.all_gather(words, word)
+        return fingerprint(torch.cat(words).cpu())
+
+    def full_parameters(self) -> list[torch.Tensor]:
+        """The model's parameters as whole tensors, detached (under FSDP2 gathered from the
+        shards: collective, every rank calls it)."""
+        return [(p.full_tensor() if isinstance(p, DTensor) else p).detach()
+                for p in self.module.parameters()]
 
     def close(self) -> None:
         self.guard = None
-        del self.ddp, self.optimizer, self.optimizers
+        del self.model, self.optimizer, self.optimizers
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a ``DTensor`` (FSDP2), else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -17,8 +17,8 @@ fault: false positives) and the overhead measurement::
     ranks = [1]
     replay_intervals = [0, 2]
 
-    [overhead]
-    scenario = "mlp"                            # default: the first scenario
+    [overhead]                                  # or overhead = false: none measured
+    scenario = "mlp"                            # default: the first scenario (a DDP one)
     rounds = 5
     block = 4
 
@@ -75,7 +75,8 @@ class CampaignSpec:
     name: str
     scenarios: tuple[Scenario, ...]
     space: FaultSpace | None = None
-    """The fault matrix / sample; None: each scenario's own ``[[faults]]`` or space."""
+    """The fault matrix / sample of every scenario that gives none of its own (a scenario's
+    own ``[[faults]]``, ``[matrix]`` or ``[sample]`` wins: ``space_for``)."""
     clean_trials: int = 3
     """Fault-free trials per scenario and replay interval (false positives)."""
     overhead: OverheadSpec | None = field(default_factory=OverheadSpec)
@@ -101,9 +102,23 @@ class CampaignSpec:
         if self.overhead is not None and self.overhead.scenario and (
                 self.overhead.scenario not in names) and self.overhead_file_scenario is None:
             raise ScenarioError("overhead.scenario", self.overhead.scenario, f"one of {names}")
-        if self.space is not None:
-            for s in self.scenarios:
+        for s in self.scenarios:
+            if self.space is not None and self.space_for(s) is self.space:
                 self.space.check_against(s)
+        if self.overhead is not None and self.overhead_scenario().parallel != "ddp":
+            raise ScenarioError("overhead.scenario", self.overhead_scenario().name,
+                                "a scenario with parallel = 'ddp' (name one, or set "
+                                "overhead = false)", reason="the overhead measurement compares "
+                                "the guard's checks, the replay audit among them, with plain DDP")
+
+    def space_for(self, scenario: Scenario) -> FaultSpace | None:
+        """The fault space ``scenario``'s trials are drawn from: its own (a scenario file with
+        ``[matrix]``/``[sample]``, or ``[[faults]]``: then None, the explicit list) when it
+        gives one, else the campaign's. So a campaign can hold a scenario with a space of its
+        own, e.g. a sharded one, whose guard refuses some of the campaign's axes."""
+        if scenario.space is not None or scenario.faults:
+            return scenario.space
+        return self.space
 
     def scenario(self, name: str) -> Scenario:
         for s in self.scenarios:
@@ -153,12 +168,14 @@ def campaign_from_dict(data: Mapping[str, Any], *, name: str, base_dir: Path,
         raise ScenarioError("scenarios", files, "a non-empty list of scenario file names")
     scenarios = tuple(load_scenario(base_dir / f) for f in files)
     space = space_of(data)
-    ov_table = table_of(data, "overhead")
-    known_keys(ov_table, [f.name for f in fields(OverheadSpec)], "overhead.")
-    overhead = OverheadSpec(**tuples(ov_table))
+    overhead: OverheadSpec | None = None
     ov_file = None
-    if overhead.scenario.endswith(".toml"):
-        ov_file = load_scenario(base_dir / overhead.scenario)
+    if data.get("overhead") is not False:  # overhead = false: no overhead measurement
+        ov_table = table_of(data, "overhead")
+        known_keys(ov_table, [f.name for f in fields(OverheadSpec)], "overhead.")
+        overhead = OverheadSpec(**tuples(ov_table))
+        if overhead.scenario.endswith(".toml"):
+            ov_file = load_scenario(base_dir / overhead.scenario)
     return CampaignSpec(
         name=data.get("name", name), scenarios=scenarios, space=space,
         clean_trials=data.get("clean_trials", 3), overhead=overhead,

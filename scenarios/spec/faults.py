@@ -104,7 +104,8 @@ class FaultSpace:
             raise ScenarioError("steps", [], "a non-empty list of steps in matrix mode")
 
     def check_against(self, scenario: Scenario) -> None:
-        """Refuse steps and ranks the scenario does not have (fields under the space's mode)."""
+        """Refuse steps and ranks the scenario does not have, and under FSDP2 the replay
+        intervals and checksum settings its guard refuses (fields under the space's mode)."""
         for s in self.steps:
             if s >= scenario.steps:
                 raise ScenarioError("steps", s, f"steps in [0, {scenario.steps - 1}] "
@@ -115,6 +116,17 @@ class FaultSpace:
                 raise ScenarioError("ranks", r, f"ranks in [0, {scenario.world_size - 1}] "
                                     f"(scenario {scenario.name!r} has {scenario.world_size})"
                                     ).under(self.mode)
+        if scenario.parallel == "ddp":
+            return
+        off = (f"(scenario {scenario.name!r} runs under parallel = {scenario.parallel!r}, where "
+               "sdc_guard refuses it for now; give that scenario a fault space of its own)")
+        if any(k > 0 for k in self.replay_intervals):
+            raise ScenarioError("replay_intervals", list(self.replay_intervals),
+                                f"[0]: the replay audit off {off}").under(self.mode)
+        if True in self.checksum:
+            raise ScenarioError("checksum", list(self.checksum),
+                                f"[false] or leave it out: the checksum check off {off}"
+                                ).under(self.mode)
 
 
 def fault_space(table: Mapping[str, Any], mode: str) -> FaultSpace:

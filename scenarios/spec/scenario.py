@@ -1,7 +1,7 @@
 """Scenarios as data: TOML files validated into frozen dataclasses.
 
-A scenario file describes one small DDP training run and, optionally, the
-faults to inject into it::
+A scenario file describes one small data-parallel training run (DDP, FSDP2 or
+HSDP) and, optionally, the faults to inject into it::
 
     name = "mlp"                 # default: the file name without .toml
     seed = 0
@@ -11,9 +11,11 @@ faults to inject into it::
     micro_batches = 1            # gradient accumulation
     dtype = "float32"            # float32 | bfloat16
     backend = "auto"             # auto (nccl + cuda when available, else gloo + cpu) | gloo | nccl
+    parallel = "ddp"             # ddp | fsdp (FSDP2 on a 1-D mesh) | hsdp (replicas x shards)
+    mesh = [3]                   # [world_size] (ddp, fsdp; the default), [R, S] for hsdp
 
     [model]
-    kind = "mlp"                 # mlp | cnn | cnn_bn | transformer
+    kind = "mlp"                 # mlp | cnn | cnn_bn | transformer | llama
     width = 32
     depth = 2
 
@@ -55,6 +57,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -75,6 +78,7 @@ from scenarios.spec.models import (
     synthetic_batch,
 )
 from scenarios.spec.paths import need_name, need_relative
+from scenarios.spec.sharding import PARALLELS
 from scenarios.spec.tables import known_keys, read_toml, table_of, tuples
 from sdc_guard import ChecksumConfig, GuardConfig
 
@@ -100,9 +104,27 @@ def _param_dims(kind: str, width: int, depth: int, seed: int) -> dict[str, int]:
     return {n: p.dim() for n, p in model.named_parameters()}
 FROM_SCENARIO: Final = ("seed", "micro_batches")
 """``GuardConfig`` fields the scenario sets itself (its data and batches depend on them too)."""
-TRAINING_CODE: Final = ("spec/models.py", "run/session.py", "run/rank.py")
+TRAINING_CODE: Final = ("spec/models.py", "spec/sharding.py", "run/session.py",
+                         "run/rank.py")
 """Harness files (relative to ``scenarios/``) that build the model, the data and the optimizer
 and train them: with the ``sdc_guard`` sources, part of ``Scenario.training_key``."""
+
+
+SHARDED_SITES: Final = ("weight_storage", "optimizer_state", "gradient_after_allreduce")
+"""Fault sites that reach this rank's shard under FSDP2 (the others: the local, unsharded
+gradients before the reduce-scatter, activations, products)."""
+
+
+def shard_numel(shape: tuple[int, ...], index: int, count: int) -> int:
+    """Elements of shard ``index`` of ``count`` of a tensor of ``shape`` split along dim 0
+    as FSDP2 splits it (``torch.chunk``: ``ceil(rows / count)`` rows each, the last ones
+    fewer or none)."""
+    if not shape:
+        return 1 if index == 0 else 0
+    rows = shape[0]
+    per = -(-rows // count)
+    mine = max(0, min(rows, (index + 1) * per) - index * per)
+    return mine * (math.prod(shape[1:]) if len(shape) > 1 else 1)
 
 
 # -- the parts of a scenario -------------------------------------------------------------------
@@ -111,17 +133,24 @@ class ModelSpec:
     """Which model to train."""
 
     kind: str = "mlp"
-    """One of ``scenarios.spec.models.MODEL_KINDS``: mlp, cnn, cnn_bn (BatchNorm), transformer."""
+    """One of ``scenarios.spec.models.MODEL_KINDS``: mlp, cnn, cnn_bn (BatchNorm), transformer,
+    llama (RMSNorm, rotary grouped-query attention, SwiGLU: torchtitan's debug model, tiny)."""
     width: int = 32
-    """Hidden units (mlp), channels of the first convolution (cnn), model width (transformer)."""
+    """Hidden units (mlp), channels of the first convolution (cnn), model width (transformer,
+    llama: a multiple of 8, 4 heads of an even size for the rotary embeddings)."""
     depth: int = 2
-    """Hidden layers (mlp) or transformer blocks; the CNNs always have two convolutions."""
+    """Hidden layers (mlp) or transformer (llama) blocks; the CNNs always have two convolutions."""
 
     def __post_init__(self) -> None:
         need_choice("model.kind", self.kind, MODEL_KINDS)
         need_int("model.width", self.width, 2, 4096)
         if self.kind == "transformer" and self.width % 2:
             raise ScenarioError("model.width", self.width, "an even integer (2 attention heads)")
+        if self.kind == "llama" and self.width % 8:
+            raise ScenarioError("model.width", self.width, "a multiple of 8 for llama, e.g. "
+                                f"{max(8, self.width - self.width % 8)}",
+                                reason="4 attention heads of an even size (rotary embeddings "
+                                       "turn pairs of features)")
         need_int("model.depth", self.depth, 1, 64)
         n = parameter_count(self.kind, self.width, self.depth)
         if n > MAX_PARAMETERS:
@@ -227,7 +256,8 @@ def guard_from_table(table: Mapping[str, Any]) -> GuardConfig:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class Scenario:
-    """One small DDP training run, and the faults to inject into it."""
+    """One small data-parallel training run (DDP, FSDP2 or HSDP), and the faults to inject
+    into it."""
 
     name: str
     model: ModelSpec = field(default_factory=ModelSpec)
@@ -249,6 +279,15 @@ class Scenario:
     """Seeds the initial weights, the data and the guard's random streams."""
     backend: str = "auto"
     """auto: nccl with one CUDA device per rank when there are enough, else gloo on CPU."""
+    parallel: str = "ddp"
+    """How the model is spread over the ranks (``scenarios.spec.sharding.shard_model``):
+    ``"ddp"`` (DistributedDataParallel), ``"fsdp"`` (FSDP2's ``fully_shard`` on a 1-D mesh
+    of every rank) or ``"hsdp"`` (``fully_shard`` on a 2-D mesh: ``R`` replicas of ``S``
+    shards). Under FSDP2 the guard runs the non-finite and weights checks; the replay audit
+    and the checksum check must stay off (``sdc_guard`` refuses them there for now)."""
+    mesh: tuple[int, ...] = ()
+    """The mesh shape: ``[world_size]`` for ddp and fsdp (empty: that), ``[R, S]`` with
+    ``R * S == world_size`` and ``R >= 2`` for hsdp (required)."""
     trial_timeout_s: float = 120.0
     """A trial whose ranks have not all answered by then is recorded as hung."""
     stop_on_detection: bool = True
@@ -271,6 +310,7 @@ class Scenario:
         need_choice("dtype", self.dtype, tuple(DTYPES))
         need_int("seed", self.seed, 0, MAX_SEED)
         need_choice("backend", self.backend, BACKENDS)
+        self._check_parallel()
         need_number("trial_timeout_s", self.trial_timeout_s, 1.0, 86_400.0)
         need_bool("stop_on_detection", self.stop_on_detection)
         if not isinstance(self.guard, GuardConfig):
@@ -285,6 +325,62 @@ class Scenario:
             self.space.check_against(self)
         for i, f in enumerate(self.faults):
             self._check_fault(i, f)
+
+    def _check_parallel(self) -> None:
+        need_choice("parallel", self.parallel, PARALLELS)
+        mesh = self.mesh
+        if not isinstance(mesh, tuple) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in mesh):
+            raise ScenarioError("mesh", mesh, "a list of positive ints: [world_size], or "
+                                "[replicas, shards] for hsdp")
+        w = self.world_size
+        if self.parallel == "hsdp":
+            example = next(([r, w // r] for r in (2, 3) if w % r == 0 and w // r >= 1), None)
+            hint = f", e.g. {example}" if example else " (world_size must not be prime)"
+            if len(mesh) != 2 or mesh[0] * mesh[1] != w or mesh[0] < 2:
+                raise ScenarioError("mesh", list(mesh), f"[replicas, shards] with replicas >= 2 "
+                                    f"and replicas * shards == world_size ({w}){hint}",
+                                    reason="parallel = 'hsdp' replicates shards across a 2-D "
+                                           "mesh" if not mesh else "")
+        elif mesh not in ((), (w,)):
+            raise ScenarioError("mesh", list(mesh), f"[{w}] (world_size) or leave it out",
+                                reason=f"parallel = {self.parallel!r} spreads over a 1-D mesh "
+                                       "of every rank; a 2-D mesh is parallel = 'hsdp'")
+        if self.parallel == "ddp":
+            return
+        fix = f"off under parallel = {self.parallel!r} (sdc_guard refuses it under FSDP2 for now)"
+        if self.guard.replay_interval:
+            raise ScenarioError("guard.replay_interval", self.guard.replay_interval,
+                                f"0: the replay audit is {fix}")
+        if self.guard.checksum:
+            raise ScenarioError("guard.checksum", self.guard.checksum,
+                                f"false: the checksum check is {fix}")
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """``mesh``, or ``(world_size,)`` when the file leaves it out."""
+        return self.mesh or (self.world_size,)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is sharded by FSDP2 (``parallel`` fsdp or hsdp)."""
+        return self.parallel != "ddp"
+
+    @property
+    def parallel_label(self) -> str:
+        """The report's name of the parallelism: ``ddp``, ``fsdp4``, ``hsdp3x2``."""
+        if self.parallel == "ddp":
+            return "ddp"
+        return self.parallel + "x".join(str(n) for n in self.mesh_shape)
+
+    def shard_of(self, rank: int) -> tuple[int, int]:
+        """``(index, count)``: which of the parameters' dim-0 shards ``rank`` holds, of how
+        many (FSDP: every rank its own; HSDP: rank ``r`` holds shard ``r % S``; DDP: the whole
+        of each, ``(0, 1)``)."""
+        if self.parallel == "ddp":
+            return 0, 1
+        shards = self.mesh_shape[-1]
+        return rank % shards, shards
 
     def _check_fault(self, i: int, f: Fault) -> None:
         where = f"faults[{i}]"
@@ -310,13 +406,18 @@ class Scenario:
         except FaultError as e:
             raise ScenarioError(f"{where}.{e.field}", getattr(f, e.field, None),
                                 e.message) from None
-        n = self.target_sizes(f.site)[name]
+        n = self.target_sizes(f.site, f.rank)[name]
+        held = f"{f.target!r} has {n} element(s)"
+        if f.site in SHARDED_SITES and self.sharded:
+            held = f"rank {f.rank}'s shard of {f.target!r} has {n} element(s)"
+            if n == 0:
+                raise ScenarioError(f"{where}.target", f.target, "a parameter whose shard on "
+                                    f"rank {f.rank} is not empty", reason=held)
         if f.burst > n:
-            raise ScenarioError(f"{where}.burst", f.burst, f"a burst in [1, {n}] ({f.target!r} "
-                                f"has {n} element(s))")
+            raise ScenarioError(f"{where}.burst", f.burst, f"a burst in [1, {n}] ({held})")
         if f.index is not None and f.index + f.burst > n:
             raise ScenarioError(f"{where}.index", f.index, f"an index in [0, {n - f.burst}] "
-                                f"({f.target!r} has {n} element(s), burst {f.burst})")
+                                f"({held}, burst {f.burst})")
 
     # -- derived ------------------------------------------------------------------------------
     def state_keys(self, target: str) -> tuple[str, ...]:
@@ -336,8 +437,10 @@ class Scenario:
             return linear_targets(model)
         return parameter_targets(model)
 
-    def target_sizes(self, site: str) -> dict[str, int]:
-        """Elements of each possible target of ``site``: parameters, or module outputs."""
+    def target_sizes(self, site: str, rank: int | None = None) -> dict[str, int]:
+        """Elements of each possible target of ``site``: parameters, or module outputs. Under
+        FSDP2, for a site in ``SHARDED_SITES`` and a ``rank``: the elements of that rank's
+        shard (FSDP2 splits dim 0 as ``torch.chunk`` does; a shard may be empty)."""
         import torch
 
         model = build_model(self.model.kind, width=self.model.width, depth=self.model.depth,
@@ -348,7 +451,10 @@ class Scenario:
             return {n: modules[n].weight.numel() for n in names}
         if site not in ("activation", "activation_grad"):
             params = dict(model.named_parameters())
-            return {n: params[n].numel() for n in names}
+            if rank is None or site not in SHARDED_SITES or not self.sharded:
+                return {n: params[n].numel() for n in names}
+            index, count = self.shard_of(rank)
+            return {n: shard_numel(tuple(params[n].shape), index, count) for n in names}
         sizes: dict[str, int] = {}
         modules = dict(model.named_modules())
 
@@ -386,6 +492,11 @@ class Scenario:
         for k in ("name", "guard", "faults", "space", "trial_timeout_s", "stop_on_detection",
                   "quarantine", "recovery"):
             d.pop(k)
+        if self.parallel == "ddp":  # a DDP scenario's key as it was before FSDP2 came in
+            d.pop("parallel")
+            d.pop("mesh")
+        else:
+            d["mesh"] = list(self.mesh_shape)
         d["versions"] = [torch.__version__, sdc_guard.__version__, _code_hash()]
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
@@ -413,6 +524,8 @@ def scenario_from_dict(data: Mapping[str, Any], *, name: str) -> Scenario:
                           if k not in ("model", "optimizer", "guard", "faults", "matrix",
                                        "sample", "quarantine", "recovery")}
     kw.setdefault("name", name)
+    if isinstance(kw.get("mesh"), list):
+        kw["mesh"] = tuple(kw["mesh"])
     for key, cls in (("model", ModelSpec), ("optimizer", OptimizerSpec)):
         table = table_of(data, key)
         known_keys(table, [f.name for f in fields(cls)], f"{key}.")

@@ -26,7 +26,7 @@ from scenarios.spec.campaign import CampaignSpec
 from scenarios.spec.errors import ScenarioError, need_int
 from scenarios.spec.faults import FaultSpace
 from scenarios.spec.limits import MAX_STEPS, MAX_TRIALS, MAX_WORLD_SIZE
-from scenarios.spec.scenario import Scenario
+from scenarios.spec.scenario import SHARDED_SITES, Scenario
 from scenarios.spec.seeds import seed_of
 
 CHAOS_ACTIONS: Final = ("raise", "exit", "hang", "kill")
@@ -69,6 +69,9 @@ class TrialSpec:
     checksum: bool | None = None
     """The checksum check on or off in this trial (the campaign's ``checksum`` axis); None:
     as the scenario's ``[guard]`` says."""
+    parallel: str = "ddp"
+    """Label for tables: the scenario's parallelism and mesh (``Scenario.parallel_label``:
+    ddp, fsdp4, hsdp3x2, ...)."""
 
     @property
     def kind(self) -> str:
@@ -137,12 +140,21 @@ def _fault_trial(scenario: Scenario, space: FaultSpace, combo: tuple[Any, ...], 
     k, site, fld, model, step, rank, checksum = combo
     if site == "optimizer_state" and step == 0:
         return None  # no optimizer state exists before the first step
+    if scenario.sharded and site in SHARDED_SITES:  # the faulty rank's shards, none empty
+        sizes = {n: v for n, v in _shard_sizes(scenario, site, rank).items() if v}
     fault = make_fault(scenario, site=site, field_name=fld, model=model, step=step, rank=rank,
                        seed=seed, p=space.p, sizes=sizes)
     extra = () if checksum is None else ({"checksum": checksum},)
     tid = _trial_id(scenario, k, fault.to_dict(), *extra)
     return TrialSpec(id=tid, scenario=scenario.name, replay_interval=k, faults=(fault,),
-                     site=site, field=fld, fault_model=model, checksum=checksum)
+                     site=site, field=fld, fault_model=model, checksum=checksum,
+                     parallel=scenario.parallel_label)
+
+
+@functools.lru_cache(maxsize=256)
+def _shard_sizes(scenario: Scenario, site: str, rank: int) -> dict[str, int]:
+    """``scenario.target_sizes(site, rank)``, once per scenario, site and rank."""
+    return scenario.target_sizes(site, rank)
 
 
 def _space_trials(scenario: Scenario, space: FaultSpace) -> list[TrialSpec]:
@@ -186,7 +198,7 @@ def _explicit_trials(scenario: Scenario) -> list[TrialSpec]:
     return [TrialSpec(id=_trial_id(scenario, k, f.to_dict(), i), scenario=scenario.name,
                       replay_interval=k, faults=(f,), site=f.site,
                       field=f.field or (f.kind if f.kind != "bitflip" else "custom"),
-                      fault_model=f.model)
+                      fault_model=f.model, parallel=scenario.parallel_label)
             for i, f in enumerate(scenario.faults)]
 
 
@@ -194,7 +206,8 @@ def clean_trials(scenario: Scenario, intervals: tuple[int, ...], count: int,
                  checksum: tuple[bool, ...] = ()) -> list[TrialSpec]:
     return [TrialSpec(id=_trial_id(scenario, k, "clean", i,
                                    *(() if c is None else ({"checksum": c},))),
-                      scenario=scenario.name, replay_interval=k, checksum=c)
+                      scenario=scenario.name, replay_interval=k, checksum=c,
+                      parallel=scenario.parallel_label)
             for k in intervals for c in (checksum or (None,)) for i in range(count)]
 
 
@@ -220,7 +233,7 @@ def count_trials(campaign: CampaignSpec) -> dict[str, int]:
     ``"<scenario>: [matrix]"``, ...), counted without building them."""
     parts: dict[str, int] = {}
     for scenario in campaign.scenarios:
-        space = campaign.space or scenario.space
+        space = campaign.space_for(scenario)
         if space is None:
             parts[f"{scenario.name}: [[faults]]"] = len(scenario.faults)
             intervals = 1
@@ -268,7 +281,7 @@ def plan_trials(campaign: CampaignSpec) -> list[TrialSpec]:
     check_trial_count(campaign)
     trials: list[TrialSpec] = []
     for scenario in campaign.scenarios:
-        space = campaign.space or scenario.space
+        space = campaign.space_for(scenario)
         if space is not None:
             faults = _space_trials(scenario, space)
             intervals = space.replay_intervals
