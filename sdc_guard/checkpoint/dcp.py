@@ -112,17 +112,7 @@ class ShardedCheckpointManager(CheckpointManager):
         ``CheckpointManager.save``'s arguments and outcome; ``background=True`` is refused.
         Returns the manifest on rank 0, None elsewhere and when refused (an open suspect
         window)."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"ShardedCheckpointManager.save(step): an int >= 0, got {step!r}.")
-        if verified_through is not None and (isinstance(verified_through, bool) or not
-                                             isinstance(verified_through, int)):
-            raise ValueError(f"ShardedCheckpointManager.save(verified_through=...): an int "
-                             f"step or None, got {verified_through!r}.")
-        if verified_through is not None and self.verifier is not None:
-            raise ValueError(
-                "ShardedCheckpointManager.save(verified_through=...): this manager is bound "
-                "to a guard, whose checks say which steps are verified; leave "
-                "verified_through out, or use a manager of its own without the guard.")
+        self._refuse_save_arguments(step, verified_through)
         if background is not False:
             raise ValueError(
                 f"ShardedCheckpointManager.save(background={background!r}): sharded "

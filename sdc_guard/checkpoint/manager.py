@@ -229,17 +229,7 @@ class CheckpointManager:
         file and the free space) or a directory another job holds (``CheckpointOwnerError``)
         raises the same error on every rank, here for a synchronous save, at the next
         ``save`` for a background one, and leaves no file of it behind."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"CheckpointManager.save(step): an int >= 0, got {step!r}.")
-        if verified_through is not None and (isinstance(verified_through, bool) or not
-                                             isinstance(verified_through, int)):
-            raise ValueError(f"CheckpointManager.save(verified_through=...): an int step or "
-                             f"None, got {verified_through!r}.")
-        if verified_through is not None and self.verifier is not None:
-            raise ValueError(
-                "CheckpointManager.save(verified_through=...): this manager is bound to a "
-                "guard (SDCGuard(checkpoints=...)), whose checks say which steps are verified; "
-                "leave verified_through out, or use a manager of its own without the guard.")
+        self._refuse_save_arguments(step, verified_through)
         if not isinstance(background, bool):
             raise ValueError(f"CheckpointManager.save(background=...): a bool, got "
                              f"{background!r}.")
@@ -347,6 +337,21 @@ class CheckpointManager:
         self._writer = threading.Thread(target=write, name=f"sdc-guard-checkpoint-{step}")
         self._writer.start()
         return info
+
+    def _refuse_save_arguments(self, step: int, verified_through: int | None) -> None:
+        """``save``'s ``step`` and ``verified_through``, checked (the errors name this class)."""
+        who = type(self).__name__
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"{who}.save(step): an int >= 0, got {step!r}.")
+        if verified_through is not None and (isinstance(verified_through, bool) or not
+                                             isinstance(verified_through, int)):
+            raise ValueError(f"{who}.save(verified_through=...): an int step or None, got "
+                             f"{verified_through!r}.")
+        if verified_through is not None and self.verifier is not None:
+            raise ValueError(
+                f"{who}.save(verified_through=...): this manager is bound to a guard "
+                "(SDCGuard(checkpoints=...)), whose checks say which steps are verified; "
+                "leave verified_through out, or use a manager of its own without the guard.")
 
     def _take_write_error(self) -> CheckpointError | None:
         """Wait for a background write; the error it failed with (None: none, or not the
