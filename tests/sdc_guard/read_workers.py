@@ -24,15 +24,32 @@ def _mlp(layers: int) -> nn.Module:
     return nn.Sequential(*mods)
 
 
+def _wrapped(layers: int, parallel: str, world: int) -> nn.Module:
+    """The MLP under DDP, or under FSDP2 (each Linear, then the root, on a 1-D mesh)."""
+    if parallel == "ddp":
+        return DDP(_mlp(layers))
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = _mlp(layers)
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def reads_per_step(rank: int, world: int, config: dict[str, Any] | None, optimizer: str,
-                   steps: int, layers: int = 1, ops: bool = False) -> list[dict[str, int]]:
+                   steps: int, layers: int = 1, ops: bool = False,
+                   parallel: str = "ddp") -> list[dict[str, int]]:
     """The reads to the host of each step (by kind), on the path GPUs take: the C kernel off,
     the CPU treated as a device. ``config`` None: a plain loop (forward, backward, optimizer
     step) with the same model, data and optimizer. ``ops``: the aten ops dispatched instead
-    (by name), and ``layers`` hidden layers."""
+    (by name), and ``layers`` hidden layers. ``parallel``: "ddp", or "fsdp" (FSDP2)."""
     torch.set_num_threads(1)
     with native_kernel(False), cpu_as_device():
-        model = DDP(_mlp(layers))
+        model = _wrapped(layers, parallel, world)
         opt: torch.optim.Optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-3)
                                       if optimizer == "adamw" else
                                       torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9))

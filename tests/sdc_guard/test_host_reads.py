@@ -68,3 +68,14 @@ def test_a_step_where_no_check_is_due_reads_nothing() -> None:
         totals = _totals(guarded[rank])
         # step 0 also asks whether the replicas start alike (once)
         assert totals[1:] == [1 if s % 3 == 1 else 0 for s in range(1, STEPS)], totals
+
+
+def test_a_steady_guarded_fsdp2_step_reads_from_the_device_once() -> None:
+    """FSDP 2: the defaults (the non-finite check's veto word over every rank, the at-rest
+    weights check's vote) add one read to a plain FSDP2 step, the step's read."""
+    plain = run_ranks(read_workers.reads_per_step, 2, None, "sgd", STEPS, parallel="fsdp")
+    guarded = run_ranks(read_workers.reads_per_step, 2, {}, "sgd", STEPS, parallel="fsdp")
+    for rank in range(2):
+        base = _totals(plain[rank])[STEADY]
+        assert [g - b for g, b in zip(_totals(guarded[rank])[STEADY], base, strict=True)] == [
+            1] * len(base), (plain[rank], guarded[rank])
