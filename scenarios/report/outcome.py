@@ -59,8 +59,10 @@ newest checkpoint before the suspect window. ``rollback_step``: the step trainin
 ``wasted_steps``: steps trained and thrown away (the reporting step + 1 - ``rollback_step``;
 0 without a rollback); ``fault_to_resume_s``: wall seconds from the start of the first
 faulty step to the resumed training; ``final_matches_golden``: every rank's final parameters
-and optimizer state are bit-identical to the golden run's. The outcome and the other
-columns describe the run as it first went, up to the rollback.
+and optimizer state are bit-identical to the golden run's (under FSDP2: every shard of every
+replica); ``saves_refused``: checkpoints the manager refused to write (a sharded save whose
+HSDP replicas differ, a fault not reported yet: an older checkpoint serves the rollback). The
+outcome and the other columns describe the run as it first went, up to the rollback.
 
 Latency: ``latency_from_injection = detect_step - first_injection`` (the first
 step at which an injection fired) and ``latency_from_divergence = detect_step -
@@ -164,6 +166,7 @@ def _recovery(results: list[dict[str, Any]], golden: GoldenRun, records: list[di
         "final_matches_golden": all(x["final_fp"] == golden.state_fps[-1] for x in rec),
         "rollback_step": rec[0].get("rollback_step"),
         "wasted_steps": rec[0].get("wasted_steps", 0),
+        "saves_refused": len(rec[0].get("saves_refused", [])),
     }
     started = _fault_started(results, records, first_inj)
     if "resumed_at" in rec[0] and started is not None:

@@ -221,6 +221,7 @@ def _recovery(faults: pd.DataFrame) -> dict[str, Any] | None:
             "rolled_back": bool(rolled.iloc[0]),
             "rollback_step": py(r["rollback_step"]),
             "wasted_steps": py(r["wasted_steps"]),
+            "saves_refused": py(r["saves_refused"]),
             "fault_to_resume_s": py(r["fault_to_resume_s"]),
             "final_matches_golden": py(r["final_matches_golden"]),
         }

@@ -21,7 +21,7 @@ from scenarios.run.store import COLUMNS, TrialTable
 INTS = ("fault_rank", "fault_step", "replay_interval", "detect_step", "injections",
         "first_injection", "first_divergence", "latency_from_injection",
         "latency_from_divergence", "steps_run", "quarantine_errors", "rollback_step",
-        "wasted_steps")
+        "wasted_steps", "saves_refused")
 FLOATS = ("rel_weight_dev", "loss_diff", "seconds", "fault_to_cordon_s", "fault_to_resume_s",
           "injected_value")
 BOOLS = ("blame_correct", "contained", "same_step", "nonfinite_injected", "repaired",

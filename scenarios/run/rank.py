@@ -31,6 +31,7 @@ from scenarios.spec.overhead import campaign_configs
 from scenarios.spec.scenario import Scenario
 from scenarios.spec.trials import Chaos, TrialSpec
 from sdc_guard import CheckpointManager, GuardConfig, ShardedCheckpointManager
+from sdc_guard.checkpoint import CheckpointError, CheckpointWriteError
 from sdc_guard.remediation import KubeQuarantine
 
 
@@ -177,6 +178,9 @@ class RankRunner:
         repaired: list[tuple[str, int]] = []
         started: list[float] = []
         rolled: dict[str, Any] | None = None
+        refused: list[int] = []
+        """Steps whose checkpoint the manager refused (sharded: HSDP replicas that differ, a
+        fault not reported yet); the next older one serves the rollback."""
 
         def roll_back(at: int) -> int:
             """Replace the faulty node (disarm), restore; the step to train next."""
@@ -218,7 +222,12 @@ class RankRunner:
                     step = roll_back(step)
                     continue
                 if (step + 1) % recovery.every == 0:
-                    recovery.checkpoints.save(step, s.model, s.optimizer)
+                    try:
+                        recovery.checkpoints.save(step, s.model, s.optimizer)
+                    except CheckpointWriteError:
+                        raise
+                    except CheckpointError:  # refused on every rank: the replicas differ
+                        refused.append(step)
                 step += 1
             # The non-finite flags still out (sent every few steps, collected a step later).
             found = s.guard.flush()
@@ -240,7 +249,8 @@ class RankRunner:
         if params_too:
             out["weight_fps"] = wfps
         if recovery is not None:
-            out["recovery"] = {**(rolled or {}), "final_fp": s.state_fingerprint()}
+            out["recovery"] = {**(rolled or {}), "final_fp": s.state_fingerprint(),
+                               "saves_refused": refused}
         return out
 
     def golden(self, cmd: Golden) -> dict[str, Any]:
