@@ -40,13 +40,12 @@ __all__ = [
 def refuse_sharded(config: GuardConfig) -> None:
     """The checks not yet guarding a sharded model (FSDP2), refused with the fix."""
     off = [f"{name}={value!r}" for name, value, on in (
-        ("replay_interval", config.replay_interval, bool(config.replay_interval)),
-        ("checksum", config.checksum, config.checksum_config is not None)) if on]
+        ("checksum", config.checksum, config.checksum_config is not None),) if on]
     if off:
         raise ValueError(
             f"GuardConfig({', '.join(off)}): for a fully_shard model (FSDP2, HSDP) the guard "
-            "runs the non-finite and weights checks; the replay audit and the checksum check "
-            "do not guard sharded models yet. Set replay_interval=0 and checksum=False.")
+            "runs the non-finite, weights and replay checks; the checksum check does not "
+            "guard sharded models yet. Set checksum=False.")
 
 
 def build_checks(
@@ -83,12 +82,21 @@ def build_checks(
     if config.replay_interval:
         if batch_for is None:
             raise ValueError("GuardConfig.replay_interval needs batch_for.")
-        checks.append(ReplayAudit(
-            cast(DistributedDataParallel, model), interval=config.replay_interval,
-            loss_fn=loss_fn, batch_for=batch_for,
-            backend=backend, seed=config.seed, micro_batch_count=config.micro_batches, group=group,
-            scale=grad_scaler.scale if grad_scaler is not None else None,
-            contain=config.skip_step_on_detection))
+        scale = grad_scaler.scale if grad_scaler is not None else None
+        if backend.layout.sharded:  # the FSDP2 root, recomputed through the FSDP backend
+            from sdc_guard.checks.replay_fsdp import FSDPReplayAudit
+
+            checks.append(FSDPReplayAudit(
+                model, interval=config.replay_interval, loss_fn=loss_fn, batch_for=batch_for,
+                backend=cast(Any, backend), seed=config.seed,
+                micro_batch_count=config.micro_batches, group=group, scale=scale,
+                contain=config.skip_step_on_detection))
+        else:
+            checks.append(ReplayAudit(
+                cast(DistributedDataParallel, model), interval=config.replay_interval,
+                loss_fn=loss_fn, batch_for=batch_for, backend=backend, seed=config.seed,
+                micro_batch_count=config.micro_batches, group=group, scale=scale,
+                contain=config.skip_step_on_detection))
     if config.weights_interval:
         checks.append(WeightsCheck(
             model, optimizer, interval=config.weights_interval,

@@ -497,17 +497,10 @@ class ReplayAudit(Check, GradientListener):
     ) -> None:
         self.model = model
         _refuse_compiled_ddp(model)
-        self.interval = interval
-        self.scale = scale
-        self.module: nn.Module = model.module
-        self.loss_fn = loss_fn
-        self.batch_for = batch_for
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-        self.seed = seed
-        self.micro = micro_batch_count
-        self.group = group
-        self.device = next(model.parameters()).device
+        self._init_state(model.module, interval=interval, loss_fn=loss_fn,
+                         batch_for=batch_for, backend=backend, seed=seed,
+                         micro_batch_count=micro_batch_count, group=group, scale=scale,
+                         contain=contain, device=next(model.parameters()).device)
         # The parameters DDP all-reduces: those it ignores never reach the comm hook, so
         # they are not in the own gradient word and must not be in the replayed one.
         ignored = ddp_ignored(model)
@@ -517,7 +510,7 @@ class ReplayAudit(Check, GradientListener):
                  if p.requires_grad and id(p) not in ignored]
         _refuse_post_accumulate_hooks(named)
         self._named = named
-        self.params = [p for _, p in named]
+        self.params: list[torch.Tensor] = [p for _, p in named]
         self.names = [n for n, _ in named]
         self.index = {id(p): i for i, (_, p) in enumerate(named)}
         # The gradient word is the digest D of every gradient laid end to end in
@@ -525,6 +518,26 @@ class ReplayAudit(Check, GradientListener):
         ends = list(itertools.accumulate(word_count(p) for p in self.params))
         self.offsets = [0, *ends[:-1]] if ends else []
         self._plans: dict[tuple[int, ...], BucketPlan | None] = {}
+        backend.subscribe(self)
+
+    def _init_state(self, module: nn.Module, *, interval: int, loss_fn: LossFn,
+                    batch_for: BatchFor, backend: Backend, seed: int, micro_batch_count: int,
+                    group: dist.ProcessGroup | None,
+                    scale: Callable[[torch.Tensor], torch.Tensor] | None, contain: bool,
+                    device: torch.device) -> None:
+        """What every audit holds, whatever the parallelism: the loop's callables, the ring,
+        the words of the step and their exchange (``replay_fsdp`` builds on it too)."""
+        self.interval = interval
+        self.scale = scale
+        self.module: nn.Module = module
+        self.loss_fn = loss_fn
+        self.batch_for = batch_for
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.seed = seed
+        self.micro = micro_batch_count
+        self.group = group
+        self.device = device
         self._own_grad: Word | None = None
         self._observing = False
         self._own_losses: list[torch.Tensor] = []
@@ -569,7 +582,6 @@ class ReplayAudit(Check, GradientListener):
         self.exchange_with_first_bucket = True
         """Post the ring exchange with the first gradient bucket (``_send_replayed``); False:
         right after the replay (``python -m bench.replay_exchange`` times both)."""
-        backend.subscribe(self)
 
     compares_replicas = True
 
@@ -1010,6 +1022,11 @@ class ReplayAudit(Check, GradientListener):
         return [Detection("replay", step, tuple(sorted(suspects)), detail=detail,
                           evidence=evidence)]
 
+    def _arbiter_replay(self, owner: int, arbiter: int, step: int) -> tuple[Word, Word] | None:
+        """The arbiter's words: its replay of ``owner``'s batch, on the arbiter only (the
+        recomputation runs on the module alone, without communicating)."""
+        return self._replay(owner, step, "arbitrate") if arbiter == self.rank else None
+
     def _arbitrate(
         self,
         step: int,
@@ -1023,9 +1040,9 @@ class ReplayAudit(Check, GradientListener):
         for k, a in enumerate(edges):
             b = (a + 1) % n
             t = (b + 1) % n
-            if t == self.rank:
-                words[2 * k: 2 * k + 2] = words_tensor(self._replay(b, step, "arbitrate"),
-                                                       self.device)
+            got = self._arbiter_replay(b, t, step)
+            if got is not None:
+                words[2 * k: 2 * k + 2] = words_tensor(got, self.device)
         rows = all_gather_rows(words, self.group).tolist()
         out: dict[str, dict[str, Any]] = {}
         for k, a in enumerate(edges):

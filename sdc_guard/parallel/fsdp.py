@@ -230,13 +230,17 @@ class FSDPBackend:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """FSDP2's ``set_requires_gradient_sync(False)`` for the micro-batches before the last."""
+        """FSDP2's ``set_requires_gradient_sync(False)`` for the micro-batches before the last
+        (inside ``recomputing`` too: HSDP's all-reduce, which turning the sync back on turns
+        on as well, stays off there)."""
         root: Any = self.model
         root.set_requires_gradient_sync(False)
         try:
             yield
         finally:
             root.set_requires_gradient_sync(True)
+            if self.quiet:
+                root.set_requires_all_reduce(False)
 
     @contextlib.contextmanager
     def recomputing(self) -> Iterator[None]:

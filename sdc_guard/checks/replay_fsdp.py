@@ -1,0 +1,220 @@
+"""Check "replay" under FSDP2 and HSDP: the ring replay through the sharded model.
+
+The audit is the DDP one (``sdc_guard.checks.replay``: the ring, the four words per rank,
+the point-to-point exchange, the owner's veto, the gather, the localisation and the
+arbitration); what changes is how a neighbour's batch is recomputed and what is compared.
+
+**Recomputation, on every rank at once.** Under ``fully_shard`` no rank holds the whole
+model: a forward all-gathers each module's parameters from every shard rank, a backward
+all-gathers them again and hands each module's local, unsharded gradients to the
+reduce-scatter. So the recomputation cannot run on one rank alone. On an audit step every
+rank r recomputes its ring neighbour's ((r + 1) mod N) micro-batches together, through the
+FSDP2 root, inside ``FSDPBackend.recomputing()``: the listeners see each module's local
+gradients as in a step, but nothing is reduced (zero shards; HSDP's replicate all-reduce
+off). Each micro-batch runs on the owner's random stream (``rng_stream(seed, owner, step,
+micro)``), the micro-batches before the last without gradient sync, as the guard's step
+runs them. The sharded gradients are put back as they were afterwards (the step's own
+backward starts from none; an arbitration, which runs after that backward, leaves the
+step's gradients in place), and so are the module's buffers and its RNG.
+
+**What is compared.** The owner's own loss bits and a digest of its local unsharded
+gradients, taken in the reduce-scatter of its own step (``local``: one ``ShardChunk`` per
+``fully_shard`` module, before the reduction), against the replaying rank's loss and the
+same digest of the chunks its recomputation produced. The gradient word is the linear word
+digest (``sdc_guard.fingerprints.digest``) of every chunk's buffer, chunk i laid at word
+offset ``i * 2**40`` (each module's buffer padded to 2**40 words): the sum does not depend
+on the order in which the modules' reduce-scatters run.
+
+**Micro-batches.** As under DDP the comparison is on the step's accumulated gradients:
+FSDP2 accumulates the local unsharded gradients of the micro-batches before the last and
+reduce-scatters their sum in the last backward, which is the buffer both sides digest. A
+fault in any micro-batch changes that sum.
+
+**Arbitration.** A single bad edge a -> b is arbitrated by t = b + 1 replaying b's batch,
+as under DDP; because the recomputation is collective, every rank recomputes b's batch
+with it (each rank's result but t's is left unused).
+
+Blind spots are those of the DDP audit (transient faults on steps not audited), and the
+reduce-scatter itself and HSDP's all-reduce are outside what this check compares (the
+non-finite check and, under HSDP, the weights vote see the reduced shards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sdc_guard.checks.replay import (
+    ReplayAudit,
+    Word,
+    _loss_word,
+    _probed,
+    _refuse_sync_batchnorm,
+    _same_buffer,
+    add_words,
+)
+from sdc_guard.determinism import buffers_saved, buffers_set, module_state_kept, rng_stream
+from sdc_guard.fingerprints.digest import host_concat_digest, tensors_digest
+from sdc_guard.hostread import on_host
+from sdc_guard.parallel.base import Bucket
+from sdc_guard.types import BatchFor, LossFn, fetch_micro_batches, recomputed_loss
+
+if TYPE_CHECKING:
+    from sdc_guard.parallel.fsdp import FSDPBackend
+
+CHUNK_STRIDE_BITS = 40
+"""Chunk i's buffer lies at word offset ``i << CHUNK_STRIDE_BITS`` in the gradient word."""
+
+
+def chunk_word(buf: torch.Tensor, index: int, device: torch.device) -> Word:
+    """Chunk ``index``'s share of the gradient word: the word digest of its buffer at word
+    offset ``index << CHUNK_STRIDE_BITS`` (an unsigned int from the C kernel on the CPU,
+    else a 0-d int64 tensor on ``device``)."""
+    flat = buf.reshape(-1)
+    offset = index << CHUNK_STRIDE_BITS
+    if on_host(device):
+        host = host_concat_digest([(flat, offset)])
+        if host is not None:
+            return host
+    return tensors_digest([flat], [offset], device)
+
+
+class FSDPReplayAudit(ReplayAudit):
+    """The ring replay audit of a ``fully_shard`` model (FSDP or HSDP); see the module doc."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        interval: int,
+        loss_fn: LossFn,
+        batch_for: BatchFor,
+        backend: FSDPBackend,
+        seed: int,
+        micro_batch_count: int,
+        group: dist.ProcessGroup | None = None,
+        scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        contain: bool = True,
+    ) -> None:
+        self._init_state(model, interval=interval, loss_fn=loss_fn, batch_for=batch_for,
+                         backend=backend, seed=seed, micro_batch_count=micro_batch_count,
+                         group=group, scale=scale, contain=contain,
+                         device=next(model.parameters()).device)
+        _refuse_sync_batchnorm(model)
+        self._fsdp = backend
+        self.params = list(model.parameters())
+        """The sharded parameters (``DTensor``): their gradients are put back after a replay."""
+        self._replaying = False
+        """Inside a recomputation: the chunks the backend shows are the replay's."""
+        self._replay_grad: Word | None = None
+        backend.subscribe(self)
+
+    # -- the chunks, of the step or of a recomputation --------------------------------------
+    def local(self, bucket: Bucket) -> None:
+        """On audit steps, the chunk's share of the own gradient word (or, inside a
+        recomputation, of the replayed one), digested here: FSDP2 has no scaling pass."""
+        if self._replaying:
+            self._replay_grad = add_words(self._replay_grad,
+                                          chunk_word(bucket.buffer(), bucket.index(),
+                                                     self.device))
+        elif self._observing:
+            self._buckets += 1
+            self._add_own(chunk_word(bucket.buffer(), bucket.index(), self.device))
+        return None
+
+    def _check_complete(self, step: int) -> None:
+        """Nothing to refuse: FSDP2 reduce-scatters every module whose parameters got
+        gradients, in the step and in the recomputation alike."""
+
+    # -- recomputation ----------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """Every rank replays its neighbour's micro-batches of ``step`` at once, through the
+        sharded model, from the pre-step weights; then watches its own losses and local
+        gradients. The replayed words go to their owner right away (point to point)."""
+        self._own_grad = None
+        self._own_losses = []
+        self._replayed = None
+        self._own_cache = None
+        self._row_cache = None
+        self._pending = None
+        self._veto_asked = False
+        self._buckets = 0
+        self.phase = "train"
+        self._observing = False
+        self._step_buffers = buffers_saved(self.module)
+        self._replayed = self._replay((self.rank + 1) % self.world, step, "replay")
+        self._observing = True
+        if not self._buffers_checked:
+            self._check_buffers()
+        if self.wants_veto:
+            self._send_replayed()
+
+    def _replay(self, rank: int, step: int, phase: str) -> tuple[Word, Word]:
+        """(loss word, gradient word) of ``rank``'s micro-batches of ``step``, recomputed by
+        every rank together (collective: each rank passes the owner it replays)."""
+        self.phase = phase
+        buffers = buffers_saved(self.module)
+        kept = [p.grad for p in self.params]  # an arbitration runs after the step's backward
+        losses: list[torch.Tensor] = []
+        self._replay_grad = None
+        try:
+            buffers_set(self.module, self._step_buffers)
+            batches = fetch_micro_batches(self.batch_for, rank, step, self.micro)
+            if not _probed(self.batch_for):
+                self._probe(batches, rank, step)
+            for p in self.params:
+                p.grad = None
+            self._replaying = True
+            last = len(batches) - 1
+            with self._fsdp.recomputing(), module_state_kept(self.module):
+                for i, mb in enumerate(batches):
+                    sync = contextlib.nullcontext() if i == last else self._fsdp.no_sync()
+                    with sync:
+                        with rng_stream(self.seed, rank, step, i, self.device):
+                            loss = recomputed_loss(self.loss_fn, self.module, mb)
+                        losses.append(loss.detach())
+                        scaled = self.scale(loss) if self.scale is not None else loss
+                        torch.autograd.backward(scaled)
+                    del loss, scaled
+        finally:
+            self._replaying = False
+            if not self._buffers_checked:
+                self._changed = [q for m, n, q, value in buffers if q in self._watched
+                                 and not _same_buffer(m._buffers.get(n), value)]
+            buffers_set(self.module, buffers)
+            for p, g in zip(self.params, kept, strict=True):
+                p.grad = g
+            self.phase = "train"
+        grad = self._replay_grad
+        return _loss_word(losses), grad if grad is not None else 0
+
+    def _arbiter_replay(self, owner: int, arbiter: int, step: int) -> tuple[Word, Word] | None:
+        """Every rank recomputes ``owner``'s batch (the forward communicates); the arbiter's
+        words are the ones that count."""
+        words = self._replay(owner, step, "arbitrate")
+        return words if arbiter == self.rank else None
+
+    def _check_buffers(self) -> None:
+        """On the first audit step of a model with buffers outside its norm layers: did the
+        training forward change any (a running normaliser, an EMA codebook)? FSDP2 keeps each
+        rank's buffers its own (no broadcast), so such a buffer drifts apart across ranks
+        with their batches, and every audit would convict a healthy rank. Decided on every
+        rank alike: one small all-reduce, once."""
+        self._buffers_checked = True
+        changed = torch.tensor([int(bool(self._changed))], dtype=torch.int64,
+                               device=self.device)
+        dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.group)
+        if not int(changed.item()):
+            return
+        names: Any = self._changed or "(on another rank)"
+        raise ValueError(
+            f"replay audit: the training forward updates buffers {names} outside the norm "
+            "layers, and FSDP2 does not keep buffers equal across ranks: each rank's drift "
+            "apart with its own batches, so no other rank can recompute the owner's step. "
+            "Compute them from the parameters, keep them fixed during training, or set "
+            "replay_interval=0.")

@@ -1,0 +1,142 @@
+"""Rank functions of the replay audit's FSDP2 tests (``test_replay_fsdp.py``).
+
+A small MLP with dropout (the replay must recompute the owner's random stream) under
+``fully_shard`` on a 1-D mesh (FSDP) or a 2-D ``(replicate, shard)`` mesh (HSDP), trained
+through ``SDCGuard`` with the replay audit; faults are armed through ``injectors``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+from sdc_guard import GuardConfig, SDCGuard
+from tests.sdc_guard.fsdp_workers import local_state, mesh_for
+
+
+def build(shape: tuple[int, ...]) -> nn.Module:
+    """An MLP 8-16-16-4 with dropout after each hidden layer; each hidden Linear
+    ``fully_shard``-ed, then the root (which owns the last Linear)."""
+    mesh = mesh_for(shape)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.25), nn.Linear(16, 16),
+                          nn.ReLU(), nn.Dropout(0.25), nn.Linear(16, 4))
+    for i in (0, 3):
+        fully_shard(model[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def batch_for(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+
+
+def micro_batches(count: int) -> Any:
+    """``batch_for`` of the guard: one batch, or ``count`` micro-batches by index."""
+    if count == 1:
+        return batch_for
+
+    def per_step(rank: int, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [batch_for(rank, step * count + i) for i in range(count)]
+
+    return per_step
+
+
+def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.mse_loss(model(batch[0]), batch[1])
+
+
+def train(rank: int, world: int, shape: tuple[int, ...], steps: int, *, interval: int = 1,
+          micro: int = 1, fault: dict[str, Any] | None = None, contain: bool = True,
+          nonfinite: bool = True) -> dict[str, Any]:
+    """Train ``steps`` steps with the replay audit every ``interval`` steps (0: off) and, if
+    given, one fault armed through ``injectors``. Returns the steps withheld, the detections
+    (check, step, suspects), the fault's records on this rank, whether the ranks holding
+    each shard hold it alike at the end, and this rank's shards of the weights and the
+    optimizer state (as lists, for bit-for-bit comparison across runs)."""
+    from injectors import Fault, arm
+
+    model = build(shape)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    cfg = GuardConfig(replay_interval=interval, deterministic=True, micro_batches=micro,
+                      nonfinite=nonfinite, skip_step_on_detection=contain)
+    guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=micro_batches(micro), config=cfg)
+    withheld, seen, records = [], [], 0
+    armed = arm(Fault(**fault), guard=guard) if fault else None
+    try:
+        for step in range(steps):
+            report = guard.step(step)
+            if report.skipped:
+                withheld.append(step)
+            seen += report.detections
+        seen += guard.flush()
+    finally:
+        if armed is not None:
+            records = len(armed.records)
+            armed.remove()
+    state = local_state(model, opt)
+    mine = [t.reshape(-1).tolist() for t in state]
+    rows: list[Any] = [None] * world  # (shards of 3 ranks differ in size)
+    dist.all_gather_object(rows, mine)
+    layout = guard.backend.layout
+    return {"withheld": withheld, "records": records,
+            "detections": [(d.check, d.step, tuple(d.suspect_ranks)) for d in seen],
+            "evidence": [d.evidence for d in seen],
+            "alike": all(rows[r] == rows[s[0]] for s in layout.sets for r in s),
+            "state": mine}
+
+
+def replicate_collectives_in_replay(rank: int, world: int, micro: int) -> list[int]:
+    """HSDP 2x2, one audit step with ``micro`` micro-batches: how many collectives the
+    replicate dimension's group issued during each of the audit's recomputations (none:
+    the recomputation reduces nothing, HSDP's all-reduce included)."""
+    from sdc_guard.checks.replay_fsdp import FSDPReplayAudit
+
+    model = build((2, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    cfg = GuardConfig(replay_interval=1, deterministic=True, micro_batches=micro)
+    guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=micro_batches(micro), config=cfg)
+    audit = next(c for c in guard.checks if isinstance(c, FSDPReplayAudit))
+    replicate = guard.backend.mesh.get_group("replicate")
+    counts: list[int] = []
+    real = audit._replay
+
+    def counted(owner: int, step: int, phase: str) -> Any:
+        before = replicate._get_sequence_number_for_group()
+        try:
+            return real(owner, step, phase)
+        finally:
+            counts.append(replicate._get_sequence_number_for_group() - before)
+
+    audit._replay = counted  # type: ignore[method-assign,assignment]
+    report = guard.step(0)
+    assert not report.skipped and not report.detections, report
+    return counts
+
+
+def soak(audits: int) -> None:
+    """Clean runs with an audit at every step, FSDP 3 and HSDP 2x2 (2 micro-batches): prints
+    the audits and the bad edges seen (the target: 0 over >= 100 audits). Run it with
+    ``python -m tests.sdc_guard.replay_fsdp_workers [audits]`` from the repository root."""
+    from tests.launch import run_ranks
+
+    for shape, micro in (((3,), 1), ((2, 2), 2)):
+        world = 1
+        for n in shape:
+            world *= n
+        res = run_ranks(train, world, shape, audits, micro=micro, timeout=60.0 + audits)
+        bad = sum(len(e.get("bad_edges", ())) for e in res[0]["evidence"])
+        print(f"{'fsdp' if len(shape) == 1 else 'hsdp'} {shape} micro_batches={micro}: "
+              f"{audits} audits, {len(res[0]['detections'])} detections, {bad} bad edges, "
+              f"withheld {res[0]['withheld']}")
+
+
+if __name__ == "__main__":
+    import sys
+
+    soak(int(sys.argv[1]) if len(sys.argv) > 1 else 100)
