@@ -59,6 +59,11 @@ def _tables(s: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
 
     out = [("Coverage by site", ["site", *head],
             [row(k, g) for k, g in s["sites"].items()] + [row("all", s["all"])]),
+           ("Coverage by parallelism", ["parallel", *head],
+            [row(k, g) for k, g in s.get("parallels", {}).items()]),
+           *([("Coverage by site and parallelism", ["site", "parallel", *head],
+               [[site, *row(par, g)] for site, by in s["by_site_parallel"].items()
+                for par, g in by.items()])] if len(s.get("parallels", {})) > 1 else []),
            ("Coverage by bit field", ["field", *head],
             [row(k, g) for k, g in s["fields"].items()]),
            ("Coverage by fault model", ["model", *head],

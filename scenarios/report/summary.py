@@ -5,6 +5,11 @@ Everything is computed from the output directory alone (``trials.csv``,
 can rebuild it at any time, also from a partial (killed) campaign. The trials are
 one pandas DataFrame (``scenarios.report.table``); every table is a group-by of it.
 
+Groups: by site, bit field, fault model, scenario, replay interval, and by parallelism
+(``parallels``: ddp, fsdp4, hsdp3x2, ... from the scenario's ``parallel`` and ``mesh``; a
+table written before that column existed is all DDP) and by site and parallelism
+(``by_site_parallel``).
+
 Coverage of a group of fault trials = detected / (trials - masked): a masked
 fault left the run bit-identical to golden, so there was nothing to detect.
 Its 95% interval is Wilson's score interval (``scenarios.report.stats.wilson``). Escape
@@ -325,6 +330,8 @@ def summarize(out: Path, cluster: dict[str, Any] | None = None,
     df = df[df["outcome"] != LOST]
     overhead = _load(out / "overhead.json")
     budget = float(meta.get("overhead_budget", 0.25))
+    # a table written before the parallel column existed holds DDP trials only
+    df = df.assign(parallel=df["parallel"].replace("", "ddp"))
     faults = df[df["kind"] == "fault"]
     clean = df[df["kind"] == "clean"]
     fp = int((clean["outcome"] == "detected").sum())
@@ -338,6 +345,14 @@ def summarize(out: Path, cluster: dict[str, Any] | None = None,
             by_site_field.setdefault(s, {})[f] = _group(g)
     by_site_field = {s: {f: by_site_field[s][f] for f in fields if f in by_site_field[s]}
                      for s in sites if s in by_site_field}
+    parallels = sorted(set(df["parallel"]), key=lambda x: (x != "ddp", x))
+    by_site_parallel: dict[str, Any] = {}
+    for (s, par), g in faults.groupby(["site", "parallel"], sort=False):
+        if s in sites:
+            by_site_parallel.setdefault(s, {})[par] = _group(g)
+    by_site_parallel = {s: {x: by_site_parallel[s][x] for x in parallels
+                            if x in by_site_parallel[s]}
+                        for s in sites if s in by_site_parallel}
     intervals = sorted(int(k) for k in faults["replay_interval"].dropna().unique())
     det = faults[faults["outcome"] == "detected"]
     runs = meta.get("runs", [])
@@ -361,6 +376,13 @@ def summarize(out: Path, cluster: dict[str, Any] | None = None,
         "scenarios": _groups(faults, "scenario", sorted(set(faults["scenario"]))),
         "replay_intervals": _groups(faults, "replay_interval", intervals),
         "by_site_field": by_site_field,
+        "parallels": _groups(faults, "parallel", parallels),
+        "by_site_parallel": by_site_parallel,
+        "clean_by_parallel": {x: {"trials": int((clean["parallel"] == x).sum()),
+                                  "false_positives": int(((clean["parallel"] == x)
+                                                          & (clean["outcome"] == "detected"))
+                                                         .sum())}
+                              for x in parallels if (clean["parallel"] == x).any()},
         "first_check": {str(k): int(v) for k, v in det["check"].value_counts().items()},
         "latency_histogram": _histogram(faults, sites),
         "latency": latency_distribution(faults, sites),

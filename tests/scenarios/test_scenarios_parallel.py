@@ -145,3 +145,42 @@ def test_the_trial_table_names_the_parallelism() -> None:
     sc = load_scenario(Path(__file__).resolve().parents[2] / "scenarios" / "configs"
                        / "mlp.toml")
     assert sc.parallel == "ddp" and sc.mesh_shape == (sc.world_size,)
+
+
+def test_the_report_splits_coverage_by_parallelism(tmp_path: Path) -> None:
+    """Coverage per parallelism and per site and parallelism, Wilson intervals as elsewhere;
+    a row without the parallel column (an older table) counts as DDP."""
+    from scenarios.report.render import write_report
+    from scenarios.run.store import TrialTable
+
+    t = TrialTable(tmp_path / "trials.csv")
+    rows = [("ddp", "weight_storage", "detected"), ("ddp", "weight_storage", "escaped"),
+            ("", "weight_storage", "detected"), ("hsdp3x2", "weight_storage", "detected"),
+            ("hsdp3x2", "weight_storage", "masked"), ("hsdp3x2", "optimizer_state", "detected"),
+            ("fsdp4", "optimizer_state", "escaped")]
+    for i, (par, site, outcome) in enumerate(rows):
+        t.append({"id": f"f{i}", "scenario": par or "old", "kind": "fault", "site": site,
+                  "field": "exponent", "fault_model": "transient", "replay_interval": 0,
+                  "outcome": outcome, "parallel": par or None,
+                  "check": "weights" if outcome == "detected" else None,
+                  "detect_step": 3 if outcome == "detected" else None, "first_injection": 3,
+                  "latency_from_injection": 0 if outcome == "detected" else None,
+                  "blame_correct": True if outcome == "detected" else None,
+                  "nonfinite_injected": False})
+    t.append({"id": "c0", "scenario": "hsdp3x2", "kind": "clean", "replay_interval": 0,
+              "outcome": "masked", "parallel": "hsdp3x2"})
+    (tmp_path / "campaign.json").write_text('{"name": "p"}')
+    s = write_report(tmp_path)
+    assert list(s["parallels"]) == ["ddp", "fsdp4", "hsdp3x2"]
+    ddp, hsdp = s["parallels"]["ddp"], s["parallels"]["hsdp3x2"]
+    assert (ddp["trials"], ddp["detected"], ddp["escaped"]) == (3, 2, 1)
+    assert ddp["coverage_ci95"] == s["by_site_parallel"]["weight_storage"]["ddp"]["coverage_ci95"]
+    assert (hsdp["trials"], hsdp["masked"], hsdp["coverage"]) == (3, 1, 1.0)
+    assert s["by_site_parallel"]["optimizer_state"] == {
+        "fsdp4": s["by_site_parallel"]["optimizer_state"]["fsdp4"],
+        "hsdp3x2": s["by_site_parallel"]["optimizer_state"]["hsdp3x2"]}
+    assert s["by_site_parallel"]["optimizer_state"]["fsdp4"]["coverage"] == 0.0
+    assert s["clean_by_parallel"] == {"hsdp3x2": {"trials": 1, "false_positives": 0}}
+    md = (tmp_path / "report.md").read_text()
+    assert "## Coverage by parallelism" in md and "## Coverage by site and parallelism" in md
+    assert "| weight_storage | hsdp3x2 | 2 | 1 | 1 |" in md
