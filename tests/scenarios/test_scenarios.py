@@ -53,6 +53,15 @@ def test_every_shipped_config_loads() -> None:
                 "gradient_after_allreduce", "optimizer_state", "weight_storage",
                 "linear_product"}
             assert camp.space.checksum == (False, True)  # type: ignore[union-attr]
+            # a few HSDP 3x2 trials, from the scenario's own space (no replay, no checksum)
+            hsdp = [s for s in camp.scenarios if s.sharded]
+            assert [s.parallel_label for s in hsdp] == ["hsdp3x2"]
+            assert camp.space_for(hsdp[0]) is hsdp[0].space
+        elif p.name == "fsdp.toml":
+            camp = load_campaign(p)
+            assert [s.parallel_label for s in camp.scenarios] == ["fsdp4", "hsdp3x2", "hsdp2x2"]
+            assert {s.model.kind for s in camp.scenarios} == {"llama"}
+            assert camp.overhead is None and camp.space.replay_intervals == (0,)  # type: ignore[union-attr]
         elif p.name == "checksum.toml":
             camp = load_campaign(p)
             assert {s.model.kind for s in camp.scenarios} == {"mlp", "transformer", "cnn_bn"}
