@@ -7,6 +7,7 @@ through ``SDCGuard`` with the replay audit; faults are armed through ``injectors
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -140,3 +141,36 @@ if __name__ == "__main__":
     import sys
 
     soak(int(sys.argv[1]) if len(sys.argv) > 1 else 100)
+
+
+def llama(rank: int, world: int, shape: tuple[int, ...], steps: int, *, interval: int = 1,
+          fault: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The harness's Llama-style model as users run FSDP2 (bf16 parameters in the forward,
+    float32 reductions, activation checkpointing), ``steps`` steps with the replay audit
+    every ``interval`` steps and, if given, one fault armed through ``injectors``."""
+    from injectors import Fault, arm
+    from scenarios.spec.models import build_model, scenario_loss, synthetic_batch
+    from scenarios.spec.sharding import shard_model
+
+    model = shard_model(build_model("llama", width=64, depth=2, seed=0),
+                        parallel="fsdp" if len(shape) == 1 else "hsdp", mesh_shape=shape,
+                        mixed_precision=True, activation_checkpointing=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def batch_of(r: int, step: int) -> Any:
+        return synthetic_batch("llama", 0, r, step, 0, batch=4)
+
+    cfg = GuardConfig(replay_interval=interval, deterministic=True)
+    guard = SDCGuard(model, opt, loss_fn=scenario_loss, batch_for=batch_of, config=cfg)
+    withheld, seen = [], []
+    with arm(Fault(**fault), guard=guard) if fault else contextlib.nullcontext() as armed:
+        for step in range(steps):
+            report = guard.step(step)
+            if report.skipped:
+                withheld.append(step)
+            seen += report.detections
+        seen += guard.flush()
+        records = list(armed.records) if armed is not None else []
+    return {"withheld": withheld, "records": records,
+            "detections": [(d.check, d.step, tuple(d.suspect_ranks)) for d in seen],
+            "state": [t.reshape(-1).tolist() for t in local_state(model, opt)]}
