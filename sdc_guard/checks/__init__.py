@@ -37,17 +37,6 @@ __all__ = [
 ]
 
 
-def refuse_sharded(config: GuardConfig) -> None:
-    """The checks not yet guarding a sharded model (FSDP2), refused with the fix."""
-    off = [f"{name}={value!r}" for name, value, on in (
-        ("checksum", config.checksum, config.checksum_config is not None),) if on]
-    if off:
-        raise ValueError(
-            f"GuardConfig({', '.join(off)}): for a fully_shard model (FSDP2, HSDP) the guard "
-            "runs the non-finite, weights and replay checks; the checksum check does not "
-            "guard sharded models yet. Set checksum=False.")
-
-
 def build_checks(
     config: GuardConfig,
     *,
@@ -64,8 +53,6 @@ def build_checks(
     Checks that need the gradients subscribe to ``backend`` as they are built. The weights
     check and the checksum check share one read of the weights (``WeightPass``).
     """
-    if backend.layout.sharded:
-        refuse_sharded(config)
     device = next(model.parameters()).device
     group = backend.group
     weight_pass = WeightPass()

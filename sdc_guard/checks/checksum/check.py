@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import parametrize
 
@@ -152,6 +153,14 @@ class ChecksumCheck(Hooks, Check, GradientListener):
             layer.gw_checked = (self._want["weight_grad"]
                                 and holders.get(id(layer.module.weight), 0) == 1
                                 and id(layer.module.weight) not in ignored)
+        self.gathered = any(isinstance(layer.module.weight, DTensor) for layer in self.layers)
+        """FSDP2 (``fully_shard``, FSDP or HSDP): outside a forward and backward a layer's
+        ``weight`` is this rank's shard (a ``DTensor``); FSDP2 gathers the whole weight, a
+        plain tensor, into the attribute for each forward and backward and frees it after.
+        The hooks then take the weight at each call (``Hooks._gathered``), the weight
+        gradient's row sums come from the local gradients before the reduce-scatter
+        (``row_sums``), and no sums are taken in the weights check's pass, which reads the
+        shards."""
         self._kernel = active_kernel() if self.exact and device.type == "cpu" else None
         """The C passes, for float32 layers on the CPU with the exact bound (the same
         identities and tolerances as the torch ops; one read of each matrix)."""
@@ -173,13 +182,15 @@ class ChecksumCheck(Hooks, Check, GradientListener):
         """Every rank's bits per step (``_local_flags``), judged a step after they travel."""
         self._answer: Containment | None = None
         """This step's containment answer (``vetoed``)."""
-        self.bucket_weight_grad = self._kernel is not None and all(
-            layer.module.weight.dtype == torch.float32 for layer in self.layers)
+        self.bucket_weight_grad = self.gathered or (self._kernel is not None and all(
+            layer.module.weight.dtype == torch.float32 for layer in self.layers))
         """The weight-gradient identity is checked on the local gradient bucket, its row
         sums taken by the comm hook's scaling pass in the same read (``row_sums``), instead of
         by a hook on each weight (a read of ``GW`` of its own): float32 weights on the CPU
-        with the C kernel. ``GW e`` is then the step's weight gradient summed over its
-        micro-batches, against the right-hand sides summed likewise."""
+        with the C kernel, and always under FSDP2 (``gathered``: the gathered weight's
+        gradient reaches the shard through the reduce-scatter, never a hook on the shard).
+        ``GW e`` is then the step's weight gradient summed over its micro-batches, against
+        the right-hand sides summed likewise."""
         self._by_weight = {id(layer.module.weight): layer for layer in self.layers}
         self._rows_pending: list[tuple[Layer, torch.Tensor]] = []
         self._bucket_weights: dict[int, tuple[tuple[int, int], list[tuple[Layer, torch.Tensor]]]] = {}
@@ -208,7 +219,9 @@ class ChecksumCheck(Hooks, Check, GradientListener):
         for layer in self.layers:
             self._hook(layer)
         backend.subscribe(self)
-        if weight_pass is not None:  # the weights' sums taken in the weights check's read
+        if self.gathered:  # (that pass reads the shards: the gathered weight is freed by then)
+            self._weight_pass = None
+        elif weight_pass is not None:  # the weights' sums taken in the weights check's read
             weight_pass.subscribe(self.weight_sums)
 
     def close(self) -> None:
@@ -230,6 +243,8 @@ class ChecksumCheck(Hooks, Check, GradientListener):
         comm hook's scaling pass takes (``bucket_weight_grad``)."""
         if not (self.bucket_weight_grad and self._active):
             return None
+        if self.gathered:
+            return self._gathered_rows(bucket)
         requests: list[RowSums] = []
         self._rows_pending = []
         for layer, g in self._weights_in(bucket):
@@ -237,6 +252,43 @@ class ChecksumCheck(Hooks, Check, GradientListener):
                 continue
             out = layer.buffers.gw[2] if layer.buffers is not None else torch.empty(g.shape[0])
             requests.append((g, out))
+            self._rows_pending.append((layer, out))
+        return requests or None
+
+    def _gathered_rows(self, chunk: Bucket) -> list[RowSums] | None:
+        """FSDP2's ``row_sums``: the checked layers' local weight gradients in one module's
+        reduce-scatter input (``ShardChunk``), before it is reduced. Each gradient is split
+        by rows among the shard ranks, padded at the end (``gradient_of``): one request per
+        rank's block of rows that holds any of the weight's, its sums written into their
+        place in ``GW e``. An FSDP2 that reduces in float16 divides the input before the
+        reduce-scatter: its gradients are not ``GW`` then, and not checked."""
+        gradient_of = getattr(chunk, "gradient_of", None)
+        buf = chunk.buffer()
+        self._rows_pending = []
+        if gradient_of is None or buf.dtype == torch.float16:
+            return None
+        requests: list[RowSums] = []
+        # (the shard, or the gathered weight if FSDP2 did not reshard before reducing)
+        now = {id(layer.module.weight): layer for layer in self.layers}
+        for p in chunk.parameters():
+            layer = self._by_weight.get(id(p)) or now.get(id(p))
+            if layer is None or layer.gw_rhs is None or p.dim() != 2:
+                continue
+            g = gradient_of(p)
+            if g is None:
+                continue
+            rows, cols = int(p.shape[0]), int(p.shape[1])
+            shards = g.shape[0]
+            per = g.shape[1] // cols if cols else 0
+            if per * cols != g.shape[1] or per * shards < rows:
+                continue  # (not the layout FSDP2 gives a 2-D weight)
+            out = (layer.buffers.gw[2] if layer.buffers is not None
+                   else torch.empty(rows, device=buf.device))
+            blocks = g.view(shards, per, cols)
+            for j in range(shards):
+                first, last = j * per, min((j + 1) * per, rows)
+                if last > first:
+                    requests.append((blocks[j, :last - first], out[first:last]))
             self._rows_pending.append((layer, out))
         return requests or None
 
@@ -270,7 +322,12 @@ class ChecksumCheck(Hooks, Check, GradientListener):
                    if compute == x_dtype == torch.float32 else
                    tolerance(self.config.tolerance_scale, k=n, checked=2 * inner + n,
                              compute=compute, operands=(x_dtype,), device=self.device))
-            self._compare(layer, "weight_grad", micro, lhs, layer.gw_rhs, layer.gw_bound, tol)
+            if self._kernel is not None:
+                self._compare(layer, "weight_grad", micro, lhs, layer.gw_rhs, layer.gw_bound,
+                              tol)
+            elif layer.gw_rhs is not None and layer.gw_bound is not None:  # (FSDP2, no C)
+                self._record(layer, "weight_grad", micro, lhs, layer.gw_rhs,
+                             layer.gw_bound * tol)
             layer.gw_rhs = layer.gw_bound = None
             layer.gw_rows = 0
 
@@ -302,6 +359,11 @@ class ChecksumCheck(Hooks, Check, GradientListener):
             layer.calls.clear()
             layer.gw_rhs = layer.gw_bound = None
             m = layer.module
+            if self.gathered:  # (the shards now: the weight is taken at its calls)
+                layer.w = layer.b = layer.w_at = None
+                layer.native = layer.gw_at_node = False
+                layer.gw_step = layer.gw_checked and m.weight.requires_grad
+                continue
             w = layer.w = m.weight
             b = layer.b = m.bias
             layer.native = kernel and rows_ok(w) and (

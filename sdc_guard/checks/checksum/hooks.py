@@ -24,6 +24,7 @@ from sdc_guard.checks.checksum.cpu import F32_DTYPE, CpuPath, flat_rows, rows_ok
 from sdc_guard.checks.checksum.graph import (
     eager,
     full_backward_hooked,
+    gradient_hooked,
     in_backward,
     known_node,
     node_shape,
@@ -31,7 +32,7 @@ from sdc_guard.checks.checksum.graph import (
     recomputing,
     weight_edge,
 )
-from sdc_guard.checks.checksum.state import GXS, Call, Layer
+from sdc_guard.checks.checksum.state import GXS, Call, Layer, versions
 from sdc_guard.checks.checksum.torchpath import TorchPath, full_precision
 
 log = logging.getLogger("sdc_guard.checks.checksum")
@@ -64,6 +65,8 @@ class Hooks(CpuPath, TorchPath):
             else:
                 self._forward_phase = True
             self._fresh(layer)
+            if self.gathered:
+                self._gathered(layer)
             layer.checked = True
             x = args[0]
             # The product's node will be there (as on the last call): no tap needed. Only
@@ -155,6 +158,18 @@ class Hooks(CpuPath, TorchPath):
             layer.weight_hook = handle.id
             layer.handles.append(handle)
 
+    def _gathered(self, layer: Layer) -> None:
+        """FSDP2: the weight and bias this call multiplies by, which FSDP2 gathered into the
+        module for this forward (its pre-hook runs before the check's), and what the C passes
+        can read of them. The forward's sums of the weight serve its backward (FSDP2 may
+        gather it again for that: the same values)."""
+        w, b = layer.module.weight, layer.module.bias
+        layer.w, layer.b = w, b
+        layer.w_at = (self._generation, *versions(w, b))
+        layer.native = self._kernel is not None and rows_ok(w) and (
+            b is None or (b.dtype is F32_DTYPE and b.is_contiguous()))
+        layer.gw_at_node = layer.gw_step and gradient_hooked(w, layer.weight_hook)
+
     def _fresh(self, layer: Layer) -> None:
         """A forward of a new micro-batch: the previous one's calls are done with."""
         if layer.calls and layer.calls[-1].micro_batch != self._micro:
@@ -240,7 +255,7 @@ class Hooks(CpuPath, TorchPath):
             at = GXS * n
             tol = tolerance(self.config.tolerance_scale, k=out, checked=2 * inner + out,
                             compute=call.gy_dtype or gx.dtype,
-                            operands=(layer.module.weight.dtype,), device=gx.device)
+                            operands=(self._weight(layer)[0].dtype,), device=gx.device)
             call.gx_rhs, call.gx_bound = call.sums[at:at + n], call.sums[at + n:at + 2 * n] * tol
         if call.gx_rhs is None or call.gx_bound is None:
             return

@@ -233,6 +233,10 @@ class Layer:
     """The same for ``sides``."""
     norm_key: tuple[int, ...] | None = None
     """The same for ``w_norm``."""
+    w_at: tuple[int, ...] | None = None
+    """FSDP2: the step and the gathered weight's (and bias's) storage and versions at the
+    layer's last call (``Hooks._gathered``): the key of the torch path's sums, which a
+    backward hook then finds taken without reading the weight (FSDP2 may have freed it)."""
     sides: WeightSides | None = None
     """The torch path's sums of the weight (``TorchPath._sides``)."""
     w_norm: torch.Tensor | None = None
@@ -323,6 +327,8 @@ class CheckState:
     device: torch.device
     exact: bool
     """The exact bound (``config.bound == "exact"``), not the norm bound."""
+    gathered: bool
+    """FSDP2: the layers' weights are gathered for each call (``ChecksumCheck.gathered``)."""
     expect_overflow: bool
     """A ``GradScaler`` runs: a non-finite entry is the scaler's business, not a failure."""
     layers: list[Layer]

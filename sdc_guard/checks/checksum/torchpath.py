@@ -110,6 +110,10 @@ class TorchPath(CheckState):
                 self._record(layer, "forward", call.micro_batch, call.y_sum, rhs, bound)
             elif want:
                 self._forward_norm(layer, call, xf)
+            if self.gathered and tapped:  # the backward's sums of the weight, while it is here
+                self._sides(layer)
+                if not self.exact:
+                    self._weight_norm(layer)
         return call
 
     def _forward_tol(self, layer: Layer, x: torch.Tensor, y_dtype: torch.dtype) -> float:
@@ -117,27 +121,38 @@ class TorchPath(CheckState):
         inner = x.shape[-1]
         return tolerance(self.config.tolerance_scale, k=inner + 1,
                          checked=2 * m.out_features + inner, compute=y_dtype,
-                         operands=(x.dtype, m.weight.dtype), device=x.device)
+                         operands=(x.dtype, self._weight(layer)[0].dtype), device=x.device)
 
     def _forward_norm(self, layer: Layer, call: Call, xf: torch.Tensor) -> None:
         """The forward identity of ``call`` by torch operations with the "norm" bound, in the
         forward hook (``xf``: its input in float32)."""
         w_col, _, _, _, b_sum, b_abs = self._sides(layer)  # (0-d zeros: no bias)
-        tol = self._forward_tol(layer, call.x, call.gy_dtype or self._y_dtype(layer, call.x))
+        tol = self._forward_tol(layer, call.x, call.gy_dtype or torch.promote_types(
+            call.x.dtype, self._weight(layer)[0].dtype))
         rhs = torch.addmv(b_sum, xf, w_col)
         # <= ||X_i||_2 sum_j ||W_j||_2 <= ||X_i||_2 sqrt(out) ||W||_F
         bound = (torch.linalg.vector_norm(xf, dim=1) * (
             math.sqrt(layer.module.out_features) * self._weight_norm(layer)) + b_abs) * tol
         self._record(layer, "forward", call.micro_batch, call.y_sum, rhs, bound)
 
-    @staticmethod
-    def _y_dtype(layer: Layer, x: torch.Tensor) -> torch.dtype:
-        return torch.promote_types(x.dtype, layer.module.weight.dtype)
-
     # -- the weight's sums ------------------------------------------------------------------
+    def _weight(self, layer: Layer) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight and bias the layer's products use: the module's; under FSDP2 those
+        gathered for its last call (``Hooks._gathered``), which the module holds only
+        between FSDP2's hooks (a hook on the output's gradient may run before FSDP2
+        gathers the weight again for the backward). Their values are read in the forward
+        only (``_forward_torch``)."""
+        if self.gathered and layer.w is not None:
+            return layer.w, layer.b
+        m = layer.module
+        return m.weight, m.bias
+
     def _w_key(self, layer: Layer) -> tuple[int, ...]:
         """When the weight's sums are to be taken (again): once per step, and when the
-        weight or bias changed since (its version)."""
+        weight or bias changed since (its version); under FSDP2 at a call that gathered it
+        anew (``Layer.w_at``)."""
+        if self.gathered and layer.w_at is not None:
+            return layer.w_at
         m = layer.module
         return (self._generation, *versions(m.weight, m.bias))
 
@@ -146,9 +161,9 @@ class TorchPath(CheckState):
         key = self._w_key(layer)
         if layer.sides_key != key or layer.sides is None:
             layer.sides_key = key
-            m = layer.module
-            w = m.weight.detach()
-            b = m.bias.detach() if m.bias is not None else None
+            weight, bias = self._weight(layer)
+            w = weight.detach()
+            b = bias.detach() if bias is not None else None
             w_col, w_abs_col, w_row, w_abs_row, b_sum, b_abs = sides.weight_sides(
                 w, b, self._zero(w.device), self.exact)
             assert w_col is not None and w_row is not None
@@ -168,7 +183,7 @@ class TorchPath(CheckState):
         """``||W||_F`` in float32, once per step (the "norm" bound)."""
         key = self._w_key(layer)
         if layer.norm_key != key or layer.w_norm is None:
-            w = layer.module.weight
+            w, _ = self._weight(layer)
             layer.w_norm = torch.linalg.vector_norm(w.detach(), dtype=torch.float32)
             layer.norm_key = key
         return layer.w_norm
@@ -190,7 +205,7 @@ class TorchPath(CheckState):
             _, _, w_row, w_abs_row, _, _ = self._sides(layer)
             tol = tolerance(self.config.tolerance_scale, k=m.out_features,
                             checked=2 * m.in_features + m.out_features, compute=g.dtype,
-                            operands=(m.weight.dtype,), device=g.device)
+                            operands=(self._weight(layer)[0].dtype,), device=g.device)
         x_rows = call.x_rows
         exact = w_abs_row is not None
         gx_rhs, gx_bound, gw_rhs, gw_bound = sides.gy_sides(
