@@ -31,7 +31,9 @@ the exact bound, C passes of the native kernel read each matrix once (``W`` and 
 one read) and compare in C, one call per hook, and ``GW e`` comes from the local gradient
 bucket, summed by the comm hook's scaling pass in the read that scales it; elsewhere torch
 operations do it (``|W|`` formed for the weight's sums, small products per call, ``GW``
-read in a hook on ``W``). The tolerance is the rounding-error bound of each entry
+read in a hook on ``W``). Under FSDP2 (``fully_shard``) the weight is taken where FSDP2
+gathers it, at each call, and ``GW e`` comes from the local gradients FSDP2 is about to
+reduce-scatter. The tolerance is the rounding-error bound of each entry
 (``bounds``), so there is no threshold to tune.
 
 What it cannot see: corruptions below the bound; layers that are not ``nn.Linear``

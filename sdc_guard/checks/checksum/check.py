@@ -15,6 +15,13 @@ the optimizer step instead. The check only answers ``veto`` and reads the answer
 handed (``vetoed``). ``GuardConfig.skip_step_on_detection=False`` turns containment off
 (nothing is written into the gradients).
 
+**Under FSDP2** (``fully_shard``: FSDP, HSDP) no bucket is the step's last: the backend
+asks ``veto`` after the step's last backward and carries the answer in a word over every
+rank (``sdc_guard.parallel.fsdp``), with nothing written into the gradients. The weight a
+layer multiplies by exists only while FSDP2 has it gathered: the hooks take it at each call
+(``gathered``), and the weight gradient's rows are summed in each module's reduce-scatter
+input, this rank's local gradients before they are reduced (``_gathered_rows``).
+
 **Naming the rank needs one word**, exchanged like the non-finite check's
 (``flagword.DeferredFlags``): every rank puts the products that failed (three bits) and the
 index of the first failing layer as bits of int64 words; the words of ``exchange_interval``
