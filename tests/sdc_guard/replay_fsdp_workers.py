@@ -174,3 +174,35 @@ def llama(rank: int, world: int, shape: tuple[int, ...], steps: int, *, interval
     return {"withheld": withheld, "records": records,
             "detections": [(d.check, d.step, tuple(d.suspect_ranks)) for d in seen],
             "state": [t.reshape(-1).tolist() for t in local_state(model, opt)]}
+
+
+class _Running(nn.Module):
+    """A running mean of its inputs kept in a buffer (outside any norm layer), updated by
+    every training forward: each rank's drifts with its own batches under FSDP2."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return x - self.mean
+
+
+def running_buffer_refusal(rank: int, world: int) -> str:
+    """The error of the first audit step of a model whose forward updates a buffer."""
+    mesh = mesh_for((world,))
+    torch.manual_seed(0)
+    model = nn.Sequential(_Running(8), nn.Linear(8, 4))
+    fully_shard(model[1], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    cfg = GuardConfig(replay_interval=1, deterministic=True)
+    guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=batch_for, config=cfg)
+    try:
+        guard.step(0)
+    except ValueError as e:
+        return str(e)
+    return "accepted"

@@ -124,3 +124,11 @@ def test_as_users_run_fsdp2_bf16_and_activation_checkpointing() -> None:
         assert a["detections"] == [("replay", 3, (1,))]
         assert a["withheld"] == [3]
         assert a["state"] == p["state"]
+
+
+def test_a_buffer_the_forward_updates_is_refused_with_the_fix() -> None:
+    """FSDP2 keeps each rank's buffers its own: a running mean outside the norm layers drifts
+    apart with the ranks' batches, and no rank could recompute another's step. The first
+    audit step names the buffer and the fix on every rank instead of convicting one."""
+    for msg in run_ranks(w.running_buffer_refusal, 2):
+        assert "['0.mean']" in msg and "replay_interval=0" in msg, msg
