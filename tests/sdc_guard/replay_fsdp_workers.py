@@ -180,6 +180,8 @@ class _Running(nn.Module):
     """A running mean of its inputs kept in a buffer (outside any norm layer), updated by
     every training forward: each rank's drifts with its own batches under FSDP2."""
 
+    mean: torch.Tensor
+
     def __init__(self, width: int) -> None:
         super().__init__()
         self.register_buffer("mean", torch.zeros(width))
