@@ -95,14 +95,16 @@ def test_a_fault_in_each_product_is_named_and_withheld_on_every_rank(
 
 def test_mixed_precision_and_checkpointing_faults_in_the_llama() -> None:
     """The Llama-style model as users run FSDP2 (bf16 parameters, float32 reductions, each
-    block recomputed in the backward): a flipped exponent bit in a bf16 product of a block's
+    block recomputed in the backward), two micro-batches a step (FSDP2 accumulates their
+    bf16 weight gradients in float32): a flipped exponent bit in a bf16 product of a block's
     layer and of the root's output layer (its weight gradient shares the root's reduce-
-    scatter with the embeddings and the norm), each named in its step and withheld."""
+    scatter with the embeddings and the norm), each named in its step and withheld; the
+    clean steps between them pass."""
     faults = [_fault("forward", "blocks.0.attention.wq", 2, bits=(14,)),
               _fault("input_grad", "blocks.1.feed_forward.w2", 4, bits=(14,)),
               _fault("weight_grad", "output", 6, bits=(14,)),
               _fault("weight_grad", "blocks.0.feed_forward.w3", 8, rank=0, bits=(14,))]
-    results = run_ranks(w.guarded, 2, (2,), "llama", 10, faults=tuple(faults),
+    results = run_ranks(w.guarded, 2, (2,), "llama", 10, faults=tuple(faults), micro=2,
                         mixed_precision=True, checkpointing=True, timeout=300)
     _assert_caught(results, faults)
 
