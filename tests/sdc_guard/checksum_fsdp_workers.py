@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from injectors import Fault, arm
 from scenarios.spec.models import build_model, scenario_loss, synthetic_batch
 from scenarios.spec.sharding import shard_model
-from sdc_guard import GuardConfig, SDCGuard
+from sdc_guard import ChecksumConfig, GuardConfig, SDCGuard
 from sdc_guard.checks.checksum import ChecksumCheck
 from sdc_guard.fingerprints.native import disable_native
 
@@ -75,11 +75,13 @@ def _plain(kind: str, shape: tuple[int, ...], steps: int, rank: int, micro: int,
 def guarded(rank: int, world: int, shape: tuple[int, ...], kind: str, steps: int, *,
             faults: tuple[dict[str, Any], ...] = (), micro: int = 1, native: bool = True,
             mixed_precision: bool = False, checkpointing: bool = False,
-            nonfinite: bool = True, compare_plain: bool = False) -> dict[str, Any]:
+            nonfinite: bool = True, bound: str = "exact",
+            compare_plain: bool = False) -> dict[str, Any]:
     """Train ``steps`` steps of ``kind`` under FSDP2 through the guard (the defaults and the
     checksum check), ``faults`` armed through ``injectors`` (each with its own step).
     ``native=False``: the torch operations only (no C kernel in this rank);
-    ``nonfinite=False``: the checksum check contains its faults alone.
+    ``nonfinite=False``: the checksum check contains its faults alone; ``bound``: the
+    checksum's (``ChecksumConfig.bound``).
 
     Returns the detections as this rank saw them (check, step, suspects), their evidence
     per rank, the steps withheld, the steps at which this rank's shards changed, where the
@@ -92,7 +94,8 @@ def guarded(rank: int, world: int, shape: tuple[int, ...], kind: str, steps: int
     model = sharded(kind, shape, **how)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = SDCGuard(model, opt, loss_fn=scenario_loss, batch_for=_batches(kind, micro),
-                     config=GuardConfig(checksum=True, micro_batches=micro, nonfinite=nonfinite))
+                     config=GuardConfig(checksum=ChecksumConfig(bound=bound), micro_batches=micro,
+                                       nonfinite=nonfinite))
     check = next(c for c in guard.checks if isinstance(c, ChecksumCheck))
     handles = [arm(Fault(**f), guard=guard) for f in faults]
     seen, withheld, moved = [], [], []

@@ -71,25 +71,28 @@ def _assert_caught(results: list[dict[str, Any]], faults: list[dict[str, Any]]) 
                 assert {e["product"] for e in entries} == {f["product"]}
 
 
-@pytest.mark.parametrize(("name", "micro", "native", "nonfinite"), [
-    ("fsdp2", 1, True, True),
-    ("fsdp2", 1, False, False),
-    ("hsdp2x2", 2, True, False),
-], ids=["fsdp2", "fsdp2-torch-ops-checksum-alone", "hsdp2x2-micro2-checksum-alone"])
+@pytest.mark.parametrize(("name", "micro", "native", "nonfinite", "bound"), [
+    ("fsdp2", 1, True, True, "exact"),
+    ("fsdp2", 1, False, False, "exact"),
+    ("fsdp2", 1, False, True, "norm"),
+    ("hsdp2x2", 2, True, False, "exact"),
+], ids=["fsdp2", "fsdp2-torch-ops-checksum-alone", "fsdp2-torch-ops-norm-bound",
+        "hsdp2x2-micro2-checksum-alone"])
 def test_a_fault_in_each_product_is_named_and_withheld_on_every_rank(
-        name: str, micro: int, native: bool, nonfinite: bool) -> None:
+        name: str, micro: int, native: bool, nonfinite: bool, bound: str) -> None:
     """The MLP 16-15-15-4 (two layers FSDP2 pads, each layer its own ``fully_shard``): a
     flipped exponent bit in the forward product, the input gradient and the weight gradient
     of rank 1's (or rank 3's) layers, each in its own step: found in that step, named, and
     contained on every rank, by the checksum's word alone when the non-finite check is
-    off, in the C passes and in torch operations alike."""
+    off, in the C passes and in torch operations alike, with either bound."""
     shape = SHAPES[name]
     world = math.prod(shape)
     last = world - 1
     faults = [_fault("forward", "net.0", 2), _fault("input_grad", "net.2", 4, rank=last),
               _fault("weight_grad", "net.4", 6), _fault("weight_grad", "net.2", 8, rank=0)]
     results = run_ranks(w.guarded, world, shape, "mlp", 10, faults=tuple(faults),
-                        micro=micro, native=native, nonfinite=nonfinite, timeout=300)
+                        micro=micro, native=native, nonfinite=nonfinite, bound=bound,
+                        timeout=300)
     _assert_caught(results, faults)
 
 
