@@ -172,7 +172,7 @@ def row_sums(requests: Sequence[RowSums]) -> None:
     kernel = active_kernel()
     for view, out in requests:
         if (kernel is not None and host_words(out) and view.dtype == torch.float32
-                and view.device.type == "cpu" and view.is_contiguous()):
+                and view.device.type == "cpu" and view.is_contiguous() and view.dim() == 2):
             kernel.cs_rows(A=view.data_ptr(), n=view.shape[0], cols=view.shape[1],
                            ld=view.shape[1], k=1, ka=0, r0=out.data_ptr())
         elif view.dim() == 3:  # FSDP2: [shard ranks, rows each, columns], rows padded

@@ -441,3 +441,18 @@ def test_an_output_no_backward_reaches_is_checked_in_its_forward(native: bool) -
         assert r["detections"] == [("checksum", 1, (1,))], r["detections"]
         assert r["layers"][0]["1"] == {"products": ["forward"], "layer": "probe"}
         assert r["skipped"] == [1]
+
+
+@pytest.mark.parametrize("kernel_on", [True, False])
+def test_row_sums_of_a_3d_block_view_are_its_rows_in_order(kernel_on: bool) -> None:
+    """FSDP2 lays a matrix out as blocks of rows, one per shard rank (``[shards, rows, cols]``,
+    padded): ``row_sums`` writes the first rows' sums, with the kernel on or off (a
+    contiguous 3-D view is not a matrix of its first two dims)."""
+    from sdc_guard.scaling import row_sums
+
+    blocks = torch.arange(30, dtype=torch.float32).view(3, 2, 5)  # 6 rows of 5, 5 real
+    want = blocks.reshape(6, 5).sum(1)[:5]
+    with nat.native_kernel(kernel_on):
+        out = torch.empty(5)
+        row_sums([(blocks, out)])
+    assert torch.equal(out, want)
