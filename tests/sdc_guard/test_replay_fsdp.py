@@ -132,3 +132,18 @@ def test_a_buffer_the_forward_updates_is_refused_with_the_fix() -> None:
     audit step names the buffer and the fix on every rank instead of convicting one."""
     for msg in run_ranks(w.running_buffer_refusal, 2):
         assert "['0.mean']" in msg and "replay_interval=0" in msg, msg
+
+
+@pytest.mark.parametrize(("phase", "expected"), [
+    ("replay", [("replay", 2, (1,))]),
+    ("train", [("replay", 2, (1,)), ("nonfinite", 2, (1,))]),
+])
+def test_a_nan_in_a_replay_is_the_replays_alone(phase: str, expected: list) -> None:
+    """FSDP 3: a NaN in rank 1's recomputation of rank 2's batch is a replay detection only
+    (rank 1's own gradients were finite: the non-finite check flags a step's gradients, not
+    a recomputation's); a NaN in rank 1's own step is named by both checks."""
+    fault = {"site": "activation", "rank": 1, "step": 2, "target": "6", "kind": "set",
+             "value": float("nan"), "index": 0, "phase": phase}
+    for res in run_ranks(w.train, 3, (3,), 3, fault=fault):
+        assert res["detections"] == expected
+        assert res["withheld"] == [2]
