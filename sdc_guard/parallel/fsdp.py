@@ -246,8 +246,8 @@ class FSDPBackend:
     def recomputing(self) -> Iterator[None]:
         """A forward and backward whose gradients are only looked at (a check's recomputation
         of a batch, on every rank at once): the listeners see each module's local gradients
-        as in a step (``local``, ``row_sums``, ``after_scaling``, without the non-finite
-        flag, which is the step's own gradients'), but nothing is reduced:
+        as in a step (``local``, ``row_sums``, ``after_scaling``; not the fault injectors'
+        callbacks, nor the non-finite flag, which are the step's own), but nothing is reduced:
         the reduce-scatters do not communicate and leave a zero shard, HSDP's replicate
         all-reduce is off, no ``reduced`` event. Zero the gradients after it. Collective:
         the forward all-gathers the parameters."""
@@ -263,12 +263,13 @@ class FSDPBackend:
 
     # -- events ------------------------------------------------------------------------------
     def _local(self, chunk: ShardChunk) -> None:
-        for cb in self.before:
-            cb(chunk)
         flag: Flag | None = None
-        # (a recomputation's gradients are not the step's: no non-finite flag for them)
-        if not self.quiet and any(lst.wants_flag for lst in self.listeners):
-            flag = check_nonfinite(chunk.buffer())
+        if not self.quiet:  # a recomputation's gradients are not the step's: no injector
+            # (as under DDP, where a recomputation passes no comm hook), no non-finite flag
+            for cb in self.before:
+                cb(chunk)
+            if any(lst.wants_flag for lst in self.listeners):
+                flag = check_nonfinite(chunk.buffer())
         wants = [lst.local(chunk) for lst in self.listeners]
         digests = [None if w is None else w.digest(chunk.buffer()) for w in wants]
         rows = [r for lst in self.listeners for r in (lst.row_sums(chunk) or ())]

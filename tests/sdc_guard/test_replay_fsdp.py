@@ -147,3 +147,17 @@ def test_a_nan_in_a_replay_is_the_replays_alone(phase: str, expected: list) -> N
     for res in run_ranks(w.train, 3, (3,), 3, fault=fault):
         assert res["detections"] == expected
         assert res["withheld"] == [2]
+
+
+def test_a_local_gradient_fault_hits_the_step_not_the_recomputation() -> None:
+    """FSDP 3: a flip in rank 1's local gradient before the reduce-scatter (the injectors'
+    site, armed at an audit step) hits rank 1's own step once, as under DDP, not also its
+    recomputation of rank 2's batch: the one bad edge 0 -> 1, arbitrated by rank 2, names 1."""
+    fault = {"site": "gradient_before_allreduce", "rank": 1, "step": 2, "target": "3.weight",
+             "kind": "bitflip", "bits": (22,), "index": 3}
+    results = run_ranks(w.train, 3, (3,), 3, fault=fault)
+    assert results[1]["records"] == 1
+    for res in results:
+        assert res["detections"] == [("replay", 2, (1,))]
+        assert res["evidence"][0]["bad_edges"] == [[0, 1]]
+        assert res["withheld"] == [2]
