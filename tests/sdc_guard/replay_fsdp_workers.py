@@ -54,7 +54,7 @@ def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
 
 def train(rank: int, world: int, shape: tuple[int, ...], steps: int, *, interval: int = 1,
           micro: int = 1, fault: dict[str, Any] | None = None, contain: bool = True,
-          nonfinite: bool = True) -> dict[str, Any]:
+          nonfinite: bool = True, checksum: bool = False) -> dict[str, Any]:
     """Train ``steps`` steps with the replay audit every ``interval`` steps (0: off) and, if
     given, one fault armed through ``injectors``. Returns the steps withheld, the detections
     (check, step, suspects), the fault's records on this rank, whether the ranks holding
@@ -65,7 +65,7 @@ def train(rank: int, world: int, shape: tuple[int, ...], steps: int, *, interval
     model = build(shape)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     cfg = GuardConfig(replay_interval=interval, deterministic=True, micro_batches=micro,
-                      nonfinite=nonfinite, skip_step_on_detection=contain)
+                      nonfinite=nonfinite, skip_step_on_detection=contain, checksum=checksum)
     guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=micro_batches(micro), config=cfg)
     withheld, seen, records = [], [], 0
     armed = arm(Fault(**fault), guard=guard) if fault else None

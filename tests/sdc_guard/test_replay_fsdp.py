@@ -161,3 +161,13 @@ def test_a_local_gradient_fault_hits_the_step_not_the_recomputation() -> None:
         assert res["detections"] == [("replay", 2, (1,))]
         assert res["evidence"][0]["bad_edges"] == [[0, 1]]
         assert res["withheld"] == [2]
+
+
+def test_beside_the_checksum_check_an_arbitration_convicts_only_the_replay() -> None:
+    """FSDP 3 with the checksum check on too: its hooks watch the step while the replay's
+    arbitration recomputes (after the step's backward); the clean audit steps stay silent,
+    and a flip in rank 1's replay at step 2 is one replay detection naming rank 1."""
+    fault = _flip(1, 2, "replay")
+    for res in run_ranks(w.train, 3, (3,), 4, fault=fault, checksum=True):
+        assert res["detections"] == [("replay", 2, (1,))]
+        assert res["withheld"] == [2]
