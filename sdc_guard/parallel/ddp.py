@@ -104,18 +104,20 @@ class _SentinelAnswer:
 
 
 class WordAnswer:
-    """The containment answer carried by a word of its own (an int64 SUM all-reduce)."""
+    """The containment answer carried by a word of its own (an int64 SUM all-reduce): its
+    ``slot``-th word, the number of ranks that withheld."""
 
-    __slots__ = ("pending",)
+    __slots__ = ("pending", "slot")
 
-    def __init__(self, pending: PendingSum) -> None:
+    def __init__(self, pending: PendingSum, slot: int = 0) -> None:
         self.pending = pending
+        self.slot = slot
 
     def ask(self, read: StepRead) -> None:
         self.pending.ask(read)
 
     def read(self, *, expect_overflow: bool = False) -> bool:
-        return self.pending.wait() > 0
+        return self.pending.wait_all()[self.slot] > 0
 
 
 class GuardCommHook:

@@ -292,7 +292,9 @@ class FSDPBackend:
 
     def after_backward(self) -> None:
         """The step's veto: every listener that takes part says whether this rank withholds,
-        and one int64 SUM all-reduce over every rank carries the answer (``vetoed``)."""
+        and one int64 SUM all-reduce over every rank carries the answers, a word per
+        listener (``vetoed``: each reads its own, so a step is withheld by the checks that
+        vetoed, on every rank alike)."""
         if not self._root_seen:
             self._refuse_inner()
         asked = [lst for lst in self.listeners if lst.wants_veto]
@@ -300,20 +302,17 @@ class FSDPBackend:
             return
         for lst in asked:
             lst.before_last_allreduce()
-        flags = [f for lst in asked if (f := lst.veto()) is not None]
-        if not flags:  # every listener sits this step out (alike on every rank)
+        taking = [(lst, f) for lst in asked if (f := lst.veto()) is not None]
+        if not taking:  # every listener sits this step out (alike on every rank)
             return
-        raised = [f for f in flags if f is not False]
-        device = self.mesh.device_type
-        if all(isinstance(f, bool) for f in raised):
-            word = words_on([int(bool(raised))], torch.device(device))
-        else:
-            word = torch.stack([torch.as_tensor(f).reshape(()) for f in raised]).any().to(
-                torch.int64).reshape(1)
-        answer = WordAnswer(PendingSum(word, self.group, in_place=True))
-        for lst in asked:
-            lst.vetoed(answer)
-
+        word = words_on([int(f) if isinstance(f, bool) else 0 for _, f in taking],
+                        torch.device(self.mesh.device_type))
+        for i, (_, f) in enumerate(taking):
+            if not isinstance(f, bool):  # a device flag: copied on the device, no host read
+                word[i] = torch.as_tensor(f).reshape(()).to(word.device, torch.int64)
+        pending = PendingSum(word, self.group, in_place=True)
+        for i, (lst, _) in enumerate(taking):
+            lst.vetoed(WordAnswer(pending, i))
 
     def _refuse_inner(self) -> None:
         """A block that ``fully_shard`` wrapped looks like the root until the first forward

@@ -68,12 +68,14 @@ def train(rank: int, world: int, shape: tuple[int, ...], steps: int, *, interval
                       nonfinite=nonfinite, skip_step_on_detection=contain, checksum=checksum)
     guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=micro_batches(micro), config=cfg)
     withheld, seen, records = [], [], 0
+    withheld_by: list[tuple[str, ...]] = []
     armed = arm(Fault(**fault), guard=guard) if fault else None
     try:
         for step in range(steps):
             report = guard.step(step)
             if report.skipped:
                 withheld.append(step)
+                withheld_by.append(report.withheld_by)
             seen += report.detections
         seen += guard.flush()
     finally:
@@ -85,7 +87,7 @@ def train(rank: int, world: int, shape: tuple[int, ...], steps: int, *, interval
     rows: list[Any] = [None] * world  # (shards of 3 ranks differ in size)
     dist.all_gather_object(rows, mine)
     layout = guard.backend.layout
-    return {"withheld": withheld, "records": records,
+    return {"withheld": withheld, "withheld_by": withheld_by, "records": records,
             "detections": [(d.check, d.step, tuple(d.suspect_ranks)) for d in seen],
             "evidence": [d.evidence for d in seen],
             "alike": all(rows[r] == rows[s[0]] for s in layout.sets for r in s),
@@ -171,7 +173,7 @@ def llama(rank: int, world: int, shape: tuple[int, ...], steps: int, *, interval
             seen += report.detections
         seen += guard.flush()
         records = list(armed.records) if armed is not None else []
-    return {"withheld": withheld, "records": records,
+    return {"withheld": withheld, "withheld_by": withheld_by, "records": records,
             "detections": [(d.check, d.step, tuple(d.suspect_ranks)) for d in seen],
             "state": [t.reshape(-1).tolist() for t in local_state(model, opt)]}
 

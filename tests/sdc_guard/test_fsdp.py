@@ -39,7 +39,7 @@ def test_nonfinite_local_gradient_names_its_rank_and_is_withheld_everywhere(name
     target = world - 1
     results = run_ranks(w.faults, world, shape, "local_nan", target, 3)
     for res in results:
-        assert res["withheld"] == [3]
+        assert res["withheld"] == [(3, ("nonfinite",))]  # by the check that vetoed alone
         assert res["detections"] == [("nonfinite", 3, (target,), False)]
         assert res["alike"]
 
@@ -89,9 +89,7 @@ def test_fsdp_shard_changed_at_rest_names_its_rank(name: str) -> None:
 
 def test_what_the_guard_cannot_guard_under_fsdp2_is_refused_with_the_fix() -> None:
     got = run_ranks(w.refusals, 2)[0]
-    replay, checksum, hook, block, plain, flat = got
-    assert "replay_interval=2" in replay and "replay_interval=0" in replay
-    assert "checksum=True" in checksum and "checksum=False" in checksum
+    hook, block, plain, flat = got
     assert "comm_hook" in hook
     assert "ValueError" in block and "root" in block
     assert "TypeError" in plain and "fully_shard" in plain

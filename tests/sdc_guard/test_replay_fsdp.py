@@ -57,6 +57,7 @@ def test_a_flip_in_one_ranks_step_is_named_and_withheld_on_every_rank(
     for res in results:
         assert res["detections"] == [("replay", 4, (target,))]
         assert res["withheld"] == [4]
+        assert res["withheld_by"] == [("replay",)]  # (the non-finite check took part: no veto)
         assert res["alike"]
         (evidence,) = res["evidence"]
         assert evidence["bad_edges"] == [[(target - 1) % world, target]]
