@@ -116,17 +116,6 @@ class FaultSpace:
                 raise ScenarioError("ranks", r, f"ranks in [0, {scenario.world_size - 1}] "
                                     f"(scenario {scenario.name!r} has {scenario.world_size})"
                                     ).under(self.mode)
-        if scenario.parallel == "ddp":
-            return
-        off = (f"(scenario {scenario.name!r} runs under parallel = {scenario.parallel!r}, where "
-               "sdc_guard refuses it for now; give that scenario a fault space of its own)")
-        if any(k > 0 for k in self.replay_intervals):
-            raise ScenarioError("replay_intervals", list(self.replay_intervals),
-                                f"[0]: the replay audit off {off}").under(self.mode)
-        if True in self.checksum:
-            raise ScenarioError("checksum", list(self.checksum),
-                                f"[false] or leave it out: the checksum check off {off}"
-                                ).under(self.mode)
 
 
 def fault_space(table: Mapping[str, Any], mode: str) -> FaultSpace:

@@ -283,8 +283,7 @@ class Scenario:
     """How the model is spread over the ranks (``scenarios.spec.sharding.shard_model``):
     ``"ddp"`` (DistributedDataParallel), ``"fsdp"`` (FSDP2's ``fully_shard`` on a 1-D mesh
     of every rank) or ``"hsdp"`` (``fully_shard`` on a 2-D mesh: ``R`` replicas of ``S``
-    shards). Under FSDP2 the guard runs the non-finite and weights checks; the replay audit
-    and the checksum check must stay off (``sdc_guard`` refuses them there for now)."""
+    shards). Every check guards FSDP2 as it guards DDP (docs/fsdp.md)."""
     mesh: tuple[int, ...] = ()
     """The mesh shape: ``[world_size]`` for ddp and fsdp (empty: that), ``[R, S]`` with
     ``R * S == world_size`` and ``R >= 2`` for hsdp (required)."""
@@ -346,15 +345,6 @@ class Scenario:
             raise ScenarioError("mesh", list(mesh), f"[{w}] (world_size) or leave it out",
                                 reason=f"parallel = {self.parallel!r} spreads over a 1-D mesh "
                                        "of every rank; a 2-D mesh is parallel = 'hsdp'")
-        if self.parallel == "ddp":
-            return
-        fix = f"off under parallel = {self.parallel!r} (sdc_guard refuses it under FSDP2 for now)"
-        if self.guard.replay_interval:
-            raise ScenarioError("guard.replay_interval", self.guard.replay_interval,
-                                f"0: the replay audit is {fix}")
-        if self.guard.checksum:
-            raise ScenarioError("guard.checksum", self.guard.checksum,
-                                f"false: the checksum check is {fix}")
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
