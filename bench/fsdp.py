@@ -5,9 +5,11 @@ trained by plain FSDP2 (``fully_shard`` per block and the root), by the guard on
 its checks off, with each check alone and with the defaults; and by plain DDP and the guard
 with the defaults on DDP, the same model and batches. Each configuration has a model of its
 own, built alike; the configurations alternate step block by step block, their order
-rotating round by round, and a barrier brackets every step. Medians per configuration, the
-ratio of each to its plain baseline and a 90% bootstrap interval over the rounds
-(``bench.timing``). Results go to ``bench/fsdp.json`` and ``bench/FSDP.md``::
+rotating round by round, and a barrier brackets every step. The replay audit's
+configuration switches torch's deterministic algorithms on for the whole process, so every
+configuration runs with them (side by side alike; on the CPU they change little). Medians
+per configuration, the ratio of each to its plain baseline and a 90% bootstrap interval
+over the rounds (``bench.timing``). Results go to ``bench/fsdp.json`` and ``bench/FSDP.md``::
 
     python -m bench.fsdp [--rounds N] [--block N] [--batch N] [--out bench]
 """
@@ -36,6 +38,10 @@ CONFIGS: dict[str, tuple[str, GuardConfig | None]] = {
     "guard, checks off": ("fsdp", OFF),
     "guard, nonfinite alone": ("fsdp", GuardConfig(weights_interval=0)),
     "guard, weights alone (at rest)": ("fsdp", GuardConfig(nonfinite=False)),
+    "guard, checksum alone": ("fsdp", GuardConfig(nonfinite=False, weights_interval=0,
+                                                   checksum=True)),
+    "guard, replay every 4 alone": ("fsdp", GuardConfig(nonfinite=False, weights_interval=0,
+                                                         replay_interval=4, deterministic=True)),
     "guard, defaults": ("fsdp", GuardConfig()),
     "plain DDP": ("ddp", None),
     "guard on DDP, defaults": ("ddp", GuardConfig()),
