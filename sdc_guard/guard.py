@@ -151,7 +151,8 @@ class SDCGuard:
                 "SDCGuard needs an initialised torch.distributed process group "
                 "(torch.distributed.init_process_group) before it is built."
             )
-        self.model = model
+        self.model: Any = model
+        """The DDP model or FSDP2's ``fully_shard`` root, as given."""
         self.optimizer = optimizer
         self.optimizers = optimizers
         """``optimizer`` as a tuple: the one, or each of several, stepped in that order."""

@@ -20,7 +20,7 @@ def mesh_for(shape: tuple[int, ...]) -> Any:
     return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
 
 
-def build(shape: tuple[int, ...], *, seed: int = 0) -> nn.Module:
+def build(shape: tuple[int, ...], *, seed: int = 0) -> Any:
     """An MLP 8-16-16-4, each Linear ``fully_shard``-ed and then the root, as torchtitan does;
     the last layer left to the root (a root that owns parameters)."""
     mesh = mesh_for(shape)
@@ -42,7 +42,7 @@ def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     return nn.functional.mse_loss(model(batch[0]), batch[1])
 
 
-def local_state(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+def local_state(model: Any, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     """This rank's shards of the parameters and the optimizer state, copied."""
     out = [p.detach().to_local().clone() for p in model.parameters()]
     for p in model.parameters():
@@ -52,15 +52,15 @@ def local_state(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tens
     return out
 
 
-def plain_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: int, rank: int,
+def plain_steps(model: Any, opt: torch.optim.Optimizer, steps: int, rank: int,
                 micro_batches: int) -> None:
     """FSDP2 training without the guard: what the guarded run must equal bit for bit."""
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         for i in range(micro_batches):
-            model.set_requires_gradient_sync(i == micro_batches - 1)  # type: ignore[operator]
+            model.set_requires_gradient_sync(i == micro_batches - 1)
             batch = batch_for(rank, step * micro_batches + i)
-            loss_fn(model, batch).backward()
+            loss_fn(model, batch).backward()  # type: ignore[no-untyped-call]
         opt.step()
 
 
@@ -121,7 +121,7 @@ def faults(rank: int, world: int, shape: tuple[int, ...], site: str, target: int
         backend.before.append(local_nan)
     if site == "reduced_inf":
         backend.after.append(reduced_inf)
-    first = next(model.parameters())
+    first: Any = next(model.parameters())
     withheld, seen = [], []
     for step in range(8):
         if site == "at_rest" and step == at and rank == target:
@@ -220,7 +220,8 @@ def rollback(rank: int, world: int, shape: tuple[int, ...], directory: str,
     while step < 10:
         if faulty and step == 6 and rank == 1 and not struck:
             with torch.no_grad():
-                next(model.parameters()).to_local().view(-1)[2] += 0.125
+                first: Any = next(model.parameters())
+                first.to_local().view(-1)[2] += 0.125
             struck = True
         report = guard.step(step)
         seen += report.detections

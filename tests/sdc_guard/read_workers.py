@@ -33,7 +33,7 @@ def _wrapped(layers: int, parallel: str, world: int) -> nn.Module:
 
     mesh = init_device_mesh("cpu", (world,))
     model = _mlp(layers)
-    for m in model:
+    for m in model.children():
         if isinstance(m, nn.Linear):
             fully_shard(m, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -173,7 +173,7 @@ def llama(rank: int, world: int, shape: tuple[int, ...], steps: int, *, interval
             seen += report.detections
         seen += guard.flush()
         records = list(armed.records) if armed is not None else []
-    return {"withheld": withheld, "withheld_by": withheld_by, "records": records,
+    return {"withheld": withheld, "records": records,
             "detections": [(d.check, d.step, tuple(d.suspect_ranks)) for d in seen],
             "state": [t.reshape(-1).tolist() for t in local_state(model, opt)]}
 

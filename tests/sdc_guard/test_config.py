@@ -49,7 +49,7 @@ def test_guard_refuses_a_model_that_is_not_ddp() -> None:
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(TypeError, match="DistributedDataParallel"):
-        SDCGuard(model, opt, loss_fn=lambda m, b: m(b).sum())  # type: ignore[arg-type]
+        SDCGuard(model, opt, loss_fn=lambda m, b: m(b).sum())
 
 
 def test_guard_refuses_a_ddp_model_with_a_comm_hook_of_its_own(one_rank: None) -> None:

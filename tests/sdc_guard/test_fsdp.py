@@ -7,6 +7,8 @@ Every test trains a real sharded model through ``SDCGuard`` in real process grou
 from __future__ import annotations
 
 import math
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -120,7 +122,8 @@ NAN = float("nan")
     ("hsdp3x2", {"site": "optimizer_state", "rank": 4, "step": 2, "target": "0.weight",
                  "state_key": "exp_avg", "bits": (29,)}, [("weights", 2, (4,), True)]),
 ])
-def test_injected_faults_under_fsdp2(name: str, fault: dict, expected: list) -> None:
+def test_injected_faults_under_fsdp2(name: str, fault: dict[str, Any],
+                                     expected: list[Any]) -> None:
     """Every site of ``injectors`` reaches its tensor under FSDP2 (a shard, a local gradient
     before the reduce-scatter, a reduced shard, an activation, a product) and the check
     that sees it names the rank that holds it."""
@@ -132,7 +135,8 @@ def test_injected_faults_under_fsdp2(name: str, fault: dict, expected: list) -> 
         assert res["detections"] == expected
 
 
-def test_fsdp_rollback_through_dcp_ends_bit_identical_to_the_fault_free_run(tmp_path) -> None:
+def test_fsdp_rollback_through_dcp_ends_bit_identical_to_the_fault_free_run(
+        tmp_path: Path) -> None:
     """FSDP 2: a shard changed at rest is named in its step; the guard marks the suspect
     window in the ShardedCheckpointManager, the run restores the DCP checkpoint before it
     (after step 3: the one after step 5 was saved before the state after step 5 was

@@ -9,6 +9,7 @@ audits (``python -m tests.sdc_guard.replay_fsdp_workers``).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -139,7 +140,7 @@ def test_a_buffer_the_forward_updates_is_refused_with_the_fix() -> None:
     ("replay", [("replay", 2, (1,))]),
     ("train", [("replay", 2, (1,)), ("nonfinite", 2, (1,))]),
 ])
-def test_a_nan_in_a_replay_is_the_replays_alone(phase: str, expected: list) -> None:
+def test_a_nan_in_a_replay_is_the_replays_alone(phase: str, expected: list[Any]) -> None:
     """FSDP 3: a NaN in rank 1's recomputation of rank 2's batch is a replay detection only
     (rank 1's own gradients were finite: the non-finite check flags a step's gradients, not
     a recomputation's); a NaN in rank 1's own step is named by both checks."""
