@@ -31,9 +31,9 @@ read from the device (``sdc_guard.hostread``). A step in which no listener takes
 sends nothing.
 
 What it refuses, at construction: a model that is not the ``fully_shard`` root (the
-outermost module must be an ``FSDPModule``), parameters on more than one mesh, a mesh of
-more than two dimensions or placements other than FSDP2's own (tensor or pipeline
-parallelism), a mesh that does not span the process group, and modules with more than one
+outermost module must be an ``FSDPModule``), compiled blocks, parameters on more than one
+mesh (MoE expert groups on meshes of their own among them), a mesh of more than two
+dimensions or placements other than FSDP2's own (tensor or pipeline parallelism), a mesh that does not span the process group, and modules with more than one
 param group (FSDP2's custom reduce-scatter refuses those itself).
 """
 
@@ -331,6 +331,13 @@ def mesh_of(model: torch.nn.Module, world: int) -> Any:
     if not isinstance(model, FSDPModule):
         raise TypeError(f"SDCGuard(model=...) got {type(model).__name__}, not the fully_shard "
                         f"root. {FSDP_FIX}")
+    compiled = [name or "(the root)" for name, m in model.named_modules()
+                if hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None]
+    if compiled:
+        raise ValueError(
+            f"SDCGuard(model=...): {compiled[:4]} are compiled (torch.compile, or "
+            "module.compile()); the guard does not guard compiled blocks under FSDP2 yet. "
+            "Leave the blocks eager for a guarded run.")
     missing = [name for name in SEAMS if not hasattr(model, name)]
     if missing:
         raise RuntimeError(

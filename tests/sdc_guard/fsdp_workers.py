@@ -163,6 +163,28 @@ def refusals(rank: int, world: int) -> list[str]:
             out.append(f"{type(e).__name__}: {e}")
         else:
             out.append("accepted")
+    compiled = build((world,))
+    compiled[2].compile()  # a block compiled in place (module.compile())
+    try:
+        SDCGuard(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1), loss_fn=loss_fn,
+                 batch_for=batch_for)
+    except ValueError as e:
+        out.append(f"ValueError: {e}")
+    else:
+        out.append("accepted")
+    other = init_device_mesh("cpu", (world,))  # a second mesh (an expert group's, say)
+    torch.manual_seed(0)
+    two = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(two[0], mesh=mesh_for((world,)))
+    fully_shard(two[1], mesh=other)
+    fully_shard(two, mesh=other)
+    try:
+        SDCGuard(two, torch.optim.SGD(two.parameters(), lr=0.1), loss_fn=loss_fn,
+                 batch_for=batch_for)
+    except ValueError as e:
+        out.append(f"ValueError: {e}")
+    else:
+        out.append("accepted")
     flat = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
     unsharded = nn.Sequential(nn.Linear(4, 4))

@@ -91,7 +91,9 @@ def test_fsdp_shard_changed_at_rest_names_its_rank(name: str) -> None:
 
 def test_what_the_guard_cannot_guard_under_fsdp2_is_refused_with_the_fix() -> None:
     got = run_ranks(w.refusals, 2)[0]
-    hook, block, plain, flat = got
+    hook, block, plain, compiled, meshes, flat = got
+    assert "compiled" in compiled and "'2'" in compiled
+    assert "meshes" in meshes and "one data-parallel mesh" in meshes
     assert "comm_hook" in hook
     assert "ValueError" in block and "root" in block
     assert "TypeError" in plain and "fully_shard" in plain
