@@ -129,7 +129,7 @@ def test_latency_percentiles(tmp_path: Path) -> None:
 def test_cluster_table_from_the_campaign_file_and_the_command_line(tmp_path: Path) -> None:
     text = (CONFIGS / "default.toml").read_text()
     camp = tmp_path / "c.toml"
-    for f in ("mlp.toml", "cnn_bn.toml", "mlp_wide.toml"):
+    for f in ("mlp.toml", "cnn_bn.toml", "mlp_wide.toml", "mlp_hsdp.toml"):
         shutil.copyfile(CONFIGS / f, tmp_path / f)
     camp.write_text(text + "\n[cluster]\ngpus = 512\nrestart_s = 60\n"
                            "[cluster.overhead]\nweights = 0.03\n")

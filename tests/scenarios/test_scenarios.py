@@ -61,7 +61,9 @@ def test_every_shipped_config_loads() -> None:
             camp = load_campaign(p)
             assert [s.parallel_label for s in camp.scenarios] == ["fsdp4", "hsdp3x2", "hsdp2x2"]
             assert {s.model.kind for s in camp.scenarios} == {"llama"}
-            assert camp.overhead is None and camp.space.replay_intervals == (0,)  # type: ignore[union-attr]
+            # every check on: the replay audit every 2 steps and the checksum
+            assert camp.overhead is None and camp.space.replay_intervals == (2,)  # type: ignore[union-attr]
+            assert camp.space.checksum == (True,)  # type: ignore[union-attr]
         elif p.name == "checksum.toml":
             camp = load_campaign(p)
             assert {s.model.kind for s in camp.scenarios} == {"mlp", "transformer", "cnn_bn"}
