@@ -55,7 +55,8 @@ def trial_draws(faults: pd.DataFrame, n: int = RESAMPLES, seed: int = SEED) -> n
     with replacement within its stratum (replay interval, checksum setting, site, field)."""
     counts = np.zeros((n, len(faults)))
     rng = np.random.default_rng([seed, 2])
-    keys = [faults[c].astype(str).to_numpy() if c in faults else np.full(len(faults), "")
+    # (each value as text, a missing one as "nan": pandas' str dtype keeps NaN as a float)
+    keys = [np.array([str(v) for v in faults[c]]) if c in faults else np.full(len(faults), "")
             for c in ("replay_interval", "checksum", "site", "field")]
     strata: dict[tuple[str, ...], list[int]] = {}
     for i, key in enumerate(zip(*keys, strict=True)):

@@ -211,3 +211,18 @@ def test_a_checksum_axis_prices_each_setting_on_its_own_trials(tmp_path: Path) -
     assert rows["replay off +checksum"]["outcomes"]["trials"] == 2
     off = rows["replay off"]["outcomes"]
     assert off["escaped"] == pytest.approx(0.5) and off["detections_lost_to_checks_off"] == 0
+
+
+def test_resample_strata_take_trials_with_a_setting_left_empty() -> None:
+    """A campaign whose sharded scenario has a space of its own leaves the checksum column
+    empty in its trials (NaN beside the DDP trials' booleans): the bootstrap's strata still
+    sort, and every trial is drawn within its own."""
+    from scenarios.report.decide import trial_draws
+
+    faults = pd.DataFrame({"replay_interval": [0, 0, 2, 0], "site": ["a", "a", "a", "b"],
+                           "checksum": [True, False, True, float("nan")],
+                           "field": ["sign", "sign", "sign", "sign"]})
+    counts = trial_draws(faults, n=50)
+    assert counts.shape == (50, 4)
+    # each trial is alone in its stratum here: drawn exactly once per resample
+    assert (counts == 1).all()
