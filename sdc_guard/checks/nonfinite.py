@@ -153,6 +153,8 @@ class NonFiniteCheck(Check, GradientListener):
         """Reduced buckets whose flag ``host_flags`` computes (not host float32 words)."""
         self._asked: tuple[Flag, Flag, tuple[StepRead, int] | None] | None = None
         """This step's flags as ``ask`` found them, and their handle in the step's read."""
+        self.layout = backend.layout
+        """Which ranks hold the same shard (under HSDP a shard's replicas reduce alike)."""
         self.sharded = backend.layout.sharded
         """Each rank reduces a shard of its own (FSDP2): a rank's verdict must travel to
         every rank in its step (the backend's veto word) before any withholds."""
@@ -323,8 +325,14 @@ class NonFiniteCheck(Check, GradientListener):
         if reduced and not local:
             world = len(rows)
             suspects = reduced if len(reduced) < world and not self.sharded else ()
+            if self.sharded:  # HSDP: a shard's replicas reduce alike; the odd ones out
+                suspects = tuple(sorted(
+                    r for held in self.layout.sets if len(held) > 1
+                    and not all(x in reduced for x in held) for r in held if r in reduced))
             where = (
-                f"only on rank(s) {list(reduced)}: a fault in their reduction or link"
+                f"only on rank(s) {list(suspects)} of the ranks that hold their shard: a "
+                "fault in their reduction or link" if suspects and self.sharded
+                else f"only on rank(s) {list(reduced)}: a fault in their reduction or link"
                 if suspects
                 else f"in the shards of rank(s) {list(reduced)}, which each rank reduces from "
                 "every rank's part: the reduction, no rank to blame" if self.sharded

@@ -33,8 +33,9 @@ sends nothing.
 What it refuses, at construction: a model that is not the ``fully_shard`` root (the
 outermost module must be an ``FSDPModule``), compiled blocks, parameters on more than one
 mesh (MoE expert groups on meshes of their own among them), a mesh of more than two
-dimensions or placements other than FSDP2's own (tensor or pipeline parallelism), a mesh that does not span the process group, and modules with more than one
-param group (FSDP2's custom reduce-scatter refuses those itself).
+dimensions or placements other than FSDP2's own (tensor or pipeline parallelism), a mesh
+that does not span the process group, and modules with more than one param group (FSDP2's
+custom reduce-scatter refuses those itself).
 """
 
 from __future__ import annotations

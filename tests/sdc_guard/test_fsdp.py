@@ -176,3 +176,13 @@ def test_fsdp_optimizer_state_shard_changed_at_rest_names_its_rank() -> None:
     for res in run_ranks(w.faults, 4, (4,), "state", 2, 4):
         assert res["detections"] == [("weights", 4, (2,), False)]
         assert res["withheld"] == [5]
+
+
+def test_hsdp_reduced_shard_nonfinite_on_one_replica_names_it() -> None:
+    """HSDP 3x2: an Inf in rank 3's reduced shard (after the replicate all-reduce), its
+    replicas' (ranks 1 and 5) finite: the shard's replicas reduce alike, so rank 3 is the
+    odd one out and named; the step withheld on every rank."""
+    for res in run_ranks(w.faults, 6, (3, 2), "reduced_inf", 3, 2):
+        assert res["detections"] == [("nonfinite", 2, (3,), False)]
+        assert res["withheld"] == [2]
+        assert res["alike"]
