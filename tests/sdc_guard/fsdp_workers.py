@@ -145,57 +145,39 @@ def faults(rank: int, world: int, shape: tuple[int, ...], site: str, target: int
                            for d in seen]}
 
 
+def _refused(model: Any, **kw: Any) -> str:
+    """The guard's error for ``model`` (its first step run: a block is found out there), or
+    "accepted"."""
+    try:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        SDCGuard(model, opt, **{"loss_fn": loss_fn, "batch_for": batch_for, **kw}).step(0)
+    except (TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "accepted"
+
+
 def refusals(rank: int, world: int) -> list[str]:
     """The guard's errors for what it cannot guard under FSDP2, each message."""
-    out = []
     model = build((world,))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    attempts: list[tuple[Any, dict[str, Any]]] = [
-        (model, {"comm_hook": lambda state, bucket: None}),
-        # a block, not the root (the loss function calls the whole model)
-        (model[0], {"loss_fn": lambda m, batch: loss_fn(model, batch)}),
-        (nn.Sequential(nn.Linear(2, 2)), {}),  # not wrapped at all
-    ]
-    for m, kw in attempts:
-        try:  # the block is found out at its first step (FSDP2 names the root in the forward)
-            SDCGuard(m, opt, **{"loss_fn": loss_fn, "batch_for": batch_for, **kw}).step(0)
-        except (TypeError, ValueError) as e:
-            out.append(f"{type(e).__name__}: {e}")
-        else:
-            out.append("accepted")
+    out = [_refused(model, comm_hook=lambda state, bucket: None),
+           # a block, not the root (the loss function calls the whole model)
+           _refused(model[0], loss_fn=lambda m, batch: loss_fn(model, batch)),
+           _refused(nn.Sequential(nn.Linear(2, 2)))]  # not wrapped at all
     compiled = build((world,))
     compiled[2].compile()  # a block compiled in place (module.compile())
-    try:
-        SDCGuard(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1), loss_fn=loss_fn,
-                 batch_for=batch_for)
-    except ValueError as e:
-        out.append(f"ValueError: {e}")
-    else:
-        out.append("accepted")
+    out.append(_refused(compiled))
     other = init_device_mesh("cpu", (world,))  # a second mesh (an expert group's, say)
     torch.manual_seed(0)
     two = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     fully_shard(two[0], mesh=mesh_for((world,)))
     fully_shard(two[1], mesh=other)
     fully_shard(two, mesh=other)
-    try:
-        SDCGuard(two, torch.optim.SGD(two.parameters(), lr=0.1), loss_fn=loss_fn,
-                 batch_for=batch_for)
-    except ValueError as e:
-        out.append(f"ValueError: {e}")
-    else:
-        out.append("accepted")
+    out.append(_refused(two))
     flat = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
     unsharded = nn.Sequential(nn.Linear(4, 4))
     fully_shard(unsharded, mesh=flat)
-    try:
-        SDCGuard(unsharded, torch.optim.SGD(unsharded.parameters(), lr=0.1), loss_fn=loss_fn,
-                 batch_for=batch_for)
-    except ValueError as e:
-        out.append(f"ValueError: {e}")
-    else:
-        out.append("accepted")
+    out.append(_refused(unsharded))
     return out
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from sdc_guard import GuardConfig, SDCGuard
-from tests.sdc_guard.fsdp_workers import local_state, mesh_for
+from tests.sdc_guard.fsdp_workers import batch_for, local_state, mesh_for
 
 
 def build(shape: tuple[int, ...]) -> nn.Module:
@@ -30,11 +30,6 @@ def build(shape: tuple[int, ...]) -> nn.Module:
         fully_shard(model[i], mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
-
-
-def batch_for(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
 
 
 def micro_batches(count: int) -> Any:
