@@ -10,6 +10,7 @@ import hashlib
 import io
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -542,6 +543,11 @@ class CheckpointManager:
             log.warning("sdc-guard: removing %s: the temporary file of a save that was killed",
                         p)
             _unlink(p)
+        for p in self.directory.glob(f".owner.json{TMP}*"):  # a marker write killed midway
+            if p.name != f".owner.json{TMP}{os.getpid()}":
+                log.warning("sdc-guard: removing %s: the temporary file of an owner marker "
+                            "write that was killed", p)
+                _unlink(p)
 
     def _writer_in(self, group: dist.ProcessGroup | None) -> int:
         """The writer's (this manager's rank 0's) rank in ``group`` (None: the default
