@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.checkpoint import CheckpointManager
 from sdc_guard.checks import Check, build_checks
+from sdc_guard.checks.weights import WeightsCheck
 from sdc_guard.collectives import STEPS_FIX, all_gather_rows, steps_disagree
 from sdc_guard.config import INT64_MAX, GuardConfig
 from sdc_guard.determinism import enable_determinism, rng_stream
@@ -228,6 +229,10 @@ class SDCGuard:
         self._withheld: dict[int, tuple[str, ...]] = {}
         """The steps this rank withheld, recently, and the checks that withheld them: a
         detection that arrives later is ``contained`` when its step is here (``_placed``)."""
+        self._explained: dict[int, tuple[int, ...]] = {}
+        """Recent withheld steps whose HSDP weights vote named ranks, and those ranks
+        (``_vote_weights_now``)."""
+        self._weights_now: WeightsCheck | None = None
         # Bound before the checks are built and the comm hook registered with DDP: a bad
         # argument must not leave the model hooked (DDP takes one hook, once).
         self.set_remediation(remediation)
@@ -319,6 +324,12 @@ class SDCGuard:
             c.checks_start for c in self.checks)
         self._check_writes = not self._writes_checked and any(
             c.compares_replicas for c in self.checks)
+        layout = self.backend.layout
+        self._weights_now = next(
+            (c for c in self.checks if isinstance(c, WeightsCheck)), None
+        ) if layout.sharded and layout.replicas >= 3 else None
+        """HSDP with a majority per shard: the weights check, asked to vote at once on a step
+        another check withheld (``_vote_weights_now``)."""
         self.events = events
         timeout = config.collective_timeout_s
         if self.watchdog is not None and (timeout is None or self.watchdog.timeout_s != timeout):
@@ -435,6 +446,8 @@ class SDCGuard:
             if cfg.skip_step_on_detection:
                 withheld_by = tuple(c.name for c, v in verdicts if v.withhold)
         skipped = bool(withheld_by)
+        if skipped and self._weights_now is not None and "weights" not in withheld_by:
+            detections += self._vote_weights_now(step)
         if skipped:
             self._withheld = {s: w for s, w in self._withheld.items() if s > step - 100_000}
             self._withheld[step] = withheld_by
@@ -563,9 +576,47 @@ class SDCGuard:
             self.remediation.drain()
         return found
 
+    def _vote_weights_now(self, step: int) -> list[Detection]:
+        """Under HSDP, a step another check withheld on every rank: do the replicas' weight
+        shards differ now? Every rank of a shard group computes with the parameters gathered
+        from its group, so one rank's changed shard makes the whole group's computation
+        differ: the replay audit and the non-finite check then name the group (or more: the
+        ring's edges into it). The vote names the holder and repairs it from the majority; the
+        step's other detections that name a rank of that group are narrowed to it (here, and
+        when the non-finite check's word for ``step`` comes later: ``_placed``). Collective:
+        every rank holds the same ``withheld_by``."""
+        assert self._weights_now is not None
+        found = self._weights_now.vote_now(step)
+        named = tuple(sorted({r for d in found for r in d.suspect_ranks}))
+        if named:
+            self._explained = {s: n for s, n in self._explained.items() if s > step - 1000}
+            self._explained[step] = named
+        return found
+
+    def _narrowed(self, d: Detection) -> Detection:
+        """``d`` with its suspects narrowed to the ranks whose weight shards the vote of its
+        step found changed, where it names a rank that computes with them
+        (``_vote_weights_now``)."""
+        named = self._explained.get(d.step)
+        if named is None or d.check == "weights" or not d.suspect_ranks:
+            return d
+        layout = self.backend.layout
+        rows = {r for n in named for r in layout.computes_with(n)}
+        if not rows & set(d.suspect_ranks) or set(d.suspect_ranks) == set(named):
+            return d
+        return dataclasses.replace(
+            d, suspect_ranks=named,
+            detail=f"{d.detail}; narrowed from rank(s) {list(d.suspect_ranks)} to {list(named)}: "
+            f"the weights vote of step {d.step} found their weight shards changed, which the "
+            f"ranks of their shard groups {sorted(rows)} computed with",
+            evidence={**d.evidence, "suspects_before": list(d.suspect_ranks),
+                      "explained_by": "weights"})
+
     def _placed(self, d: Detection) -> Detection:
         """``d`` with its suspects' nodes, whether it was contained, and, on a suspect rank,
         this rank's GPU snapshot."""
+        if self._explained:
+            d = self._narrowed(d)
         d = dataclasses.replace(d, suspect_nodes=self.topology.nodes_of(d.suspect_ranks),
                                 contained=self._contained(d))
         if self.rank in d.suspect_ranks:
@@ -603,6 +654,7 @@ class SDCGuard:
         (``CheckpointManager.restore`` calls this)."""
         self._step_agreed = False
         self._withheld = {}
+        self._explained = {}
         for c in self.checks:
             c.rewind(step)
         record = {"event": "restore", "step": step}
@@ -621,6 +673,7 @@ class SDCGuard:
         for check in self.checks:
             check.close()
         self.checks = []
+        self._weights_now = None
 
     def _watchdog_fired(self, message: str, record: dict[str, Any]) -> None:
         self.log_event({"event": "watchdog", **record, "detail": message})

@@ -371,6 +371,20 @@ class WeightsCheck(Check):
         return [Detection("weights", step, outliers, detail=detail, evidence=evidence,
                           repaired=repaired)]
 
+    def vote_now(self, step: int) -> list[Detection]:
+        """Vote on the state as it stands, before ``step``'s optimizer step (withheld), and
+        judge at once: repair included, the detection of ``step``. Collective; for a step
+        that another check withheld on every rank, where a weight difference would explain
+        what it saw (``SDCGuard``: under HSDP a shard's holder computes with its whole shard
+        group, so a changed weight shard shows in the computation of every rank of that
+        group)."""
+        if self.at_rest:
+            return []
+        stamp = to_signed64(mix64_int(step ^ _STEP_SALT))
+        word = self.local_fingerprint().to(self.device).reshape(1) ^ stamp
+        both, work = self._start(word, torch.bitwise_not(word))
+        return self._judge(_Vote(step, stamp, word, both, work))
+
     def _refuse_settings_drift(self, step: int) -> None:
         """Before a rank is blamed for weights that differ: do the ranks' optimizers run with
         the same settings? A learning-rate scheduler stepped on some ranks only (or a learning

@@ -66,6 +66,16 @@ class Layout:
         """The part ``rank`` holds."""
         return next(j for j, s in enumerate(self.sets) if rank in s)
 
+    def computes_with(self, rank: int) -> tuple[int, ...]:
+        """The ranks whose forward and backward use ``rank``'s part of the state: one of each
+        part's holders, the ``i``-th where ``rank`` is its part's ``i``-th (HSDP: ``rank``'s
+        shard group, which gathers its parameters from those parts). DDP: ``rank`` alone."""
+        j = self.part_of(rank)
+        i = self.sets[j].index(rank)
+        if len(self.sets) == 1:
+            return (rank,)
+        return tuple(sorted(s[i] for s in self.sets if i < len(s)))
+
 
 class Bucket(Protocol):
     """One flat buffer of a rank's gradients, as ``torch.distributed.GradBucket`` shows it."""

@@ -90,7 +90,7 @@ def same_as_plain(rank: int, world: int, shape: tuple[int, ...], micro_batches: 
 
 
 def faults(rank: int, world: int, shape: tuple[int, ...], site: str, target: int,
-           at: int) -> dict[str, Any]:
+           at: int, replay_interval: int = 0) -> dict[str, Any]:
     """Train 8 steps with the defaults and one fault on rank ``target`` at step ``at``:
 
     - "local_nan": a NaN in rank ``target``'s local gradients of the second Linear, in the
@@ -98,13 +98,16 @@ def faults(rank: int, world: int, shape: tuple[int, ...], site: str, target: int
     - "reduced_inf": an Inf in rank ``target``'s reduced shard;
     - "state": after step ``at``'s optimizer step, a change in rank ``target``'s shard of
       the first weight's Adam ``exp_avg`` (one replica's state only);
-    - "at_rest": before step ``at``, a change in rank ``target``'s shard of the first weight.
+    - "at_rest": before step ``at``, a change in rank ``target``'s shard of the first weight;
+    - "at_rest_nan": the same, a NaN.
 
     Returns the steps withheld, the detections (check, step, suspects, repaired) as every
     rank saw them, and whether the ranks that hold each shard hold it alike at the end."""
     model = build(shape)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=batch_for, config=GuardConfig())
+    guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=batch_for,
+                     config=GuardConfig(replay_interval=replay_interval,
+                                        deterministic=replay_interval > 0))
     backend = guard.backend
     shards = shape[-1]
 
@@ -124,9 +127,12 @@ def faults(rank: int, world: int, shape: tuple[int, ...], site: str, target: int
     first: Any = next(model.parameters())
     withheld, seen = [], []
     for step in range(8):
-        if site == "at_rest" and step == at and rank == target:
+        if site.startswith("at_rest") and step == at and rank == target:
             with torch.no_grad():
-                first.to_local().view(-1)[1] += 0.25
+                if site == "at_rest_nan":
+                    first.to_local().view(-1)[1] = float("nan")
+                else:
+                    first.to_local().view(-1)[1] += 0.25
         report = guard.step(step)
         if report.skipped:
             withheld.append((step, report.withheld_by) if site == "local_nan" else step)

@@ -89,6 +89,22 @@ def test_fsdp_shard_changed_at_rest_names_its_rank(name: str) -> None:
         assert res["withheld"] == [5]
 
 
+@pytest.mark.parametrize(("site", "replay", "first"), [("at_rest", 1, "replay"),
+                                                     ("at_rest_nan", 0, "nonfinite")])
+def test_hsdp_weight_shard_fault_is_pinned_to_its_rank_not_its_shard_group(
+        site: str, replay: int, first: str) -> None:
+    """HSDP 3x2: rank 4's weight shard changes before step 2's forward. Ranks 4 and 5 (its
+    shard group) both compute with it, so the replay audit (a finite change) or the
+    non-finite check (a NaN: the word of step 2 comes later) sees their whole row, and
+    withholds step 2 on every rank; the weights vote taken at once in that step names rank
+    4 alone and repairs it, and the other check's suspects are narrowed to rank 4."""
+    for res in run_ranks(w.faults, 6, (3, 2), site, 4, 2, replay):
+        assert sorted(res["detections"]) == sorted([(first, 2, (4,), False),
+                                                    ("weights", 2, (4,), True)])
+        assert res["withheld"] == [2]
+        assert res["alike"]
+
+
 def test_what_the_guard_cannot_guard_under_fsdp2_is_refused_with_the_fix() -> None:
     got = run_ranks(w.refusals, 2)[0]
     hook, block, plain, compiled, meshes, flat = got
