@@ -9,9 +9,24 @@ rotating round by round, and a barrier brackets every step. The replay audit's
 configuration switches torch's deterministic algorithms on for the whole process, so every
 configuration runs with them (side by side alike; on the CPU they change little). Medians
 per configuration, the ratio of each to its plain baseline and a 90% bootstrap interval
-over the rounds (``bench.timing``). Results go to ``bench/fsdp.json`` and ``bench/FSDP.md``::
+over the rounds (``bench.timing``).
 
-    python -m bench.fsdp [--rounds N] [--block N] [--batch N] [--out bench]
+Two ranks share two cores, so a step's wall time carries the other rank's noise (each waits
+for the other in every collective, and a core's speed depends on what the other runs) and
+the intervals stay a few percent wide: wider than the targets of the guard with its checks
+off and of the non-finite check alone. Those two are therefore also measured directly: in
+a second two-rank run of the same model, each guarded step is traced, and the time spent
+in the work plain FSDP2 does (fetching the batch, the loss function's forward, the
+backward from its first gradient to its end, ``zero_grad`` and the optimizer step) is taken
+from the step's wall time; the guard's hooks inside the backward (its reduce-scatter
+wrapper and what the checks do there, less the reduce-scatter itself) are added back. What
+is left is the guard's own time, its control word's wait included. The plain loop is
+traced alike (what is left there: its own lines and the ``backward()`` call around the
+engine), and the guard's extra is the difference. The control word's all-reduce is also
+timed alone (a barrier, then the all-reduce) in the first run. Results go to
+``bench/fsdp.json`` and ``bench/FSDP.md``::
+
+    python -m bench.fsdp [--rounds N] [--block N] [--batch N] [--direct-steps N] [--out bench]
 """
 
 from __future__ import annotations
@@ -52,10 +67,10 @@ SEED = 0
 
 
 def _runner(rank: int, world: int, parallel: str, config: GuardConfig | None,
-            batch: int) -> Callable[[int], None]:
+            batch: int, width: int = 64) -> Callable[[int], None]:
     """One step of one configuration, on a model of its own."""
-    model = shard_model(build_model("llama", width=64, depth=2, seed=SEED), parallel=parallel,
-                        mesh_shape=(world,))
+    model = shard_model(build_model("llama", width=width, depth=2, seed=SEED),
+                        parallel=parallel, mesh_shape=(world,))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def batch_for(r: int, step: int) -> Any:
@@ -74,13 +89,19 @@ def _runner(rank: int, world: int, parallel: str, config: GuardConfig | None,
     return guarded
 
 
+WORD = "the control word's all-reduce"
+"""The word's timing's key: one int64 per vetoing check (the non-finite check's alone: 1)."""
+
+
 def _bench_rank(rank: int, world: int, rounds: int, block: int,
-                batch: int) -> dict[str, list[float]]:
+                batch: int) -> dict[str, dict[str, list[float]]]:
     torch.set_num_threads(1)  # two ranks on two cores: one thread each
     runs = {name: _runner(rank, world, parallel, cfg, batch)
             for name, (parallel, cfg) in CONFIGS.items()}
     names = list(runs)
     times: dict[str, list[float]] = {n: [] for n in names}
+    word = torch.zeros(1, dtype=torch.int64)
+    words: list[float] = []
     step = 0
     for name in names:  # warm-up: optimizer state exists, caches are hot
         for _ in range(3):
@@ -95,30 +116,192 @@ def _bench_rank(rank: int, world: int, rounds: int, block: int,
                 dist.barrier()
                 times[name].append(time.perf_counter() - t0)
                 step += 1
-    return times
+        for _ in range(block):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(word)
+            words.append(time.perf_counter() - t0)
+    return {"wall": times, "word": {WORD: words}}
 
 
-def fsdp_overhead(rounds: int = 20, block: int = 5, batch: int = 16) -> dict[str, Any]:
-    """Medians per configuration (rank 0's clock) and each one's ratio to its baseline."""
-    times = run_ranks(_bench_rank, 2, rounds, block, batch, timeout=3600)[0]
-    per_round = {n: split_rounds(v, rounds) for n, v in times.items()}
-    rows = []
+DIRECT: dict[str, GuardConfig | None] = {
+    "plain FSDP2": None,
+    "guard, checks off": OFF,
+    "guard, nonfinite alone": GuardConfig(weights_interval=0),
+}
+"""The configurations whose own time is traced."""
+
+
+class _Trace:
+    """Per step, the seconds spent in plain training's own work and in the guard's hooks
+    inside the backward (``_own_rank``)."""
+
+    def __init__(self) -> None:
+        self.plain = 0.0
+        self.hooks = 0.0
+        self.backward_from: float | None = None
+
+    def timed(self, fn: Callable[..., Any], into: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                setattr(self, into, getattr(self, into) + time.perf_counter() - t0)
+        return call
+
+    def backward_started(self, grad: torch.Tensor) -> None:
+        self.backward_from = time.perf_counter()
+
+    def backward_ended(self) -> None:
+        if self.backward_from is not None:
+            self.plain += time.perf_counter() - self.backward_from
+            self.backward_from = None
+
+
+def _own_rank(rank: int, world: int, steps: int, batch: int) -> dict[str, list[float]]:
+    """The guard's own seconds in each of ``steps`` steps, per ``DIRECT`` configuration (the
+    configurations alternating step by step after 5 warm-up steps each)."""
+    from sdc_guard.parallel import fsdp as fsdp_backend
+
+    torch.set_num_threads(1)
+    trace = _Trace()
+    inner = fsdp_backend._REDUCE_SCATTER
+
+    def reduce_scatter(*args: Any, **kwargs: Any) -> Any:  # the collective is not the guard's
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            trace.hooks -= time.perf_counter() - t0
+
+    fsdp_backend._REDUCE_SCATTER = reduce_scatter
+    call = fsdp_backend._ReduceScatter.__call__
+    fsdp_backend._ReduceScatter.__call__ = trace.timed(call, "hooks")  # type: ignore[method-assign]
+
+    def loss_fn(model: Any, b: Any) -> torch.Tensor:
+        t0 = time.perf_counter()
+        loss = scenario_loss(model, b)
+        trace.plain += time.perf_counter() - t0
+        loss.register_hook(trace.backward_started)  # type: ignore[no-untyped-call]
+        return loss
+
+    guards: dict[str, Callable[[int], Any]] = {}
+    for name, cfg in DIRECT.items():
+        model = shard_model(build_model("llama", width=64, depth=2, seed=SEED),
+                            parallel="fsdp", mesh_shape=(world,))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt.step = trace.timed(opt.step, "plain")  # type: ignore[method-assign]
+        opt.zero_grad = trace.timed(opt.zero_grad, "plain")  # type: ignore[method-assign]
+
+        def batch_for(r: int, step: int) -> Any:
+            return synthetic_batch("llama", SEED, r, step, 0, batch=batch)
+
+        fetch = trace.timed(batch_for, "plain")
+        if cfg is None:  # the plain loop, traced alike: its own lines and backward() call
+            def plain(step: int, model: Any = model, opt: Any = opt, fetch: Any = fetch) -> None:
+                opt.zero_grad(set_to_none=True)
+                loss_fn(model, fetch(rank, step)).backward()  # type: ignore[no-untyped-call]
+                trace.backward_ended()
+                opt.step()
+            guards[name] = plain
+            continue
+        guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=fetch, config=cfg)
+        after = guard.backend.after_backward
+        reduced = guard.backend._reduced
+
+        def after_backward(after: Callable[[], None] = after) -> None:
+            trace.backward_ended()
+            after()
+
+        backend: Any = guard.backend  # (the FSDP2 backend; its hooks wrapped)
+        backend.after_backward = after_backward
+        backend._reduced = trace.timed(reduced, "hooks")
+        guards[name] = guard.step
+    own: dict[str, list[float]] = {n: [] for n in guards}
+    step = 0
+    for i in range(5 + steps):
+        for name, run in guards.items():
+            dist.barrier()
+            trace.plain = trace.hooks = 0.0
+            t0 = time.perf_counter()
+            run(step)
+            total = time.perf_counter() - t0
+            step += 1
+            if i >= 5:
+                own[name].append(total - trace.plain + trace.hooks)
+    fsdp_backend._REDUCE_SCATTER = inner
+    fsdp_backend._ReduceScatter.__call__ = call  # type: ignore[method-assign]
+    return own
+
+
+def direct(steps: int, batch: int) -> dict[str, Any]:
+    """The guard's own time per step, traced (rank 0's), with checks off and with the
+    non-finite check alone, over the plain loop's own (traced alike): medians and 90%
+    bootstrap intervals over blocks of 10 steps."""
+    own = run_ranks(_own_rank, 2, steps, batch, timeout=3600)[0]
+    blocks = {n: split_rounds(vs, steps // 10) for n, vs in own.items()}
+    out: dict[str, Any] = {"plain_own_us": statistics.median(own["plain FSDP2"]) * 1e6,
+                           "rows": {}}
+    for name in list(DIRECT)[1:]:
+        def extra(pooled: dict[str, list[float]], n: str = name) -> float:
+            return statistics.median(pooled[n]) - statistics.median(pooled["plain FSDP2"])
+
+        lo, hi = bootstrap_interval({k: blocks[k] for k in ("plain FSDP2", name)}, extra)
+        out["rows"][name] = {"own_us": statistics.median(own[name]) * 1e6,
+                             "extra_us": extra(own) * 1e6, "interval_us": [lo * 1e6, hi * 1e6]}
+    return out
+
+
+def _ratios(samples: dict[str, list[float]], rounds: int) -> dict[str, dict[str, Any]]:
+    """Each configuration's median and its ratio to its baseline, with a 90% interval."""
+    per_round = {n: split_rounds(v, rounds) for n, v in samples.items()}
+    out = {}
     for name, (parallel, _) in CONFIGS.items():
         base = BASELINE[parallel]
-        median = statistics.median(times[name])
 
         def ratio(pooled: dict[str, list[float]], n: str = name, b: str = base) -> float:
             return statistics.median(pooled[n]) / statistics.median(pooled[b])
 
         low, high = bootstrap_interval({k: per_round[k] for k in (name, base)}, ratio)
-        rows.append({"configuration": name, "parallel": parallel, "median_ms": median * 1e3,
-                     "ratio": ratio(times), "interval": [low, high], "baseline": base})
+        out[name] = {"median_ms": statistics.median(samples[name]) * 1e3,
+                     "ratio": ratio(samples), "interval": [low, high]}
+    return out
+
+
+def fsdp_overhead(rounds: int = 20, block: int = 5, batch: int = 16,
+                  direct_steps: int = 300) -> dict[str, Any]:
+    """Medians per configuration (rank 0's clock) and each one's ratio to its baseline; the
+    control word's all-reduce alone; the guard's own work measured directly on one rank."""
+    got = run_ranks(_bench_rank, 2, rounds, block, batch, timeout=3600)[0]
+    wall = _ratios(got["wall"], rounds)
+    rows = [{"configuration": name, "parallel": parallel, "baseline": BASELINE[parallel],
+             **wall[name]} for name, (parallel, _) in CONFIGS.items()]
+    words = got["word"][WORD]
+    plain: float = statistics.median(got["wall"][BASELINE["fsdp"]])
+
+    def share(pooled: dict[str, list[float]]) -> float:
+        return statistics.median(pooled[WORD]) / plain
+
+    low, high = bootstrap_interval({WORD: split_rounds(words, rounds)}, share)
+    own = direct(direct_steps, batch)
+    word = {"median_us": statistics.median(words) * 1e6, "share_of_plain_step": share({WORD: words}),
+            "interval": [low, high]}
+    step_us = plain * 1e6
     return {"machine": f"{cpu_name()}, 2 ranks of 1 thread, torch {torch.__version__}",
             "model": "llama (2 blocks, width 64), AdamW", "batch": batch, "rounds": rounds,
-            "block": block, "rows": rows}
+            "block": block, "rows": rows, "word": word, "direct_steps": direct_steps,
+            "plain_step_ms": plain * 1e3,
+            "direct": {"plain_own_us": own["plain_own_us"], "rows": {
+                n: {**v, "share": v["extra_us"] / step_us,
+                    "share_interval": [x / step_us for x in v["interval_us"]]}
+                for n, v in own["rows"].items()}}}
 
 
 def markdown(res: dict[str, Any]) -> list[str]:
+    def pct(v: float) -> str:
+        return f"{100 * v:+.1f}%"
+
     lines = ["# The guard over plain FSDP2 (and DDP), per step", "",
              f"{res['machine']}; {res['model']}, batch {res['batch']} sequences per rank; "
              f"{res['rounds']} rounds of {res['block']} steps per configuration, alternated, "
@@ -127,10 +310,33 @@ def markdown(res: dict[str, Any]) -> list[str]:
              "|---|---:|---:|---|"]
     for row in res["rows"]:
         low, high = row["interval"]
-        over = "baseline" if row["configuration"] == row["baseline"] else (
-            f"{100 * (row['ratio'] - 1):+.1f}%")
+        over = "baseline" if row["configuration"] == row["baseline"] else pct(row["ratio"] - 1)
         lines.append(f"| {row['configuration']} | {row['median_ms']:.2f} | {over} | "
-                     f"{100 * (low - 1):+.1f}% .. {100 * (high - 1):+.1f}% |")
+                     f"{pct(low - 1)} .. {pct(high - 1)} |")
+    w = res["word"]
+    d = res["direct"]
+    lines += ["", "## The guard's own time, traced", "",
+              f"A second two-rank run, {res['direct_steps']} steps per configuration, "
+              "alternating step by step: each step's wall time less the time in the work "
+              "plain FSDP2 does (batch, forward, backward, zero_grad, optimizer step), plus "
+              "the guard's hooks inside the backward (less the reduce-scatter itself); the "
+              "plain loop traced alike (its own lines and its backward() call: "
+              f"{d['plain_own_us']:.0f} us), and the guard's extra over it; rank 0's, "
+              "medians, 90% bootstrap intervals over blocks of 10 steps. The share is of "
+              f"the plain FSDP2 step above ({res['plain_step_ms']:.2f} ms).", "",
+              "| configuration | own time (us) | extra over plain (us) | 90% interval (us) "
+              "| share of the plain step | 90% interval |", "|---|---:|---:|---|---:|---|"]
+    for name, row in d["rows"].items():
+        lo, hi = row["interval_us"]
+        slo, shi = row["share_interval"]
+        lines.append(f"| {name} | {row['own_us']:.0f} | {row['extra_us']:+.0f} | "
+                     f"{lo:+.0f} .. {hi:+.0f} | **{pct(row['share'])}** | "
+                     f"{pct(slo)} .. {pct(shi)} |")
+    lines += ["", f"The non-finite check's control word alone (one int64 all-reduced over both "
+              f"ranks after a barrier, in the first run): {w['median_us']:.0f} us, "
+              f"{pct(w['share_of_plain_step'])} of the plain step (90%: "
+              f"{pct(w['interval'][0])} .. {pct(w['interval'][1])}): gloo's round trip "
+              "between two processes on this host, part of the check's time above."]
     return lines
 
 
@@ -139,9 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--block", type=int, default=5)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--direct-steps", type=int, default=300,
+                    help="traced steps per configuration (default 300)")
     ap.add_argument("--out", default="bench")
     args = ap.parse_args(argv)
-    res = fsdp_overhead(args.rounds, args.block, args.batch)
+    res = fsdp_overhead(args.rounds, args.block, args.batch, args.direct_steps)
     lines = markdown(res)
     publish(Path(args.out), "fsdp", res, lines)
     (Path(args.out) / "FSDP.md").write_text("\n".join(lines) + "\n")
