@@ -46,6 +46,7 @@ from scenarios.run.launch import run_ranks
 from scenarios.spec.models import build_model, scenario_loss, synthetic_batch
 from scenarios.spec.sharding import shard_model
 from sdc_guard import GuardConfig, SDCGuard
+from sdc_guard.internal import fsdp_backend
 
 OFF = GuardConfig(nonfinite=False, weights_interval=0)
 CONFIGS: dict[str, tuple[str, GuardConfig | None]] = {
@@ -162,8 +163,6 @@ class _Trace:
 def _own_rank(rank: int, world: int, steps: int, batch: int) -> dict[str, list[float]]:
     """The guard's own seconds in each of ``steps`` steps, per ``DIRECT`` configuration (the
     configurations alternating step by step after 5 warm-up steps each)."""
-    from sdc_guard.parallel import fsdp as fsdp_backend
-
     torch.set_num_threads(1)
     trace = _Trace()
     inner = fsdp_backend._REDUCE_SCATTER

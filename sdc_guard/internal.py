@@ -2,7 +2,8 @@
 
 Not a stable API: these are the parts under the public one (the fused scaling pass,
 the non-finite flags word, the replay digest, the kernel's instruction sets, the checks
-whose wiring the checksum bench switches), named here, in one place, so that
+whose wiring the checksum bench switches, the FSDP2 backend whose reduce-scatter the FSDP
+bench times apart from the guard's hooks), named here, in one place, so that
 ``bench/`` never reaches into private modules. Users need none of it.
 """
 
@@ -33,6 +34,7 @@ from sdc_guard.fingerprints.weighted import DEVICE_CHUNK, INT_OF_SIZE
 from sdc_guard.fingerprints.weighted import FUSED_DEVICES as FINGERPRINT_FUSED_DEVICES
 from sdc_guard.fingerprints.words import to_signed64, to_unsigned64
 from sdc_guard.hostread import StepRead, cpu_as_device, on_host
+from sdc_guard.parallel import fsdp as fsdp_backend
 from sdc_guard.parallel.base import BucketListener
 from sdc_guard.scaling import check_nonfinite, fused_unscale_ok, scale_and_check
 from sdc_guard.state import state_tensors
@@ -58,6 +60,7 @@ __all__ = [
     "digest_value",
     "flag_rows",
     "flag_words",
+    "fsdp_backend",
     "fused_unscale_ok",
     "grads_digest",
     "kernel_in_use",
