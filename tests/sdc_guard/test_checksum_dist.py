@@ -94,7 +94,7 @@ def test_report_only_leaves_the_gradients_alone() -> None:
 def test_no_false_positive_on_any_model_in_float32_or_bfloat16() -> None:
     runs = [(k, d) for k in ("mlp", "cnn", "cnn_bn", "transformer")
             for d in ("float32", "bfloat16")]
-    res = run_ranks(W.clean_run, 3, runs, 200, timeout=900)
+    res = run_ranks(W.clean_run, 3, runs, 100, timeout=900)
     for key, r in res[0].items():
         assert r["detections"] == [] and r["skipped"] == [], (key, r)
         assert r["layers"], key
