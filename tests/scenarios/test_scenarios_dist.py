@@ -450,14 +450,14 @@ value = inf
                               r["suspects"], r["skipped"]) for r in csv.DictReader(fh)}
 
     with (tmp_path / "one" / "trials.csv").open() as fh:
-        one = {row["kind"] + row["site"]: row for row in csv.DictReader(fh)}
-    assert one["clean"]["outcome"] == "masked"
-    ws = one["faultweight_storage"]
+        by = {row["kind"] + row["site"]: row for row in csv.DictReader(fh)}
+    assert by["clean"]["outcome"] == "masked"
+    ws = by["faultweight_storage"]
     assert (ws["outcome"], ws["detect_step"], ws["suspects"]) == ("detected", "2", "[3]")
-    gb = one["faultgradient_before_allreduce"]
+    gb = by["faultgradient_before_allreduce"]
     assert (gb["outcome"], gb["check"], gb["suspects"], gb["nonfinite_injected"]) == (
         "detected", "nonfinite", "[1]", "true")
-    ga = one["faultgradient_after_allreduce"]
+    ga = by["faultgradient_after_allreduce"]
     assert (ga["outcome"], ga["check"], ga["suspects"], ga["nonfinite_injected"]) == (
         "detected", "nonfinite", "[2]", "true")
     assert (tmp_path / "one" / "report.html").exists()
