@@ -314,6 +314,10 @@ class SDCGuard:
             enable_determinism(config.seed)
         for check in self.checks:  # each unsubscribes what it subscribed
             check.close()
+        # What the old checks' detections were placed against: the new checks report only
+        # steps from here (a harness that starts over at step 0 reuses the step numbers).
+        self._withheld = {}
+        self._explained = {}
         self.config = config
         self.checks = build_checks(
             config, model=self.model, optimizer=self.optimizer, backend=self.backend,

@@ -151,6 +151,39 @@ def faults(rank: int, world: int, shape: tuple[int, ...], site: str, target: int
                            for d in seen]}
 
 
+def reconfigured(rank: int, world: int, shape: tuple[int, ...]) -> list[Any]:
+    """HSDP with the replay audit every step: a first run in which rank 4's weight shard
+    changes before step 2 (the vote at once names rank 4), then, reconfigured and started
+    over at step 0 as a harness does between trials, a second run in which rank 5's own
+    local gradients change in step 2 (a finite change: the replay names rank 5). The
+    detections of each run, as (check, step, suspects)."""
+    model = build(shape)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    config = GuardConfig(replay_interval=1, deterministic=True)
+    guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=batch_for, config=config)
+    first: Any = next(model.parameters())
+    shards = shape[-1]
+
+    def flip(chunk: Any) -> None:
+        if guard.backend.step == 2 and rank == 5 and chunk.index() == 2:
+            chunk.buffer().view(shards, -1)[rank % shards, 3] += 1.0
+
+    runs = []
+    for run in range(2):
+        if run:
+            guard.reconfigure(config)
+            guard.backend.before.append(flip)
+        seen = []
+        for step in range(4):
+            if run == 0 and step == 2 and rank == 4:
+                with torch.no_grad():
+                    first.to_local().view(-1)[1] += 0.25
+            seen += guard.step(step).detections
+        seen += guard.flush()
+        runs.append([(d.check, d.step, tuple(d.suspect_ranks)) for d in seen])
+    return runs
+
+
 def _refused(model: Any, **kw: Any) -> str:
     """The guard's error for ``model`` (its first step run: a block is found out there), or
     "accepted"."""

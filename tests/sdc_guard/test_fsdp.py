@@ -105,6 +105,15 @@ def test_hsdp_weight_shard_fault_is_pinned_to_its_rank_not_its_shard_group(
         assert res["alike"]
 
 
+def test_a_reconfigured_guard_does_not_narrow_with_an_earlier_runs_vote() -> None:
+    """The narrowing belongs to the run whose vote found the changed shard: after
+    ``reconfigure`` (a harness starting its next trial over at step 0), a replay detection
+    at the same step number that names rank 5 (its own gradients) stays rank 5's."""
+    for res in run_ranks(w.reconfigured, 6, (3, 2)):
+        assert sorted(res[0]) == [("replay", 2, (4,)), ("weights", 2, (4,))]
+        assert res[1] == [("replay", 2, (5,))]
+
+
 def test_what_the_guard_cannot_guard_under_fsdp2_is_refused_with_the_fix() -> None:
     got = run_ranks(w.refusals, 2)[0]
     hook, block, plain, compiled, meshes, flat = got
