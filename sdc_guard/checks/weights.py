@@ -217,11 +217,16 @@ class WeightsCheck(Check):
             word = self.local_fingerprint(step).to(self.device).reshape(1)
             self._vote = _Vote(step, 0, word, None, None)
             return []
-        stamp = to_signed64(mix64_int(step ^ _STEP_SALT))
-        word = self.local_fingerprint(step).to(self.device).reshape(1) ^ stamp
-        both, work = self._start(word, torch.bitwise_not(word))
-        self._vote = _Vote(step, stamp, word, both, work)
+        self._vote = self._stamped(step, self.local_fingerprint(step))
         return []
+
+    def _stamped(self, step: int, fingerprint: torch.Tensor) -> _Vote:
+        """The vote of ``fingerprint`` (this rank's state) as the state after ``step``: the
+        step's stamp XORed in, the all-reduce started."""
+        stamp = to_signed64(mix64_int(step ^ _STEP_SALT))
+        word = fingerprint.to(self.device).reshape(1) ^ stamp
+        both, work = self._start(word, torch.bitwise_not(word))
+        return _Vote(step, stamp, word, both, work)
 
     def _start(self, first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """The MAX all-reduce over every rank of ``[first, second]`` in this rank's shard's
@@ -380,10 +385,7 @@ class WeightsCheck(Check):
         group)."""
         if self.at_rest:
             return []
-        stamp = to_signed64(mix64_int(step ^ _STEP_SALT))
-        word = self.local_fingerprint().to(self.device).reshape(1) ^ stamp
-        both, work = self._start(word, torch.bitwise_not(word))
-        return self._judge(_Vote(step, stamp, word, both, work))
+        return self._judge(self._stamped(step, self.local_fingerprint()))
 
     def _refuse_settings_drift(self, step: int) -> None:
         """Before a rank is blamed for weights that differ: do the ranks' optimizers run with

@@ -70,10 +70,9 @@ class Layout:
         """The ranks whose forward and backward use ``rank``'s part of the state: one of each
         part's holders, the ``i``-th where ``rank`` is its part's ``i``-th (HSDP: ``rank``'s
         shard group, which gathers its parameters from those parts). DDP: ``rank`` alone."""
-        j = self.part_of(rank)
-        i = self.sets[j].index(rank)
         if len(self.sets) == 1:
             return (rank,)
+        i = self.sets[self.part_of(rank)].index(rank)
         return tuple(sorted(s[i] for s in self.sets if i < len(s)))
 
 
