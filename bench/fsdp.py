@@ -348,6 +348,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="traced steps per configuration (default 300)")
     ap.add_argument("--out", default="bench")
     args = ap.parse_args(argv)
+    if min(args.rounds, args.block, args.batch) < 1 or args.direct_steps < 10:
+        ap.error(f"--rounds, --block and --batch must be at least 1 and --direct-steps at "
+                 f"least 10 (its intervals resample blocks of 10 steps); got --rounds "
+                 f"{args.rounds} --block {args.block} --batch {args.batch} --direct-steps "
+                 f"{args.direct_steps}")
     res = fsdp_overhead(args.rounds, args.block, args.batch, args.direct_steps)
     lines = markdown(res)
     publish(Path(args.out), "fsdp", res, lines)
