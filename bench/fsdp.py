@@ -20,10 +20,14 @@ in the work plain FSDP2 does (fetching the batch, the loss function's forward, t
 backward from its first gradient to its end, ``zero_grad`` and the optimizer step) is taken
 from the step's wall time; the guard's hooks inside the backward (its reduce-scatter
 wrapper and what the checks do there, less the reduce-scatter itself) are added back. What
-is left is the guard's own time, its control word's wait included. The plain loop is
-traced alike (what is left there: its own lines and the ``backward()`` call around the
-engine), and the guard's extra is the difference. The control word's all-reduce is also
-timed alone (a barrier, then the all-reduce) in the first run. Results go to
+is left is the guard's own time, the wait in any collective of its own included (where
+the ranks meet there, the faster waits for the slower: charged to the guard, although
+plain FSDP2 would wait as long at its next meeting point). The plain loop is traced alike
+(what is left there: its own lines and the ``backward()`` call around the engine), and the
+guard's extra is the difference. The non-finite check's veto rides FSDP2's last
+reduce-scatter of the step and sends nothing of its own; the word that the replay audit's
+and the checksum's vetoes travel in (one int64 all-reduce) is timed alone (a barrier, then
+the all-reduce) in the first run. Results go to
 ``bench/fsdp.json`` and ``bench/FSDP.md``::
 
     python -m bench.fsdp [--rounds N] [--block N] [--batch N] [--direct-steps N] [--out bench]
@@ -91,7 +95,7 @@ def _runner(rank: int, world: int, parallel: str, config: GuardConfig | None,
 
 
 WORD = "the control word's all-reduce"
-"""The word's timing's key: one int64 per vetoing check (the non-finite check's alone: 1)."""
+"""The word's timing's key: one int64 per check whose veto travels in it."""
 
 
 def _bench_rank(rank: int, world: int, rounds: int, block: int,
@@ -331,11 +335,13 @@ def markdown(res: dict[str, Any]) -> list[str]:
         lines.append(f"| {name} | {row['own_us']:.0f} | {row['extra_us']:+.0f} | "
                      f"{lo:+.0f} .. {hi:+.0f} | **{pct(row['share'])}** | "
                      f"{pct(slo)} .. {pct(shi)} |")
-    lines += ["", f"The non-finite check's control word alone (one int64 all-reduced over both "
-              f"ranks after a barrier, in the first run): {w['median_us']:.0f} us, "
+    lines += ["", "The non-finite check's veto rides the step's last reduce-scatter (a "
+              "sentinel in its buffer): no collective of its own. The word that carries the "
+              "replay audit's and the checksum's vetoes, alone (one int64 all-reduced over "
+              f"both ranks after a barrier, in the first run): {w['median_us']:.0f} us, "
               f"{pct(w['share_of_plain_step'])} of the plain step (90%: "
               f"{pct(w['interval'][0])} .. {pct(w['interval'][1])}): gloo's round trip "
-              "between two processes on this host, part of the check's time above."]
+              "between two processes on this host."]
     return lines
 
 

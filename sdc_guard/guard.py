@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.checkpoint import CheckpointManager
 from sdc_guard.checks import Check, build_checks
+from sdc_guard.checks.base import Verdict
 from sdc_guard.checks.weights import WeightsCheck
 from sdc_guard.collectives import STEPS_FIX, all_gather_rows, steps_disagree
 from sdc_guard.config import INT64_MAX, GuardConfig
@@ -434,6 +435,7 @@ class SDCGuard:
 
         detections: list[Detection] = []
         withheld_by: tuple[str, ...] = ()
+        verdicts: list[tuple[Check, Verdict]] = []
         pre = due + [c for c in self.checks if c not in due and c.awaiting(step)]
         if pre:
             if watch is not None:
@@ -450,7 +452,8 @@ class SDCGuard:
             if cfg.skip_step_on_detection:
                 withheld_by = tuple(c.name for c, v in verdicts if v.withhold)
         skipped = bool(withheld_by)
-        if skipped and self._weights_now is not None and "weights" not in withheld_by:
+        everywhere = skipped and any(v.withhold and not v.alone for _, v in verdicts)
+        if everywhere and self._weights_now is not None and "weights" not in withheld_by:
             detections += self._vote_weights_now(step)
         if skipped:
             self._withheld = {s: w for s, w in self._withheld.items() if s > step - 100_000}
@@ -588,7 +591,8 @@ class SDCGuard:
         ring's edges into it). The vote names the holder and repairs it from the majority; the
         step's other detections that name a rank of that group are narrowed to it (here, and
         when the non-finite check's word for ``step`` comes later: ``_placed``). Collective:
-        every rank holds the same ``withheld_by``."""
+        called where a check withheld on every rank alike (a verdict not ``alone``), which
+        every rank's verdicts say alike."""
         assert self._weights_now is not None
         found = self._weights_now.vote_now(step)
         named = tuple(sorted({r for d in found for r in d.suspect_ranks}))

@@ -42,6 +42,9 @@ class Verdict:
     """Detections reached now; each carries its own step (it may be an earlier one)."""
     withhold: bool = False
     """This rank must not apply this step's gradients (containment)."""
+    alone: bool = False
+    """The withhold may hold on this rank alone (a fault in its own copy of a reduced
+    result): other ranks may apply the step, so nothing collective may follow from it."""
 
 
 class Check:

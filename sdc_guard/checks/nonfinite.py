@@ -123,6 +123,7 @@ class NonFiniteCheck(Check, GradientListener):
     name = "nonfinite"
     withholds = True
     wants_flag = True
+    veto_early = True
 
     def __init__(
         self,
@@ -184,6 +185,7 @@ class NonFiniteCheck(Check, GradientListener):
     def reduced(self, bucket: GradBucket, out: torch.Tensor) -> None:
         """Host float32 words are read here, by the C kernel, on the communication thread;
         device buffers are flagged later by ``host_flags`` (no device kernels on this thread)."""
+        self._found = None  # (a backend may ask the veto before its last reduction)
         kernel = active_kernel() if host_words(out) else None
         if kernel is not None:
             self._reduced_host.append(kernel.nonfinite_at(out.data_ptr(), out.numel()))
@@ -266,10 +268,14 @@ class NonFiniteCheck(Check, GradientListener):
             reproduced = self._recompute((self.rank + 1) % self.world, step)
         found = self._deferred.collect(self)  # the word sent at the end of the previous window
         self._deferred.add(step, (local, reduced, reproduced))
+        here = reduced and not self.expect_overflow
         if self.sharded:  # some rank's local or reduced gradients: every rank withholds
             answer, self._answer = self._answer, None
-            return Verdict(found, withhold=answer is not None and answer.read())
-        return Verdict(found, withhold=reduced and not self.expect_overflow)
+            everywhere = answer is not None and answer.read()
+            # A reduced shard's flag that came after the veto travelled (the step's last
+            # reduction carried it: ``veto_early``) holds this rank's step alone, as under DDP.
+            return Verdict(found, withhold=everywhere or here, alone=not everywhere)
+        return Verdict(found, withhold=here, alone=True)
 
     def _recompute(self, rank: int, step: int) -> bool:
         """Does ``rank``'s batch of ``step`` come out non-finite here too? The optimizer step

@@ -157,6 +157,12 @@ class GradientListener:
     """Set to be asked, once per step, whether this rank withholds the step (``veto``) and
     told the answer of every rank (``vetoed``)."""
 
+    veto_early: bool = False
+    """Is the veto ready once the step's last gradient reduction is about to start (it needs
+    nothing done after the backward)? A backend that learns which reduction is the step's
+    last (FSDP2) then asks it there and carries the answer on that reduction, with no word
+    of its own; ``reduced`` may still come after ``veto`` for that last reduction."""
+
     def veto(self) -> Flag | None:
         """Before the step's last gradient reduction, after ``before_last_allreduce``: True
         (or a 0-d device bool) to withhold the step on every rank; False to take part

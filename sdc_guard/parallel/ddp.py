@@ -70,13 +70,16 @@ def _half_max(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).max / 2
 
 
-class _SentinelAnswer:
-    """The containment answer carried by the last bucket's reduced sentinel slots."""
+class SentinelAnswer:
+    """The containment answer carried by the last bucket's reduced sentinel slots.
+    ``divided_by``: what the reduction divides each sum by (an averaging one), so a sentinel
+    arrives as the largest finite value over it."""
 
-    __slots__ = ("_answer", "_asked", "slots")
+    __slots__ = ("_answer", "_asked", "divided_by", "slots")
 
-    def __init__(self, slots: torch.Tensor) -> None:
+    def __init__(self, slots: torch.Tensor, divided_by: int = 1) -> None:
         self.slots = slots
+        self.divided_by = divided_by
         self._answer: dict[bool, bool] = {}
         self._asked: tuple[StepRead, int] | None = None
 
@@ -85,8 +88,9 @@ class _SentinelAnswer:
             self._asked = (read, read.ask(self.slots))
 
     def read(self, *, expect_overflow: bool = False) -> bool:
-        """One of the slots at least half the dtype's largest finite value (no gradient is
-        that large; a corrupt one that is deserves the same), else a non-finite slot (a
+        """One of the slots at least half the dtype's largest finite value (over
+        ``divided_by``; no gradient is that large, a corrupt one that is deserves the same),
+        else a non-finite slot (a
         non-finite gradient, which could hide a veto): True, unless a ``GradScaler`` is
         there to skip the step itself."""
         got = self._answer.get(expect_overflow)
@@ -96,7 +100,7 @@ class _SentinelAnswer:
                 values = read.get(handle)
             else:
                 values = self.slots.tolist()
-            half = _half_max(self.slots.dtype)
+            half = _half_max(self.slots.dtype) / self.divided_by
             got = any(math.isfinite(v) and abs(v) >= half for v in values) or not (
                 expect_overflow or all(math.isfinite(v) for v in values))
             self._answer[expect_overflow] = got
@@ -256,7 +260,7 @@ class GuardCommHook:
     @staticmethod
     def answer_of(slots: torch.Tensor) -> Containment:
         """The containment answer that reduced sentinel ``slots`` carry."""
-        return _SentinelAnswer(slots)
+        return SentinelAnswer(slots)
 
     def _local(self, bucket: GradBucket) -> None:
         """Listeners' local reads, then the scaling pass with what they asked fused in."""
@@ -326,7 +330,7 @@ class GuardCommHook:
             for cb in state.after:
                 cb(bucket, out)
             if last and state._answer_due:
-                answer = _SentinelAnswer(out.view(-1)[:state.world_size])
+                answer = SentinelAnswer(out.view(-1)[:state.world_size])
                 for lst in state.listeners:
                     if lst.wants_veto:
                         lst.vetoed(answer)

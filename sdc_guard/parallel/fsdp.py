@@ -24,11 +24,14 @@ nothing private. The seams need torch 2.8 or newer (checked at construction).
 whichever rank owns those elements; each rank sees only its own shard reduced. A verdict
 must reach every rank in its step, or one shard would be updated and another not (and
 the replicas of a shard would drift apart). No reduction of FSDP2 knows it is the step's
-last, so the veto travels in a word of its own: after the step's last backward
-(``after_backward``) every listener that takes part says whether this rank withholds,
-and one int64 SUM all-reduce over every rank carries the answer, read in the step's one
-read from the device (``sdc_guard.hostread``). A step in which no listener takes part
-sends nothing.
+last, but FSDP2 reduces a model's modules in the same order every step: the backend
+learns it from the step before, and the reduce-scatter it names last carries the veto of
+the listeners whose verdict is ready by then (``veto_early``) as a sentinel in its buffer
+(``_carry``), read from the reduced shard in the step's one read from the device
+(``sdc_guard.hostread``). The other listeners, and every listener where the reduction
+cannot carry it (``_carry`` says when), have it in a word of their own: after the step's
+last backward (``after_backward``) one int64 SUM all-reduce over every rank. A step in
+which no listener takes part sends nothing.
 
 What it refuses, at construction: a model that is not the ``fully_shard`` root (the
 outermost module must be an ``FSDPModule``), compiled blocks, parameters on more than one
@@ -52,7 +55,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from sdc_guard.collectives import PendingSum, words_on
 from sdc_guard.parallel.base import GradientListener, Layout
-from sdc_guard.parallel.ddp import WordAnswer
+from sdc_guard.parallel.ddp import SentinelAnswer, WordAnswer
 from sdc_guard.scaling import Flag, check_nonfinite, row_sums
 
 _REDUCE_SCATTER: Any = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -157,12 +160,37 @@ class _ReduceScatter:
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> Any:
-        self.backend._local(ShardChunk(input_tensor, self.index, self.module, group.size()))
+        chunk = ShardChunk(input_tensor, self.index, self.module, group.size())
+        self.backend._local(chunk)
         if self.backend.quiet:  # a recomputation's gradients: seen, never reduced
             output_tensor.zero_()
             return None
+        self.backend._carry(chunk, op)
         return _REDUCE_SCATTER(output_tensor, input_tensor, group=group, op=op,
                                async_op=async_op)
+
+
+class _Carried:
+    """The veto riding this step's last reduce-scatter: who was asked, where, the answer."""
+
+    __slots__ = ("answer", "divided_by", "listeners", "position")
+
+    def __init__(self, listeners: list[GradientListener], position: int,
+                 divided_by: int) -> None:
+        self.listeners, self.position, self.divided_by = listeners, position, divided_by
+        self.answer: SentinelAnswer | None = None
+        """The reduced sentinel slots, once the reduction's all-reduce hook has run."""
+
+
+def _divided_by(op: Any, world: int) -> int | None:
+    """What FSDP2's reductions divide a sum by, at most: 1 for SUM, the world for AVG
+    (the reduce-scatter over the shard ranks, HSDP's all-reduce over the replicas); None for
+    a pre-multiplied sum (a user's divide factor), whose factor the op does not show."""
+    if op == dist.ReduceOp.SUM:
+        return 1
+    if op == dist.ReduceOp.AVG:
+        return world
+    return None
 
 
 class FSDPBackend:
@@ -204,6 +232,14 @@ class FSDPBackend:
         nothing."""
         self._root_seen = False
         """Has the first backward shown that the model is FSDP2's root (``_refuse_inner``)?"""
+        self._order: tuple[int, ...] = ()
+        """The modules the previous step reduced, in order (``ShardChunk.index``): FSDP2
+        reduces a model's modules in the same order every step, so when this step's
+        reductions have followed it up to its last, that one is taken for the step's last."""
+        self._seen: list[int] = []
+        """The modules this step has reduced so far, in order."""
+        self._carried: _Carried | None = None
+        """The veto riding this step's last reduce-scatter (``_carry``), if it does."""
 
     # -- the Backend protocol --------------------------------------------------------------
     def subscribe(self, listener: GradientListener) -> None:
@@ -228,6 +264,8 @@ class FSDPBackend:
     def begin_step(self, step: int) -> None:
         self.step = step
         self._chunks = []
+        self._seen = []
+        self._carried = None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -280,6 +318,49 @@ class FSDPBackend:
             lst.after_scaling(chunk, flag, digest)
         self._chunks.append(chunk)
 
+    def _carry(self, chunk: ShardChunk, op: Any) -> None:
+        """Before a reduce-scatter (not a recomputation's): when it is the step's last, as
+        the previous step's order says, ask the listeners whose veto is ready
+        (``veto_early``) and write this rank's sentinel into the buffer, so the reduction
+        carries the step's containment answer to every rank and no word of its own travels.
+
+        A rank that withholds writes the dtype's largest finite value at element ``rank``
+        (of the job's ranks) of every row of its local buffer, after the listeners read it
+        (the non-finite scan never sees it) and before the reduction: row ``j`` is summed
+        into rank ``j``'s shard, so every rank's shard holds every rank's slot, and HSDP's
+        all-reduce sums each slot over the replicas. One slot per rank of the job: two
+        ranks that withhold never add into one value that overflows (which a reader would
+        take for a gradient's overflow). The withheld step's gradients are dropped, so the
+        slots cost nothing; on a step no rank withholds nothing is written. Not carried
+        (the word after the backward instead): a row shorter than the job's ranks, a
+        reduction whose division the op does not show, or a step whose order differs."""
+        self._seen.append(chunk.index())
+        order = self._order
+        if len(self._seen) != len(order) or tuple(self._seen) != order:
+            return
+        early = [lst for lst in self.listeners if lst.wants_veto and lst.veto_early]
+        buf = chunk.buffer()
+        divided_by = _divided_by(op, self.world_size)
+        if (not early or divided_by is None or not buf.dtype.is_floating_point
+                or buf.numel() // chunk._shards < self.world_size):
+            return
+        for lst in early:
+            lst.before_last_allreduce()
+        taking = [(lst, f) for lst in early if (f := lst.veto()) is not None]
+        if not taking:  # every listener sits this step out (alike on every rank)
+            return
+        raised = [f for _, f in taking if f is not False]
+        if raised:
+            col = buf.view(chunk._shards, -1)[:, self.rank]
+            big = torch.finfo(buf.dtype).max
+            if all(isinstance(f, bool) for f in raised):
+                col.fill_(big)
+            else:  # device flags: written on the device, no host read
+                flag = torch.stack([torch.as_tensor(f, device=buf.device).reshape(())
+                                    for f in raised]).any()
+                col.copy_(torch.where(flag, torch.full_like(col, big), col))
+        self._carried = _Carried([lst for lst, _ in taking], len(self._seen), divided_by)
+
     def _reduced(self, out: torch.Tensor) -> None:
         """FSDP2's all-reduce hook: the module's reduced shard. The hooks run in the order of
         the reduce-scatters, each after its own."""
@@ -288,6 +369,13 @@ class FSDPBackend:
         chunk = self._chunks[-1] if self._chunks else ShardChunk(out, -1, self.model, 1)
         for cb in self.after:
             cb(chunk, out)
+        carried = self._carried
+        if carried is not None and carried.answer is None and len(self._seen) == carried.position:
+            # (a copy: FSDP2 divides the shard in place after this hook)
+            carried.answer = SentinelAnswer(out.view(-1)[:self.world_size].clone(),
+                                             carried.divided_by)
+            for lst in carried.listeners:
+                lst.vetoed(carried.answer)
         for lst in self.listeners:
             lst.reduced(chunk, out)
 
@@ -298,7 +386,15 @@ class FSDPBackend:
         vetoed, on every rank alike)."""
         if not self._root_seen:
             self._refuse_inner()
+        seen, self._seen = self._seen, []
+        self._order = tuple(seen)
+        carried, self._carried = self._carried, None
         asked = [lst for lst in self.listeners if lst.wants_veto]
+        if (carried is not None and carried.answer is not None
+                and len(seen) == carried.position):  # the carrier was the step's last
+            asked = [lst for lst in asked if not any(lst is c for c in carried.listeners)]
+        # (else a reduction came after the one taken for the last: every listener is asked
+        # again below, and the word's answer replaces the carried one)
         if not asked:
             return
         for lst in asked:

@@ -96,6 +96,8 @@ def faults(rank: int, world: int, shape: tuple[int, ...], site: str, target: int
     - "local_nan": a NaN in rank ``target``'s local gradients of the second Linear, in the
       row of the rank after it (so it lands in another rank's shard);
     - "reduced_inf": an Inf in rank ``target``'s reduced shard;
+    - "reduced_inf_last": the same in the shard of the step's last reduction (as step 0
+      reduced the modules), which carries the step's veto: nothing travels after it;
     - "state": after step ``at``'s optimizer step, a change in rank ``target``'s shard of
       the first weight's Adam ``exp_avg`` (one replica's state only);
     - "at_rest": before step ``at``, a change in rank ``target``'s shard of the first weight;
@@ -116,13 +118,18 @@ def faults(rank: int, world: int, shape: tuple[int, ...], site: str, target: int
             rows = chunk.buffer().view(shards, -1)
             rows[(target + 1) % shards, 3] = float("nan")
 
+    order: list[int] = []
+
     def reduced_inf(chunk: Any, out: torch.Tensor) -> None:
-        if backend.step == at and rank == target and chunk.index() == 2:
-            out.view(-1)[0] = float("inf")
+        if backend.step == 0:
+            order.append(chunk.index())
+        module = order[-1] if site == "reduced_inf_last" else 2
+        if backend.step == at and rank == target and chunk.index() == module:
+            out.view(-1)[-1] = float("inf")
 
     if site == "local_nan":
         backend.before.append(local_nan)
-    if site == "reduced_inf":
+    if site.startswith("reduced_inf"):
         backend.after.append(reduced_inf)
     first: Any = next(model.parameters())
     withheld, seen = [], []
@@ -149,6 +156,45 @@ def faults(rank: int, world: int, shape: tuple[int, ...], site: str, target: int
     return {"withheld": withheld, "alike": alike,
             "detections": [(d.check, d.step, tuple(d.suspect_ranks), d.repaired)
                            for d in seen]}
+
+
+def collectives_per_step(rank: int, world: int, shape: tuple[int, ...],
+                         steps: int = 5) -> dict[str, list[int]]:
+    """The collectives each step issues (the sequence numbers of every process group of
+    this process, the mesh's included), for plain FSDP2 and for the guard with the
+    non-finite check alone (its naming word out of the way), and whether the guard's run is
+    bit-identical."""
+    def issued() -> int:
+        groups: Any = dist.distributed_c10d._world.pg_map
+        return sum(int(g._get_sequence_number_for_group()) for g in groups)
+
+    out: dict[str, list[int]] = {}
+    states = []
+    for name in ("plain", "guard"):
+        model = build(shape)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        guard = None if name == "plain" else SDCGuard(
+            model, opt, loss_fn=loss_fn, batch_for=batch_for,
+            config=GuardConfig(weights_interval=0, nonfinite_exchange_interval=1000))
+        counts = []
+        for step in range(steps):
+            before = issued()
+            if guard is None:
+                plain_steps_from(model, opt, step, rank)
+            else:
+                assert not guard.step(step).skipped
+            counts.append(issued() - before)
+        out[name] = counts
+        states.append(local_state(model, opt))
+    out["identical"] = [int(all(torch.equal(a, b) for a, b in zip(*states, strict=True)))]
+    return out
+
+
+def plain_steps_from(model: Any, opt: torch.optim.Optimizer, step: int, rank: int) -> None:
+    """Plain FSDP2's step ``step``."""
+    opt.zero_grad(set_to_none=True)
+    loss_fn(model, batch_for(rank, step)).backward()  # type: ignore[no-untyped-call]
+    opt.step()
 
 
 def reconfigured(rank: int, world: int, shape: tuple[int, ...]) -> list[Any]:

@@ -55,6 +55,51 @@ def test_nonfinite_reduced_shard_is_withheld_everywhere_without_a_suspect() -> N
         assert res["detections"] == [("nonfinite", 2, (), False)]
 
 
+@pytest.mark.parametrize("name", ["fsdp2", "hsdp2x2"])
+def test_the_veto_rides_the_last_reduce_scatter_and_adds_no_collective(name: str) -> None:
+    """With the non-finite check alone, a guarded step issues the collectives plain FSDP2's
+    step issues and no more: the step's veto rides its last reduce-scatter (from the second
+    step on: the first learns which reduction is the last, and sends the veto in a word)."""
+    shape = SHAPES[name]
+    for res in run_ranks(w.collectives_per_step, _world(shape), shape):
+        assert res["guard"][1:] == res["plain"][1:], res
+        assert res["guard"][0] > res["plain"][0], res  # (and the step agreement)
+        assert res["identical"] == [1]
+
+
+def test_a_device_flag_rides_the_last_reduce_scatter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the C kernel the flags are tensors (as on a GPU): the sentinel is written on
+    the device, with no host read, and still withholds the step on every rank."""
+    monkeypatch.setenv("SDC_GUARD_NATIVE", "0")
+    for res in run_ranks(w.faults, 2, (2,), "local_nan", 1, 3):
+        assert res["withheld"] == [(3, ("nonfinite",))]
+        assert res["detections"] == [("nonfinite", 3, (1,), False)]
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "hsdp3x2"])
+def test_a_fault_in_the_last_reduced_shard_is_withheld_on_its_rank(name: str) -> None:
+    """An Inf in one rank's reduced shard of the step's last reduction (no local gradient
+    carried it, so nothing that travels with the reductions knows it): that rank withholds
+    its step alone, as under DDP, and the others apply theirs; the detection comes on every
+    rank (not contained: the ranks' states now differ by that update). Under HSDP the
+    weights vote then finds the replica that missed the update and repairs it from its
+    shard's majority (the replicas end alike), with no collective on the step itself that
+    only one rank would have entered."""
+    shape = SHAPES[name]
+    world = _world(shape)
+    target = world - 1
+    for rank, res in enumerate(run_ranks(w.faults, world, shape, "reduced_inf_last", target, 2)):
+        after = [] if name == "fsdp2" else [3]  # (a repair withholds the next step)
+        assert res["withheld"] == ([2] if rank == target else []) + after, res
+        named = () if name == "fsdp2" else (target,)
+        assert [d for d in res["detections"] if d[0] == "nonfinite"] == [
+            ("nonfinite", 2, named, False)], res
+        if name == "hsdp3x2":
+            assert [d for d in res["detections"] if d[0] == "weights"] == [
+                ("weights", 2, (target,), True)], res
+        assert res["alike"]
+
+
 def test_hsdp_state_fault_is_named_and_repaired_from_the_shards_majority() -> None:
     """HSDP 3x2: rank 2's shard of the optimizer state changes after step 4's vote; step
     5's vote finds rank 2 outside its shard's majority (ranks 0, 2, 4), withholds step 6 on
