@@ -37,8 +37,14 @@ verdict for every rank: a checkpoint any rank finds damaged is logged at ERROR, 
 files that hold the keys that differ, and every rank tries the next older one. Only then
 does ``set_state_dict`` load the fresh copy into the model and the optimizers.
 
-``save(..., background=True)`` is refused: DCP's own asynchronous save runs its collectives
-on a thread, beside training's.
+``save(..., background=True)``: the state is staged (copied) in the call, and DCP's
+asynchronous save writes it on a thread while training goes on; its collectives (the plan,
+the finish) run on a gloo group of the manager's ranks made for them, never on training's.
+Once every rank's files are written, rank 0 commits (the states file, the rename, the
+manifest) on that thread. One save is in flight at a time: the next ``save`` and
+``restore`` wait for it, ``wait()`` does; a failure on any rank raises ``CheckpointError``
+on every rank from the next ``save`` (from ``wait()`` on the rank that met it), and nothing
+of that save is restored.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -104,25 +111,29 @@ class ShardedCheckpointManager(CheckpointManager):
     """Save, verify and restore sharded state through ``torch.distributed.checkpoint``;
     refuse checkpoints inside a suspect window (``CheckpointManager``'s rules)."""
 
+    _behind: dist.ProcessGroup | None = None
+    """The group background saves' collectives run on (``_background_group``)."""
+
     def save(self, step: int, model: torch.nn.Module, optimizer: Optimizers, *,
              extra: Mapping[str, Any] | None = None,
              background: bool = False,
              verified_through: int | None = None) -> CheckpointInfo | None:
         """Checkpoint the state after ``step``: every rank writes its shards (collective).
-        ``CheckpointManager.save``'s arguments and outcome; ``background=True`` is refused.
-        Returns the manifest on rank 0, None elsewhere and when refused (an open suspect
-        window)."""
+        ``CheckpointManager.save``'s arguments and outcome. ``background``: the state is
+        staged now and written and committed on a thread (the module doc); the manifest is
+        then not known yet, and None is returned on every rank (``checkpoints()`` lists it
+        once ``wait()`` returns). Returns the manifest on rank 0, None elsewhere and when
+        refused (an open suspect window)."""
         self._refuse_save_arguments(step, verified_through)
-        if background is not False:
-            raise ValueError(
-                f"ShardedCheckpointManager.save(background={background!r}): sharded "
-                "checkpoints are written synchronously (every rank writes its shards, and "
-                "DCP's asynchronous save would run collectives on a thread beside "
-                "training's); pass background=False, or save less often.")
+        if not isinstance(background, bool):
+            raise ValueError(f"ShardedCheckpointManager.save(background=...): a bool, got "
+                             f"{background!r}.")
         opts = as_optimizers(optimizer, "ShardedCheckpointManager.save(optimizer)")
         from torch.distributed.checkpoint.state_dict import get_state_dict  # DCP: on first use
+        from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
         from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+        failed_before = self._take_write_error()  # one save at a time; the last one's outcome
         local_extra = extra_states(extra, "save")
         device = _device(model)
         msd, osd = get_state_dict(model, opts)
@@ -131,7 +142,11 @@ class ShardedCheckpointManager(CheckpointManager):
         pieces = piece_digests(leaves)
         mine = {"fingerprint": rank_fingerprint(leaves),
                 "layout": layout_digest({k: b for k, (b, _) in pieces.items()})}
-        gathered = self._gather((rng_state(device), local_extra, mine, pieces), device)
+        gathered = self._gather((rng_state(device), local_extra, mine, pieces, failed_before),
+                                device)
+        earlier = next((g[4] for g in gathered if g[4] is not None), None)
+        if earlier is not None:  # a background save failed on some rank: every rank raises
+            raise earlier
         opened = self.windows.opened()
         generation = self.windows.generation
         if self.verifier is not None:  # read here, on the caller's thread
@@ -161,12 +176,18 @@ class ShardedCheckpointManager(CheckpointManager):
 
         self._agree(prepare if writer else None, device)
         info: CheckpointInfo | None = None
+        windows, repairs = ((self.windows.snapshot(), self.windows.repairs_before(step))
+                            if writer else (None, []))
 
         def commit() -> None:
             nonlocal info
             info = self._commit(step, generation, tmp, final, gathered, digests, through,
-                                per_check, opts, mesh_of(leaves))
+                                per_check, opts, mesh_of(leaves), windows, repairs)
 
+        if background:
+            self._save_behind(tree, step, tmp, final, commit if writer else None, device,
+                              dcp_async_save)
+            return None
         try:
             try:
                 dcp_save(tree, checkpoint_id=str(tmp), process_group=self.group)
@@ -181,13 +202,62 @@ class ShardedCheckpointManager(CheckpointManager):
             raise
         return info
 
+    def _save_behind(self, tree: dict[str, Any], step: int, tmp: Path, final: Path,
+                     commit: Any, device: torch.device, dcp_async_save: Any) -> None:
+        """``save(background=True)``'s DCP part: staged in this call (a failure raised on
+        every rank here), written on DCP's thread with its collectives on a group of their
+        own, then committed by rank 0 on a thread of ours once every rank's files are
+        written. A failure there is kept for ``wait()`` and the next ``save``."""
+        group = self._background_group()
+        future: Any = None
+        failed: BaseException | None = None
+        try:
+            future = dcp_async_save(tree, checkpoint_id=str(tmp), process_group=group)
+        except Exception as e:  # staging failed: every rank agrees below
+            failed = e
+        try:
+            self._agree(None, device, mine_failed=failed, what=f"staging {tmp}")
+        except BaseException:
+            if commit is not None:
+                remove_tree(tmp)
+            raise
+
+        def finish() -> None:
+            try:
+                future.result()  # every rank's files are written once DCP's finish returns
+                if commit is not None:
+                    commit()
+            except BaseException as e:  # raised by wait() and the next save
+                log.error("sdc-guard: the background save of checkpoint %s failed: %s",
+                          final, e)
+                self._write_error = (final, e)
+                if commit is not None:
+                    remove_tree(tmp)
+
+        # Not a daemon: an interpreter that exits waits for the save to be committed.
+        self._writer = threading.Thread(target=finish, name=f"sdc-guard-checkpoint-{step}")
+        self._writer.start()
+
+    def _background_group(self) -> dist.ProcessGroup | None:
+        """The gloo group of the manager's ranks that background saves' collectives run on
+        (made on the first, by every rank of it); None without a process group."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if self._behind is None:
+            ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+            self._behind = dist.new_group(ranks=ranks, backend="gloo",
+                                          use_local_synchronization=True)
+        return self._behind
+
     # -- the writer's part -----------------------------------------------------------------
     def _commit(self, step: int, generation: int, tmp: Path, final: Path,
                 gathered: list[Any], digests: dict[str, str | None], through: int | None,
                 per_check: dict[str, int], opts: tuple[torch.optim.Optimizer, ...],
-                mesh: dict[str, Any] | None) -> CheckpointInfo:
+                mesh: dict[str, Any] | None, windows: dict[str, Any] | None,
+                repairs: Any) -> CheckpointInfo:
         """The states file into the DCP directory, its rename, the manifest (the commit
-        point), the prune."""
+        point), the prune. ``windows`` and ``repairs``: the suspect windows as the save
+        found them (read on the caller's thread)."""
         state = {"format": FORMAT, "step": step, "generation": generation,
                  "rng": [g[0] for g in gathered], "extra": [g[1] for g in gathered],
                  "world_size": len(gathered),
@@ -208,7 +278,6 @@ class ShardedCheckpointManager(CheckpointManager):
         ranks = [{"rank": r, **g[2]} for r, g in enumerate(gathered)]
         boxes: dict[str, Box] = {k: b for k, (b, _) in gathered[0][3].items()}
         combined = hashlib.sha256(json.dumps([r["fingerprint"] for r in ranks]).encode())
-        windows = self.windows.snapshot()
         manifest = self.directory / f"{final.name}.json"
         info = CheckpointInfo(step=step, generation=generation, file=final, manifest=manifest,
                               size=sum(files.values()),
@@ -231,7 +300,7 @@ class ShardedCheckpointManager(CheckpointManager):
         except BaseException:  # no directory that looks whole without its manifest
             remove_tree(final)
             raise
-        self._prune(through, generation, self.windows.repairs_before(step))
+        self._prune(through, generation, repairs)
         return info
 
     def _remove(self, c: CheckpointInfo) -> None:
@@ -278,6 +347,10 @@ class ShardedCheckpointManager(CheckpointManager):
         opts = as_optimizers(optimizer, "ShardedCheckpointManager.restore(optimizer)")
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         device = _device(model)
+        try:
+            self.wait()  # a background save: committed (or failed) before anything is read
+        except CheckpointError as e:
+            log.error("sdc-guard: %s; restoring from the checkpoints there are", e)
         if self._world() > 1:  # the last save is committed before any rank looks
             dist.barrier(group=self.group)
         stateless = [o for o in opts if not o.state]  # get_state_dict steps them (lr 0)

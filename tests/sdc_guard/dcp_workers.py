@@ -239,3 +239,46 @@ def reshard_restore(rank: int, world: int, directory: str) -> dict[str, Any]:
     model, opt = build(mesh)  # a new job: the optimizer has no state yet
     start = ShardedCheckpointManager(directory).restore(model, opt)
     return {"start": start, "state": full_state(model, opt), "log": seen.seen}
+
+
+def fsdp_background(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """Background saves at steps 1 and 2 with training going on while they are written; a
+    restore brings step 2's state back bit for bit. Then a background save whose commit
+    fails on rank 0: ``wait()`` raises it there, the next ``save`` on every rank, and
+    nothing of it is left or restored."""
+    seen = listen()
+    mesh = init_device_mesh("cpu", (world,))
+    model, opt = build(mesh)
+    ckpt = ShardedCheckpointManager(directory, keep=3)
+    train(model, opt, 2)
+    first = ckpt.save(1, model, opt, verified_through=1, background=True)
+    train(model, opt, 1)  # while step 1's files are written
+    ckpt.save(2, model, opt, verified_through=1, background=True)
+    saved = snapshot(model, opt)
+    train(model, opt, 3)
+    ckpt.wait()
+    after_save = listing(directory)
+    start = ckpt.restore(model, opt)
+    restored = same(saved, snapshot(model, opt))
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    if rank == 0:
+        ckpt._commit = broken  # type: ignore[method-assign]
+    ckpt.save(3, model, opt, verified_through=1, background=True)
+    raised = ""
+    try:  # step 3's failure, on every rank
+        ckpt.save(4, model, opt, verified_through=1, background=True)
+    except CheckpointError as e:
+        raised = str(e)
+    ckpt.save(5, model, opt, verified_through=1, background=True)
+    waited = ""
+    try:  # step 5's, on the rank that met it
+        ckpt.wait()
+    except CheckpointError as e:
+        waited = str(e)
+    torch.distributed.barrier()  # (rank 0's thread has cleaned up once its wait returned)
+    return {"first": first, "after_save": after_save, "start": start, "restored": restored,
+            "waited": waited, "raised": raised, "final": listing(directory),
+            "errors": [m for level, m in seen.seen if level == "ERROR"]}

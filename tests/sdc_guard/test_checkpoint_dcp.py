@@ -42,6 +42,25 @@ def test_fsdp2_restore_is_bit_identical_keep_rule_and_leftovers(tmp_path: Path) 
     assert ".metadata" in rec["files"] and any(f.endswith(".distcp") for f in rec["files"])
 
 
+def test_background_saves_commit_behind_training_and_failures_reach_every_rank(
+        tmp_path: Path) -> None:
+    """``save(background=True)``: the state is staged in the call, written while training
+    goes on, committed once every rank has written; a restore brings the newest back bit for
+    bit. A commit that fails on rank 0 raises from the next ``save`` on every rank and from
+    ``wait()`` on rank 0, and leaves nothing of itself."""
+    res = run_ranks(w.fsdp_background, 2, str(tmp_path))
+    for rank, r in enumerate(res):
+        assert r["first"] is None  # (the manifest is not known before the commit)
+        assert r["after_save"] == ["owner.json", "step-000000001-g0", "step-000000001-g0.json",
+                                   "step-000000002-g0", "step-000000002-g0.json",
+                                   "windows.json"]
+        assert r["start"] == 3 and r["restored"] == []
+        assert "No space left on device" in r["raised"], r
+        assert ("No space left on device" in r["waited"]) == (rank == 0), r
+        assert r["final"] == r["after_save"]  # nothing of steps 3 and 5 is left
+    assert any("background save of checkpoint" in m for m in res[0]["errors"])
+
+
 def test_corrupt_shard_is_named_and_the_older_checkpoint_restored(tmp_path: Path) -> None:
     res = run_ranks(w.fsdp_corrupt, 2, str(tmp_path))
     flipped = res[0]["flipped"]
@@ -153,8 +172,8 @@ def test_bad_input_is_refused_by_name(tmp_path: Path) -> None:
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters())
     ckpt = ShardedCheckpointManager(tmp_path)
-    with pytest.raises(ValueError, match=r"background=True.*background=False"):
-        ckpt.save(1, model, opt, background=True)
+    with pytest.raises(ValueError, match=r"background=\.\.\.\): a bool"):
+        ckpt.save(1, model, opt, background="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"save\(step\)"):
         ckpt.save(-1, model, opt)
     with pytest.raises(ValueError, match=r"keep"):
