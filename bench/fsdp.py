@@ -27,7 +27,8 @@ plain FSDP2 would wait as long at its next meeting point). The plain loop is tra
 guard's extra is the difference. The non-finite check's veto rides FSDP2's last
 reduce-scatter of the step and sends nothing of its own; the word that the replay audit's
 and the checksum's vetoes travel in (one int64 all-reduce) is timed alone (a barrier, then
-the all-reduce) in the first run. Results go to
+the all-reduce) in the first run. A third run times the replay audit per audit step against
+its ideal (``audit``), as ``bench.replay`` does under DDP. Results go to
 ``bench/fsdp.json`` and ``bench/FSDP.md``::
 
     python -m bench.fsdp [--rounds N] [--block N] [--batch N] [--direct-steps N] [--out bench]
@@ -256,6 +257,83 @@ def direct(steps: int, batch: int) -> dict[str, Any]:
     return out
 
 
+AUDIT_EVERY = 4
+"""The replay audit's interval in the per-audit measurement (``audit``)."""
+
+
+def _audit_rank(rank: int, world: int, rounds: int, block: int,
+                batch: int) -> dict[str, list[tuple[bool, float]]]:
+    """Each step's time and whether it audits, for the replay audit every ``AUDIT_EVERY``
+    steps and for its ideal: the guard with its checks off plus what an audit cannot avoid,
+    the neighbour's micro-batch forward and backward through the sharded model with nothing
+    reduced (the backend's ``recomputing``, as the audit runs it), at the start of every
+    ``AUDIT_EVERY``-th step. Blocks of ``block`` steps alternate, a barrier around each step."""
+    torch.set_num_threads(1)
+    neighbour = (rank + 1) % world
+
+    def batch_for(r: int, step: int) -> Any:
+        return synthetic_batch("llama", SEED, r, step, 0, batch=batch)
+
+    guards: dict[str, Any] = {}
+    for name, cfg in (("replay", GuardConfig(nonfinite=False, weights_interval=0,
+                                             replay_interval=AUDIT_EVERY, deterministic=True)),
+                      ("ideal", GuardConfig(nonfinite=False, weights_interval=0,
+                                            deterministic=True))):
+        model = shard_model(build_model("llama", width=64, depth=2, seed=SEED),
+                            parallel="fsdp", mesh_shape=(world,))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        guard = SDCGuard(model, opt, loss_fn=scenario_loss, batch_for=batch_for, config=cfg)
+        if name == "ideal":
+            backend: Any = guard.backend
+            backend.before.append(lambda chunk: None)  # the reduce-scatters hooked, as the audit's
+
+            def recompute(step: int, model: Any = model, backend: Any = backend) -> None:
+                if step % AUDIT_EVERY == 0:
+                    with backend.recomputing():
+                        scenario_loss(model, batch_for(neighbour, step)).backward()  # type: ignore[no-untyped-call]
+
+            guard.before_step.append(recompute)  # (the guard's zero_grad follows)
+        guards[name] = guard
+    times: dict[str, list[tuple[bool, float]]] = {n: [] for n in guards}
+    step = 0
+    for guard in guards.values():  # warm-up
+        for _ in range(2 * AUDIT_EVERY):
+            guard.step(step)
+            step += 1
+    names = list(guards)
+    for r in range(rounds):
+        for name in names[r % 2:] + names[:r % 2]:
+            for _ in range(block):
+                dist.barrier()
+                t0 = time.perf_counter()
+                guards[name].step(step)
+                dist.barrier()
+                times[name].append((step % AUDIT_EVERY == 0, time.perf_counter() - t0))
+                step += 1
+    return times
+
+
+def _audit_extra(samples: list[tuple[bool, float]]) -> float:
+    """An audit step's time over the other steps' (medians)."""
+    return (statistics.median(t for a, t in samples if a)
+            - statistics.median(t for a, t in samples if not a))
+
+
+def audit(rounds: int, block: int, batch: int) -> dict[str, Any]:
+    """The replay audit's extra time per audit step over its ideal's (rank 0's clock): the
+    ratio of medians and a 90% bootstrap interval over the rounds."""
+    got = run_ranks(_audit_rank, 2, rounds, block, batch, timeout=3600)[0]
+
+    def ratio(pooled: dict[str, list[tuple[bool, float]]]) -> float:
+        return _audit_extra(pooled["replay"]) / _audit_extra(pooled["ideal"])
+
+    low, high = bootstrap_interval({n: split_rounds(v, rounds) for n, v in got.items()}, ratio)
+    return {"every": AUDIT_EVERY, "rounds": rounds, "block": block,
+            "replay_extra_ms": _audit_extra(got["replay"]) * 1e3,
+            "ideal_extra_ms": _audit_extra(got["ideal"]) * 1e3,
+            "ratio": ratio(got), "interval": [low, high]}
+
+
 def _ratios(samples: dict[str, list[float]], rounds: int) -> dict[str, dict[str, Any]]:
     """Each configuration's median and its ratio to its baseline, with a 90% interval."""
     per_round = {n: split_rounds(v, rounds) for n, v in samples.items()}
@@ -288,13 +366,14 @@ def fsdp_overhead(rounds: int = 20, block: int = 5, batch: int = 16,
 
     low, high = bootstrap_interval({WORD: split_rounds(words, rounds)}, share)
     own = direct(direct_steps, batch)
+    audits = audit(rounds, 2 * AUDIT_EVERY, batch)
     word = {"median_us": statistics.median(words) * 1e6, "share_of_plain_step": share({WORD: words}),
             "interval": [low, high]}
     step_us = plain * 1e6
     return {"machine": f"{cpu_name()}, 2 ranks of 1 thread, torch {torch.__version__}",
             "model": "llama (2 blocks, width 64), AdamW", "batch": batch, "rounds": rounds,
             "block": block, "rows": rows, "word": word, "direct_steps": direct_steps,
-            "plain_step_ms": plain * 1e3,
+            "plain_step_ms": plain * 1e3, "audit": audits,
             "direct": {"plain_own_us": own["plain_own_us"], "rows": {
                 n: {**v, "share": v["extra_us"] / step_us,
                     "share_interval": [x / step_us for x in v["interval_us"]]}
@@ -342,6 +421,20 @@ def markdown(res: dict[str, Any]) -> list[str]:
               f"{pct(w['share_of_plain_step'])} of the plain step (90%: "
               f"{pct(w['interval'][0])} .. {pct(w['interval'][1])}): gloo's round trip "
               "between two processes on this host."]
+    a = res["audit"]
+    lines += ["", "## The replay audit, per audit step", "",
+              f"A third two-rank run, {a['rounds']} rounds of blocks of {a['block']} steps, "
+              f"alternated, a barrier around each step: the replay audit every {a['every']} "
+              "steps (its other checks off), and its ideal: the guard with its checks off "
+              "plus what an audit cannot avoid, the neighbour's micro-batch forward and "
+              "backward through the sharded model with nothing reduced, at the start of "
+              f"every {a['every']}th step. Each one's extra time of an audit step over its "
+              "other steps (medians, rank 0's clock), and the ratio with its 90% bootstrap "
+              "interval over the rounds (the DDP budget: 1.15x).", "",
+              "| replay audit step's extra (ms) | ideal's extra (ms) | ratio | 90% interval |",
+              "|---:|---:|---:|---|",
+              f"| {a['replay_extra_ms']:.2f} | {a['ideal_extra_ms']:.2f} | "
+              f"**{a['ratio']:.2f}x** | {a['interval'][0]:.2f}x .. {a['interval'][1]:.2f}x |"]
     return lines
 
 
