@@ -28,7 +28,9 @@ guard's extra is the difference. The non-finite check's veto rides FSDP2's last
 reduce-scatter of the step and sends nothing of its own; the word that the replay audit's
 and the checksum's vetoes travel in (one int64 all-reduce) is timed alone (a barrier, then
 the all-reduce) in the first run. A third run times the replay audit per audit step against
-its ideal (``audit``), as ``bench.replay`` does under DDP. Results go to
+its ideal (``audit``), as ``bench.replay`` does under DDP, and two more the weights check's
+verdict per step against its ideal (``weights_verdict``: at rest on FSDP 2, voted on HSDP
+2x2), as ``bench`` does under DDP. Results go to
 ``bench/fsdp.json`` and ``bench/FSDP.md``::
 
     python -m bench.fsdp [--rounds N] [--block N] [--batch N] [--direct-steps N] [--out bench]
@@ -37,6 +39,7 @@ its ideal (``audit``), as ``bench.replay`` does under DDP. Results go to
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -50,7 +53,7 @@ from bench.timing import bootstrap_interval, cpu_name, publish, split_rounds
 from scenarios.run.launch import run_ranks
 from scenarios.spec.models import build_model, scenario_loss, synthetic_batch
 from scenarios.spec.sharding import shard_model
-from sdc_guard import GuardConfig, SDCGuard
+from sdc_guard import GuardConfig, SDCGuard, fingerprint_tensor, state_tensors
 from sdc_guard.internal import fsdp_backend
 
 OFF = GuardConfig(nonfinite=False, weights_interval=0)
@@ -334,6 +337,82 @@ def audit(rounds: int, block: int, batch: int) -> dict[str, Any]:
             "ratio": ratio(got), "interval": [low, high]}
 
 
+def _verdict_rank(rank: int, world: int, shape: tuple[int, ...], rounds: int,
+                  batch: int) -> dict[str, list[float]]:
+    """The weights check's own time per step (its ``post_step``, and the next step's ``ask``
+    and ``pre_step`` that read and judge the vote), beside its ideal timed as one after a
+    barrier: what the verdict cannot avoid. Under HSDP: one fingerprint of the same bytes as
+    one flat tensor, then one all-reduce of the vote's words; at rest (FSDP): two
+    fingerprints (after the optimizer step, and before the next one uses the state), then
+    the same all-reduce (every rank learns whose shard changed)."""
+    torch.set_num_threads(1)
+    model = shard_model(build_model("llama", width=64, depth=2, seed=SEED),
+                        parallel="fsdp" if len(shape) == 1 else "hsdp", mesh_shape=shape)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def batch_for(r: int, step: int) -> Any:
+        return synthetic_batch("llama", SEED, r, step, 0, batch=batch)
+
+    guard = SDCGuard(model, opt, loss_fn=scenario_loss, batch_for=batch_for,
+                     config=GuardConfig(nonfinite=False, weights_interval=1))
+    weights: Any = next(c for c in guard.checks if c.name == "weights")
+    spent = [0.0]
+
+    def timing(call: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return call(*args)
+            finally:
+                spent[0] += time.perf_counter() - t0
+        return timed
+
+    for name in ("post_step", "ask", "pre_step"):
+        setattr(weights, name, timing(getattr(weights, name)))
+    passes = 2 if weights.at_rest else 1
+    parts = len(guard.backend.layout.sets)
+    out: dict[str, list[float]] = {"verdict": [], "ideal": []}
+    step = 0
+    for _ in range(3):
+        guard.step(step)
+        step += 1
+    for _ in range(rounds):
+        dist.barrier()
+        spent[0] = 0.0
+        guard.step(step)
+        step += 1
+        out["verdict"].append(spent[0])
+        flat = torch.cat([t.detach().reshape(-1).float() for t in state_tensors(model, opt)])
+        dist.barrier()
+        t0 = time.perf_counter()
+        words = [fingerprint_tensor(flat).reshape(1) for _ in range(passes)]
+        both = torch.full((2 * parts,), -2**63, dtype=torch.int64)
+        both[:len(words)] = torch.cat(words)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        out["ideal"].append(time.perf_counter() - t0)
+    return out
+
+
+def weights_verdict(rounds: int, batch: int) -> dict[str, Any]:
+    """The weights check's verdict per step over its ideal (rank 0's clock), at rest on
+    FSDP 2 and voted on HSDP 2x2: the ratio of medians with a 90% bootstrap interval over
+    blocks of 10 steps."""
+    out = {}
+    for label, shape in (("FSDP 2, at rest", (2,)), ("HSDP 2x2, voted", (2, 2))):
+        got = run_ranks(_verdict_rank, math.prod(shape), shape, rounds, batch,
+                        timeout=3600)[0]
+
+        def ratio(pooled: dict[str, list[float]]) -> float:
+            return statistics.median(pooled["verdict"]) / statistics.median(pooled["ideal"])
+
+        low, high = bootstrap_interval({k: split_rounds(v, rounds // 10)
+                                        for k, v in got.items()}, ratio)
+        out[label] = {"verdict_us": statistics.median(got["verdict"]) * 1e6,
+                      "ideal_us": statistics.median(got["ideal"]) * 1e6,
+                      "ratio": ratio(got), "interval": [low, high]}
+    return out
+
+
 def _ratios(samples: dict[str, list[float]], rounds: int) -> dict[str, dict[str, Any]]:
     """Each configuration's median and its ratio to its baseline, with a 90% interval."""
     per_round = {n: split_rounds(v, rounds) for n, v in samples.items()}
@@ -367,13 +446,14 @@ def fsdp_overhead(rounds: int = 20, block: int = 5, batch: int = 16,
     low, high = bootstrap_interval({WORD: split_rounds(words, rounds)}, share)
     own = direct(direct_steps, batch)
     audits = audit(rounds, 2 * AUDIT_EVERY, batch)
+    verdicts = weights_verdict(max(100, 10 * rounds), batch)
     word = {"median_us": statistics.median(words) * 1e6, "share_of_plain_step": share({WORD: words}),
             "interval": [low, high]}
     step_us = plain * 1e6
     return {"machine": f"{cpu_name()}, 2 ranks of 1 thread, torch {torch.__version__}",
             "model": "llama (2 blocks, width 64), AdamW", "batch": batch, "rounds": rounds,
             "block": block, "rows": rows, "word": word, "direct_steps": direct_steps,
-            "plain_step_ms": plain * 1e3, "audit": audits,
+            "plain_step_ms": plain * 1e3, "audit": audits, "weights_verdict": verdicts,
             "direct": {"plain_own_us": own["plain_own_us"], "rows": {
                 n: {**v, "share": v["extra_us"] / step_us,
                     "share_interval": [x / step_us for x in v["interval_us"]]}
@@ -435,6 +515,20 @@ def markdown(res: dict[str, Any]) -> list[str]:
               "|---:|---:|---:|---|",
               f"| {a['replay_extra_ms']:.2f} | {a['ideal_extra_ms']:.2f} | "
               f"**{a['ratio']:.2f}x** | {a['interval'][0]:.2f}x .. {a['interval'][1]:.2f}x |"]
+    lines += ["", "## The weights check's verdict, per step", "",
+              "Two more runs, the weights check alone, voting every step: its own time per "
+              "step (its post_step, and the next step's ask and pre_step that read and judge "
+              "the vote) against its ideal timed as one after a barrier: the fingerprint of "
+              "the same bytes as one flat tensor (twice at rest: after the optimizer step "
+              "and before the next one uses the state), then one all-reduce of the vote's "
+              "words. Medians (rank 0's clock), 90% bootstrap intervals over blocks of 10 "
+              "steps (the DDP budget: 1.5x).", "",
+              "| mesh | verdict (us) | ideal (us) | ratio | 90% interval |",
+              "|---|---:|---:|---:|---|"]
+    for label, v in res["weights_verdict"].items():
+        lines.append(f"| {label} | {v['verdict_us']:.0f} | {v['ideal_us']:.0f} | "
+                     f"**{v['ratio']:.2f}x** | {v['interval'][0]:.2f}x .. "
+                     f"{v['interval'][1]:.2f}x |")
     return lines
 
 
