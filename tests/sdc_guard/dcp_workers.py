@@ -256,7 +256,8 @@ def fsdp_background(rank: int, world: int, directory: str) -> dict[str, Any]:
     ckpt.save(2, model, opt, verified_through=1, background=True)
     saved = snapshot(model, opt)
     train(model, opt, 3)
-    ckpt.wait()
+    ckpt.wait()  # rank 0: until the commit; the others: until their own files are written
+    torch.distributed.barrier()
     after_save = listing(directory)
     start = ckpt.restore(model, opt)
     restored = same(saved, snapshot(model, opt))
