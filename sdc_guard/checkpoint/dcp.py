@@ -43,9 +43,9 @@ the finish) run on a gloo group of the manager's ranks made for them, never on t
 Once every rank's files are written, rank 0 commits (the states file, the rename, the
 manifest) on that thread. One save is in flight at a time: the next ``save`` and
 ``restore`` wait for it; ``wait()`` does (on rank 0 until the commit, on the others until
-their own files are written: a barrier after it on every rank sees it committed); a failure on any rank raises ``CheckpointError``
-on every rank from the next ``save`` (from ``wait()`` on the rank that met it), and nothing
-of that save is restored.
+their own files are written: a barrier after it on every rank sees it committed); a
+failure on any rank raises ``CheckpointError`` on every rank from the next ``save`` (from
+``wait()`` on the rank that met it), and nothing of that save is restored.
 """
 
 from __future__ import annotations
