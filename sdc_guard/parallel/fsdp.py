@@ -182,6 +182,14 @@ class _Carried:
         """The reduced sentinel slots, once the reduction's all-reduce hook has run."""
 
 
+def _vetoes(listeners: list[GradientListener]) -> list[tuple[GradientListener, Flag]]:
+    """Ask ``listeners`` for this step's veto (``before_last_allreduce``, then ``veto``): the
+    ones that take part, with their flags."""
+    for lst in listeners:
+        lst.before_last_allreduce()
+    return [(lst, f) for lst in listeners if (f := lst.veto()) is not None]
+
+
 def _divided_by(op: Any, world: int) -> int | None:
     """What FSDP2's reductions divide a sum by, at most: 1 for SUM, the world for AVG
     (the reduce-scatter over the shard ranks, HSDP's all-reduce over the replicas); None for
@@ -344,9 +352,7 @@ class FSDPBackend:
         if (not early or divided_by is None or not buf.dtype.is_floating_point
                 or buf.numel() // chunk._shards < self.world_size):
             return
-        for lst in early:
-            lst.before_last_allreduce()
-        taking = [(lst, f) for lst in early if (f := lst.veto()) is not None]
+        taking = _vetoes(early)
         if not taking:  # every listener sits this step out (alike on every rank)
             return
         raised = [f for _, f in taking if f is not False]
@@ -397,9 +403,7 @@ class FSDPBackend:
         # again below, and the word's answer replaces the carried one)
         if not asked:
             return
-        for lst in asked:
-            lst.before_last_allreduce()
-        taking = [(lst, f) for lst in asked if (f := lst.veto()) is not None]
+        taking = _vetoes(asked)
         if not taking:  # every listener sits this step out (alike on every rank)
             return
         word = words_on([int(f) if isinstance(f, bool) else 0 for _, f in taking],
