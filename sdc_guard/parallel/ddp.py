@@ -90,9 +90,8 @@ class SentinelAnswer:
     def read(self, *, expect_overflow: bool = False) -> bool:
         """One of the slots at least half the dtype's largest finite value (over
         ``divided_by``; no gradient is that large, a corrupt one that is deserves the same),
-        else a non-finite slot (a
-        non-finite gradient, which could hide a veto): True, unless a ``GradScaler`` is
-        there to skip the step itself."""
+        else a non-finite slot (a non-finite gradient, which could hide a veto): True,
+        unless a ``GradScaler`` is there to skip the step itself."""
         got = self._answer.get(expect_overflow)
         if got is None:
             if self._asked is not None:
