@@ -332,9 +332,9 @@ class SDCGuard:
         layout = self.backend.layout
         self._weights_now = next(
             (c for c in self.checks if isinstance(c, WeightsCheck)), None
-        ) if layout.sharded and layout.replicas >= 3 else None
-        """HSDP with a majority per shard: the weights check, asked to vote at once on a step
-        another check withheld (``_vote_weights_now``)."""
+        ) if layout.sharded and layout.replicas != 2 else None
+        """HSDP with a majority per shard, and pure FSDP (at rest): the weights check, asked
+        to vote at once on a step another check withheld (``_vote_weights_now``)."""
         self.events = events
         timeout = config.collective_timeout_s
         if self.watchdog is not None and (timeout is None or self.watchdog.timeout_s != timeout):
@@ -588,7 +588,9 @@ class SDCGuard:
         shards differ now? Every rank of a shard group computes with the parameters gathered
         from its group, so one rank's changed shard makes the whole group's computation
         differ: the replay audit and the non-finite check then name the group (or more: the
-        ring's edges into it). The vote names the holder and repairs it from the majority; the
+        ring's edges into it). The vote names the holder and repairs it from the majority
+        (under pure FSDP, at rest, it names the rank whose shard changed, where a non-finite
+        gradient hid the answer the reduction carried: ``WeightsCheck.vote_now``); the
         step's other detections that name a rank of that group are narrowed to it (here, and
         when the non-finite check's word for ``step`` comes later: ``_placed``). Collective:
         called where a check withheld on every rank alike (a verdict not ``alone``), which

@@ -7,6 +7,7 @@ Shared by the weights check, the replay audit, the checksum check and
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.optimizers import Optimizers, each
@@ -24,11 +25,11 @@ def ddp_ignored(model: torch.nn.Module) -> set[int]:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as this rank holds it: a ``DTensor``'s local shard (FSDP2), else ``t``; detached."""
-    to_local = getattr(t, "to_local", None)
-    if to_local is not None:
-        t = to_local()
-    return t.detach()
+    """``t`` as this rank holds it: a ``DTensor``'s local shard (FSDP2), else ``t``; detached
+    (a tensor that needs no gradient is its own)."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.detach() if t.requires_grad else t
 
 
 def state_tensors(
@@ -42,6 +43,12 @@ def state_tensors(
     the state of an optimizer that shards it over the ranks (``ZeroRedundancyOptimizer``,
     known by its ``consolidate_state_dict``): each rank holds another part. A sharded
     tensor (FSDP2's ``DTensor``) is given as this rank's shard."""
+    with torch.no_grad():  # (a DTensor's to_local() outside autograd is its local tensor)
+        return _state_tensors(model, optimizer, every)
+
+
+def _state_tensors(model: torch.nn.Module, optimizer: Optimizers | None,
+                   every: bool) -> list[torch.Tensor]:
     skip = set() if every else ddp_ignored(model)
     tensors = [local(p) for _, p in model.named_parameters() if id(p) not in skip]
     for opt in () if optimizer is None else each(optimizer):

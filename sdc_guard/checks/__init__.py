@@ -89,7 +89,7 @@ def build_checks(
             model, optimizer, interval=config.weights_interval,
             include_optimizer_state=config.include_optimizer_state, device=device, group=group,
             repair=config.repair_by_majority, repair_window_steps=config.repair_window_steps,
-            weight_pass=weight_pass, layout=backend.layout))
+            weight_pass=weight_pass, layout=backend.layout, backend=backend))
     checksum = config.checksum_config
     if checksum is not None:
         checks.append(ChecksumCheck(

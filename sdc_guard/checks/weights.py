@@ -18,8 +18,12 @@ hold it: HSDP's replicas across the replicate dimension. The vote is still one a
 over every rank (a slot per shard), so every rank reads every shard's verdict and withholds
 alike. Pure FSDP holds no replica to vote with: the check is then *at rest*, each rank's
 shard fingerprinted after the optimizer step and again before the next optimizer step
-uses it (in the next step's read), and a rank whose shard changed in between is named.
-Its remedy is a rollback (there is no majority to repair from).
+uses it, and a rank whose shard changed in between is named. The second fingerprint is
+taken just before the next step's last gradient reduction, and its verdict rides that
+reduction (the FSDP2 backend's sentinel, ``GradientListener.veto_early``): no collective
+of its own, every rank withholds that step alike, and the slots name the ranks. Where the
+reduction cannot carry it, the backend's word does, and the names are gathered on a
+mismatch. Its remedy is a rollback (there is no majority to repair from).
 
 Repair by majority (``GuardConfig.repair_by_majority``, on by default): when the suspects
 are a strict minority, the lowest-numbered rank of the majority broadcasts its parameters and
@@ -53,8 +57,9 @@ from sdc_guard.fingerprints.public import fingerprint_tensor
 from sdc_guard.fingerprints.words import mix64_int, to_signed64, to_unsigned64
 from sdc_guard.hostread import StepRead
 from sdc_guard.optimizers import Optimizers, param_groups
-from sdc_guard.parallel.base import Layout
+from sdc_guard.parallel.base import Backend, Containment, GradientListener, Layout
 from sdc_guard.report import Detection
+from sdc_guard.scaling import Flag
 from sdc_guard.state import state_tensors
 
 _STEP_SALT = 0x5344435F53544550
@@ -110,6 +115,32 @@ class _Vote:
     work: Any
     asked: tuple[StepRead, int] | None = None
     """Its handle in the step's one read (``WeightsCheck.ask``)."""
+    tensors: list[torch.Tensor] | None = None
+    """At rest: the state's tensors as fingerprinted after the step, read again before the
+    next optimizer step (in-place updates keep them the state's own)."""
+    changed: Flag | None = None
+    """At rest: has this rank's state changed since (``_AtRest.veto``)?"""
+    answer: Containment | None = None
+    """At rest: every rank's answer, carried by the next step's gradient reduction."""
+
+
+class _AtRest(GradientListener):
+    """The at-rest comparison as the backend's listener: asked just before the next step's
+    last gradient reduction, which carries every rank's answer (``WeightsCheck.veto``)."""
+
+    wants_veto = True
+    veto_early = True
+
+    def __init__(self, check: WeightsCheck) -> None:
+        self.check = check
+
+    def veto(self) -> Flag | None:
+        return self.check.veto()
+
+    def vetoed(self, answer: Containment) -> None:
+        vote = self.check._vote
+        if vote is not None:
+            vote.answer = answer
 
 
 class WeightsCheck(Check):
@@ -133,6 +164,7 @@ class WeightsCheck(Check):
         repair_window_steps: int = 1000,
         weight_pass: WeightPass | None = None,
         layout: Layout | None = None,
+        backend: Backend | None = None,
     ) -> None:
         self.model = model
         self.layout = (Layout.replicated(dist.get_world_size(group)) if layout is None
@@ -154,15 +186,27 @@ class WeightsCheck(Check):
         self.weight_pass = WeightPass() if weight_pass is None else weight_pass
         """The read of the weights this check runs after each step it is due at; other
         checks may have sums taken in it (``WeightPass.subscribe``)."""
+        self._undecided: _Vote | None = None
+        """At rest: the last vote whose carried answer could not be read (a non-finite
+        gradient summed into the sentinel slots), for ``vote_now``."""
+        self._backend = backend if self.at_rest else None
+        self._listener: _AtRest | None = None
+        if self._backend is not None:
+            self._listener = _AtRest(self)
+            self._backend.subscribe(self._listener)
 
     def due(self, step: int) -> bool:
         return step % self.interval == 0
 
-    def local_fingerprint(self, step: int | None = None) -> torch.Tensor:
-        """This rank's fingerprint; after ``step``'s optimizer step, by the shared pass
-        (``weight_pass``), which takes its subscribers' sums in the same read."""
-        opt = self.optimizer if self.include_optimizer_state else None
-        return self.weight_pass.fingerprint(state_tensors(self.model, opt), step)
+    def local_fingerprint(self, step: int | None = None,
+                          tensors: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """This rank's fingerprint (of ``tensors``, the state's as ``_state`` lists them);
+        after ``step``'s optimizer step, by the shared pass (``weight_pass``), which takes its
+        subscribers' sums in the same read."""
+        return self.weight_pass.fingerprint(self._state() if tensors is None else tensors, step)
+
+    def _state(self) -> list[torch.Tensor]:
+        return state_tensors(self.model, self.optimizer if self.include_optimizer_state else None)
 
     def check_start(self, step: int) -> None:
         """Do the replicas start from the same state? Asked once, at the first step with this
@@ -213,9 +257,10 @@ class WeightsCheck(Check):
         mismatch path first gathers the steps (``StepsDisagree`` on every rank) before anyone
         is blamed."""
         self._drop_vote()
-        if self.at_rest:  # compared with itself before the next optimizer step (``ask``)
-            word = self.local_fingerprint(step).to(self.device).reshape(1)
-            self._vote = _Vote(step, 0, word, None, None)
+        if self.at_rest:  # compared with itself before the next optimizer step (``veto``)
+            tensors = self._state()
+            word = self.local_fingerprint(step, tensors).to(self.device).reshape(1)
+            self._vote = _Vote(step, 0, word, None, None, tensors=tensors)
             return []
         self._vote = self._stamped(step, self.local_fingerprint(step))
         return []
@@ -245,11 +290,30 @@ class WeightsCheck(Check):
             raise RuntimeError("torch.distributed.all_reduce(async_op=True) returned no Work")
         return both, work
 
+    def veto(self) -> Flag | None:
+        """At rest, before the step's last gradient reduction: has this rank's state changed
+        since the vote's fingerprint (a 0-d device bool on a device, no host read)? None
+        when no vote waits (alike on every rank: the interval says)."""
+        vote = self._vote
+        if vote is None or vote.both is not None:
+            return None
+        now = self._now(vote)
+        changed = now.reshape(()) != vote.word.reshape(())
+        vote.changed = bool(changed) if changed.device.type == "cpu" else changed
+        return vote.changed
+
+    def _now(self, vote: _Vote) -> torch.Tensor:
+        """At rest: the fingerprint of the state as it is now (the tensors the vote read)."""
+        return fingerprint_tensor(vote.tensors if vote.tensors is not None
+                                  else self._state()).to(self.device).reshape(1)
+
     def ask(self, step: int, read: StepRead) -> None:
         vote = self._vote
+        if vote is not None and vote.answer is not None:  # at rest, carried: no word
+            vote.answer.ask(read)
+            return
         if vote is not None and vote.both is None:  # at rest: the state as it is now
-            now = self.local_fingerprint().to(self.device).reshape(1)
-            vote.both, vote.work = self._start(vote.word, torch.bitwise_not(now))
+            vote.both, vote.work = self._start(vote.word, torch.bitwise_not(self._now(vote)))
         if vote is not None and vote.asked is None:
             assert vote.both is not None
             vote.work.wait()  # on a GPU the stream waits, not the host
@@ -278,8 +342,11 @@ class WeightsCheck(Check):
         """Replaced (``SDCGuard.reconfigure``): a vote in flight is waited for and dropped
         (call ``SDCGuard.flush`` first to have it judged)."""
         self._drop_vote()
+        if self._backend is not None and self._listener is not None:
+            self._backend.unsubscribe(self._listener)
 
     def _drop_vote(self) -> None:
+        self._undecided = None
         vote, self._vote = self._vote, None
         if vote is not None and vote.work is not None:
             vote.work.wait()
@@ -287,9 +354,10 @@ class WeightsCheck(Check):
     def _judge(self, vote: _Vote) -> list[Detection]:
         """The vote's verdict on the state after ``vote.step``: none when every rank's word is
         the same; else the gather, the steps' agreement, the majority and the repair."""
+        if vote.answer is not None:
+            return self._judge_carried(vote, vote.answer)
         if vote.both is None:  # at rest, flushed before the next step compared it
-            now = self.local_fingerprint().to(self.device).reshape(1)
-            vote.both, vote.work = self._start(vote.word, torch.bitwise_not(now))
+            vote.both, vote.work = self._start(vote.word, torch.bitwise_not(self._now(vote)))
         if vote.asked is not None:
             read, handle = vote.asked
             words = [int(v) for v in read.get(handle)]
@@ -382,8 +450,18 @@ class WeightsCheck(Check):
         that another check withheld on every rank, where a weight difference would explain
         what it saw (``SDCGuard``: under HSDP a shard's holder computes with its whole shard
         group, so a changed weight shard shows in the computation of every rank of that
-        group)."""
-        if self.at_rest:
+        group). At rest (pure FSDP), where a non-finite gradient summed into the sentinel
+        slots hid the answer the step's reduction carried (every rank computes with every
+        shard, so a NaN or Inf written into one spreads to every gradient): every rank's own
+        comparison, gathered."""
+        if self.at_rest:  # a carried answer a non-finite gradient hid: every rank's, gathered
+            vote, self._undecided = self._undecided, None
+            ranks = self._gather_changed(vote)
+            if ranks:
+                return self._changed_at_rest(step if vote is None else vote.step,
+                                             self._parts(ranks))
+            if vote is not None:
+                self.verified(vote.step)
             return []
         return self._judge(self._stamped(step, self.local_fingerprint()))
 
@@ -428,6 +506,32 @@ class WeightsCheck(Check):
         work.wait()
         words = [int(v) for v in both.tolist()]
         return all(words[2 * j] == ~words[2 * j + 1] for j in range(len(words) // 2))
+
+    def _judge_carried(self, vote: _Vote, answer: Containment) -> list[Detection]:
+        """At rest, the answer the gradient reduction carried: the ranks it names (a word
+        only counts them: then every rank's ``changed`` is gathered, on a mismatch only)."""
+        ranks = answer.ranks()
+        if ranks is None and answer.read():
+            ranks = self._gather_changed(vote)
+        if not ranks:
+            if ranks is not None and answer.read():  # a non-finite slot hides what it held
+                self._undecided = vote
+            else:
+                self.verified(vote.step)
+            return []
+        return self._changed_at_rest(vote.step, self._parts(ranks))
+
+    def _gather_changed(self, vote: _Vote | None) -> tuple[int, ...]:
+        """At rest: the ranks whose state changed since ``vote`` (None: not this rank's),
+        by one gather of every rank's answer. Collective."""
+        mine = False if vote is None or vote.changed is None else vote.changed
+        flag = (torch.as_tensor(mine) if isinstance(mine, bool) else mine).to(
+            self.device, torch.int64).reshape(1)
+        return tuple(r for r, v in enumerate(all_gather_rows(flag, self.group)[:, 0].tolist())
+                     if v)
+
+    def _parts(self, ranks: tuple[int, ...]) -> list[int]:
+        return [j for j, held in enumerate(self.layout.sets) if any(r in ranks for r in held)]
 
     def _changed_at_rest(self, step: int, apart: list[int]) -> list[Detection]:
         """Pure FSDP: the ranks whose shard changed between ``step``'s optimizer step and the

@@ -266,6 +266,13 @@ class NativeKernel:
                        ctypes.POINTER(ctypes.c_uint64)]
         fn.restype = ctypes.c_int
         self._fn = fn
+        terms = self._lib.sdc_fingerprint_terms
+        terms.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_int64),
+                          ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_uint64),
+                          ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
+                          ctypes.POINTER(ctypes.c_uint64)]
+        terms.restype = ctypes.c_int
+        self._terms = terms
         fused = self._lib.sdc_scale_digest
         fused.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int,
                           ctypes.POINTER(ctypes.c_uint64)]
@@ -378,6 +385,23 @@ class NativeKernel:
         if self._fn(address, n, mode, threads, out) != 0:  # pragma: no cover
             raise RuntimeError("sdc_weighted_sum rejected its arguments")
         return out[0], out[1]
+
+    def fingerprint_terms(self, addresses: list[int], nbytes: list[int], modes: list[int],
+                          keys: list[int]) -> int:
+        """``sum_i mix64(value_i + keys[i])`` (mod 2**64), ``value_i`` the weighted sum of
+        ``nbytes[i]`` bytes at ``addresses[i]`` as 64-bit words (mode 1) or 32-bit lanes
+        (mode 0, a last partial lane zero-padded): the terms of a list's fingerprint by one
+        call, not a call per tensor. The caller guarantees the memory (live CPU tensors,
+        8-byte aligned)."""
+        k = len(addresses)
+        if not k:
+            return 0
+        out = (ctypes.c_uint64 * 1)()
+        if self._terms((ctypes.c_uint64 * k)(*addresses), (ctypes.c_int64 * k)(*nbytes),
+                       (ctypes.c_int32 * k)(*modes), (ctypes.c_uint64 * k)(*keys), k,
+                       torch.get_num_threads(), _PER_THREAD, out) != 0:  # pragma: no cover
+            raise RuntimeError("sdc_fingerprint_terms rejected its arguments")
+        return int(out[0])
 
     def scale_digest_at(self, address: int, n: int, scale: float) -> tuple[int, int, bool]:
         """``words_at(address, n, 2)`` of ``n`` 64-bit words as they were, then their

@@ -260,23 +260,37 @@ class WeightSums:
 
 def _native_fingerprint(tensors: list[torch.Tensor], is_list: bool,
                         sums: dict[int, WeightSums] | None = None) -> int | None:
-    """The fingerprint, unsigned, of CPU tensors: each ``V`` by one call of the C kernel and
-    the terms mixed and summed as Python ints (no tensor operation: on small tensors their
-    dispatch costs many times the pass itself); None when the kernel is off or a tensor is
-    not on the CPU. ``sums``: address -> a weight whose pass also takes its checksum sums
-    (``WeightSums``), if the tensor there has its shape."""
+    """The fingerprint, unsigned, of CPU tensors: every tensor's term (its ``V`` mixed with
+    its key) by one call of the C kernel for the whole list (no tensor operation: on small
+    tensors their dispatch, and a call per tensor, cost many times the pass itself); None
+    when the kernel is off or a tensor is not on the CPU. ``sums``: address -> a weight
+    whose pass also takes its checksum sums (``WeightSums``), if the tensor there has its
+    shape."""
     kernel = active_kernel()
-    if kernel is None or any(t.device.type != "cpu" for t in tensors):
+    if kernel is None or not all(t.is_cpu for t in tensors):
         return None
     total = mix64_int(len(tensors) + (SEED if is_list else 0))
     keys = _key_ints(is_list, tuple(_meta_word(t) for t in tensors))
+    at, nbytes, modes, rest, copies = [], [], [], [], []
     for t, k in zip(tensors, keys, strict=True):
-        ask = sums.pop(t.data_ptr(), None) if sums else None
+        ptr = t.data_ptr()
+        ask = sums.pop(ptr, None) if sums else None
         if (ask is not None and ask.weight.shape == t.shape and t.dtype == torch.float32
                 and t.is_contiguous()):
             total += mix64_int(ask.take(kernel) + k)
-        else:
-            total += mix64_int(_native_value(t, kernel) + k)
+            continue
+        if ptr % 8 == 0 and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+            n = t.nbytes  # read where it lies (a view costs more than the pass on a small one)
+        else:  # a lazy conjugate or negative view's memory holds the values before the op
+            copy = raw_bytes(t)
+            copies.append(copy)  # lives until the kernel has read it
+            ptr, n = copy.data_ptr(), copy.numel()
+        at.append(ptr)
+        nbytes.append(n)
+        modes.append(1 if t.element_size() == 8 else 0)
+        rest.append(k)
+    total += kernel.fingerprint_terms(at, nbytes, modes, rest)
+    del copies
     return mix64_int(total)
 
 

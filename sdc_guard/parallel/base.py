@@ -105,6 +105,11 @@ class Containment(Protocol):
         not one."""
         ...
 
+    def ranks(self) -> tuple[int, ...] | None:
+        """The ranks that withheld, where the answer names them (a sentinel: one slot per
+        rank); None where it only counts them (a word)."""
+        ...
+
 
 class DigestSpans(Protocol):
     """Which words of a bucket a listener wants digested, and how to digest them without

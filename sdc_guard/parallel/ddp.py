@@ -70,39 +70,102 @@ def _half_max(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).max / 2
 
 
-class SentinelAnswer:
-    """The containment answer carried by the last bucket's reduced sentinel slots.
-    ``divided_by``: what the reduction divides each sum by (an averaging one), so a sentinel
-    arrives as the largest finite value over it."""
+def sentinel_values(dtype: torch.dtype, levels: int) -> list[float]:
+    """What each of ``levels`` listeners that share one rank's sentinel slot adds to it when
+    it withholds: one listener the dtype's largest finite value; several ``max / 2``,
+    ``max / 8``, ``max / 32``...: their sum stays finite, and the values below any one sum
+    to under a third of it, so each is read back on its own (``SentinelAnswer.level``)."""
+    big = torch.finfo(dtype).max
+    return [big] if levels == 1 else [big / 2 / 4 ** k for k in range(levels)]
 
-    __slots__ = ("_answer", "_asked", "divided_by", "slots")
+
+class SentinelAnswer:
+    """The containment answer carried by the last bucket's reduced sentinel slots (slot
+    ``r``: rank ``r``'s). ``divided_by``: what the reduction divides each sum by (an
+    averaging one), so a sentinel arrives as its value over it. Where several listeners
+    share the slots (``sentinel_values``), each reads its own ``level``."""
+
+    __slots__ = ("_asked", "_values", "divided_by", "slots")
 
     def __init__(self, slots: torch.Tensor, divided_by: int = 1) -> None:
         self.slots = slots
         self.divided_by = divided_by
-        self._answer: dict[bool, bool] = {}
+        self._values: list[float] | None = None
         self._asked: tuple[StepRead, int] | None = None
 
     def ask(self, read: StepRead) -> None:
         if self._asked is None:
             self._asked = (read, read.ask(self.slots))
 
-    def read(self, *, expect_overflow: bool = False) -> bool:
-        """One of the slots at least half the dtype's largest finite value (over
-        ``divided_by``; no gradient is that large, a corrupt one that is deserves the same),
-        else a non-finite slot (a non-finite gradient, which could hide a veto): True,
-        unless a ``GradScaler`` is there to skip the step itself."""
-        got = self._answer.get(expect_overflow)
-        if got is None:
+    def values(self) -> list[float]:
+        """The slots as host floats: from the step's read where ``ask`` put them (else one
+        read of their own), times ``divided_by``."""
+        if self._values is None:
             if self._asked is not None:
                 read, handle = self._asked
-                values = read.get(handle)
+                got = read.get(handle)
             else:
-                values = self.slots.tolist()
-            half = _half_max(self.slots.dtype) / self.divided_by
-            got = any(math.isfinite(v) and abs(v) >= half for v in values) or not (
-                expect_overflow or all(math.isfinite(v) for v in values))
-            self._answer[expect_overflow] = got
+                got = self.slots.tolist()
+            self._values = [float(v) * self.divided_by for v in got]
+        return self._values
+
+    def read(self, *, expect_overflow: bool = False) -> bool:
+        """One of the slots at least half the dtype's largest finite value (no gradient is
+        that large, a corrupt one that is deserves the same), else a non-finite slot (a
+        non-finite gradient, which could hide a veto): True, unless a ``GradScaler`` is there
+        to skip the step itself."""
+        values = self.values()
+        half = _half_max(self.slots.dtype)
+        return any(math.isfinite(v) and abs(v) >= half for v in values) or not (
+            expect_overflow or all(math.isfinite(v) for v in values))
+
+    def level(self, index: int, levels: int) -> Containment:
+        """The answer of the ``index``-th of ``levels`` listeners that share the slots."""
+        return self if levels == 1 else _Level(self, index, levels)
+
+    def ranks_at(self, index: int, levels: int) -> tuple[int, ...]:
+        """The ranks whose slot holds listener ``index``'s value (of ``levels``): read from
+        the highest value down, each taken where the slot holds at least half of it. A
+        non-finite slot (a non-finite gradient summed into it) names no one."""
+        values = sentinel_values(self.slots.dtype, levels)
+        out = []
+        for r, v in enumerate(self.values()):
+            if not math.isfinite(v):
+                continue
+            for k, w in enumerate(values[:index + 1]):
+                if v >= w / 2:
+                    v -= w
+                    if k == index:
+                        out.append(r)
+        return tuple(out)
+
+    def ranks(self) -> tuple[int, ...]:
+        return self.ranks_at(0, 1)
+
+
+class _Level:
+    """One listener's answer among several that share a ``SentinelAnswer``'s slots."""
+
+    __slots__ = ("_got", "index", "levels", "parent")
+
+    def __init__(self, parent: SentinelAnswer, index: int, levels: int) -> None:
+        self.parent, self.index, self.levels = parent, index, levels
+        self._got: dict[bool, bool] = {}
+
+    def ask(self, read: StepRead) -> None:
+        self.parent.ask(read)
+
+    def ranks(self) -> tuple[int, ...]:
+        return self.parent.ranks_at(self.index, self.levels)
+
+    def read(self, *, expect_overflow: bool = False) -> bool:
+        """A slot with this listener's value in it, else (as ``SentinelAnswer.read``) a
+        non-finite slot unless a ``GradScaler`` skips the step itself."""
+        got = self._got.get(expect_overflow)
+        if got is None:
+            got = bool(self.ranks()) or not (
+                expect_overflow or all(math.isfinite(v) for v in self.parent.values()))
+            self._got[expect_overflow] = got
         return got
 
 
@@ -121,6 +184,10 @@ class WordAnswer:
 
     def read(self, *, expect_overflow: bool = False) -> bool:
         return self.pending.wait_all()[self.slot] > 0
+
+    def ranks(self) -> None:
+        """A count, not names: ask the ranks (a gather) where they are wanted."""
+        return None
 
 
 class GuardCommHook:

@@ -55,7 +55,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from sdc_guard.collectives import PendingSum, words_on
 from sdc_guard.parallel.base import GradientListener, Layout
-from sdc_guard.parallel.ddp import SentinelAnswer, WordAnswer
+from sdc_guard.parallel.ddp import SentinelAnswer, WordAnswer, sentinel_values
 from sdc_guard.scaling import Flag, check_nonfinite, row_sums
 
 _REDUCE_SCATTER: Any = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -333,7 +333,9 @@ class FSDPBackend:
         carries the step's containment answer to every rank and no word of its own travels.
 
         A rank that withholds writes the dtype's largest finite value at element ``rank``
-        (of the job's ranks) of every row of its local buffer, after the listeners read it
+        (of the job's ranks) of every row of its local buffer (where several listeners take
+        part, the sum of the values of those that withhold, ``sentinel_values``: each reads
+        its own, and the ranks that wrote it), after the listeners read it
         (the non-finite scan never sees it) and before the reduction: row ``j`` is summed
         into rank ``j``'s shard, so every rank's shard holds every rank's slot, and HSDP's
         all-reduce sums each slot over the replicas. One slot per rank of the job: two
@@ -355,16 +357,18 @@ class FSDPBackend:
         taking = _vetoes(early)
         if not taking:  # every listener sits this step out (alike on every rank)
             return
-        raised = [f for _, f in taking if f is not False]
+        values = sentinel_values(buf.dtype, len(taking))
+        raised = [(f, v) for (_, f), v in zip(taking, values, strict=True) if f is not False]
         if raised:
             col = buf.view(chunk._shards, -1)[:, self.rank]
-            big = torch.finfo(buf.dtype).max
-            if all(isinstance(f, bool) for f in raised):
-                col.fill_(big)
+            if all(isinstance(f, bool) for f, _ in raised):
+                col.fill_(sum(v for _, v in raised))
             else:  # device flags: written on the device, no host read
-                flag = torch.stack([torch.as_tensor(f, device=buf.device).reshape(())
-                                    for f in raised]).any()
-                col.copy_(torch.where(flag, torch.full_like(col, big), col))
+                flags = [torch.as_tensor(f, device=buf.device).reshape(()) for f, _ in raised]
+                value = sum((f.to(buf.dtype) * v for f, (_, v) in zip(flags, raised,
+                                                                      strict=True)),
+                            torch.zeros((), dtype=buf.dtype, device=buf.device))
+                col.copy_(torch.where(torch.stack(flags).any(), value, col))
         self._carried = _Carried([lst for lst, _ in taking], len(self._seen), divided_by)
 
     def _reduced(self, out: torch.Tensor) -> None:
@@ -380,8 +384,9 @@ class FSDPBackend:
             # (a copy: FSDP2 divides the shard in place after this hook)
             carried.answer = SentinelAnswer(out.view(-1)[:self.world_size].clone(),
                                              carried.divided_by)
-            for lst in carried.listeners:
-                lst.vetoed(carried.answer)
+            levels = len(carried.listeners)
+            for i, lst in enumerate(carried.listeners):
+                lst.vetoed(carried.answer.level(i, levels))
         for lst in self.listeners:
             lst.reduced(chunk, out)
 

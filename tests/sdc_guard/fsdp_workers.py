@@ -103,8 +103,9 @@ def faults(rank: int, world: int, shape: tuple[int, ...], site: str, target: int
     - "at_rest": before step ``at``, a change in rank ``target``'s shard of the first weight;
     - "at_rest_nan": the same, a NaN.
 
-    Returns the steps withheld, the detections (check, step, suspects, repaired) as every
-    rank saw them, and whether the ranks that hold each shard hold it alike at the end."""
+    Returns the steps withheld (and by which checks), the detections (check, step, suspects,
+    repaired) as every rank saw them, and whether the ranks that hold each shard hold it
+    alike at the end."""
     model = build(shape)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=batch_for,
@@ -132,7 +133,7 @@ def faults(rank: int, world: int, shape: tuple[int, ...], site: str, target: int
     if site.startswith("reduced_inf"):
         backend.after.append(reduced_inf)
     first: Any = next(model.parameters())
-    withheld, seen = [], []
+    withheld, withheld_by, seen = [], [], []
     for step in range(8):
         if site.startswith("at_rest") and step == at and rank == target:
             with torch.no_grad():
@@ -143,6 +144,7 @@ def faults(rank: int, world: int, shape: tuple[int, ...], site: str, target: int
         report = guard.step(step)
         if report.skipped:
             withheld.append((step, report.withheld_by) if site == "local_nan" else step)
+            withheld_by.append((step, report.withheld_by))
         seen += report.detections
         if site == "state" and step == at and rank == target:
             with torch.no_grad():
@@ -153,17 +155,17 @@ def faults(rank: int, world: int, shape: tuple[int, ...], site: str, target: int
     rows = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(rows, mine)
     alike = all(torch.equal(rows[r], rows[s[0]]) for s in backend.layout.sets for r in s)
-    return {"withheld": withheld, "alike": alike,
+    return {"withheld": withheld, "withheld_by": withheld_by, "alike": alike,
             "detections": [(d.check, d.step, tuple(d.suspect_ranks), d.repaired)
                            for d in seen]}
 
 
-def collectives_per_step(rank: int, world: int, shape: tuple[int, ...],
-                         steps: int = 5) -> dict[str, list[int]]:
+def collectives_per_step(rank: int, world: int, shape: tuple[int, ...], steps: int = 5,
+                         weights: int = 0) -> dict[str, list[int]]:
     """The collectives each step issues (the sequence numbers of every process group of
     this process, the mesh's included), for plain FSDP2 and for the guard with the
-    non-finite check alone (its naming word out of the way), and whether the guard's run is
-    bit-identical."""
+    non-finite check (its naming word out of the way) and the weights check every
+    ``weights`` steps (0: off), and whether the guard's run is bit-identical."""
     def issued() -> int:
         groups: Any = dist.distributed_c10d._world.pg_map
         return sum(int(g._get_sequence_number_for_group()) for g in groups)
@@ -175,7 +177,7 @@ def collectives_per_step(rank: int, world: int, shape: tuple[int, ...],
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         guard = None if name == "plain" else SDCGuard(
             model, opt, loss_fn=loss_fn, batch_for=batch_for,
-            config=GuardConfig(weights_interval=0, nonfinite_exchange_interval=1000))
+            config=GuardConfig(weights_interval=weights, nonfinite_exchange_interval=1000))
         counts = []
         for step in range(steps):
             before = issued()

@@ -16,6 +16,7 @@ from sdc_guard.checks.nonfinite import NonFiniteCheck
 from sdc_guard.fingerprints.digest import host_spans_digest
 from sdc_guard.fingerprints.native import native_enabled
 from sdc_guard.parallel import BucketListener, GuardCommHook
+from sdc_guard.parallel.ddp import SentinelAnswer, sentinel_values
 from sdc_guard.scaling import Flag
 
 SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, -3.4e38, 65504.0,
@@ -270,3 +271,27 @@ def test_checks_unsubscribe_themselves_and_others_stay(one_rank: None) -> None:
     assert [type(x).__name__ for x in subscribed()] == ["NonFiniteCheck"]
     assert not any(x in first for x in subscribed())
     guard.step(0)  # the backend still dispatches to what is subscribed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("divided_by", [1, 4])
+def test_listeners_that_share_the_sentinel_slots_each_read_their_own(
+        dtype: torch.dtype, divided_by: int) -> None:
+    # Slot r: the values of the listeners that withheld on rank r, plus the other ranks'
+    # gradients there, over what an averaging reduction divides by.
+    withheld = [(0,), (1,), (0, 2), (0, 1, 2), (), (2,)]
+    values = sentinel_values(dtype, 3)
+    slots = torch.tensor([(sum(values[k] for k in w) + 0.75) / divided_by for w in withheld],
+                         dtype=torch.float64).to(dtype)
+    answer = SentinelAnswer(slots, divided_by)
+    for k in range(3):
+        mine = answer.level(k, 3)
+        want = tuple(r for r, w in enumerate(withheld) if k in w)
+        assert mine.ranks() == want
+        assert mine.read() is True
+    nobody = SentinelAnswer(torch.tensor([0.5, -1.0], dtype=dtype), divided_by).level(1, 2)
+    assert nobody.ranks() == () and nobody.read() is False
+    hidden = SentinelAnswer(torch.tensor([float("nan"), 0.5], dtype=dtype), divided_by)
+    assert hidden.level(1, 2).ranks() == ()  # a non-finite slot names no one ...
+    assert hidden.level(1, 2).read() is True  # ... and says it hides what it held
+    assert hidden.level(1, 2).read(expect_overflow=True) is False

@@ -55,13 +55,16 @@ def test_nonfinite_reduced_shard_is_withheld_everywhere_without_a_suspect() -> N
         assert res["detections"] == [("nonfinite", 2, (), False)]
 
 
-@pytest.mark.parametrize("name", ["fsdp2", "hsdp2x2"])
-def test_the_veto_rides_the_last_reduce_scatter_and_adds_no_collective(name: str) -> None:
-    """With the non-finite check alone, a guarded step issues the collectives plain FSDP2's
-    step issues and no more: the step's veto rides its last reduce-scatter (from the second
-    step on: the first learns which reduction is the last, and sends the veto in a word)."""
+@pytest.mark.parametrize(("name", "weights"), [("fsdp2", 0), ("hsdp2x2", 0), ("fsdp2", 1)])
+def test_the_veto_rides_the_last_reduce_scatter_and_adds_no_collective(name: str,
+                                                                       weights: int) -> None:
+    """With the non-finite check (and under FSDP the weights check at rest, every step), a
+    guarded step issues the collectives plain FSDP2's step issues and no more: the step's
+    veto, the weights' verdict on the state the step before left included, rides its last
+    reduce-scatter (from the second step on: the first learns which reduction is the last,
+    and sends the veto in a word)."""
     shape = SHAPES[name]
-    for res in run_ranks(w.collectives_per_step, _world(shape), shape):
+    for res in run_ranks(w.collectives_per_step, _world(shape), shape, 5, weights):
         assert res["guard"][1:] == res["plain"][1:], res
         assert res["guard"][0] > res["plain"][0], res  # (and the step agreement)
         assert res["identical"] == [1]
@@ -132,6 +135,18 @@ def test_fsdp_shard_changed_at_rest_names_its_rank(name: str) -> None:
     for res in results:
         assert res["detections"] == [("weights", 4, (1,), False)]
         assert res["withheld"] == [5]
+
+
+def test_a_nan_written_into_a_shard_at_rest_is_named_though_it_hides_the_carried_answer(
+        ) -> None:
+    """FSDP 2: a NaN written into rank 1's weight shard before step 5 spreads into every
+    rank's gradients, and so into the sentinel slots that carry the at-rest verdict: no
+    rank can read it there. The non-finite check withholds the step on every rank, and the
+    weights check then gathers every rank's own comparison: rank 1 named (the state after
+    step 4), the non-finite detection narrowed to it."""
+    for res in run_ranks(w.faults, 2, (2,), "at_rest_nan", 1, 5):
+        assert res["withheld_by"][0] == (5, ("nonfinite",))
+        assert res["detections"][:2] == [("weights", 4, (1,), False), ("nonfinite", 5, (1,), False)]
 
 
 @pytest.mark.parametrize(("site", "replay", "first"), [("at_rest", 1, "replay"),

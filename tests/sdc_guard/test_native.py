@@ -62,22 +62,24 @@ _LIST_DTYPES = [*DTYPES, torch.complex64, torch.complex128]
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(items=st.lists(st.tuples(st.sampled_from(_LIST_DTYPES),
                                 st.sampled_from([0, 1, 3, 5, 17, 4099, W.SMALL + 3, 70_001]),
-                                st.sampled_from(["plain", "strided", "offset"])),
+                                st.sampled_from(["plain", "strided", "offset", "conj"])),
                       min_size=0, max_size=6),
        as_list=st.booleans())
 def test_host_combined_fingerprints_equal_the_torch_path(
         native: None, items: list[tuple[torch.dtype, int, str]], as_list: bool) -> None:
-    # On the CPU each tensor's value comes from one C call and the terms are mixed as Python
-    # ints: the same fingerprint as the torch operations, for lists and single tensors of every
-    # dtype (odd byte counts: a zero-padded last lane), strided views, views off an 8-byte
-    # boundary (both copied first) and complex tensors.
+    # On the CPU one C call gives the terms of the whole list: the same fingerprint as the
+    # torch operations, for lists and single tensors of every dtype (odd byte counts: a
+    # zero-padded last lane), strided views, views off an 8-byte boundary, lazy conjugates
+    # (all copied first) and complex tensors.
     tensors = []
     for i, (dtype, n, layout) in enumerate(items):
         if dtype.is_complex:
             t = torch.randn(2 * n + 2, dtype=dtype, generator=torch.Generator().manual_seed(i))
         else:
             t = _random_tensor(dtype, 2 * n + 2, seed=i)
-        tensors.append({"plain": t[:n], "strided": t[1::2][:n], "offset": t[1:n + 1]}[layout])
+        conj = t[:n].conj() if dtype.is_complex else t[:n]
+        tensors.append({"plain": t[:n], "strided": t[1::2][:n], "offset": t[1:n + 1],
+                        "conj": conj}[layout])
     x: torch.Tensor | list[torch.Tensor] = tensors if as_list or not tensors else tensors[0]
     with nat.native_kernel(True):
         assert P._native_fingerprint(*P._tensors(x)) is not None

@@ -192,3 +192,41 @@ int sdc_weighted_sum(const void* x, int64_t n, int mode, int threads, uint64_t* 
   if (mode >= 3) return 1;
   return weighted(x, n, mode, threads, 1.0f, out);
 }
+
+static uint64_t mix64(uint64_t z) {
+  z ^= z >> 30;
+  z *= 0xBF58476D1CE4E5B9ULL;
+  z ^= z >> 27;
+  z *= 0x94D049BB133111EBULL;
+  z ^= z >> 31;
+  return z;
+}
+
+/* The terms of a list's fingerprint, summed (mod 2**64): span i (address at[i], nbytes[i]
+   bytes) as 64-bit words (mode 1) or 32-bit lanes (mode 0, the last partial lane zero-
+   padded, weight 2k+1), its value plus key[i] mixed by splitmix64's finaliser. One call for
+   every tensor of a list; a span takes a thread per per_thread elements, up to threads
+   (the value is the same either way). */
+int sdc_fingerprint_terms(const uint64_t* at, const int64_t* nbytes, const int32_t* mode,
+                          const uint64_t* key, int64_t count, int threads,
+                          int64_t per_thread, uint64_t* out) {
+  uint64_t sum = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const unsigned char* p = (const unsigned char*)(uintptr_t)at[i];
+    const int64_t unit = mode[i] == 1 ? 8 : 4, n = nbytes[i] / unit, rem = nbytes[i] % unit;
+    if ((mode[i] != 0 && mode[i] != 1) || nbytes[i] < 0 || (mode[i] == 1 && rem)) return 1;
+    int64_t t = per_thread > 0 ? n / per_thread : 1;
+    if (t > threads) t = threads;
+    if (t < 1) t = 1;
+    uint64_t v[3];
+    if (weighted(p, n, mode[i], (int)t, 1.0f, v)) return 1;
+    if (rem) {
+      uint64_t tail = 0;
+      for (int64_t b = 0; b < rem; ++b) tail |= (uint64_t)p[4 * n + b] << (8 * b);
+      v[0] += (2 * (uint64_t)n + 1) * tail;
+    }
+    sum += mix64(v[0] + key[i]);
+  }
+  out[0] = sum;
+  return 0;
+}
