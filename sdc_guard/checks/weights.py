@@ -292,14 +292,13 @@ class WeightsCheck(Check):
 
     def veto(self) -> Flag | None:
         """At rest, before the step's last gradient reduction: has this rank's state changed
-        since the vote's fingerprint (a 0-d device bool on a device, no host read)? None
-        when no vote waits (alike on every rank: the interval says)."""
+        since the vote's fingerprint? A 0-d bool tensor, never read here (the backend writes
+        the sentinel with it; the step's one read brings the answer). None when no vote
+        waits (alike on every rank: the interval says)."""
         vote = self._vote
         if vote is None or vote.both is not None:
             return None
-        now = self._now(vote)
-        changed = now.reshape(()) != vote.word.reshape(())
-        vote.changed = bool(changed) if changed.device.type == "cpu" else changed
+        vote.changed = self._now(vote).reshape(()) != vote.word.reshape(())
         return vote.changed
 
     def _now(self, vote: _Vote) -> torch.Tensor:
