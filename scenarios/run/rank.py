@@ -233,6 +233,7 @@ class RankRunner:
             found = s.guard.flush()
             if rolled is None:
                 detections += [(d.check, d.step, tuple(d.suspect_ranks)) for d in found]
+                repaired += [(d.check, d.step) for d in found if d.repaired]
             if recovery is not None and rolled is None and any(not d.repaired for d in found):
                 step = roll_back(steps - 1)  # detected after the last step: train again
                 continue

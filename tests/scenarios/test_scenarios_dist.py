@@ -62,6 +62,14 @@ def test_pool_trials_crashes_and_hangs(tmp_path: Path) -> None:
         assert ws is not None
         assert (ws["outcome"], ws["detect_step"], ws["suspects"], ws["blame_correct"],
                 ws["latency_from_injection"]) == ("detected", 2, [1], True, 0)
+        # at the last step (no replay audit): the weights vote of the state it left is
+        # judged by flush, and its repair is reported like any other
+        f = Fault(site="weight_storage", rank=1, step=5, target="net.2.weight", bits=(30,))
+        last = runner.trial(TrialSpec(id="last", scenario="tiny", replay_interval=0,
+                                      faults=(f,), site=f.site, field="custom",
+                                      fault_model=f.model))
+        assert last is not None
+        assert (last["detect_step"], last["suspects"], last["repaired"]) == (5, [1], True)
         nan = runner.trial(_fault(site="gradient_before_allreduce", rank=2, step=3,
                                   target="net.0.weight", kind="set", value=float("nan")))
         assert nan is not None
