@@ -49,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bench.reference import classification_batch, cross_entropy_loss, reference_mlp
 from bench.timing import bootstrap_interval, cpu_name, publish, split_rounds
 from scenarios.run.launch import run_ranks
 from scenarios.spec.models import build_model, scenario_loss, synthetic_batch
@@ -71,37 +72,59 @@ CONFIGS: dict[str, tuple[str, GuardConfig | None]] = {
     "plain DDP": ("ddp", None),
     "guard on DDP, defaults": ("ddp", GuardConfig()),
     "guard on DDP, defaults + checksum": ("ddp", GuardConfig(checksum=True)),
+    "MLP: plain FSDP2": ("fsdp", None),
+    "MLP: guard, defaults": ("fsdp", GuardConfig()),
+    "MLP: guard, defaults + checksum": ("fsdp", GuardConfig(checksum=True)),
+    "MLP: plain DDP": ("ddp", None),
+    "MLP: guard on DDP, defaults": ("ddp", GuardConfig()),
+    "MLP: guard on DDP, defaults + checksum": ("ddp", GuardConfig(checksum=True)),
 }
 """Each configuration: its parallelism, and the guard's config (None: no guard)."""
 BASELINE = {"fsdp": "plain FSDP2", "ddp": "plain DDP"}
 OVER = {"guard, defaults + checksum": "guard, defaults",
-        "guard on DDP, defaults + checksum": "guard on DDP, defaults"}
+        "guard on DDP, defaults + checksum": "guard on DDP, defaults",
+        "MLP: guard, defaults": "MLP: plain FSDP2",
+        "MLP: guard, defaults + checksum": "MLP: guard, defaults",
+        "MLP: guard on DDP, defaults": "MLP: plain DDP",
+        "MLP: guard on DDP, defaults + checksum": "MLP: guard on DDP, defaults"}
 """Configurations measured over another than their parallelism's plain baseline: the
-checksum over the defaults, in the terms of its DDP budget."""
+checksum over the defaults, in the terms of its DDP budget (on the reference MLP too, the
+model that budget is set on), and the MLP's configurations over its plain loops."""
+MLP_BATCH = 128
+"""The reference MLP's batch per rank (``bench.checksum``'s first workload)."""
+SEED = 0
 
 
 def baseline_of(name: str) -> str:
     return OVER.get(name, BASELINE[CONFIGS[name][0]])
-SEED = 0
 
 
 def _runner(rank: int, world: int, parallel: str, config: GuardConfig | None,
-            batch: int, width: int = 64) -> Callable[[int], None]:
-    """One step of one configuration, on a model of its own."""
-    model = shard_model(build_model("llama", width=width, depth=2, seed=SEED),
-                        parallel=parallel, mesh_shape=(world,))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            batch: int, width: int = 64, mlp: bool = False) -> Callable[[int], None]:
+    """One step of one configuration, on a model of its own: the Llama-style model, or
+    (``mlp``) the reference MLP on its classification batches."""
+    if mlp:
+        model = shard_model(reference_mlp(SEED), parallel=parallel, mesh_shape=(world,))
+        loss_fn: Any = cross_entropy_loss
 
-    def batch_for(r: int, step: int) -> Any:
-        return synthetic_batch("llama", SEED, r, step, 0, batch=batch)
+        def batch_for(r: int, step: int) -> Any:
+            return classification_batch(r, step, batch=MLP_BATCH)
+    else:
+        model = shard_model(build_model("llama", width=width, depth=2, seed=SEED),
+                            parallel=parallel, mesh_shape=(world,))
+        loss_fn = scenario_loss
+
+        def batch_for(r: int, step: int) -> Any:
+            return synthetic_batch("llama", SEED, r, step, 0, batch=batch)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     if config is None:
         def plain(step: int) -> None:
             opt.zero_grad(set_to_none=True)
-            scenario_loss(model, batch_for(rank, step)).backward()  # type: ignore[no-untyped-call]
+            loss_fn(model, batch_for(rank, step)).backward()
             opt.step()
         return plain
-    guard = SDCGuard(model, opt, loss_fn=scenario_loss, batch_for=batch_for, config=config)
+    guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=batch_for, config=config)
 
     def guarded(step: int) -> None:
         guard.step(step)
@@ -115,7 +138,7 @@ WORD = "the control word's all-reduce"
 def _bench_rank(rank: int, world: int, rounds: int, block: int,
                 batch: int) -> dict[str, dict[str, list[float]]]:
     torch.set_num_threads(1)  # two ranks on two cores: one thread each
-    runs = {name: _runner(rank, world, parallel, cfg, batch)
+    runs = {name: _runner(rank, world, parallel, cfg, batch, mlp=name.startswith("MLP"))
             for name, (parallel, cfg) in CONFIGS.items()}
     names = list(runs)
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -480,7 +503,10 @@ def markdown(res: dict[str, Any]) -> list[str]:
     lines = ["# The guard over plain FSDP2 (and DDP), per step", "",
              f"{res['machine']}; {res['model']}, batch {res['batch']} sequences per rank; "
              f"{res['rounds']} rounds of {res['block']} steps per configuration, alternated, "
-             "a barrier around each step. Generated by `python -m bench.fsdp`.", "",
+             "a barrier around each step; the rows marked MLP: the reference MLP "
+             f"(512-1024-1024-10, ReLU), batch {MLP_BATCH} per rank, on which the checksum's "
+             "DDP budget is set (<= 3% over the defaults). Generated by "
+             "`python -m bench.fsdp`.", "",
              "| configuration | median step (ms) | over | its baseline | 90% interval |",
              "|---|---:|---:|---|---|"]
     for row in res["rows"]:
