@@ -87,6 +87,13 @@ def fsdp_bench(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
+def bursts(session: nox.Session) -> None:
+    """Bursts of flipped bits that escape the fingerprint and the digest; bench/BURSTS.md."""
+    _install(session)
+    session.run("python", "-m", "bench.bursts", *session.posargs)
+
+
+@nox.session(default=False)
 def soak(session: nox.Session) -> None:
     """False positives of every check on clean FSDP2 and HSDP runs; bench/soak.json."""
     _install(session)

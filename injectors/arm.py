@@ -95,12 +95,15 @@ def _lookup(names: dict[str, Any], fault: Fault, what: str) -> Any:
 def _check_fits(fault: Fault, t: torch.Tensor, what: str) -> None:
     fault.check_dtype(t.dtype)
     n = t.numel()
-    if fault.burst > n:
-        raise FaultError("burst", f"{fault.burst} elements do not fit {what} ({n} element(s)).")
-    if fault.index is not None and fault.index + fault.burst > n:
+    span = fault.span(t.shape)
+    if span > n:
+        raise FaultError("burst", f"{fault.burst} elements ({fault.along}) do not fit {what} "
+                         f"({n} element(s), shape {tuple(t.shape)}).")
+    if fault.index is not None and fault.index + span > n:
         raise FaultError(
-            "index", f"element {fault.index} (burst {fault.burst}) is out of range for {what}: "
-            f"shape {tuple(t.shape)}, {n} element(s); use index <= {n - fault.burst}."
+            "index", f"element {fault.index} (burst {fault.burst}, {fault.along}) is out of "
+            f"range for {what}: shape {tuple(t.shape)}, {n} element(s); use index <= "
+            f"{n - span}."
         )
 
 

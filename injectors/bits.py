@@ -16,7 +16,9 @@ Element numbering: ``index`` is the element's position in the tensor's
 logical row-major order (what ``t.flatten()[index]`` would be), whatever the
 strides, so non-contiguous tensors (transposes, slices) are corrupted at the
 element a reader of the tensor sees. A burst of length ``n`` covers the
-logically adjacent elements ``index .. index + n - 1``.
+logically adjacent elements ``index .. index + n - 1``, or with a ``stride``
+the elements ``index, index + stride, ..., index + (n - 1) * stride`` (a
+column of a matrix: ``stride`` its row length).
 
 Raw bits are returned as unsigned Python ints (``0 <= word < 2**width``) in
 ``BitChange.before`` / ``BitChange.after``: the ground truth an injector
@@ -43,11 +45,13 @@ __all__ = [
     "dtype_from_name",
     "dtype_name",
     "flip_bits",
+    "flip_each",
     "layout_of",
     "random_bits",
     "read_bits",
     "set_bits",
     "set_value",
+    "stick_bits",
     "value_of",
     "zero",
 ]
@@ -149,9 +153,11 @@ class BitChange:
     index: int
     """Logical (row-major) index of the first element touched."""
     before: tuple[int, ...]
-    """Unsigned raw words of elements ``index, index + 1, ...`` before the call."""
+    """Unsigned raw words of elements ``index, index + stride, ...`` before the call."""
     after: tuple[int, ...]
     """Unsigned raw words after the call."""
+    stride: int = 1
+    """Logical distance between the elements touched (1: adjacent)."""
 
     @property
     def flipped(self) -> tuple[tuple[int, ...], ...]:
@@ -199,38 +205,43 @@ def _check_word(word: int, lay: BitLayout) -> None:
 
 # -- addressing -------------------------------------------------------------------------
 def _words_and_positions(
-    t: torch.Tensor, index: int, burst: int
+    t: torch.Tensor, index: int, burst: int, stride: int = 1
 ) -> tuple[BitLayout, torch.Tensor, tuple[torch.Tensor, ...]]:
-    """The integer view of ``t`` and the advanced index of elements ``index .. index+burst-1``."""
+    """The integer view of ``t`` and the advanced index of elements ``index``, ``index +
+    stride``, ... (``burst`` of them)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}.")
     if t.layout != torch.strided:
         raise TypeError(f"only dense (strided) tensors can be corrupted, got layout {t.layout}.")
     lay = layout_of(t.dtype)
-    for name, v in (("index", index), ("burst", burst)):
+    for name, v in (("index", index), ("burst", burst), ("stride", stride)):
         if isinstance(v, bool) or not isinstance(v, int):
             raise TypeError(f"{name} must be an int, got {type(v).__name__}.")
     if burst < 1:
         raise ValueError(f"burst must be >= 1 (number of adjacent elements), got {burst}.")
+    if stride < 1:
+        raise ValueError(f"stride must be >= 1 (1: adjacent elements), got {stride}.")
     n = t.numel()
-    if index < 0 or index + burst > n:
+    span = (burst - 1) * stride + 1
+    if index < 0 or index + span > n:
         raise IndexError(
-            f"elements {index}..{index + burst - 1} are out of range for a tensor of "
-            f"{n} element(s) (shape {tuple(t.shape)}); use 0 <= index <= {n - burst}."
+            f"elements {index}..{index + span - 1} are out of range for a tensor of "
+            f"{n} element(s) (shape {tuple(t.shape)}); use 0 <= index <= {n - span}."
         )
     # A same-width dtype view is legal for any strides; it shares the storage.
     words = t.detach().view(lay.word)
     if words.dim() == 0:
         words = words.unsqueeze(0)
-    flat = torch.arange(index, index + burst, device=t.device)
+    flat = torch.arange(index, index + span, stride, device=t.device)
     return lay, words, torch.unravel_index(flat, words.shape)
 
 
 def _rewrite(
-    t: torch.Tensor, index: int, burst: int, op: Callable[[torch.Tensor], torch.Tensor]
+    t: torch.Tensor, index: int, burst: int, op: Callable[[torch.Tensor], torch.Tensor],
+    stride: int = 1,
 ) -> BitChange:
     """Replace the words of the addressed elements by ``op(words)``; return before/after."""
-    lay, words, pos = _words_and_positions(t, index, burst)
+    lay, words, pos = _words_and_positions(t, index, burst, stride)
     with torch.no_grad():
         before = words[pos]
         after = op(before)
@@ -241,6 +252,7 @@ def _rewrite(
         index=index,
         before=tuple(_to_unsigned(v, lay) for v in both[0]),
         after=tuple(_to_unsigned(v, lay) for v in both[1]),
+        stride=stride,
     )
 
 
@@ -260,27 +272,64 @@ def _check_bits(bits: Sequence[int], lay: BitLayout) -> tuple[int, ...]:
 
 
 # -- the operations ---------------------------------------------------------------------
+def _mask(bits: Sequence[int], lay: BitLayout) -> int:
+    """The word with ``bits`` set, as the word dtype stores it."""
+    mask = 0
+    for b in _check_bits(bits, lay):
+        mask |= 1 << b
+    return _to_storage(mask, lay)
+
+
 def flip_bits(
-    t: torch.Tensor, index: int, bits: int | Sequence[int], *, burst: int = 1
+    t: torch.Tensor, index: int, bits: int | Sequence[int], *, burst: int = 1,
+    stride: int = 1,
 ) -> BitChange:
-    """XOR the given bits of elements ``index .. index+burst-1`` of ``t``, in place.
+    """XOR the given bits of ``burst`` elements of ``t`` from ``index`` on (``stride`` apart),
+    in place.
 
     Flipping the same bits again restores the tensor exactly.
     """
+    mask = _mask((bits,) if isinstance(bits, int) else bits, layout_of(t.dtype))
+    return _rewrite(t, index, burst, lambda w: w ^ torch.tensor(mask, dtype=w.dtype,
+                                                                 device=w.device), stride)
+
+
+def flip_each(
+    t: torch.Tensor, index: int, bits: Sequence[Sequence[int]], *, stride: int = 1
+) -> BitChange:
+    """XOR bits of ``len(bits)`` elements from ``index`` on (``stride`` apart), each element
+    its own: element ``j`` gets ``bits[j]`` flipped. Flipping again restores them."""
     lay = layout_of(t.dtype)
-    chosen = _check_bits((bits,) if isinstance(bits, int) else bits, lay)
-    mask = 0
-    for b in chosen:
-        mask |= 1 << b
-    signed_mask = _to_storage(mask, lay)
-    return _rewrite(t, index, burst, lambda w: w ^ torch.tensor(signed_mask, dtype=w.dtype,
-                                                                 device=w.device))
+    masks = [_mask(b, lay) for b in bits]
+    if not masks:
+        raise ValueError("flip_each needs the bits of at least one element.")
+    new = torch.tensor(masks, dtype=lay.word)
+    return _rewrite(t, index, len(masks), lambda w: w ^ new.to(w.device), stride)
+
+
+def stick_bits(
+    t: torch.Tensor, index: int, bits: int | Sequence[int], value: int, *, burst: int = 1,
+    stride: int = 1,
+) -> BitChange:
+    """Hold the given bits of ``burst`` elements from ``index`` on (``stride`` apart) at
+    ``value`` (0 or 1), in place: a stuck-at fault, which changes only the elements whose
+    bit held the other value."""
+    if value not in (0, 1) or isinstance(value, bool):
+        raise ValueError(f"a stuck bit holds 0 or 1, got {value!r}.")
+    mask = _mask((bits,) if isinstance(bits, int) else bits, layout_of(t.dtype))
+    if value:
+        return _rewrite(t, index, burst, lambda w: w | torch.tensor(mask, dtype=w.dtype,
+                                                                     device=w.device), stride)
+    return _rewrite(t, index, burst, lambda w: w & ~torch.tensor(mask, dtype=w.dtype,
+                                                                  device=w.device), stride)
 
 
 def set_bits(
-    t: torch.Tensor, index: int, words: int | Sequence[int], *, burst: int = 1
+    t: torch.Tensor, index: int, words: int | Sequence[int], *, burst: int = 1,
+    stride: int = 1,
 ) -> BitChange:
-    """Overwrite the raw words of ``burst`` elements: one word for all, or one per element."""
+    """Overwrite the raw words of ``burst`` elements (``stride`` apart): one word for all, or
+    one per element."""
     lay = layout_of(t.dtype)
     seq = [words] * burst if isinstance(words, int) else list(words)
     if len(seq) != burst:
@@ -288,28 +337,33 @@ def set_bits(
     for w in seq:
         _check_word(w, lay)
     new = torch.tensor([_to_storage(w, lay) for w in seq], dtype=lay.word)
-    return _rewrite(t, index, burst, lambda w: new.to(w.device))
+    return _rewrite(t, index, burst, lambda w: new.to(w.device), stride)
 
 
-def set_value(t: torch.Tensor, index: int, value: float | int, *, burst: int = 1) -> BitChange:
+def set_value(t: torch.Tensor, index: int, value: float | int, *, burst: int = 1,
+              stride: int = 1) -> BitChange:
     """Set ``burst`` elements to ``value`` converted to ``t.dtype`` (``nan``, ``inf`` allowed)."""
-    return set_bits(t, index, bits_of(value, t.dtype), burst=burst)
+    return set_bits(t, index, bits_of(value, t.dtype), burst=burst, stride=stride)
 
 
-def zero(t: torch.Tensor, index: int, *, burst: int = 1) -> BitChange:
+def zero(t: torch.Tensor, index: int, *, burst: int = 1, stride: int = 1) -> BitChange:
     """Set ``burst`` elements to all-zero bits (+0.0 for floats)."""
-    return set_bits(t, index, 0, burst=burst)
+    return set_bits(t, index, 0, burst=burst, stride=stride)
 
 
-def random_bits(t: torch.Tensor, index: int, rng: random.Random, *, burst: int = 1) -> BitChange:
+def random_bits(t: torch.Tensor, index: int, rng: random.Random, *, burst: int = 1,
+                stride: int = 1) -> BitChange:
     """Set ``burst`` elements to uniformly random words drawn from ``rng`` (reproducible)."""
     width = layout_of(t.dtype).width
-    return set_bits(t, index, [rng.getrandbits(width) for _ in range(burst)], burst=burst)
+    return set_bits(t, index, [rng.getrandbits(width) for _ in range(burst)], burst=burst,
+                    stride=stride)
 
 
-def read_bits(t: torch.Tensor, index: int, *, burst: int = 1) -> tuple[int, ...]:
-    """The unsigned raw words of elements ``index .. index+burst-1`` (nothing is written)."""
-    lay, words, pos = _words_and_positions(t, index, burst)
+def read_bits(t: torch.Tensor, index: int, *, burst: int = 1,
+              stride: int = 1) -> tuple[int, ...]:
+    """The unsigned raw words of ``burst`` elements from ``index`` on, ``stride`` apart
+    (nothing is written)."""
+    lay, words, pos = _words_and_positions(t, index, burst, stride)
     return tuple(_to_unsigned(v, lay) for v in words[pos].tolist())
 
 

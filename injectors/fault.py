@@ -39,7 +39,7 @@ draws fresh random words at each firing step from ``(seed, rank, step)``.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Final
 
@@ -72,7 +72,14 @@ PRODUCTS: Final = ("forward", "input_grad", "weight_grad")
 PHASES: Final = ("train", "replay", "arbitrate", "any")
 """What the model is computing when an activation fault may fire: the rank's own training
 step, the guard's replay of a neighbour's batch, its arbitration replay, or any of them."""
-KINDS: Final = ("bitflip", "set", "random", "zero")
+KINDS: Final = ("bitflip", "set", "random", "zero", "stuck")
+BIT_KINDS: Final = frozenset({"bitflip", "stuck"})
+"""Kinds that name bits (``bits`` or ``field``)."""
+BURST_BITS: Final = ("same", "each")
+ALONG: Final = ("row", "column")
+_DEFAULTS: Final = {"burst_bits": "same", "along": "row", "stuck": None}
+"""Fields added to the record after the first campaigns: left out of ``to_dict`` at these
+values, so every fault described before them keeps its dict (and every key made from it)."""
 
 _FIRE: Final = 1
 _WHERE: Final = 2
@@ -121,7 +128,8 @@ class Fault:
     """Element in logical row-major order; ``None`` = drawn from ``(seed, rank)``."""
     kind: str = "bitflip"
     """``"bitflip"`` (XOR ``bits``), ``"set"`` (write ``value`` / ``value_bits``),
-    ``"random"`` (random words), ``"zero"`` (all-zero bits)."""
+    ``"random"`` (random words), ``"zero"`` (all-zero bits), ``"stuck"`` (``bits`` held at
+    ``stuck``)."""
     bits: tuple[int, ...] = ()
     """bitflip: bit indices to flip in each element (0 = least significant)."""
     field: str | None = None
@@ -134,7 +142,21 @@ class Fault:
     value_bits: int | None = None
     """set, instead of ``value``: the raw unsigned word to write."""
     burst: int = 1
-    """How many logically adjacent elements, from ``index`` on, get the same treatment."""
+    """How many elements, from ``index`` on (adjacent, or a column: ``along``), get the same
+    treatment."""
+    burst_bits: str = "same"
+    """bitflip or stuck with ``field``, over a burst: ``"same"`` (one draw of ``count`` bits,
+    the same in every element: one bit position wrong across neighbouring lanes) or
+    ``"each"`` (each element draws its own ``count`` bits of the field: a burst of lanes at
+    random bits)."""
+    along: str = "row"
+    """Where a burst's elements lie: ``"row"`` (logically adjacent: ``index``, ``index + 1``,
+    ...) or ``"column"`` (the same place in consecutive rows of the tensor's last dimension:
+    ``index``, ``index + n``, ... for rows of ``n``: one lane of a vector or matrix unit,
+    wrong in each row it computes)."""
+    stuck: int | None = None
+    """stuck: the value, 0 or 1, the ``bits`` (or the ``field``'s drawn bits) are held at;
+    an element whose bit already holds it is left unchanged."""
     model: str = "transient"
     """``"transient"``, ``"intermittent"`` or ``"permanent"``."""
     p: float = 1.0
@@ -211,6 +233,21 @@ class Fault:
     def _check_what(self) -> None:
         if self.kind not in KINDS:
             raise FaultError("kind", f"unknown kind {self.kind!r}; use one of {list(KINDS)}.")
+        if self.burst_bits not in BURST_BITS:
+            raise FaultError("burst_bits", f"unknown {self.burst_bits!r}; use one of "
+                             f"{list(BURST_BITS)}.")
+        if self.burst_bits == "each" and (self.kind not in BIT_KINDS or self.field is None):
+            raise FaultError("burst_bits", "'each' draws each element's bits from a field: it "
+                             "needs kind 'bitflip' or 'stuck' with field=... (bits=(...) are the "
+                             "same in every element).")
+        if self.along not in ALONG:
+            raise FaultError("along", f"unknown {self.along!r}; use one of {list(ALONG)}.")
+        if self.kind == "stuck":
+            if self.stuck not in (0, 1) or isinstance(self.stuck, bool):
+                raise FaultError("stuck", f"kind 'stuck' holds its bits at 0 or 1: give "
+                                 f"stuck=0 or stuck=1, got {self.stuck!r}.")
+        elif self.stuck is not None:
+            raise FaultError("stuck", f"only applies to kind 'stuck', not {self.kind!r}; drop it.")
         if not isinstance(self.bits, tuple):
             if isinstance(self.bits, (list, range)):
                 object.__setattr__(self, "bits", tuple(self.bits))
@@ -219,16 +256,16 @@ class Fault:
             else:
                 raise FaultError("bits", f"must be a tuple of bit indices, got {self.bits!r}.")
         uses_bits = bool(self.bits) or self.field is not None
-        if self.kind == "bitflip":
+        if self.kind in BIT_KINDS:
             if bool(self.bits) == (self.field is not None):
                 raise FaultError(
-                    "bits", "a bitflip needs exactly one of bits=(b, ...) or field='exponent' "
-                    "(with count=k, or None for every bit of the field)."
+                    "bits", f"a {self.kind} needs exactly one of bits=(b, ...) or "
+                    "field='exponent' (with count=k, or None for every bit of the field)."
                 )
         elif uses_bits:
             raise FaultError(
                 "bits" if self.bits else "field",
-                f"only applies to kind 'bitflip', not {self.kind!r}; drop it.",
+                f"only applies to kinds 'bitflip' and 'stuck', not {self.kind!r}; drop it.",
             )
         for b in self.bits:
             if not _is_int(b) or not 0 <= b < 64:
@@ -305,6 +342,15 @@ class Fault:
         if self.value_bits is not None and self.value_bits >= 1 << lay.width:
             raise FaultError("value_bits", f"{self.value_bits:#x} does not fit a {where}.")
 
+    def stride(self, shape: Sequence[int]) -> int:
+        """The logical distance between a burst's elements in a tensor of ``shape``: 1 along a
+        row; the last dimension's size along a column."""
+        return int(shape[-1]) if self.along == "column" and len(shape) > 0 else 1
+
+    def span(self, shape: Sequence[int]) -> int:
+        """How many elements of a tensor of ``shape`` the burst reaches over, from ``index``."""
+        return (self.burst - 1) * self.stride(shape) + 1
+
     # -- when it fires ----------------------------------------------------------------
     def active_at(self, step: int) -> bool:
         """Whether the fault fires at ``step`` on its rank (pure; the same in every process)."""
@@ -331,6 +377,9 @@ class Fault:
         d["bits"] = list(self.bits)
         if d["product"] is None:  # other sites: the dict (and every key made from it) as before
             del d["product"]
+        for key, default in _DEFAULTS.items():
+            if d[key] == default:
+                del d[key]
         return d
 
     @classmethod

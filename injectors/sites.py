@@ -90,37 +90,51 @@ class Injector:
         The record: ``event="injection"``, ``rank``, ``step``, ``site``, ``target``
         (and ``state_key``), ``kind``, ``model``, ``dtype`` (e.g. ``"float32"``),
         ``index`` (first element, logical row-major), ``burst``, ``bits`` (the bit
-        indices flipped; ``[]`` for value faults), ``before`` / ``after`` (one unsigned
-        raw word per element, as ints), and for activation sites ``phase``.
+        indices flipped, or held by a stuck fault: the first element's; ``[]`` for value
+        faults), ``before`` / ``after`` (one unsigned raw word per element, as ints), for
+        activation sites ``phase``; and where the fault says so ``stride`` (a column),
+        ``bits_each`` (each element's bits) and ``stuck``.
         """
         f = self.fault
         f.check_dtype(t.dtype)
         n = t.numel()
-        if f.burst > n:
-            raise FaultError("burst", f"{f.burst} elements do not fit the {f.site} tensor of "
-                             f"{f.target!r} ({n} element(s), shape {tuple(t.shape)}).")
+        stride, span = f.stride(t.shape), f.span(t.shape)
+        if span > n:
+            raise FaultError("burst", f"{f.burst} elements ({f.along}) do not fit the {f.site} "
+                             f"tensor of {f.target!r} ({n} element(s), shape {tuple(t.shape)}).")
         rng = f.where_rng()
-        index = rng.randrange(n - f.burst + 1) if f.index is None else f.index
-        if index + f.burst > n:
-            raise FaultError("index", f"element {index} (burst {f.burst}) is out of range for the "
-                             f"{f.site} tensor of {f.target!r}: shape {tuple(t.shape)}, {n} "
-                             f"element(s); use index <= {n - f.burst}.")
+        index = rng.randrange(n - span + 1) if f.index is None else f.index
+        if index + span > n:
+            raise FaultError("index", f"element {index} (burst {f.burst}, {f.along}) is out of "
+                             f"range for the {f.site} tensor of {f.target!r}: shape "
+                             f"{tuple(t.shape)}, {n} element(s); use index <= {n - span}.")
         flipped: tuple[int, ...] = ()
-        if f.kind == "bitflip":
+        each: list[tuple[int, ...]] | None = None
+        if f.kind in ("bitflip", "stuck"):
             flipped = f.bits
             if f.field is not None:
                 flipped = B.choose_bits(t.dtype, f.field, f.count, rng)
-            change = B.flip_bits(t, index, flipped, burst=f.burst)
+            if f.burst_bits == "each":  # (the first element's draw is the one "same" makes)
+                each = [flipped] + [B.choose_bits(t.dtype, f.field or "any", f.count, rng)
+                                    for _ in range(f.burst - 1)]
+            if f.kind == "stuck":
+                assert f.stuck is not None
+                change = (B.stick_bits(t, index, flipped, f.stuck, burst=f.burst, stride=stride)
+                          if each is None else self._stick_each(t, index, each, f.stuck, stride))
+            elif each is not None:
+                change = B.flip_each(t, index, each, stride=stride)
+            else:
+                change = B.flip_bits(t, index, flipped, burst=f.burst, stride=stride)
         elif f.kind == "set":
             # Exactly one of value / value_bits is set (checked on construction).
             word = f.value_bits
             if word is None:
                 word = B.bits_of(f.value if f.value is not None else 0.0, t.dtype)
-            change = B.set_bits(t, index, word, burst=f.burst)
+            change = B.set_bits(t, index, word, burst=f.burst, stride=stride)
         elif f.kind == "random":
-            change = B.random_bits(t, index, f.value_rng(step), burst=f.burst)
+            change = B.random_bits(t, index, f.value_rng(step), burst=f.burst, stride=stride)
         else:
-            change = B.zero(t, index, burst=f.burst)
+            change = B.zero(t, index, burst=f.burst, stride=stride)
         record: Record = {
             "event": "injection",
             "rank": self.ctx.rank,
@@ -136,6 +150,12 @@ class Injector:
             "before": list(change.before),
             "after": list(change.after),
         }
+        if stride != 1:
+            record["stride"] = stride
+        if each is not None:
+            record["bits_each"] = [list(b) for b in each]
+        if f.stuck is not None:
+            record["stuck"] = f.stuck
         if f.state_key is not None:
             record["state_key"] = f.state_key
         if f.product is not None:
@@ -145,6 +165,18 @@ class Injector:
         self.records.append(record)
         self.ctx.record(record)
         return record
+
+
+    @staticmethod
+    def _stick_each(t: torch.Tensor, index: int, each: list[tuple[int, ...]], value: int,
+                    stride: int) -> B.BitChange:
+        """``stick_bits`` with each element's own bits: one element at a time (a burst of
+        at most a few dozen), one change for the whole burst."""
+        changes = [B.stick_bits(t, index + j * stride, bits, value)
+                   for j, bits in enumerate(each)]
+        return B.BitChange(dtype=t.dtype, index=index,
+                           before=tuple(c.before[0] for c in changes),
+                           after=tuple(c.after[0] for c in changes), stride=stride)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -238,7 +238,14 @@ BASE = {"site": "weight_storage", "rank": 0, "step": 0, "target": "0.weight", "b
         ({"field": "exponent"}, "bits", "exactly one of"),
         ({"bits": (), "field": "exponant"}, "field", "unknown field"),
         ({"bits": (), "field": "exponent", "count": 0}, "count", ">= 1"),
-        ({"kind": "zero"}, "bits", "only applies to kind 'bitflip'"),
+        ({"kind": "zero"}, "bits", "only applies to kinds 'bitflip' and 'stuck'"),
+        ({"burst_bits": "some"}, "burst_bits", "use one of"),
+        ({"burst_bits": "each"}, "burst_bits", "needs kind 'bitflip' or 'stuck' with field"),
+        ({"along": "diagonal"}, "along", "use one of"),
+        ({"kind": "stuck"}, "stuck", "stuck=0 or stuck=1"),
+        ({"kind": "stuck", "stuck": 2}, "stuck", "stuck=0 or stuck=1"),
+        ({"stuck": 1}, "stuck", "only applies to kind 'stuck'"),
+        ({"kind": "stuck", "stuck": 0, "bits": ()}, "bits", "a stuck needs exactly one of"),
         ({"kind": "set", "bits": ()}, "value", "exactly one of"),
         ({"kind": "set", "bits": (), "value": 1.0, "value_bits": 3}, "value", "exactly one"),
         ({"kind": "random", "bits": (), "value": 1.0}, "value", "only applies to kind 'set'"),
@@ -288,7 +295,13 @@ def test_a_fault_is_a_frozen_record_that_round_trips_as_plain_data() -> None:
                           "gradient_after_allreduce", "optimizer_state", "weight_storage",
                           "linear_product"}
     assert MODELS == ("transient", "intermittent", "permanent")
-    assert KINDS == ("bitflip", "set", "random", "zero")
+    assert KINDS == ("bitflip", "set", "random", "zero", "stuck")
+    # the fields added later are left out of the dict at their defaults (every key made from
+    # an earlier fault's dict stays as it was), and round-trip when set
+    assert not {"burst_bits", "along", "stuck"} & set(f.to_dict())
+    h = Fault(**{**BASE, "bits": (), "field": "exponent", "kind": "stuck", "stuck": 1,  # type: ignore[arg-type]
+                 "burst": 4, "burst_bits": "each", "along": "column"})
+    assert Fault.from_dict(h.to_dict()) == h and h.to_dict()["along"] == "column"
 
 
 def test_fault_models_fire_when_they_say() -> None:
@@ -306,3 +319,41 @@ def test_fault_models_fire_when_they_say() -> None:
     assert fired != [s for s in range(3, 4003) if other_rank.active_at(s)]
     always = Fault(**kw, model="intermittent", p=1.0)  # type: ignore[arg-type]
     assert all(always.active_at(s) for s in range(3, 100))
+
+
+def test_a_column_burst_touches_one_place_in_consecutive_rows() -> None:
+    t = torch.zeros(4, 5)
+    change = B.flip_bits(t, 2, (31,), burst=3, stride=5)  # column 2 of rows 0..2
+    assert change.stride == 5 and change.flipped == ((31,),) * 3
+    changed = (t.view(torch.int32) != 0).nonzero().tolist()
+    assert [(r, c) for r, c in changed] == [(0, 2), (1, 2), (2, 2)]
+    assert all(str(v) == "-0.0" for v in t[:3, 2].tolist())
+    B.flip_bits(t, 2, (31,), burst=3, stride=5)
+    assert torch.equal(t.view(torch.int32), torch.zeros(4, 5, dtype=torch.int32))
+    with pytest.raises(IndexError, match=r"use 0 <= index <= 9"):
+        B.flip_bits(t, 10, (0,), burst=3, stride=5)  # rows 2..4: no row 4
+
+
+def test_each_element_of_a_burst_can_take_its_own_bits() -> None:
+    t = torch.randn(8, generator=torch.Generator().manual_seed(0))
+    before = t.clone()
+    change = B.flip_each(t, 2, [(30,), (1, 5), (22,)])
+    assert change.flipped == ((30,), (1, 5), (22,))
+    assert torch.equal(t[:2], before[:2]) and torch.equal(t[5:], before[5:])
+    B.flip_each(t, 2, [(30,), (1, 5), (22,)])
+    assert torch.equal(t.view(torch.int32), before.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
+def test_a_stuck_bit_changes_only_the_elements_that_held_the_other_value(
+        dtype: torch.dtype) -> None:
+    lay = B.layout_of(dtype)
+    top = lay.width - 1  # the sign bit
+    words = [0, 1 << top, 3, (1 << top) | 3]
+    t = torch.tensor([B._to_storage(w, lay) for w in words], dtype=lay.word).view(dtype)
+    set_ = B.stick_bits(t.clone(), 0, (top,), 1, burst=4)
+    assert set_.flipped == ((top,), (), (top,), ())
+    clear = B.stick_bits(t.clone(), 0, (top, 0), 0, burst=4)
+    assert clear.flipped == ((), (top,), (0,), (0, top))
+    with pytest.raises(ValueError, match="0 or 1"):
+        B.stick_bits(t, 0, (0,), 2)

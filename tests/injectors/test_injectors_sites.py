@@ -162,6 +162,42 @@ def test_permanent_and_intermittent_faults_hit_the_same_element_every_time() -> 
     assert len({tuple(r["after"]) for r in inter.records}) == len(fired)  # ... fresh words
 
 
+def test_field_fault_models_land_as_they_say_and_repeat_where_a_broken_cell_would() -> None:
+    """A column burst in a linear layer's product (one lane of a matrix unit wrong in each
+    row), a burst of neighbouring lanes each at its own random bit, and a bit stuck at 1
+    in a weight over several steps: each lands where its record says, the same element and
+    bits at every step it fires (the permanent ones), and the stuck bit changes the weight
+    only where it held 0."""
+    model = _model()
+    ctx = InjectionContext.plain(model)
+    column = arm(Fault(site="linear_product", rank=0, step=0, target="0", index=2, burst=4,
+                       along="column", bits=(30,)), context=ctx)
+    lanes = arm(Fault(site="activation", rank=0, step=1, target="1", burst=5,
+                      field="any", burst_bits="each", model="permanent", seed=3), context=ctx)
+    stuck = arm(Fault(site="weight_storage", rank=0, step=1, target="2.weight", index=4,
+                      kind="stuck", stuck=1, bits=(30,), burst=3, model="permanent"),
+                context=ctx)
+    last = model[2]
+    assert isinstance(last, nn.Linear)
+    w = last.weight
+    for s in range(4):
+        ctx.begin_step(s)
+        model(X)
+    rec = column.records[0]
+    assert (rec["index"], rec["stride"], rec["bits"]) == (2, 8, [30])  # rows of 8 outputs
+    assert [r["step"] for r in lanes.records] == [1, 2, 3]
+    each = lanes.records[0]["bits_each"]
+    assert len(each) == 5 and len({tuple(b) for b in each}) > 1  # their own bits
+    assert all(r["bits_each"] == each and r["index"] == lanes.records[0]["index"]
+               for r in lanes.records)
+    assert [[a ^ b for a, b in zip(r["before"], r["after"], strict=True)] for r in lanes.records] \
+        == [[sum(1 << b for b in bits) for bits in each]] * 3
+    first, *later = stuck.records
+    assert first["stuck"] == 1 and all(a >> 30 & 1 for a in first["after"])
+    assert all(r["before"] == r["after"] for r in later)  # held, not flipped again
+    assert all(v >> 30 & 1 for v in read_bits(w, 4, burst=3))
+
+
 def test_a_fault_for_another_rank_validates_but_touches_nothing() -> None:
     model = _model()
     ctx = InjectionContext.plain(model, rank=0, world_size=3)
