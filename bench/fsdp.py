@@ -83,8 +83,10 @@ CONFIGS: dict[str, tuple[str, GuardConfig | None]] = {
 BASELINE = {"fsdp": "plain FSDP2", "ddp": "plain DDP"}
 OVER = {"guard, defaults + checksum": "guard, defaults",
         "guard on DDP, defaults + checksum": "guard on DDP, defaults",
+        "MLP: plain FSDP2": "MLP: plain FSDP2",
         "MLP: guard, defaults": "MLP: plain FSDP2",
         "MLP: guard, defaults + checksum": "MLP: guard, defaults",
+        "MLP: plain DDP": "MLP: plain DDP",
         "MLP: guard on DDP, defaults": "MLP: plain DDP",
         "MLP: guard on DDP, defaults + checksum": "MLP: guard on DDP, defaults"}
 """Configurations measured over another than their parallelism's plain baseline: the
