@@ -178,6 +178,11 @@ class SDCGuard:
             device=self.device)
         """Every rank's hostname, pod and node, and what decides its kernels' bits (its compute
         signature), gathered once here (docs/quarantine.md)."""
+        versions = self.topology.fingerprint_mismatch()
+        if versions is not None:
+            raise ValueError(
+                f"SDCGuard: the ranks compute different fingerprints ({versions}): their votes "
+                "would never agree. Install one sdc_guard release on every rank.")
         mismatch = self.topology.compute_mismatch()
         if mismatch is not None:
             log.warning(

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from sdc_guard.collectives import gather_objects
 from sdc_guard.determinism import compute_signature, signature_mismatch
+from sdc_guard.fingerprints.words import FINGERPRINT_VERSION
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +63,18 @@ class Topology:
     places: tuple[RankPlace, ...]
     compute: tuple[dict[str, str], ...] = ()
     """Every rank's ``compute_signature`` when the guard was built (empty: not gathered)."""
+    fingerprint_versions: tuple[int, ...] = ()
+    """Every rank's fingerprint version (``sdc_guard.fingerprints.words.FINGERPRINT_VERSION``
+    of the release it runs; 1 for a rank that did not say: a release before version 2)."""
+
+    def fingerprint_mismatch(self) -> str | None:
+        """Where the ranks' fingerprint versions differ, in words; None if they agree."""
+        by: dict[int, list[int]] = {}
+        for r, v in enumerate(self.fingerprint_versions):
+            by.setdefault(v, []).append(r)
+        if len(by) < 2:
+            return None
+        return "; ".join(f"version {v} on ranks {', '.join(map(str, r))}" for v, r in by.items())
 
     def compute_mismatch(self) -> str | None:
         """Where the ranks' compute signatures differ, in words; None if they agree."""
@@ -91,17 +104,20 @@ def gather_topology(group: dist.ProcessGroup | None = None, *, node_env: str = "
     rank = dist.get_rank(group)
     mine = local_place(rank, node_env=node_env, pod_env=pod_env, namespace_env=namespace_env)
     sent = {**mine.to_json(),
-            "compute": None if device is None else compute_signature(device)}
+            "compute": None if device is None else compute_signature(device),
+            "fingerprint_version": FINGERPRINT_VERSION}
     out = gather_objects(sent, group, device=device)
     places = []
     compute = []
+    versions = []
     for r, rec in enumerate(out):
         if not isinstance(rec, dict):  # pragma: no cover - every rank sends its place
             raise RuntimeError(f"gather_topology: rank {r} sent {rec!r}, not its place")
         if rec["compute"] is not None:
             compute.append({str(k): str(v) for k, v in rec["compute"].items()})
+        versions.append(int(rec.get("fingerprint_version", 1)))
         places.append(RankPlace(rank=r, hostname=str(rec["hostname"]), node=str(rec["node"]),
                                 pod=rec["pod"] if rec["pod"] is None else str(rec["pod"]),
                                 namespace=(None if rec["namespace"] is None
                                            else str(rec["namespace"]))))
-    return Topology(tuple(places), tuple(compute))
+    return Topology(tuple(places), tuple(compute), tuple(versions))

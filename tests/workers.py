@@ -429,6 +429,21 @@ def mixed_threads_run(rank: int, world: int, threads: list[int]) -> dict[str, An
     return out
 
 
+def fingerprint_version_run(rank: int, world: int, versions: list[int]) -> str | None:
+    """Each rank says the fingerprint version ``versions[rank]`` (as a rank of another release
+    would): the guard's construction refuses on every rank when they differ; its message."""
+    import sdc_guard.topology as topology
+
+    topology.FINGERPRINT_VERSION = versions[rank]  # type: ignore[misc]
+    model = DDP(make_mlp())
+    try:
+        SDCGuard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn=loss_fn,
+                 batch_for=batch_for)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def step_offset_run(rank: int, world: int, offsets: list[int], since: int) -> dict[str, Any]:
     """Rank r calls ``guard.step(s + offsets[r])`` from step ``since`` on (before: ``s``),
     replay every step: the error each rank gets, and the detections before it."""

@@ -98,9 +98,15 @@ from sdc_guard.checkpoint.files import (
     set_rng_state,
     write_atomic,
 )
-from sdc_guard.checkpoint.manager import CheckpointInfo, CheckpointManager, _why
+from sdc_guard.checkpoint.manager import (
+    CheckpointInfo,
+    CheckpointManager,
+    _why,
+    recorded_version,
+)
 from sdc_guard.checkpoint.verify import optimizer_types
 from sdc_guard.collectives import gather_objects
+from sdc_guard.fingerprints.words import FINGERPRINT_VERSION
 from sdc_guard.optimizers import Optimizers, as_optimizers
 
 log = logging.getLogger("sdc_guard.checkpoint")
@@ -284,11 +290,13 @@ class ShardedCheckpointManager(CheckpointManager):
                               size=sum(files.values()),
                               sha256=hashlib.sha256(meta).hexdigest(),
                               fingerprint=combined.hexdigest()[:16], clean_through=through,
-                              saved_at=time.time(), windows=windows)
+                              saved_at=time.time(), windows=windows,
+                              fingerprint_version=FINGERPRINT_VERSION)
         record = {
             "format": FORMAT, "kind": KIND, "step": step, "generation": generation,
             "file": final.name, "size": info.size, "sha256": info.sha256,
             "fingerprint": info.fingerprint, "clean_through": through,
+            "fingerprint_version": info.fingerprint_version,
             "saved_at": info.saved_at, "optimizers": optimizer_types(opts),
             "job": self.owner.job, "windows": windows, "files": files,
             "state": {"file": STATE, "sha256": hashlib.sha256(buf).hexdigest()},
@@ -333,7 +341,8 @@ class ShardedCheckpointManager(CheckpointManager):
                     file=m.with_name(m.stem), manifest=m, size=int(rec["size"]),
                     sha256=str(rec["sha256"]), fingerprint=str(rec["fingerprint"]),
                     clean_through=rec.get("clean_through"), saved_at=float(rec["saved_at"]),
-                    windows=windows if isinstance(windows, dict) else None))
+                    windows=windows if isinstance(windows, dict) else None,
+                    fingerprint_version=recorded_version(rec)))
             except (OSError, ValueError, KeyError, TypeError) as e:
                 log.error("sdc-guard: checkpoint manifest %s is unreadable (%s); skipped", m, e)
         return sorted(out, key=lambda c: (c.generation, c.step), reverse=True)
@@ -437,7 +446,8 @@ class ShardedCheckpointManager(CheckpointManager):
         same = (not why and len(ranks) == self._world()
                 and ranks[self._rank()].get("layout") == layout_digest(
                     {k: box(t) for k, t in leaves}))
-        good = same and ranks[self._rank()].get("fingerprint") == rank_fingerprint(leaves)
+        good = same and ranks[self._rank()].get("fingerprint") == rank_fingerprint(
+            leaves, info.fingerprint_version)
         verdicts = self._gather((why, same, good), device)
         failed = [v[0] for v in verdicts if v[0]]
         if failed:

@@ -24,8 +24,13 @@ from sdc_guard.checkpoint.verify import CheckpointMismatchError, optimizer_types
 
 log = logging.getLogger("sdc_guard.checkpoint")
 
-FORMAT = 1
-"""The schema of a sharded checkpoint's manifest and states file."""
+FORMAT = 2
+"""The schema of a sharded checkpoint's manifest and states file: 2 adds the fingerprint's
+version (``fingerprint_version``; format 1 was fingerprinted with version 1, and is verified
+with it)."""
+
+READS = (1, 2)
+"""The formats a sharded checkpoint is read in."""
 
 KIND = "dcp"
 """A sharded checkpoint's manifest's ``kind`` (``CheckpointManager``'s have none)."""
@@ -43,9 +48,9 @@ def read_manifest(m: Path) -> dict[str, Any]:
     if rec.get("kind") != KIND:
         raise ValueError("it is a CheckpointManager (replicated) checkpoint's; read it with "
                          "sdc_guard.CheckpointManager")
-    if rec.get("format") != FORMAT:
+    if rec.get("format") not in READS:
         raise ValueError(f"format {rec.get('format')!r}, and this sdc-guard reads sharded "
-                         f"checkpoints of format {FORMAT}: upgrade sdc-guard")
+                         f"checkpoints of formats {list(READS)}: upgrade sdc-guard")
     if rec["file"] != m.stem:
         raise ValueError(f"it names the directory {rec['file']!r}, not its own {m.stem}")
     return rec

@@ -33,7 +33,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from sdc_guard.fingerprints import fingerprint
-from sdc_guard.fingerprints.words import MASK64
+from sdc_guard.fingerprints.words import FINGERPRINT_VERSION, MASK64
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -93,9 +93,11 @@ def box(t: torch.Tensor) -> Box:
                tuple(int(s) for s in chunks[0].sizes), dtype)
 
 
-def rank_fingerprint(leaves: Sequence[tuple[str, torch.Tensor]]) -> str:
-    """``sdc_guard.fingerprint`` of this rank's local tensors, in ``leaves``' order, as hex."""
-    return f"{fingerprint([local(t).detach() for _, t in leaves]):016x}"
+def rank_fingerprint(leaves: Sequence[tuple[str, torch.Tensor]],
+                     version: int = FINGERPRINT_VERSION) -> str:
+    """``sdc_guard.fingerprint`` of this rank's local tensors, in ``leaves``' order, as hex, in
+    ``version`` (the one a manifest records, when verifying it)."""
+    return f"{fingerprint([local(t).detach() for _, t in leaves], version=version):016x}"
 
 
 def layout_digest(boxes: Mapping[str, Box]) -> str:

@@ -36,6 +36,7 @@ from sdc_guard.checkpoint.windows import SuspectWindows
 from sdc_guard.collectives import gather_objects
 from sdc_guard.config import GuardConfig
 from sdc_guard.fingerprints import fingerprint
+from sdc_guard.fingerprints.words import FINGERPRINT_VERSION, check_version
 from sdc_guard.optimizers import Optimizers, as_optimizers, load_state_dict, state_dict
 from sdc_guard.state import state_tensors
 
@@ -45,17 +46,25 @@ if TYPE_CHECKING:
 log = logging.getLogger("sdc_guard.checkpoint")
 """The package's logger, one name for every module in it (a harness filters its records)."""
 
-FORMAT = 2
+FORMAT = 3
 """The schema of a checkpoint's payload and manifest. 2 adds the optimizers' types (payload
-and manifest) and the suspect windows known at the save (manifest); 1 is still read."""
+and manifest) and the suspect windows known at the save (manifest); 3 the fingerprint's
+version (manifest: ``fingerprint_version``; 1 and 2 were fingerprinted with version 1, and are
+verified with it). 1 and 2 are still read."""
 
-READS = (1, 2)
+READS = (1, 2, 3)
 """The formats ``restore`` reads."""
 
 _REPAIR_DEFAULT: Any = GuardConfig.__dataclass_fields__["repair_window_steps"].default
 REPAIR_WINDOW_STEPS = int(_REPAIR_DEFAULT)
 """The repair window ``record_detection`` assumes when it is not given one (the guard's
 default ``GuardConfig.repair_window_steps``)."""
+
+
+def recorded_version(rec: Mapping[str, Any]) -> int:
+    """The fingerprint version a manifest records (1 where it records none: format 1 and 2);
+    a ValueError for one this release does not compute."""
+    return check_version(rec.get("fingerprint_version", 1), "the manifest")
 
 
 class Verifier(Protocol):
@@ -91,6 +100,8 @@ class CheckpointInfo:
     saved_at: float
     windows: dict[str, Any] | None = None
     """The suspect windows and repairs known when it was saved (format 2 on; None before)."""
+    fingerprint_version: int = 1
+    """The version ``fingerprint`` was computed in (format 3 on; 1 before), and is verified in."""
 
 
 class CheckpointManager:
@@ -294,6 +305,7 @@ class CheckpointManager:
                 "clean_through": through, "checks": per_check},
         }
         fp = f"{fingerprint(state_tensors(module_of(model), optimizer, every=True)):016x}"
+        version = FINGERPRINT_VERSION
         buf = io.BytesIO()
         torch.save(payload, buf)
         data = buf.getvalue()
@@ -304,10 +316,12 @@ class CheckpointManager:
         info = CheckpointInfo(step=step, generation=generation, file=file,
                               manifest=manifest, size=len(data),
                               sha256=hashlib.sha256(data).hexdigest(), fingerprint=fp,
-                              clean_through=through, saved_at=time.time(), windows=windows)
+                              clean_through=through, saved_at=time.time(), windows=windows,
+                              fingerprint_version=version)
         record = json.dumps({
             "format": FORMAT, "step": step, "generation": info.generation, "file": file.name,
             "size": info.size, "sha256": info.sha256, "fingerprint": fp,
+            "fingerprint_version": version,
             "clean_through": info.clean_through, "saved_at": info.saved_at,
             "optimizers": payload["optimizers"], "job": self.owner.job,
             "windows": windows}, indent=1).encode()
@@ -395,7 +409,8 @@ class CheckpointManager:
                     file=m.with_name(f"{m.stem}.pt"), manifest=m, size=int(rec["size"]),
                     sha256=str(rec["sha256"]), fingerprint=str(rec["fingerprint"]),
                     clean_through=rec.get("clean_through"), saved_at=float(rec["saved_at"]),
-                    windows=windows if isinstance(windows, dict) else None))
+                    windows=windows if isinstance(windows, dict) else None,
+                    fingerprint_version=recorded_version(rec)))
             except (OSError, ValueError, KeyError, TypeError) as e:
                 log.error("sdc-guard: checkpoint manifest %s is unreadable (%s); skipped", m, e)
         return sorted(out, key=lambda c: (c.generation, c.step), reverse=True)

@@ -22,6 +22,7 @@ import torch
 
 from sdc_guard.checkpoint.files import CheckpointError
 from sdc_guard.fingerprints import fingerprint
+from sdc_guard.fingerprints.words import FINGERPRINT_VERSION
 from sdc_guard.optimizers import Optimizers, each
 
 
@@ -134,12 +135,13 @@ def refuse_other_layout(file: Path, optimizer: Optimizers, saved: Any) -> None:
 
 
 def payload_fingerprint(module: torch.nn.Module, optimizer: Optimizers,
-                        payload: Mapping[str, Any]) -> str:
+                        payload: Mapping[str, Any], version: int = FINGERPRINT_VERSION) -> str:
     """The fingerprint the live state will have once ``payload`` is loaded, computed from the
     payload's ``state_dict``\\ s in ``state_tensors(module, optimizer, every=True)``'s order:
     the parameters (by their names), then each optimizer's state tensors, parameter by
     parameter in its groups' order, keys sorted (an optimizer that shards its state, known
-    by ``consolidate_state_dict``, is left out, as there)."""
+    by ``consolidate_state_dict``, is left out, as there); in ``version`` (the one the
+    manifest records)."""
     model_sd = payload["model"]
     tensors = [model_sd[name] for name, _ in module.named_parameters()]
     opts = each(optimizer)
@@ -156,7 +158,7 @@ def payload_fingerprint(module: torch.nn.Module, optimizer: Optimizers,
                     v = st[key]
                     if isinstance(v, torch.Tensor):
                         tensors.append(v.detach())
-    return f"{fingerprint(tensors):016x}"
+    return f"{fingerprint(tensors, version=version):016x}"
 
 
 def check_payload(info: Any, payload: Any, module: torch.nn.Module,
@@ -174,7 +176,7 @@ def check_payload(info: Any, payload: Any, module: torch.nn.Module,
     refuse_other_layout(info.file, optimizer, payload["optimizer"])
     refuse_other_optimizers(info.file, optimizer, payload.get("optimizers"))
     try:
-        got = payload_fingerprint(module, optimizer, payload)
+        got = payload_fingerprint(module, optimizer, payload, info.fingerprint_version)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"checkpoint {info.file}: its state does not have the layout "
                               f"of the model and optimizers given ({type(e).__name__}: {e})"

@@ -50,7 +50,15 @@ from typing import Final
 
 import torch
 
-from sdc_guard.fingerprints.weighted import _ROW, _scratch_buffer, prep_lanes, prep_words, raw_bytes
+from sdc_guard.fingerprints.weighted import (
+    _ROW,
+    _scratch_buffer,
+    lane_weights,
+    prep_lanes,
+    prep_words,
+    raw_bytes,
+)
+from sdc_guard.fingerprints.words import LANES_V2
 
 MODE_LANES: Final = 0
 """Elements of up to 4 bytes and complex128: unsigned 32-bit lanes, zero-extended."""
@@ -58,6 +66,11 @@ MODE_WORDS: Final = 1
 """8-byte elements: 64-bit words mapped by ``X ^ (X >>> 32)``."""
 MODE_RAW: Final = 2
 """Any elements as raw 64-bit words (the replay digest)."""
+MODE_LANES_V2: Final = LANES_V2
+"""``MODE_LANES`` under the fingerprint's version 2: lane ``k`` weighs
+``2**8 (2k + 1) + 2**rho(k)``. ``rho`` has period 64, which divides ``_ROW``: the block's
+row weights are version 1's times ``2**8``, its column weights ``2**8 (2c + 1) + 2**rho(c)``,
+and no op changes."""
 
 _BLOCK_ROWS: Final = 32
 """Rows of ``_ROW`` values per block. A tensor is padded to a whole block; the block's column
@@ -120,7 +133,7 @@ def split(tensors: Sequence[torch.Tensor], device: torch.device) -> Split:
 
 def unit_of(mode: int) -> int:
     """Bytes per value read in ``mode``."""
-    return 4 if mode == MODE_LANES else 8
+    return 4 if mode in (MODE_LANES, MODE_LANES_V2) else 8
 
 
 @dataclass
@@ -149,8 +162,9 @@ class _Plan:
     """The byte scratch the views were made in (a grown scratch makes the plan anew)."""
 
 
-_COL_WEIGHTS: dict[torch.device, torch.Tensor] = {}
-"""``2c + 1`` for c < ``_ROW``, per device."""
+_COL_WEIGHTS: dict[tuple[torch.device, int], torch.Tensor] = {}
+"""The column weights for c < ``_ROW``, per device and mode: ``2c + 1``, or under version 2
+``2**8 (2c + 1) + 2**rho(c)``."""
 
 _plans: dict[tuple[int, torch.device, int, int, tuple[object, ...]], _Plan] = {}
 
@@ -173,10 +187,11 @@ def _scratch(device: torch.device, nbytes: int) -> torch.Tensor:
     return b
 
 
-def _col_weights(device: torch.device) -> torch.Tensor:
-    w = _COL_WEIGHTS.get(device)
+def _col_weights(device: torch.device, mode: int) -> torch.Tensor:
+    w = _COL_WEIGHTS.get((device, mode))
     if w is None:
-        w = _COL_WEIGHTS[device] = torch.arange(_ROW, dtype=torch.int64, device=device) * 2 + 1
+        w = _COL_WEIGHTS[(device, mode)] = lane_weights(
+            _ROW, device, 2 if mode == MODE_LANES_V2 else 1).clone()
     return w
 
 
@@ -227,8 +242,9 @@ def _build(tensors: Sequence[torch.Tensor], mode: int, device: torch.device,
             blocks = sizes[i] // block_bytes
             first = 0 if shifts is None else shifts[i]
             starts = torch.arange(blocks, dtype=torch.int64) * BLOCK + first
-            weights.append(2 * starts[:, None]
-                           + 2 * _ROW * torch.arange(_BLOCK_ROWS, dtype=torch.int64)[None, :])
+            weights.append((256 if mode == MODE_LANES_V2 else 1) * (
+                2 * starts[:, None]
+                + 2 * _ROW * torch.arange(_BLOCK_ROWS, dtype=torch.int64)[None, :]))
             ends.append(ends[-1] + blocks)
             at += sizes[i]
         row_weights = (torch.cat(weights) if weights
@@ -294,7 +310,8 @@ def _block_sums(plan: _Plan, tensors: Sequence[torch.Tensor], mode: int,
                 device: torch.device) -> torch.Tensor:
     """``X_b`` of every block of the stream (module docstring), int64 on ``device``."""
     unit = unit_of(mode)
-    cols = _col_weights(device)
+    cols = _col_weights(device, mode)
+    lanes = mode in (MODE_LANES, MODE_LANES_V2)
     out = []
     for ch in plan.chunks:
         for idx, views in ch.copies:
@@ -303,7 +320,7 @@ def _block_sums(plan: _Plan, tensors: Sequence[torch.Tensor], mode: int,
             torch._foreach_zero_(ch.pads)
         raw = plan.scratch[: ch.nbytes]
         n = ch.nbytes // unit
-        if mode == MODE_LANES and lane_sums(device):
+        if lanes and lane_sums(device):
             grid = raw.view(torch.uint32).view(-1, _BLOCK_ROWS, _ROW)
             rows = grid.sum(2, dtype=torch.int64)
             blocks = grid.sum(1, dtype=torch.int64)
@@ -312,8 +329,8 @@ def _block_sums(plan: _Plan, tensors: Sequence[torch.Tensor], mode: int,
                 values = raw.view(torch.int64)
             else:
                 values = _scratch_buffer(n, device)
-                (prep_lanes if mode == MODE_LANES else prep_words)(
-                    raw.view(torch.uint32 if mode == MODE_LANES else torch.int64), values)
+                (prep_lanes if lanes else prep_words)(
+                    raw.view(torch.uint32 if lanes else torch.int64), values)
             grid = values.view(-1, _BLOCK_ROWS, _ROW)
             rows = grid.sum(2)
             blocks = grid.sum(1)
@@ -323,7 +340,8 @@ def _block_sums(plan: _Plan, tensors: Sequence[torch.Tensor], mode: int,
 
 def stream_values(tensors: Sequence[torch.Tensor], mode: int,
                   device: torch.device) -> torch.Tensor:
-    """``sum_k (2k+1) v_k`` of each tensor read in ``mode``, an int64 vector on ``device``
+    """``sum_k w_k v_k`` of each tensor read in ``mode`` (``w_k = 2k+1``; under
+    ``MODE_LANES_V2`` version 2's lane weights), an int64 vector on ``device``
     (every tensor on ``device``; one over ``chunk_bytes(device)`` takes a chunk alone): the
     same values as
     ``weighted.weighted_sum`` per tensor, with the last partial lane or word zero-padded."""

@@ -308,7 +308,7 @@ class NativeKernel:
         gx.restype = N
         self._cs_gx = gx
         fp_wsum = self._lib.sdc_fp_wsum
-        fp_wsum.argtypes = [P, N, N, P, P, P, C, ctypes.POINTER(ctypes.c_uint64)]
+        fp_wsum.argtypes = [P, N, N, P, P, P, C, C, ctypes.POINTER(ctypes.c_uint64)]
         fp_wsum.restype = C
         self._fp_wsum = fp_wsum
         compare = self._lib.sdc_cs_compare
@@ -364,11 +364,12 @@ class NativeKernel:
         """int64 bits of ``[sum_k (2k+1) v_k, sum_k v_k]`` (mod 2**64).
 
         ``mode`` 0: ``src`` is int32 (uint32 lanes); 1 and 2: int64 words, mapped to
-        ``X ^ (X >>> 32)`` or taken as they are.
+        ``X ^ (X >>> 32)`` or taken as they are; 6 (``words.LANES_V2``): int32 lanes, the
+        first value weighted ``2**8 (2k+1) + 2**rho(k)`` (the fingerprint's version 2).
         """
-        want = torch.int32 if mode == 0 else torch.int64
+        want = torch.int32 if mode in (0, 6) else torch.int64
         if (src.device.type != "cpu" or src.dim() != 1 or not src.is_contiguous()
-                or src.dtype != want or mode not in (0, 1, 2)):
+                or src.dtype != want or mode not in (0, 1, 2, 6)):
             raise ValueError(f"weighted_sum: needs a contiguous 1-D CPU {want} tensor for mode "
                              f"{mode}; got {src.dtype} {list(src.shape)} on {src.device}.")
         return [v - (1 << 64) if v >= 1 << 63 else v
@@ -377,8 +378,9 @@ class NativeKernel:
     def words_at(self, address: int, n: int, mode: int) -> tuple[int, int]:
         """Unsigned ``(sum_k (2k+1) v_k, sum_k v_k)`` of ``n`` elements at ``address``.
 
-        The caller guarantees the memory: ``n`` int32 lanes (mode 0) or int64 words
-        (modes 1, 2) of a live CPU tensor, 8-byte aligned for the words.
+        The caller guarantees the memory: ``n`` int32 lanes (modes 0, 6) or int64 words
+        (modes 1, 2) of a live CPU tensor, 8-byte aligned for the words. Mode 6 weights
+        ``2**8 (2k+1) + 2**rho(k)`` (``weighted_sum``).
         """
         threads = max(1, min(torch.get_num_threads(), n // _PER_THREAD))
         out = (ctypes.c_uint64 * 2)()
@@ -390,9 +392,9 @@ class NativeKernel:
                           keys: list[int]) -> int:
         """``sum_i mix64(value_i + keys[i])`` (mod 2**64), ``value_i`` the weighted sum of
         ``nbytes[i]`` bytes at ``addresses[i]`` as 64-bit words (mode 1) or 32-bit lanes
-        (mode 0, a last partial lane zero-padded): the terms of a list's fingerprint by one
-        call, not a call per tensor. The caller guarantees the memory (live CPU tensors,
-        8-byte aligned)."""
+        (mode 0, or 6 under version 2's weights; a last partial lane zero-padded): the
+        terms of a list's fingerprint by one call, not a call per tensor. The caller
+        guarantees the memory (live CPU tensors, 8-byte aligned)."""
         k = len(addresses)
         if not k:
             return 0
@@ -521,15 +523,16 @@ class NativeKernel:
         return bad
 
     def fp_wsum_at(self, *, W: int, rows: int, cols: int, bias: int | None, wsum: int,
-                   bsum: int, threads: int) -> int:
-        """``words_at(W, rows * cols, 0)[0]`` of a contiguous float32 matrix, and the
+                   bsum: int, threads: int, version: int = 1) -> int:
+        """``words_at(W, rows * cols, 0)[0]`` of a contiguous float32 matrix (mode 6 for
+        ``version`` 2), and the
         checksum check's sums of it in the same read (``sdc_fp_wsum``): ``wsum`` gets
         ``[e^T W, e^T |W|, W e, |W| e]`` (``2 cols + 2 rows`` float32), ``bsum`` the sum and
         absolute sum of the ``rows`` float32 at ``bias`` (None: no bias, zeros). The sums'
         bits are the same from one call to the next with the same ``threads``.
         """
         out = (ctypes.c_uint64 * 2)()
-        if self._fp_wsum(W, rows, cols, bias, wsum, bsum, threads, out) != 0:
+        if self._fp_wsum(W, rows, cols, bias, wsum, bsum, threads, version, out) != 0:
             raise RuntimeError("sdc_fp_wsum rejected its arguments (or found no memory for "
                                "its threads' column sums)")
         return int(out[0])

@@ -85,7 +85,13 @@ from typing import Any, Final
 
 import torch
 
-from sdc_guard.fingerprints.batched import MODE_LANES, MODE_WORDS, split, stream_values
+from sdc_guard.fingerprints.batched import (
+    MODE_LANES,
+    MODE_LANES_V2,
+    MODE_WORDS,
+    split,
+    stream_values,
+)
 from sdc_guard.fingerprints.native import NativeKernel, active_kernel
 from sdc_guard.fingerprints.weighted import (
     prep_lanes,
@@ -95,8 +101,12 @@ from sdc_guard.fingerprints.weighted import (
     weighted_sum,
 )
 from sdc_guard.fingerprints.words import (
+    FINGERPRINT_VERSION,
+    LANES_V2,
     MASK64,
     SEED,
+    check_version,
+    lane_weight,
     mix64,
     mix64_int,
     to_signed64,
@@ -124,11 +134,11 @@ for _name, _code in (("uint16", 13), ("uint32", 14), ("uint64", 15),
         _DTYPE_CODES[getattr(torch, _name)] = _code
 
 
-_meta_cache: dict[tuple[torch.dtype, tuple[int, ...]], int] = {}
+_meta_cache: dict[tuple[torch.dtype, tuple[int, ...], int], int] = {}
 
 
-def _meta_word(t: torch.Tensor) -> int:
-    key = (t.dtype, tuple(t.shape))
+def _meta_word(t: torch.Tensor, version: int = 1) -> int:
+    key = (t.dtype, tuple(t.shape), version)
     h = _meta_cache.get(key)
     if h is not None:
         return h
@@ -138,7 +148,7 @@ def _meta_word(t: torch.Tensor) -> int:
             f"fingerprint: dtype {t.dtype} is not supported; supported dtypes are "
             f"{sorted(str(d) for d in _DTYPE_CODES)}. Convert the tensor with .to(...) first."
         )
-    h = mix64_int(SEED ^ code)
+    h = mix64_int(SEED ^ code ^ ((version - 1) << 48))  # the version too: v1 as it was
     h = mix64_int(h + t.dim())
     for s in t.shape:
         h = mix64_int(h + s)
@@ -149,7 +159,7 @@ def _meta_word(t: torch.Tensor) -> int:
 
 
 
-def tensor_value(t: torch.Tensor) -> torch.Tensor:
+def tensor_value(t: torch.Tensor, version: int = FINGERPRINT_VERSION) -> torch.Tensor:
     """V of the module docstring, as a 0-d int64 tensor (modulo 2**64) on t's device."""
     raw = raw_bytes(t)
     unit = 8 if t.element_size() == 8 else 4
@@ -158,9 +168,9 @@ def tensor_value(t: torch.Tensor) -> torch.Tensor:
     if unit == 8:
         value = weighted_sum(body.view(torch.int64), prep_words)
     else:
-        value = weighted_sum(body.view(torch.uint32), prep_lanes)
-    if full < raw.numel():  # the last, partial lane: zero-padded, weight 2k+1 with k = full/4
-        value = value + (2 * (full // 4) + 1) * tail_word(raw, full, 4)[0]
+        value = weighted_sum(body.view(torch.uint32), prep_lanes, version=version)
+    if full < raw.numel():  # the last, partial lane: zero-padded, lane k = full/4's weight
+        value = value + to_signed64(lane_weight(full // 4, version)) * tail_word(raw, full, 4)[0]
     return value
 
 
@@ -199,7 +209,7 @@ def _keys(device: torch.device, is_list: bool, metas: tuple[int, ...],
     return k
 
 
-def _native_value(t: torch.Tensor, kernel: NativeKernel) -> int:
+def _native_value(t: torch.Tensor, kernel: NativeKernel, version: int) -> int:
     """``tensor_value`` of a CPU tensor by one call of the C kernel, unsigned, on the host.
 
     A contiguous tensor on an 8-byte boundary is read where it lies (no view: a tensor
@@ -214,10 +224,10 @@ def _native_value(t: torch.Tensor, kernel: NativeKernel) -> int:
     if t.element_size() == 8:
         return kernel.words_at(at, n // 8, 1)[0]
     full = n // 4 * 4
-    value = kernel.words_at(at, full // 4, 0)[0]
-    if full < n:  # the last, partial lane: zero-padded, weight 2k+1 with k = full/4
+    value = kernel.words_at(at, full // 4, LANES_V2 if version == 2 else 0)[0]
+    if full < n:  # the last, partial lane: zero-padded, lane k = full/4's weight
         tail = int.from_bytes(ctypes.string_at(at + full, n - full), "little")
-        value = (value + (2 * (full // 4) + 1) * tail) & MASK64
+        value = (value + lane_weight(full // 4, version) * tail) & MASK64
     del copy  # the copy lives until the kernel has read it
     return value
 
@@ -244,8 +254,9 @@ class WeightSums:
     """``fp_wsum_at``'s arguments, found at the first pass (the tensors do not change: a
     weight that does is asked for anew)."""
 
-    def take(self, kernel: NativeKernel) -> int:
-        """One pass: ``out`` written; the weight's ``V`` (``tensor_value``), unsigned."""
+    def take(self, kernel: NativeKernel, version: int = FINGERPRINT_VERSION) -> int:
+        """One pass: ``out`` written; the weight's ``V`` (``tensor_value``) in ``version``,
+        unsigned (the sums' bits do not depend on the version)."""
         args = self._args
         if args is None:
             rows, cols = self.weight.shape
@@ -255,11 +266,12 @@ class WeightSums:
                 "bias": None if self.bias is None else self.bias.data_ptr(), "wsum": at,
                 "bsum": at + 4 * (2 * cols + 2 * rows), "threads": self.threads}
         self.taken = True
-        return kernel.fp_wsum_at(**args)
+        return kernel.fp_wsum_at(**args, version=version)
 
 
 def _native_fingerprint(tensors: list[torch.Tensor], is_list: bool,
-                        sums: dict[int, WeightSums] | None = None) -> int | None:
+                        sums: dict[int, WeightSums] | None = None,
+                        version: int = FINGERPRINT_VERSION) -> int | None:
     """The fingerprint, unsigned, of CPU tensors: every tensor's term (its ``V`` mixed with
     its key) by one call of the C kernel for the whole list (no tensor operation: on small
     tensors their dispatch, and a call per tensor, cost many times the pass itself); None
@@ -270,14 +282,15 @@ def _native_fingerprint(tensors: list[torch.Tensor], is_list: bool,
     if kernel is None or not all(t.is_cpu for t in tensors):
         return None
     total = mix64_int(len(tensors) + (SEED if is_list else 0))
-    keys = _key_ints(is_list, tuple(_meta_word(t) for t in tensors))
+    keys = _key_ints(is_list, tuple(_meta_word(t, version) for t in tensors))
+    lanes = LANES_V2 if version == 2 else 0
     at, nbytes, modes, rest, copies = [], [], [], [], []
     for t, k in zip(tensors, keys, strict=True):
         ptr = t.data_ptr()
         ask = sums.pop(ptr, None) if sums else None
         if (ask is not None and ask.weight.shape == t.shape and t.dtype == torch.float32
                 and t.is_contiguous()):
-            total += mix64_int(ask.take(kernel) + k)
+            total += mix64_int(ask.take(kernel, version) + k)
             continue
         if ptr % 8 == 0 and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             n = t.nbytes  # read where it lies (a view costs more than the pass on a small one)
@@ -287,23 +300,23 @@ def _native_fingerprint(tensors: list[torch.Tensor], is_list: bool,
             ptr, n = copy.data_ptr(), copy.numel()
         at.append(ptr)
         nbytes.append(n)
-        modes.append(1 if t.element_size() == 8 else 0)
+        modes.append(1 if t.element_size() == 8 else lanes)
         rest.append(k)
     total += kernel.fingerprint_terms(at, nbytes, modes, rest)
     del copies
     return mix64_int(total)
 
 
-def fingerprint_with_sums(tensors: list[torch.Tensor],
-                          sums: Sequence[WeightSums]) -> torch.Tensor:
+def fingerprint_with_sums(tensors: list[torch.Tensor], sums: Sequence[WeightSums],
+                          version: int = FINGERPRINT_VERSION) -> torch.Tensor:
     """``fingerprint_tensor(tensors)``, with the checksum sums of the weights in ``sums``
     taken in the same read where the C kernel runs (each one's ``taken`` says; one that is
     not among ``tensors``, or is not a contiguous 2-D float32 CPU matrix, is not taken)."""
     ask = {s.weight.data_ptr(): s for s in sums
            if s.weight.dim() == 2 and s.weight.dtype == torch.float32}
-    value = _native_fingerprint(tensors, True, ask) if ask else None
+    value = _native_fingerprint(tensors, True, ask, version) if ask else None
     if value is None:
-        return fingerprint_tensor(tensors)
+        return fingerprint_tensor(tensors, version=version)
     return torch.tensor(to_signed64(value), dtype=torch.int64)
 
 
@@ -325,32 +338,35 @@ def _tensors(x: torch.Tensor | Iterable[torch.Tensor]) -> tuple[list[torch.Tenso
     return tensors, not isinstance(x, torch.Tensor)
 
 
-def fingerprint_tensor(x: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor:
+def fingerprint_tensor(x: torch.Tensor | Iterable[torch.Tensor], *,
+                       version: int = FINGERPRINT_VERSION) -> torch.Tensor:
     """The fingerprint as a 0-d int64 tensor on the (first) tensor's device. No host sync.
 
     The int64 holds the same bits as the unsigned value ``fingerprint`` returns.
     Tensor k of a list contributes ``mix(V_k + key_k)`` to a wrapping sum, where
     ``key_k`` encodes its dtype, shape and position; a change to one element of one
     tensor changes exactly one term (``mix`` is a bijection), so it always changes
-    the sum, and the final ``mix`` keeps it changed.
+    the sum, and the final ``mix`` keeps it changed. ``version``: 2 (the default) or 1
+    (``words.VERSIONS``; 1 to verify what an older release recorded).
     """
+    version = check_version(version, "fingerprint_tensor")
     tensors, is_list = _tensors(x)
     device = tensors[0].device if tensors else torch.device("cpu")
-    value = _native_fingerprint(tensors, is_list)
+    value = _native_fingerprint(tensors, is_list, None, version)
     if value is not None:
         return torch.tensor(to_signed64(value), dtype=torch.int64)
-    metas = tuple(_meta_word(t) for t in tensors)
+    metas = tuple(_meta_word(t, version) for t in tensors)
     if not tensors:
         start = mix64_int(SEED if is_list else 0)
         return mix64(torch.tensor(to_signed64(start), dtype=torch.int64))
     host = ([i for i, t in enumerate(tensors) if t.device.type == "cpu"]
             if device.type != "cpu" else [])
-    return _device_fingerprint(tensors, is_list, metas, device, host)
+    return _device_fingerprint(tensors, is_list, metas, device, host, version)
 
 
 def _device_fingerprint(tensors: Sequence[torch.Tensor], is_list: bool,
                         metas: tuple[int, ...], device: torch.device,
-                        host: Sequence[int]) -> torch.Tensor:
+                        host: Sequence[int], version: int) -> torch.Tensor:
     """``fingerprint_tensor`` by torch ops on ``device``, with the terms of the tensors at
     positions ``host`` (CPU tensors in a device's list: an optimizer's step counters) summed
     on the host as Python ints: copying each to the device would cost a copy and a wait for
@@ -359,28 +375,29 @@ def _device_fingerprint(tensors: Sequence[torch.Tensor], is_list: bool,
     start = mix64_int(len(tensors) + (SEED if is_list else 0))
     keys = _key_ints(is_list, metas)
     for i in host:
-        start += mix64_int(_host_value(tensors[i]) + keys[i])
+        start += mix64_int(_host_value(tensors[i], version) + keys[i])
     skip = set(host)
     here = [i for i in range(len(tensors)) if i not in skip]
     # The terms are summed: the values may come in any order, with their keys in the same.
-    values, order = _grouped_values([tensors[i] for i in here], device)
+    values, order = _grouped_values([tensors[i] for i in here], device, version)
     terms = mix64(values + _keys(device, is_list, metas, tuple(here[j] for j in order)))
     return mix64(terms.sum() + to_signed64(start))
 
 
-def _host_value(t: torch.Tensor) -> int:
+def _host_value(t: torch.Tensor, version: int) -> int:
     """``tensor_value`` of a CPU tensor, unsigned, as a Python int (the C kernel, else torch
     ops on the CPU and a read of their result: CPU memory, no device to wait for)."""
     kernel = active_kernel()
     if kernel is not None:
-        return _native_value(t, kernel)
-    return to_unsigned64(int(tensor_value(t)))
+        return _native_value(t, kernel, version)
+    return to_unsigned64(int(tensor_value(t, version)))
 
 
-def tensor_values(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+def tensor_values(tensors: Sequence[torch.Tensor], device: torch.device,
+                  version: int = FINGERPRINT_VERSION) -> torch.Tensor:
     """V of each tensor, an int64 vector on ``device``, in a number of torch ops that does not
     grow with the number of tensors (``_grouped_values``)."""
-    values, order = _grouped_values(tensors, device)
+    values, order = _grouped_values(tensors, device, version)
     if order == sorted(order):
         return values
     inverse = [0] * len(order)
@@ -389,8 +406,8 @@ def tensor_values(tensors: Sequence[torch.Tensor], device: torch.device) -> torc
     return values[_positions(device, inverse)]
 
 
-def _grouped_values(tensors: Sequence[torch.Tensor],
-                    device: torch.device) -> tuple[torch.Tensor, list[int]]:
+def _grouped_values(tensors: Sequence[torch.Tensor], device: torch.device,
+                    version: int) -> tuple[torch.Tensor, list[int]]:
     """V of each tensor, an int64 vector on ``device``, in the order of the indices returned
     with it. The tensors on ``device`` under ``alone_bytes`` go through one multi-tensor pass
     per way of reading (lanes, words; ``sdc_guard.fingerprints.batched``), chunk by chunk;
@@ -398,13 +415,14 @@ def _grouped_values(tensors: Sequence[torch.Tensor],
     ``alone_bytes`` of them, and they skip the pass's copy); the tensors on another device are
     valued there and their values moved, one copy per device."""
     if len(tensors) <= 1:
-        return ((tensor_value(tensors[0]).to(device).reshape(1) if tensors
+        return ((tensor_value(tensors[0], version).to(device).reshape(1) if tensors
                  else torch.zeros(0, dtype=torch.int64, device=device)), list(range(len(tensors))))
     parts_of = split(tensors, device)
     alone, elsewhere = parts_of.alone, parts_of.elsewhere
-    streams: dict[int, list[int]] = {MODE_LANES: [], MODE_WORDS: []}
+    lanes = MODE_LANES_V2 if version == 2 else MODE_LANES
+    streams: dict[int, list[int]] = {lanes: [], MODE_WORDS: []}
     for i in parts_of.batched:
-        streams[MODE_WORDS if tensors[i].element_size() == 8 else MODE_LANES].append(i)
+        streams[MODE_WORDS if tensors[i].element_size() == 8 else lanes].append(i)
     parts: list[torch.Tensor] = []
     order: list[int] = []
     for mode, idx in streams.items():
@@ -412,11 +430,11 @@ def _grouped_values(tensors: Sequence[torch.Tensor],
             parts.append(stream_values([tensors[i] for i in idx], mode, device))
             order += idx
     if alone:
-        parts.append(torch.stack([tensor_value(tensors[i]) for i in alone]))
+        parts.append(torch.stack([tensor_value(tensors[i], version) for i in alone]))
         order += alone
     for other, idx in elsewhere.items():
-        parts.append(tensor_values([tensors[i] for i in idx], other).to(device,
-                                                                         non_blocking=True))
+        parts.append(tensor_values([tensors[i] for i in idx], other, version).to(
+            device, non_blocking=True))
         order += idx
     return (parts[0] if len(parts) == 1 else torch.cat(parts)), order
 
@@ -436,14 +454,18 @@ def _positions(device: torch.device, idx: list[int]) -> torch.Tensor:
     return t
 
 
-def fingerprint(x: torch.Tensor | Iterable[torch.Tensor]) -> int:
+def fingerprint(x: torch.Tensor | Iterable[torch.Tensor], *,
+                version: int = FINGERPRINT_VERSION) -> int:
     """A 64-bit fingerprint of the exact bits of a tensor (or an ordered list of tensors).
 
     Returns an int with ``0 <= v < 2**64``. See the module docstring for what
-    is guaranteed to change it.
+    is guaranteed to change it. ``version``: 2 (the default) or 1, to verify a value an
+    older release recorded (``words.VERSIONS``).
     """
+    version = check_version(version, "fingerprint")
     tensors, is_list = _tensors(x)
-    value = _native_fingerprint(tensors, is_list)
+    value = _native_fingerprint(tensors, is_list, None, version)
     if value is not None:
         return value
-    return to_unsigned64(int(fingerprint_tensor(tensors[0] if not is_list else tensors).item()))
+    return to_unsigned64(int(fingerprint_tensor(tensors[0] if not is_list else tensors,
+                                                version=version).item()))

@@ -25,6 +25,7 @@ import torch
 
 from sdc_guard.compiled import CheckedCompile
 from sdc_guard.fingerprints.native import active_kernel
+from sdc_guard.fingerprints.words import LANES_V2
 
 # Values per row for the row/column-sum decomposition; values per chunk on CPU
 # (2**20 lanes: the chunk's int64 copy, 8 MiB, is read twice from cache); row groups
@@ -53,6 +54,32 @@ def odd_weights(n: int, device: torch.device) -> torch.Tensor:
     if w is None:
         w = torch.arange(SMALL, dtype=torch.int64, device=device).mul_(2).add_(1)
         _weight_cache[device] = w
+    return w[:n]
+
+
+_lane_cache: dict[torch.device, torch.Tensor] = {}
+
+
+def ruler_powers(index: torch.Tensor) -> torch.Tensor:
+    """``2**rho(i)`` of int64 lane indices, ``rho(i) = 6 - min(v2(i + 1), 6)``
+    (``words.ruler_shift``): 64 over the lowest set bit of ``i + 1``, capped at 64."""
+    j = index + 1
+    return 64 // torch.clamp(j & -j, max=64)
+
+
+def lane_weights(n: int, device: torch.device, version: int) -> torch.Tensor:
+    """The weights of lanes ``0..n-1`` in ``version``: ``2i + 1`` (1) or
+    ``2**8 (2i + 1) + 2**rho(i)`` (2); a view of one cached vector per device when n is
+    small."""
+    if version == 1:
+        return odd_weights(n, device)
+    if n > SMALL:
+        i = torch.arange(n, dtype=torch.int64, device=device)
+        return (2 * i + 1) * 256 + ruler_powers(i)
+    w = _lane_cache.get(device)
+    if w is None:
+        i = torch.arange(SMALL, dtype=torch.int64, device=device)
+        w = _lane_cache[device] = (2 * i + 1) * 256 + ruler_powers(i)
     return w[:n]
 
 
@@ -97,8 +124,12 @@ def prep_words(block: torch.Tensor, out: torch.Tensor) -> None:
     torch.bitwise_xor(out, block, out=out)
 
 
-def native_mode(prep: Prep | None) -> int:
-    return 0 if prep is prep_lanes else 1 if prep is prep_words else 2
+def native_mode(prep: Prep | None, version: int = 1) -> int:
+    """The C kernel's mode for values read by ``prep`` (``words.LANES_V2`` for lanes under
+    version 2)."""
+    if prep is prep_lanes:
+        return LANES_V2 if version == 2 else 0
+    return 1 if prep is prep_words else 2
 
 
 _FUSED_ROW: Final = 4096
@@ -109,7 +140,7 @@ def _prepared(x: torch.Tensor, mode: int) -> torch.Tensor:
     """The values ``v`` that ``native_mode`` ``mode`` reads from ``x`` (0: ``x`` is int32
     holding uint32 lanes, zero-extended; 1: int64 words ``X ^ (X >>> 32)``; 2: int64 as
     they are)."""
-    if mode == 0:
+    if mode in (0, LANES_V2):
         return x.to(torch.int64) & 0xFFFFFFFF
     if mode == 1:
         return x ^ ((x >> 32) & 0xFFFFFFFF)
@@ -128,11 +159,16 @@ def _fused_math(src: torch.Tensor, mode: int) -> torch.Tensor:
     body = _prepared(src[:head].view(rows, _FUSED_ROW), mode)
     tail = _prepared(src[head:], mode)
     c = torch.arange(_FUSED_ROW, device=src.device, dtype=torch.int64)
-    a = (body * (2 * c + 1)).sum(1)
-    b = body.sum(1)
     r = torch.arange(rows, device=src.device, dtype=torch.int64)
     k = torch.arange(tail.numel(), device=src.device, dtype=torch.int64) + head
-    weighted = (a + (2 * _FUSED_ROW) * r * b).sum() + (tail * (2 * k + 1)).sum()
+    b = body.sum(1)
+    if mode == LANES_V2:  # 2**8 (2k+1) + 2**rho(k); rho has period 64, which divides a row
+        a = (body * ((2 * c + 1) * 256 + ruler_powers(c))).sum(1)
+        weighted = ((a + (256 * 2 * _FUSED_ROW) * r * b).sum()
+                    + (tail * ((2 * k + 1) * 256 + ruler_powers(k))).sum())
+    else:
+        a = (body * (2 * c + 1)).sum(1)
+        weighted = (a + (2 * _FUSED_ROW) * r * b).sum() + (tail * (2 * k + 1)).sum()
     return torch.stack([weighted, b.sum() + tail.sum()])
 
 
@@ -154,7 +190,7 @@ def _fused(src: torch.Tensor, mode: int, torch_ops: Callable[[], torch.Tensor]) 
     kind = src.device.type
     if kind not in FUSED_DEVICES:
         return None
-    flat = src.view(torch.int32) if mode == 0 else src
+    flat = src.view(torch.int32) if mode in (0, LANES_V2) else src
     got: torch.Tensor | None = _FUSED.run(
         kind, _fused_math, (kind, mode), f"the fingerprint kernel on {kind}", torch_ops,
         lambda got, want: bool(torch.equal(got, want)), flat, mode,
@@ -162,41 +198,48 @@ def _fused(src: torch.Tensor, mode: int, torch_ops: Callable[[], torch.Tensor]) 
     return got
 
 
-def weighted_sum(src: torch.Tensor, prep: Prep | None, *, with_sum: bool = False) -> torch.Tensor:
+def weighted_sum(src: torch.Tensor, prep: Prep | None, *, with_sum: bool = False,
+                 version: int = 1) -> torch.Tensor:
     """sum_k (2k+1) * prep(src)_k modulo 2**64, a 0-d int64 tensor on src's device.
 
     ``prep=None``: ``src`` is already int64 and is summed as it is, without a copy.
     ``with_sum=True``: an int64 pair ``[that, sum_k prep(src)_k]`` instead (the plain
-    sum falls out of the row sums at no extra pass).
+    sum falls out of the row sums at no extra pass). ``version=2`` with ``prep_lanes``:
+    the weights ``2**8 (2k+1) + 2**rho(k)`` (``lane_weights``) instead of ``2k+1``.
     """
     dev = src.device
     n = src.numel()
     kernel = active_kernel() if dev.type == "cpu" else None
+    mode = native_mode(prep, version)
     if kernel is not None:
-        mode = native_mode(prep)
-        flat = src.view(torch.int32) if mode == 0 else src
+        flat = src.view(torch.int32) if mode in (0, LANES_V2) else src
         both = torch.tensor(kernel.weighted_sum(flat, mode), dtype=torch.int64)
         return both if with_sum else both[0]
     if n >= FUSED_MIN and dev.type in FUSED_DEVICES:
-        fused = _fused(src, native_mode(prep),
-                       lambda: _torch_weighted_sum(src, prep, with_sum=True))
+        fused = _fused(src, mode,
+                       lambda: _torch_weighted_sum(src, prep, with_sum=True, version=version))
         if fused is not None:
             return fused if with_sum else fused[0]
-    return _torch_weighted_sum(src, prep, with_sum=with_sum)
+    return _torch_weighted_sum(src, prep, with_sum=with_sum, version=version)
 
 
 def _torch_weighted_sum(src: torch.Tensor, prep: Prep | None, *,
-                        with_sum: bool) -> torch.Tensor:
-    """``weighted_sum`` in torch ops (the row and column sums of the module docstring)."""
+                        with_sum: bool, version: int = 1) -> torch.Tensor:
+    """``weighted_sum`` in torch ops (the row and column sums of the module docstring).
+    Under version 2 the same sums with other weights, no other op: the row of ``_ROW``
+    values is a whole number of ``rho``'s periods, so lane ``k = r P + c`` weighs
+    ``2**8 (2 P r) + [2**8 (2c + 1) + 2**rho(c)]``, a row part and a column part."""
     dev = src.device
     n = src.numel()
+    v2 = version == 2 and prep is prep_lanes
+    ver = 2 if v2 else 1
     if n <= SMALL:
         if prep is None:
             vals = src
         else:
             vals = torch.empty(n, dtype=torch.int64, device=dev)
             prep(src, vals)
-        value = (vals * odd_weights(n, dev)).sum()
+        value = (vals * lane_weights(n, dev, ver)).sum()
         return torch.stack([value, vals.sum()]) if with_sum else value
     rows = n // _ROW
     chunk = _CHUNK if dev.type == "cpu" else DEVICE_CHUNK
@@ -218,8 +261,8 @@ def _torch_weighted_sum(src: torch.Tensor, prep: Prep | None, *,
         else:
             torch.sum(h.view(-1, _ROW), 0, out=col_sums[k, 0])
     # index k = r*P + c:  2k+1 = 2P*r + (2c+1)
-    s = 2 * _ROW * (row_sums * _arange(rows, dev)).sum() + (
-        col_sums.view(-1, _ROW).sum(0) * odd_weights(_ROW, dev)
+    s = (256 if v2 else 1) * 2 * _ROW * (row_sums * _arange(rows, dev)).sum() + (
+        col_sums.view(-1, _ROW).sum(0) * lane_weights(_ROW, dev, ver)
     ).sum()
     total = row_sums.sum() if with_sum else None
     if rows * _ROW < n:
@@ -230,7 +273,8 @@ def _torch_weighted_sum(src: torch.Tensor, prep: Prep | None, *,
             tail = torch.empty(rest.numel(), dtype=torch.int64, device=dev)
             prep(rest, tail)
         tail_sum = tail.sum()
-        s = s + (tail * odd_weights(rest.numel(), dev)).sum() + 2 * rows * _ROW * tail_sum
+        s = (s + (tail * lane_weights(rest.numel(), dev, ver)).sum()
+             + (256 if v2 else 1) * 2 * rows * _ROW * tail_sum)
         if total is not None:
             total = total + tail_sum
     return s if total is None else torch.stack([s, total])

@@ -283,3 +283,51 @@ def fsdp_background(rank: int, world: int, directory: str) -> dict[str, Any]:
     return {"first": first, "after_save": after_save, "start": start, "restored": restored,
             "waited": waited, "raised": raised, "final": listing(directory),
             "errors": [m for level, m in seen.seen if level == "ERROR"]}
+
+
+def fsdp_version1(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """A step 1 save whose manifest is rewritten as a release before fingerprint version 2
+    wrote it (format 1, no version, each rank's fingerprint in version 1): restored and
+    verified in version 1. Then the same manifest with version 2 fingerprints: refused."""
+    import json
+
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from sdc_guard.checkpoint.dcp_shards import rank_fingerprint, tensor_leaves
+
+    seen = listen()
+    mesh = init_device_mesh("cpu", (world,))
+    model, opt = build(mesh)
+    ckpt = ShardedCheckpointManager(directory, keep=3)
+    train(model, opt, 2)
+    ckpt.save(1, model, opt)
+    manifest = Path(directory) / "step-000000001-g0.json"
+    saved = snapshot(model, opt)
+    msd, osd = get_state_dict(model, opt)
+    leaves = tensor_leaves({"model": msd, "optim": osd})
+    mine = [rank_fingerprint(leaves, 1), rank_fingerprint(leaves, 2)]
+    every: list[Any] = [None] * world
+    torch.distributed.all_gather_object(every, mine)
+    rec = json.loads(manifest.read_text())
+    recorded = (rec["format"], rec["fingerprint_version"],
+                [r["fingerprint"] for r in rec["ranks"]] == [e[1] for e in every])
+
+    def rewrite(version: int) -> None:
+        torch.distributed.barrier()
+        if rank == 0:
+            old = dict(rec, format=1)
+            old.pop("fingerprint_version")
+            for r, e in zip(old["ranks"], every, strict=True):
+                r["fingerprint"] = e[version - 1]
+            manifest.write_text(json.dumps(old))
+        torch.distributed.barrier()
+
+    rewrite(1)
+    train(model, opt, 2)
+    start = ckpt.restore(model, opt)
+    diff = same(saved, snapshot(model, opt))
+    rewrite(2)
+    train(model, opt, 1)
+    refused = ckpt.restore(model, opt)
+    return {"recorded": recorded, "start": start, "diff": diff, "refused": refused,
+            "log": seen.seen}

@@ -94,6 +94,39 @@ def test_a_state_that_does_not_match_its_fingerprint_is_refused(setup: Any, capl
     assert any("from scratch" in r.getMessage() for r in caplog.records)
 
 
+def test_a_manifest_of_fingerprint_version_1_is_verified_with_version_1(
+        setup: Any, caplog: Any) -> None:
+    # Releases before fingerprint version 2 wrote format 2 manifests with no version and a
+    # version 1 fingerprint: each is verified in the version it records, and one this release
+    # does not compute is named unreadable.
+    model, opt, ckpt = setup
+    info = ckpt.save(0, model, opt)
+    rec = json.loads(info.manifest.read_text())
+    assert (rec["format"], rec["fingerprint_version"]) == (3, 2)
+    tensors = sdc_guard.state_tensors(model.module, opt, every=True)
+    v1, v2 = (f"{sdc_guard.fingerprint(tensors, version=v):016x}" for v in (1, 2))
+    assert rec["fingerprint"] == v2 != v1
+    saved = _state(model, opt)
+    del rec["fingerprint_version"]
+    rec.update(format=2, fingerprint=v1)
+    info.manifest.write_text(json.dumps(rec))
+    assert ckpt.checkpoints()[0].fingerprint_version == 1
+    _train(model, opt, range(1, 3))
+    assert ckpt.restore(model, opt) == 1 and _state(model, opt) == saved
+    rec["fingerprint"] = v2  # a version 2 value where version 1 is recorded: refused
+    info.manifest.write_text(json.dumps(rec))
+    with caplog.at_level(logging.ERROR):
+        assert ckpt.restore(model, opt) == 0
+    assert any("fingerprint" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    rec.update(format=3, fingerprint=v2, fingerprint_version=9)
+    info.manifest.write_text(json.dumps(rec))
+    with caplog.at_level(logging.ERROR):
+        assert ckpt.checkpoints() == []
+    assert any(info.manifest.name in r.getMessage() and "fingerprint version 9" in r.getMessage()
+               for r in caplog.records)
+
+
 class _Payload:
     def __reduce__(self) -> tuple[Any, ...]:
         return (print, ("arbitrary code ran",))

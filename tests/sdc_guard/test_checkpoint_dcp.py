@@ -42,6 +42,15 @@ def test_fsdp2_restore_is_bit_identical_keep_rule_and_leftovers(tmp_path: Path) 
     assert ".metadata" in rec["files"] and any(f.endswith(".distcp") for f in rec["files"])
 
 
+def test_a_format_1_manifest_is_verified_with_fingerprint_version_1(tmp_path: Path) -> None:
+    res = run_ranks(w.fsdp_version1, 2, str(tmp_path))
+    for r in res:
+        assert r["recorded"] == (2, 2, True)
+        assert r["start"] == 2 and r["diff"] == []
+        assert r["refused"] == 0
+        assert any("fingerprint" in m for level, m in r["log"] if level == "ERROR"), r["log"]
+
+
 def test_background_saves_commit_behind_training_and_failures_reach_every_rank(
         tmp_path: Path) -> None:
     """``save(background=True)``: the state is staged in the call, written while training

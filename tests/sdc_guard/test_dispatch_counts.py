@@ -162,11 +162,13 @@ def test_a_device_list_with_host_tensors_has_the_same_value() -> None:
     """CPU tensors in a device's list (AdamW's step counters) are valued on the host and their
     terms added as a Python int (``_device_fingerprint``): the same value, whichever they are."""
     tensors = _mixed(9)
-    metas = tuple(P._meta_word(t) for t in tensors)
-    want = to_signed64(fingerprint(tensors))
-    with native_kernel(False):
-        for host in ([], [4], [1, 4, 8], list(range(1, 9))):
-            assert int(P._device_fingerprint(tensors, True, metas, CPU, host)) == want, host
+    for version in (1, 2):
+        metas = tuple(P._meta_word(t, version) for t in tensors)
+        want = to_signed64(fingerprint(tensors, version=version))
+        with native_kernel(False):
+            for host in ([], [4], [1, 4, 8], list(range(1, 9))):
+                got = int(P._device_fingerprint(tensors, True, metas, CPU, host, version))
+                assert got == want, (host, version)
 
 
 def _offsets(tensors: list[torch.Tensor], seed: int) -> list[int]:

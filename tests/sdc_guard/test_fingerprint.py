@@ -21,9 +21,26 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
           torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
 INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 M64 = (1 << 64) - 1
+V2_ARANGE = 16803111230339968512
+"""``fingerprint(torch.arange(10, dtype=torch.float32))`` in version 2, pinned."""
+V2_LIST = 10822693613244055738
+"""``fingerprint([arange(6, int64).view(2, 3), tensor([True, False])])`` in version 2."""
 
 
-def _ref_value(t: torch.Tensor) -> int:
+def _ref_weight(k: int, version: int) -> int:
+    """Lane k's weight, written out as docs/fingerprint.md states it: ``2k + 1`` in version 1;
+    ``2**8 (2k + 1) + 2**rho(k)`` in version 2, ``rho(k)`` 6 less the times 2 divides k + 1
+    (at most 6)."""
+    if version == 1:
+        return 2 * k + 1
+    twos, j = 0, k + 1
+    while j % 2 == 0 and twos < 6:
+        j //= 2
+        twos += 1
+    return 256 * (2 * k + 1) + 2 ** (6 - twos)
+
+
+def _ref_value(t: torch.Tensor, version: int = 2) -> int:
     """Pure-Python V over the tensor's bytes (module docstring), to cross-check the fast path."""
     raw = bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist())
     if t.element_size() == 8:
@@ -31,7 +48,7 @@ def _ref_value(t: torch.Tensor) -> int:
         return sum((2 * i + 1) * (x ^ (x >> 32)) for i, x in enumerate(words)) & M64
     raw += b"\0" * (-len(raw) % 4)
     lanes = [int.from_bytes(raw[i : i + 4], "little") for i in range(0, len(raw), 4)]
-    return sum((2 * k + 1) * v for k, v in enumerate(lanes)) & M64
+    return sum(_ref_weight(k, version) * v for k, v in enumerate(lanes)) & M64
 
 
 def _random_tensor(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
@@ -41,18 +58,27 @@ def _random_tensor(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
     return bits.view(torch.uint8)[: n * size].clone().view(INT_VIEW[size]).view(dtype)
 
 
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [0, 1, 5, 1023, 1024, 1025, 5000, (1 << 16) + 3, 300_001])
-def test_fast_path_matches_python_reference(n: int, dtype: torch.dtype) -> None:
+def test_fast_path_matches_python_reference(n: int, dtype: torch.dtype, version: int) -> None:
     t = _random_tensor(dtype, n, seed=n)
-    got = int(P.tensor_value(t).item()) & M64
-    assert got == _ref_value(t)
+    for native in (True, False):
+        with native_kernel(native):
+            got = int(P.tensor_value(t, version).item()) & M64
+            assert got == _ref_value(t, version), native
 
 
 def test_fast_path_matches_reference_with_tail_bytes() -> None:
-    for n in (1, 3, 7, 9, 13):
+    for n in (1, 3, 7, 9, 13, 257):
         t = _random_tensor(torch.uint8, n, seed=n)
-        assert int(P.tensor_value(t).item()) & M64 == _ref_value(t)
+        for version in (1, 2):
+            for native in (True, False):
+                with native_kernel(native):
+                    assert int(P.tensor_value(t, version).item()) & M64 == _ref_value(t, version)
+                    assert (P._native_fingerprint([t], False, None, version) is None
+                            or fingerprint(t, version=version)
+                            == fingerprint(t.clone(), version=version))
 
 
 def test_large_chunked_path_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -63,7 +89,10 @@ def test_large_chunked_path_matches_reference(monkeypatch: pytest.MonkeyPatch) -
     for dtype, n in ((torch.float32, 5 * 256 + 3 * 64 + 17), (torch.float64, 7 * 256 + 64 + 5),
                      (torch.float32, 4 * 256 + 64), (torch.float16, 2 * 256 + 1)):
         t = _random_tensor(dtype, n, seed=n)
-        assert int(P.tensor_value(t).item()) & M64 == _ref_value(t), (dtype, n)
+        for version in (1, 2):
+            with native_kernel(False):
+                got = int(P.tensor_value(t, version).item()) & M64
+            assert got == _ref_value(t, version), (dtype, n, version)
 
 
 @pytest.mark.timeout(280)
@@ -82,9 +111,12 @@ def test_the_compiled_kernel_gives_the_reference_values(monkeypatch: pytest.Monk
                          (torch.float64, 70_001), (torch.int64, 66_000),
                          (torch.float32, 20 * W._FUSED_ROW)):  # whole rows only
             t = _random_tensor(dtype, n, seed=n)
-            assert int(P.tensor_value(t).item()) & M64 == _ref_value(t), (dtype, n)
+            for version in (1, 2):
+                got = int(P.tensor_value(t, version).item()) & M64
+                assert got == _ref_value(t, version), (dtype, n, version)
             assert int(D.digest_value(t).item()) & M64 == _ref_digest(t), (dtype, n)
-    assert W._FUSED.checked == {("cpu", 0): True, ("cpu", 1): True, ("cpu", 2): True}
+    assert W._FUSED.checked == {("cpu", 0): True, ("cpu", 1): True, ("cpu", 2): True,
+                                ("cpu", 6): True}
 
 
 def test_a_kernel_that_fails_or_disagrees_is_given_up_with_a_warning(
@@ -93,7 +125,7 @@ def test_a_kernel_that_fails_or_disagrees_is_given_up_with_a_warning(
     monkeypatch.setattr(W, "FUSED_MIN", W.SMALL)
     monkeypatch.setattr(W._FUSED, "checked", {})
     t = _random_tensor(torch.float32, 70_001, seed=3)
-    want = _ref_value(t)
+    want = _ref_value(t, 1)
 
     def broken(flat: torch.Tensor, mode: int) -> torch.Tensor:
         raise RuntimeError("Cannot find a working triton installation")
@@ -101,14 +133,14 @@ def test_a_kernel_that_fails_or_disagrees_is_given_up_with_a_warning(
     monkeypatch.setattr(W._FUSED, "fns", {"cpu": broken})
     with native_kernel(False):
         with pytest.warns(RuntimeWarning, match="did not compile"):
-            assert int(P.tensor_value(t).item()) & M64 == want
+            assert int(P.tensor_value(t, 1).item()) & M64 == want
         assert W._FUSED.checked[("cpu", 0)] is False
-        assert int(P.tensor_value(t).item()) & M64 == want  # not tried again: no warning
+        assert int(P.tensor_value(t, 1).item()) & M64 == want  # not tried again: no warning
         monkeypatch.setattr(W._FUSED, "checked", {})
         monkeypatch.setattr(W._FUSED, "fns", {
             "cpu": lambda flat, mode: torch.zeros(2, dtype=torch.int64)})
         with pytest.warns(RuntimeWarning, match="another value"):
-            assert int(P.tensor_value(t).item()) & M64 == want
+            assert int(P.tensor_value(t, 1).item()) & M64 == want
         assert W._FUSED.checked[("cpu", 0)] is False
 
 
@@ -130,7 +162,8 @@ def test_any_single_element_change_changes_fingerprint(dtype: torch.dtype, n: in
         mask = -(1 << bit)  # the sign bit as a signed integer of this width
     iv[i] ^= mask
     assert not torch.equal(t.view(torch.uint8), u.view(torch.uint8))
-    assert fingerprint(t) != fingerprint(u)
+    version = data.draw(st.sampled_from([1, 2]))
+    assert fingerprint(t, version=version) != fingerprint(u, version=version)
 
 
 @settings(max_examples=200, deadline=None)
@@ -171,10 +204,12 @@ def test_small_tensors_batched_have_the_values_of_the_single_path(
         else:
             t = _random_tensor(dtype, n, seed=seed + k)
         tensors.append(t[::2] if view and n > 2 else t)
-    got = [int(v) & M64 for v in P.tensor_values(tensors, torch.device("cpu"))]
-    assert got == [int(P.tensor_value(t)) & M64 for t in tensors]
-    # complex64 elements are 8 bytes: valued as 64-bit words, like int64
-    assert got == [_ref_value(t.view(torch.int64) if t.is_complex() else t) for t in tensors]
+    for version in (1, 2):
+        got = [int(v) & M64 for v in P.tensor_values(tensors, torch.device("cpu"), version)]
+        assert got == [int(P.tensor_value(t, version)) & M64 for t in tensors]
+        # complex64 elements are 8 bytes: valued as 64-bit words, like int64
+        assert got == [_ref_value(t.view(torch.int64) if t.is_complex() else t, version)
+                       for t in tensors]
 
 
 def _ref_digest(t: torch.Tensor) -> int:
@@ -258,7 +293,8 @@ def test_swapping_two_unequal_elements_changes_fingerprint(dtype: torch.dtype, n
         return
     u = t.clone()
     u[i], u[j] = t[j], t[i]
-    assert fingerprint(t) != fingerprint(u)
+    version = data.draw(st.sampled_from([1, 2]))
+    assert fingerprint(t, version=version) != fingerprint(u, version=version)
 
 
 @settings(max_examples=400, deadline=None)
@@ -283,17 +319,19 @@ def test_any_two_bit_flips_change_fingerprint(dtype: torch.dtype, n: int,
     for b in (first, second):
         raw[b // 8] ^= 1 << (b % 8)
     u = raw.view(dtype)
+    version = data.draw(st.sampled_from([1, 2]))
     for native in (True, False):
         with native_kernel(native):
-            assert fingerprint(t) != fingerprint(u), (first, second)
-            assert fingerprint([t, t]) != fingerprint([t, u])
+            assert fingerprint(t, version=version) != fingerprint(u, version=version), (
+                first, second)
+            assert fingerprint([t, t], version=version) != fingerprint([t, u], version=version)
 
 
-def test_the_documented_cancelling_burst() -> None:
-    # What is not guaranteed (docs/fingerprint.md): flips whose weighted changes cancel.
+def test_the_documented_cancelling_burst_of_version_1() -> None:
+    # What version 1 does not see (docs/fingerprint.md): flips whose weighted changes cancel.
     # The same bit of 4 adjacent float32 lanes that held 0, 1, 1, 0 there changes V by
     # 2**31 ((2k+1) - (2k+3) - (2k+5) + (2k+7)) = 0, wherever the burst starts; held
-    # 0, 0, 1, 1 (any other pattern) it is seen.
+    # 0, 0, 1, 1 (any other pattern) it is seen. Version 2 sees both.
     for k in range(0, 5):
         x = torch.ones(12)
         x[k + 1:k + 3] = -1.0  # signs +, -, -, + at k .. k+3
@@ -302,15 +340,101 @@ def test_the_documented_cancelling_burst() -> None:
         assert torch.equal(y[k:k + 4], -x[k:k + 4]) and y.sum() == x.sum()
         for native in (True, False):
             with native_kernel(native):
-                assert fingerprint(y) == fingerprint(x)
+                assert fingerprint(y, version=1) == fingerprint(x, version=1)
+                assert fingerprint(y) != fingerprint(x)
         x[k + 1], x[k + 3] = x[k + 3].item(), x[k + 1].item()  # signs +, +, -, -
         y = x.clone()
         y[k:k + 4] = -x[k:k + 4]
-        assert fingerprint(y) != fingerprint(x)
+        assert fingerprint(y, version=1) != fingerprint(x, version=1)
     # three bits: bit 4 of lane 0 down and its bit 6 up (+3 * 2**4), bit 4 of lane 1 down
     lanes = torch.tensor([0x10, 0x10, 7], dtype=torch.int32)
     changed = torch.tensor([0x40, 0x00, 7], dtype=torch.int32)
-    assert fingerprint(lanes) == fingerprint(changed)
+    assert fingerprint(lanes, version=1) == fingerprint(changed, version=1)
+
+
+def _weights_of(n: int, version: int) -> list[int]:
+    """Each lane's weight as the implementation has it: V of a tensor with 1 in that lane
+    (V is linear), read on the C kernel's path and on the torch path, which must agree."""
+    out = []
+    for native in (True, False):
+        with native_kernel(native):
+            eye = torch.eye(n, dtype=torch.int32)
+            out.append([int(P.tensor_value(eye[k], version)) & M64
+                        - (int(P.tensor_value(torch.zeros(n, dtype=torch.int32), version)) & M64)
+                        for k in range(n)])
+    assert out[0] == out[1]
+    return out[0]
+
+
+def test_version_2_weighs_each_lane_as_documented() -> None:
+    assert _weights_of(200, 2) == [_ref_weight(k, 2) for k in range(200)]
+    assert _weights_of(70, 1) == [2 * k + 1 for k in range(70)]
+
+
+def test_no_burst_of_up_to_64_lanes_at_one_bit_cancels_in_version_2() -> None:
+    # The proof (sdc_guard/fingerprints/public.py): a burst flips bit b of each of up to 64
+    # adjacent lanes, each up or down: dV = 2**b sum_k s_k w_k. The weights' powers of 2
+    # (rho) have a single smallest in every window of 64 lanes or fewer, so the sum has that
+    # power of 2 exactly and is not 0 modulo 2**(64 - b). Checked here: (1) the single
+    # smallest, for every window up to 64 lanes from every phase; (2) every sign pattern of
+    # every window up to 12 lanes, from 128 starts and near 2**20, against 2**33 (bit 31, the
+    # hardest); (3) on tensors, below.
+    def rho(k: int) -> int:
+        return (_ref_weight(k, 2) & -_ref_weight(k, 2)).bit_length() - 1
+
+    for start in range(128):
+        for length in range(1, 65):
+            window = [rho(k) for k in range(start, start + length)]
+            assert window.count(min(window)) == 1, (start, length)
+    for base in (0, 64, (1 << 20) - 40):
+        w = torch.tensor([_ref_weight(k, 2) for k in range(base, base + 140)], dtype=torch.int64)
+        for length in range(1, 13):
+            signs = torch.tensor([[1 if p >> i & 1 else -1 for i in range(length)]
+                                  for p in range(1 << length)], dtype=torch.int64)
+            windows = w.unfold(0, length, 1)  # [starts, length]
+            sums = (signs[:, None, :] * windows[None]).sum(-1)
+            assert not bool(((sums & ((1 << 33) - 1)) == 0).any()), (base, length)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
+def test_every_burst_at_one_bit_changes_version_2_on_small_tensors(dtype: torch.dtype) -> None:
+    # Exhaustively on a tensor: every offset, every bit of the element, bursts of 2 to 5
+    # elements and every pattern of up/down flips (the bit's value in each element before the
+    # flip), on both paths. Version 1 misses some of the same float32 bursts.
+    n, width = 10, 8 * torch.empty((), dtype=dtype).element_size()
+    ints = INT_VIEW[width // 8]
+    base = _random_tensor(dtype, n, seed=7).view(ints)
+    missed_v1 = 0
+    for native in (True, False):
+        with native_kernel(native):
+            for length in range(2, 6):
+                for at in range(n - length + 1):
+                    for bit in range(width):
+                        one = -(1 << bit) if bit == width - 1 else 1 << bit
+                        for pattern in range(1 << length):
+                            x = base.clone()
+                            part = x[at:at + length]
+                            for i in range(length):  # the bit's value before the flip
+                                part[i] = (part[i] | one) if pattern >> i & 1 else (part[i] & ~one)
+                            y = x.clone()
+                            y[at:at + length] ^= one
+                            assert fingerprint(x.view(dtype)) != fingerprint(y.view(dtype)), (
+                                length, at, bit, pattern)
+                            if native and length == 4 and bit < 4:
+                                missed_v1 += (fingerprint(x.view(dtype), version=1)
+                                              == fingerprint(y.view(dtype), version=1))
+    assert missed_v1 > 0 or dtype != torch.float32  # the cancelling patterns v2 removes
+
+
+def test_a_three_bit_pattern_that_cancels_in_version_2() -> None:
+    # Version 2 is linear in the lanes too: changes whose weighted sum is 0 modulo 2**64
+    # still escape it (docs/fingerprint.md), e.g. lane 1 (weight 3 * 2**8 + 2**5 = 800) up
+    # by 800 and lane 0 (weight 2**8 + 2**6 = 320) down by 2000: 800 * 800 = 2000 * 320, a
+    # change of 0, made of many flipped bits.
+    x = torch.tensor([5000, 17, 9], dtype=torch.int32)
+    y = torch.tensor([3000, 17 + 800, 9], dtype=torch.int32)
+    assert fingerprint(x) == fingerprint(y)
+    assert fingerprint(x, version=1) != fingerprint(y, version=1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
@@ -387,10 +511,16 @@ def test_empty_bool_and_every_dtype_in_range() -> None:
 
 
 def test_known_answers_are_stable() -> None:
-    # Pinned values: a change here breaks fingerprints stored by earlier versions.
-    assert fingerprint(torch.arange(10, dtype=torch.float32)) == 14293593760334939079
+    # Pinned values: a change here breaks fingerprints stored by earlier releases (version 1:
+    # the values every release before version 2 stored; version 2: the current one).
     t = [torch.arange(6, dtype=torch.int64).view(2, 3), torch.tensor([True, False])]
-    assert fingerprint(t) == 2525836643581307108
+    for native in (True, False):
+        with native_kernel(native):
+            assert fingerprint(torch.arange(10, dtype=torch.float32),
+                               version=1) == 14293593760334939079
+            assert fingerprint(t, version=1) == 2525836643581307108
+            assert fingerprint(torch.arange(10, dtype=torch.float32)) == V2_ARANGE
+            assert fingerprint(t) == V2_LIST
 
 
 def test_same_value_in_a_fresh_process() -> None:

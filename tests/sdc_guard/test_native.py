@@ -433,11 +433,13 @@ def test_every_instruction_set_gives_the_same_values(native: None) -> None:
     try:
         for name in usable:
             assert kernel.use_isa(name) == name
-            seen[name] = [(int(P.tensor_value(t)), D.digest_parts(t).tolist()) for t in cases]
+            seen[name] = [(int(P.tensor_value(t)), int(P.tensor_value(t, 1)),
+                           D.digest_parts(t).tolist()) for t in cases]
     finally:
         kernel.use_isa(before)
     nat.disable_native()
-    want = [(int(P.tensor_value(t)), D.digest_parts(t).tolist()) for t in cases]
+    want = [(int(P.tensor_value(t)), int(P.tensor_value(t, 1)), D.digest_parts(t).tolist())
+            for t in cases]
     assert all(v == want for v in seen.values()), [k for k, v in seen.items() if v != want]
     with pytest.raises(ValueError, match="avx2"):
         kernel.use_isa("avx1024")
@@ -487,10 +489,11 @@ def test_the_fingerprint_pass_takes_a_weights_sums_and_its_value_is_unchanged(
     try:
         for isa in nat.ISAS[: nat.ISAS.index(kernel.cpu_isa) + 1]:
             kernel.use_isa(isa)
-            ask.taken = False
-            assert P.fingerprint_with_sums(tensors, [ask]).item() == \
-                P.fingerprint_tensor(tensors).item()
-            assert ask.taken
+            for version in (1, 2):
+                ask.taken = False
+                assert P.fingerprint_with_sums(tensors, [ask], version).item() == \
+                    P.fingerprint_tensor(tensors, version=version).item()
+                assert ask.taken
     finally:
         kernel.use_isa(before)
     wd = w.double()

@@ -141,6 +141,15 @@ def test_ranks_that_compute_otherwise_are_refused_by_the_replay_never_convicted(
         assert r["checks"] == ["nonfinite", "replay", "weights"] and r["detections"] == []
 
 
+def test_ranks_that_compute_other_fingerprints_are_refused_at_construction() -> None:
+    # A rank of a release before fingerprint version 2 (or after it) would lose every vote:
+    # the versions are gathered with the ranks' places and the guard is refused on every rank.
+    for msg in run_ranks(workers.fingerprint_version_run, 3, [2, 1, 2]):
+        assert msg is not None and "version 2 on ranks 0, 2; version 1 on ranks 1" in msg
+        assert "Install one sdc_guard release on every rank" in msg
+    assert run_ranks(workers.fingerprint_version_run, 2, [2, 2]) == [None, None]
+
+
 def test_ranks_at_other_steps_are_an_error_of_the_loop_never_a_conviction() -> None:
     # A rank that resumed from another step (a per-rank checkpoint one rank failed to write)
     # trains on in lockstep under DDP; every audit step convicted it, healthy. The first

@@ -521,24 +521,29 @@ int64_t sdc_cs_bwd(const sdc_cs_bwd_args* a) {
 #define FW_AHEAD 2
 typedef struct {
   const float* W; int64_t cols, r0, r1; float *wr, *war, *s, *b; uint64_t s1, s2;
+  int v2; uint64_t g;
 } fw_job_t;
 
 /* Rows [r0, r1): s1 = sum v, s2 = sum i v over their uint32 lanes (i from the job's
-   first lane), r = W e and ra = |W| e of each row, s = e^T W and b = e^T |W| over them. */
+   first lane), with v2 also g = sum 2^rho(i) v (i from W's first lane: block6), r = W e and
+   ra = |W| e of each row, s = e^T W and b = e^T |W| over them. */
 CLONES static void fw_range(fw_job_t* j) {
   const int64_t cols = j->cols;
   int64_t tile = cols ? FW_TILE / (4 * cols) : 1;
   if (tile < 1) tile = 1;
+  if (cols % 2 && tile % 2) ++tile;  /* tiles from even lanes (block6's fast path) */
   memset(j->s, 0, sizeof(float) * (size_t)cols);
   memset(j->b, 0, sizeof(float) * (size_t)cols);
-  uint64_t a1 = 0, a2 = 0;
+  uint64_t a1 = 0, a2 = 0, a3 = 0;
   for (int64_t i = j->r0; i < j->r1; i += tile) {
     const int64_t i1 = j->r1 - i < tile ? j->r1 : i + tile;
     const uint64_t lane0 = (uint64_t)((i - j->r0) * cols);
-    uint64_t c1, c2;
-    block0(j->W + i * cols, (i1 - i) * cols, &c1, &c2);
+    uint64_t c1, c2, c3 = 0;
+    if (j->v2) block6(j->W + i * cols, (i1 - i) * cols, (uint64_t)(i * cols), &c1, &c2, &c3);
+    else block0(j->W + i * cols, (i1 - i) * cols, &c1, &c2);
     a1 += c1;
     a2 += c2 + lane0 * c1;
+    a3 += c3;
     if (!cols)
       for (int64_t r = i; r < i1; ++r) j->wr[r] = j->war[r] = 0.0f;
     for (int64_t lo = 0; lo < cols; lo += CS_COLBLOCK) {
@@ -549,6 +554,7 @@ CLONES static void fw_range(fw_job_t* j) {
   }
   j->s1 = a1;
   j->s2 = a2;
+  j->g = a3;
 }
 
 static void* fw_thread(void* arg) {
@@ -557,22 +563,22 @@ static void* fw_thread(void* arg) {
 }
 
 /* out = {sum_k (2k + 1) v_k, sum_k v_k} over W's rows * cols uint32 lanes, as
-   sdc_weighted_sum(W, rows * cols, 0, ...) gives them, and wsum = [e^T W, e^T |W| (cols
+   sdc_weighted_sum(W, rows * cols, 0, ...) gives them (version 2: out[0] as mode 6 gives it), and wsum = [e^T W, e^T |W| (cols
    each), W e, |W| e (rows each)], bsum = the bias's sum and absolute sum (bias: rows
    floats, or NULL), as sdc_cs_fwd's weight pass gives them (the float sums in another
    order; the same bits from one call to the next with the same threads). Threads split
    the rows. 0, or 1 on bad arguments (or no memory for the threads' column sums). */
 int sdc_fp_wsum(const float* W, int64_t rows, int64_t cols, const float* bias, float* wsum,
-                float* bsum, int threads, uint64_t* out) {
-  if (rows < 0 || cols < 0) return 1;
+                float* bsum, int threads, int version, uint64_t* out) {
+  if (rows < 0 || cols < 0 || version < 1 || version > 2) return 1;
   float *wc = wsum, *wac = wc + cols, *wr = wac + cols, *war = wr + rows;
   fw_job_t jobs[MAX_THREADS];
   int64_t per;
-  const int used = split(rows, threads, 1, &per);
+  const int used = split(rows, threads, cols % 2 ? 2 : 1, &per);  /* even lanes, as the tiles */
   float* scratch = 0;  /* the column sums of threads 1.. */
   if (used > 1 && !(scratch = malloc(sizeof(float) * 2 * (size_t)cols * (size_t)used))) return 1;
   for (int t = 0; t < used; ++t) {
-    jobs[t] = (fw_job_t){W, cols, (int64_t)t * per, 0, wr, war, wc, wac, 0, 0};
+    jobs[t] = (fw_job_t){W, cols, (int64_t)t * per, 0, wr, war, wc, wac, 0, 0, version == 2, 0};
     jobs[t].r1 = rows - jobs[t].r0 < per ? rows : jobs[t].r0 + per;
     if (t > 0) {
       jobs[t].s = scratch + 2 * cols * t;
@@ -583,18 +589,19 @@ int sdc_fp_wsum(const float* W, int64_t rows, int64_t cols, const float* bias, f
     memset(wc, 0, sizeof(float) * 2 * (size_t)cols);
   }
   run_jobs(fw_thread, jobs, sizeof jobs[0], used);
-  uint64_t total = 0, plain = 0;
+  uint64_t total = 0, plain = 0, extra = 0;
   for (int t = 0; t < used; ++t) {
     const uint64_t lo = (uint64_t)(jobs[t].r0 * cols);
     total += (2 * lo + 1) * jobs[t].s1 + 2 * jobs[t].s2;
     plain += jobs[t].s1;
+    extra += jobs[t].g;
     for (int64_t c = 0; c < cols && t > 0; ++c) {
       wc[c] += jobs[t].s[c];
       wac[c] += jobs[t].b[c];
     }
   }
   free(scratch);
-  out[0] = total;
+  out[0] = version == 2 ? (total << 8) + extra : total;
   out[1] = plain;
   bsum[0] = bsum[1] = 0.0f;
   if (bias && rows_of(bias, 1, rows, rows, bsum, bsum + 1, 1)) return 1;

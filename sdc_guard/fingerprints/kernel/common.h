@@ -68,14 +68,20 @@ SDC_HIDDEN void run_jobs(void* (*fn)(void*), void* jobs, size_t size, int used);
 SDC_HIDDEN void block0(const void* x, int64_t n, uint64_t* s1, uint64_t* s2);
 SDC_HIDDEN void block1(const void* x, int64_t n, uint64_t* s1, uint64_t* s2);
 SDC_HIDDEN void block2(const void* x, int64_t n, uint64_t* s1, uint64_t* s2);
+/* block0's sums of n uint32 lanes, and g = sum_i 2^rho(phase + i) v_i: the extra term of
+   the fingerprint's second version (rho: fingerprint.c). */
+SDC_HIDDEN void block6(const void* x, int64_t n, uint64_t phase, uint64_t* s1, uint64_t* s2,
+                       uint64_t* g);
 
 /* One thread's share of a pass over words or floats (weighted). */
 typedef struct {
   const char* x; int64_t lo, n; int mode; uint64_t s1, s2; float scale; uint32_t bad;
+  uint64_t g;
 } job_t;
 
 /* out = {sum_k (2k + 1) v_k, sum_k v_k} (mod 2^64) over n elements of x, on up to threads
-   threads. Modes 0 (uint32 lanes), 1 and 2 (64-bit words, block1 and block2) sum; modes
+   threads. Modes 0 (uint32 lanes), 1 and 2 (64-bit words, block1 and block2) sum; mode 6
+   (uint32 lanes) gives sum_k (2^8 (2k + 1) + 2^rho(k)) v_k in out[0] instead; modes
    3, 4 and 5 are the scaling pass's (scaling_job), which set out[2] to 1 if a float was NaN
    or Inf. 0, or 1 on bad arguments. */
 SDC_HIDDEN int weighted(const void* x, int64_t n, int mode, int threads, float scale,
@@ -178,6 +184,6 @@ int64_t sdc_cs_bwd(const sdc_cs_bwd_args* a);
 int64_t sdc_cs_gx(const float* GX, int64_t n, int64_t in, int64_t ld, float* gxs, double tol,
                   int finite_only, int threads);
 int sdc_fp_wsum(const float* W, int64_t rows, int64_t cols, const float* bias, float* wsum,
-                float* bsum, int threads, uint64_t* out);
+                float* bsum, int threads, int version, uint64_t* out);
 
 #endif

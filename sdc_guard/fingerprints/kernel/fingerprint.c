@@ -7,7 +7,8 @@
 #include "common.h"
 
 /* Element values by mode: 0 = uint32 lane zero-extended, 1 = 64-bit word X mapped to
-   X ^ (X >>> 32), 2 = raw 64-bit word. */
+   X ^ (X >>> 32), 2 = raw 64-bit word; 6 = uint32 lanes under the fingerprint's second
+   version (block6: the weights 2^8 (2i + 1) + 2^rho(i)). */
 
 /* Software prefetch distance in bytes. These loops do a few integer operations per
    word; a core that waits for each cache line in turn and only then does them stays
@@ -18,30 +19,40 @@
 #define SDC_PREFETCH 4096
 #endif
 
-/* Sums over m 64-bit words X_k at x, k from 0 (mod 2^64), in out[0..3]:
+/* sigma(k) = 5 - min(v2(k + 1), 5): the shift of the upper lane of word k under the
+   fingerprint's second version, with the words counted from an even lane (block6). */
+static inline int sigma(uint64_t k) { return 5 - __builtin_ctzll((k + 1) | 32); }
+
+/* Sums over m 64-bit words X_k at x, k from 0 (mod 2^64), in out[0..4]:
    mode 0: sum X, sum k X, sum hi, sum k hi (hi = X >> 32: the word's upper uint32 lane);
-   mode 1: sum Y, sum k Y over Y = X ^ (X >> 32), out[2..3] = 0;
-   mode 2: sum X, sum k X, out[2..3] = 0.
+   mode 6: those, and out[4] = sum_k hi_k 2^sigma(k + half) (block6);
+   mode 1: sum Y, sum k Y over Y = X ^ (X >> 32), out[2..4] = 0;
+   mode 2: sum X, sum k X, out[2..4] = 0.
    NV vectors of VB bytes make one block of S words: word k = S b + s sits in stream s,
    which keeps P_s = sum_b v and Q_s = sum_b (nb - 1 - b) v (Q += P, then P += v: two
-   additions per vector, no multiply), so that sum_b b v = (nb - 1) P_s - Q_s. One copy
-   per vector width; GCC and Clang vector extensions, no intrinsics. */
+   additions per vector, no multiply), so that sum_b b v = (nb - 1) P_s - Q_s. In mode 6
+   sigma(k + half) is the same for every word of a stream (S divides 32, and v2(k + half + 1)
+   < log2 S decides it) but one, whose words are summed apart, one scalar word a block. One
+   copy per vector width; GCC and Clang vector extensions, no intrinsics. */
 #define WORDS(NAME, TARGET, VB)                                                        \
   typedef uint64_t NAME##_vec __attribute__((vector_size(VB)));                        \
-  TARGET static void NAME(const char* x, int64_t m, int mode, uint64_t* out) {         \
+  TARGET static void NAME(const char* x, int64_t m, int mode, uint64_t half,          \
+                          uint64_t* out) {                                             \
     enum { L = VB / 8, NV = 2, S = L * NV };                                           \
     NAME##_vec P[NV], Q[NV], PH[NV], QH[NV];                                           \
     memset(P, 0, sizeof P); memset(Q, 0, sizeof Q);                                    \
     memset(PH, 0, sizeof PH); memset(QH, 0, sizeof QH);                                \
     const int64_t nb = m / S;                                                          \
-    for (int64_t b = 0; b < nb; ++b)                                                   \
+    const int odd = (int)((S - 1 - half % S) % S); /* the stream whose shift varies */ \
+    uint64_t g = 0;                                                                    \
+    for (int64_t b = 0; b < nb; ++b) {                                                 \
       for (int j = 0; j < NV; ++j) {                                                   \
         const char* at = x + 8 * (b * S + j * L);                                      \
         if ((j * VB) % 64 == 0) __builtin_prefetch(at + SDC_PREFETCH);                 \
         NAME##_vec v;                                                                  \
         memcpy(&v, at, VB);                                                            \
         Q[j] += P[j];                                                                  \
-        if (mode == 0) {                                                               \
+        if (mode == 0 || mode == 6) {                                                  \
           QH[j] += PH[j];                                                              \
           PH[j] += v >> 32;                                                            \
         } else if (mode == 1) {                                                        \
@@ -49,6 +60,13 @@
         }                                                                              \
         P[j] += v;                                                                     \
       }                                                                                \
+      if (mode == 6) {                                                                 \
+        const uint64_t kw = (uint64_t)(b * S + odd);                                   \
+        uint32_t hw;                                                                   \
+        memcpy(&hw, x + 8 * kw + 4, 4);                                                \
+        g += (uint64_t)hw << sigma(kw + half);                                         \
+      }                                                                                \
+    }                                                                                  \
     uint64_t a = 0, k = 0, h = 0, kh = 0;                                              \
     for (int j = 0; j < NV; ++j)                                                       \
       for (int l = 0; l < L; ++l) {                                                    \
@@ -57,6 +75,7 @@
         k += (uint64_t)S * ((uint64_t)(nb - 1) * P[j][l] - Q[j][l]) + s * P[j][l];     \
         h += PH[j][l];                                                                 \
         kh += (uint64_t)S * ((uint64_t)(nb - 1) * PH[j][l] - QH[j][l]) + s * PH[j][l]; \
+        if (mode == 6 && (int)s != odd) g += PH[j][l] << sigma(s + half);              \
       }                                                                                \
     for (int64_t i = nb * S; i < m; ++i) {                                             \
       uint64_t w;                                                                      \
@@ -65,12 +84,13 @@
       if (mode == 1) w ^= hi;                                                          \
       a += w;                                                                          \
       k += (uint64_t)i * w;                                                            \
-      if (mode == 0) {                                                                 \
+      if (mode == 0 || mode == 6) {                                                    \
         h += hi;                                                                       \
         kh += (uint64_t)i * hi;                                                        \
       }                                                                                \
+      if (mode == 6) g += hi << sigma((uint64_t)i + half);                             \
     }                                                                                  \
-    out[0] = a; out[1] = k; out[2] = h; out[3] = kh;                                   \
+    out[0] = a; out[1] = k; out[2] = h; out[3] = kh; out[4] = g;                       \
   }
 
 WORDS(words_base, , 16)
@@ -102,13 +122,13 @@ int sdc_isa(int want) {
   return isa_used;
 }
 
-static void words(const char* x, int64_t m, int mode, uint64_t* out) {
+static void words(const char* x, int64_t m, int mode, uint64_t half, uint64_t* out) {
   switch (sdc_isa(-1)) {
 #ifdef SDC_X86
-    case 2: words_avx512(x, m, mode, out); return;
-    case 1: words_avx2(x, m, mode, out); return;
+    case 2: words_avx512(x, m, mode, half, out); return;
+    case 1: words_avx2(x, m, mode, half, out); return;
 #endif
-    default: words_base(x, m, mode, out);
+    default: words_base(x, m, mode, half, out);
   }
 }
 
@@ -118,8 +138,8 @@ static void words(const char* x, int64_t m, int mode, uint64_t* out) {
    sum lo = sum X - 2^32 sum hi, sum k lo = sum k X - 2^32 sum k hi, and
    s1 = sum lo + sum hi, s2 = 2 (sum k lo + sum k hi) + sum hi. */
 void block0(const void* x, int64_t n, uint64_t* s1, uint64_t* s2) {
-  uint64_t o[4];
-  words((const char*)x, n / 2, 0, o);
+  uint64_t o[5];
+  words((const char*)x, n / 2, 0, 0, o);
   const uint64_t lo = o[0] - (o[2] << 32), klo = o[1] - (o[3] << 32);
   *s1 = lo + o[2];
   *s2 = 2 * (klo + o[3]) + o[2];
@@ -131,17 +151,54 @@ void block0(const void* x, int64_t n, uint64_t* s1, uint64_t* s2) {
   }
 }
 
+/* rho(i) = 6 - min(v2(i + 1), 6): lane i (counted from where the weights start) is
+   weighted 2^8 (2i + 1) + 2^rho(i) under the fingerprint's second version
+   (sdc_guard.fingerprints.public); rho depends on i mod 64 alone. */
+static inline int rho(uint64_t i) { return 6 - __builtin_ctzll((i + 1) | 64); }
+
+/* block0's sums, and g = sum_i 2^rho(phase + i) v_i. From an even lane (even phase) the
+   low lane of each word has rho = 6 and the high lane of word k rho = sigma(k + phase / 2),
+   which the word loop sums (mode 6); an odd phase, which no caller uses, is summed lane by
+   lane. */
+void block6(const void* x, int64_t n, uint64_t phase, uint64_t* s1, uint64_t* s2,
+            uint64_t* g) {
+  if (phase % 2) {
+    block0(x, n, s1, s2);
+    uint64_t e = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      uint32_t v;
+      memcpy(&v, (const char*)x + 4 * i, 4);
+      e += (uint64_t)v << rho(phase + (uint64_t)i);
+    }
+    *g = e;
+    return;
+  }
+  uint64_t o[5];
+  words((const char*)x, n / 2, 6, phase / 2, o);
+  const uint64_t lo = o[0] - (o[2] << 32), klo = o[1] - (o[3] << 32);
+  *s1 = lo + o[2];
+  *s2 = 2 * (klo + o[3]) + o[2];
+  *g = (lo << 6) + o[4];
+  if (n % 2) {
+    uint32_t v;
+    memcpy(&v, (const char*)x + 4 * (n - 1), 4);
+    *s1 += v;
+    *s2 += (uint64_t)(n - 1) * v;
+    *g += (uint64_t)v << 6;  /* an even lane: phase + n - 1 is even */
+  }
+}
+
 /* block1: n words mapped to X ^ (X >>> 32); block2: n words as they are. */
 void block1(const void* x, int64_t n, uint64_t* s1, uint64_t* s2) {
-  uint64_t o[4];
-  words((const char*)x, n, 1, o);
+  uint64_t o[5];
+  words((const char*)x, n, 1, 0, o);
   *s1 = o[0];
   *s2 = o[1];
 }
 
 void block2(const void* x, int64_t n, uint64_t* s1, uint64_t* s2) {
-  uint64_t o[4];
-  words((const char*)x, n, 2, o);
+  uint64_t o[5];
+  words((const char*)x, n, 2, 0, o);
   *s1 = o[0];
   *s2 = o[1];
 }
@@ -150,8 +207,9 @@ void block2(const void* x, int64_t n, uint64_t* s1, uint64_t* s2) {
    scaling pass's (scaling_job). */
 static void run(job_t* j) {
   const void* p = j->x + (j->mode == 0 || j->mode >= 4 ? 4 : 8) * j->lo;
-  j->s1 = j->s2 = 0;
-  if (j->mode >= 3) scaling_job(j);
+  j->s1 = j->s2 = j->g = 0;
+  if (j->mode == 6) block6(p, j->n, (uint64_t)j->lo, &j->s1, &j->s2, &j->g);
+  else if (j->mode >= 3) scaling_job(j);
   else if (j->mode == 0) block0(p, j->n, &j->s1, &j->s2);
   else if (j->mode == 1) block1(p, j->n, &j->s1, &j->s2);
   else block2(p, j->n, &j->s1, &j->s2);
@@ -163,7 +221,7 @@ static void* thread_main(void* arg) {
 }
 
 int weighted(const void* x, int64_t n, int mode, int threads, float scale, uint64_t* out) {
-  if (n < 0 || mode < 0 || mode > 5) return 1;
+  if (n < 0 || mode < 0 || mode > 6) return 1;
   job_t jobs[MAX_THREADS];
   int64_t per;
   const int used = split(n, threads, 64, &per);
@@ -176,20 +234,21 @@ int weighted(const void* x, int64_t n, int mode, int threads, float scale, uint6
     jobs[t].bad = 0;
   }
   run_jobs(thread_main, jobs, sizeof jobs[0], used);
-  uint64_t total = 0, plain = 0, bad = 0;
+  uint64_t total = 0, plain = 0, bad = 0, extra = 0;
   for (int t = 0; t < used; ++t) {
     total += (2 * (uint64_t)jobs[t].lo + 1) * jobs[t].s1 + 2 * jobs[t].s2;
     plain += jobs[t].s1;
     bad |= jobs[t].bad;
+    extra += jobs[t].g;
   }
-  out[0] = total;
+  out[0] = mode == 6 ? (total << 8) + extra : total;
   out[1] = plain;
   if (mode >= 3) out[2] = bad;
   return 0;
 }
 
 int sdc_weighted_sum(const void* x, int64_t n, int mode, int threads, uint64_t* out) {
-  if (mode >= 3) return 1;
+  if (mode >= 3 && mode != 6) return 1;
   return weighted(x, n, mode, threads, 1.0f, out);
 }
 
@@ -204,7 +263,8 @@ static uint64_t mix64(uint64_t z) {
 
 /* The terms of a list's fingerprint, summed (mod 2**64): span i (address at[i], nbytes[i]
    bytes) as 64-bit words (mode 1) or 32-bit lanes (mode 0, the last partial lane zero-
-   padded, weight 2k+1), its value plus key[i] mixed by splitmix64's finaliser. One call for
+   padded, weight 2k+1; mode 6, the second version's weights), its value plus key[i] mixed
+   by splitmix64's finaliser. One call for
    every tensor of a list; a span takes a thread per per_thread elements, up to threads
    (the value is the same either way). */
 int sdc_fingerprint_terms(const uint64_t* at, const int64_t* nbytes, const int32_t* mode,
@@ -214,7 +274,8 @@ int sdc_fingerprint_terms(const uint64_t* at, const int64_t* nbytes, const int32
   for (int64_t i = 0; i < count; ++i) {
     const unsigned char* p = (const unsigned char*)(uintptr_t)at[i];
     const int64_t unit = mode[i] == 1 ? 8 : 4, n = nbytes[i] / unit, rem = nbytes[i] % unit;
-    if ((mode[i] != 0 && mode[i] != 1) || nbytes[i] < 0 || (mode[i] == 1 && rem)) return 1;
+    if ((mode[i] != 0 && mode[i] != 1 && mode[i] != 6) || nbytes[i] < 0 || (mode[i] == 1 && rem))
+      return 1;
     int64_t t = per_thread > 0 ? n / per_thread : 1;
     if (t > threads) t = threads;
     if (t < 1) t = 1;
@@ -223,7 +284,8 @@ int sdc_fingerprint_terms(const uint64_t* at, const int64_t* nbytes, const int32
     if (rem) {
       uint64_t tail = 0;
       for (int64_t b = 0; b < rem; ++b) tail |= (uint64_t)p[4 * n + b] << (8 * b);
-      v[0] += (2 * (uint64_t)n + 1) * tail;
+      v[0] += mode[i] == 6 ? ((2 * (uint64_t)n + 1) * tail << 8) + (tail << rho((uint64_t)n))
+                           : (2 * (uint64_t)n + 1) * tail;
     }
     sum += mix64(v[0] + key[i]);
   }
