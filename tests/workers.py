@@ -434,7 +434,7 @@ def fingerprint_version_run(rank: int, world: int, versions: list[int]) -> str |
     would): the guard's construction refuses on every rank when they differ; its message."""
     import sdc_guard.topology as topology
 
-    topology.FINGERPRINT_VERSION = versions[rank]  # type: ignore[misc]
+    topology.FINGERPRINT_VERSION = versions[rank]  # type: ignore[attr-defined]
     model = DDP(make_mlp())
     try:
         SDCGuard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn=loss_fn,

@@ -37,7 +37,7 @@ def _ref_weight(k: int, version: int) -> int:
     while j % 2 == 0 and twos < 6:
         j //= 2
         twos += 1
-    return 256 * (2 * k + 1) + 2 ** (6 - twos)
+    return 256 * (2 * k + 1) + (1 << (6 - twos))
 
 
 def _ref_value(t: torch.Tensor, version: int = 2) -> int:
