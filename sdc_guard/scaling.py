@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
+from sdc_guard.fingerprints.digest import OFFSET_FACTOR
 from sdc_guard.fingerprints.native import active_kernel
 from sdc_guard.fingerprints.words import MASK64
 
@@ -157,7 +158,7 @@ def scale_digest_spans(buf: torch.Tensor, spans: Spans, scale: float) -> tuple[i
     for a, b, offset in spans:
         d, s, flag = kernel.scale_digest_at(base + 8 * a, b - a, scale)
         bad |= flag
-        total += d + 2 * offset * s
+        total += d + OFFSET_FACTOR * offset * s
     return total & MASK64, bad
 
 

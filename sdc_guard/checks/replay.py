@@ -4,9 +4,11 @@ On an audit step every rank r first recomputes, from the pre-step weights and
 without gradient sync, the micro-batches of its ring neighbour n = (r + 1) mod N,
 and digests that loss and those gradients. Then it computes its own step as
 usual, keeping the bits of its own loss and a digest of its *local* gradients
-(seen in the comm hook, before the all-reduce). The gradient word is the word
-digest ``sum_k (2k+1) X_k`` of every gradient laid end to end in parameter
-order: linear, so each DDP bucket adds its share from its flat buffer, the
+(seen in the comm hook, before the all-reduce). The gradient word is the digest
+of every gradient laid end to end in parameter order (``sdc_guard.fingerprints.
+digest``: the fingerprint's version 2 lane sum, unmixed, which no burst at one bit
+over up to 64 lanes of a gradient cancels): linear, so each DDP bucket adds its share
+from its flat buffer, the
 replay adds its separate gradients' shares, and the value does not depend on
 the bucketing; a parameter without a gradient is zeros on both sides. On the
 CPU a float32 bucket's share is computed by the comm hook's 1/world scaling
@@ -100,7 +102,6 @@ from sdc_guard.determinism import (
 )
 from sdc_guard.fingerprints.digest import (
     device_loss_word,
-    digest_parts,
     host_concat_digest,
     host_loss_word,
     host_spans_digest,
@@ -121,9 +122,6 @@ from sdc_guard.report import Detection
 from sdc_guard.scaling import Flag
 from sdc_guard.state import ddp_ignored
 from sdc_guard.types import BatchFor, LossFn, fetch_micro_batches, recomputed_loss
-
-_FEW_SPANS = 8
-"""Up to this many gradients in a bucket, the device path sums each span on its own."""
 
 Word = int | torch.Tensor
 """One of the audit's 64-bit words: an unsigned Python int when computed on the host (the
@@ -178,13 +176,9 @@ class BucketPlan:
 
     ranges: list[tuple[int, int]]
     """[start, end) word range of each gradient in the buffer."""
-    shift: torch.Tensor
-    """int64, per gradient: its word offset in parameter order minus its offset in the buffer."""
     spans: list[tuple[int, int, int]]
     """(start, end, word offset in parameter order) per gradient: what the comm hook's
     scaling pass digests (``sdc_guard.parallel.base.DigestSpans``)."""
-    last: torch.Tensor
-    """int64, per gradient: the index of its last word in the buffer (the spans tile it)."""
 
     @staticmethod
     def of(buf: torch.Tensor, grads: Sequence[torch.Tensor], idx: Sequence[int],
@@ -213,32 +207,24 @@ class BucketPlan:
             covered = b
         if covered != buf.numel() * size // 8 or not spans:
             return None
-        shift = words_on([offsets[i] - a for a, _, i in spans], buf.device)
-        last = words_on([b - 1 for _, b, _ in spans], buf.device)
-        return BucketPlan([(a, b) for a, b, _ in spans], shift,
-                           [(a, b, offsets[i]) for a, b, i in spans], last)
+        return BucketPlan([(a, b) for a, b, _ in spans],
+                          [(a, b, offsets[i]) for a, b, i in spans])
 
     def digest(self, buf: torch.Tensor) -> torch.Tensor:
         """The buffer's share of the gradient word (0-d int64), on the host or the device.
 
-        The buffer's own digest puts parameter p's words at its offset b_p in the
-        bucket; moving them to their offset o_p in parameter order adds
-        ``2 (o_p - b_p) S_p`` (``concat_digest``), with S_p the plain sum of p's
-        words: one pass over the buffer plus a sum per parameter. On the CPU the C
-        kernel reads each span once and the parts combine in Python integers. On a
-        device, a bucket of many gradients takes its sums from one cumulative sum
-        (the spans tile the buffer), a few kernels instead of one per gradient.
+        Each parameter's gradient is a span of the buffer, digested as a tensor of its own at
+        its word offset in parameter order (``sdc_guard.fingerprints.digest``): on the CPU
+        one C-kernel call per span, combined in Python integers; on a device the spans as
+        views of the buffer's bytes, in one multi-tensor pass (``tensors_digest``: a number of
+        ops that does not grow with the number of gradients).
         """
         host = host_spans_digest(buf, self.spans)  # CPU: one kernel call per gradient
         if host is not None:
             return torch.tensor(to_signed64(host), dtype=torch.int64)
-        words = buf.view(torch.int64)
-        if len(self.ranges) > _FEW_SPANS:
-            at = torch.cumsum(words, 0)[self.last]  # wraps mod 2**64, like every sum here
-            sums = torch.cat([at[:1], at[1:] - at[:-1]])
-        else:
-            sums = torch.stack([words[a:b].sum() for a, b in self.ranges])
-        return digest_parts(buf)[0] + 2 * (self.shift * sums).sum()
+        raw = buf.view(torch.uint8)
+        return tensors_digest([raw[8 * a:8 * b] for a, b in self.ranges],
+                              [o for _, _, o in self.spans], buf.device)
 
 
 def grads_digest(grads: Sequence[torch.Tensor], offsets: Sequence[int],

@@ -72,7 +72,7 @@ CHUNK_STRIDE_BITS = 40
 
 
 def chunk_word(buf: torch.Tensor, index: int, device: torch.device) -> Word:
-    """Chunk ``index``'s share of the gradient word: the word digest of its buffer at word
+    """Chunk ``index``'s share of the gradient word: the digest of its buffer at word
     offset ``index << CHUNK_STRIDE_BITS`` (an unsigned int from the C kernel on the CPU,
     else a 0-d int64 tensor on ``device``)."""
     flat = buf.reshape(-1)

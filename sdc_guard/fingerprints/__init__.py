@@ -1,7 +1,7 @@
 """Fingerprints of tensors' exact bits: the public fingerprint, the replay digest, the C kernel.
 
 ``public``: ``fingerprint`` / ``fingerprint_tensor`` (order-sensitive, 64-bit);
-``digest``: the replay audit's linear word digest; ``words``: 64-bit helpers;
+``digest``: the replay audit's linear digest (version 2's lane sum, unmixed); ``words``: 64-bit helpers;
 ``weighted``: the odd-weighted sum under both; ``native``: the C kernel
 (the sources in ``kernel/``), built on first use, and the switch that turns it off.
 """

@@ -8,33 +8,35 @@ total bytes alone (one chunk per ``chunk_bytes`` of them, and a pass per tensor 
 
 How
 ---
-A *stream* is the tensors read one way: the fingerprint's 32-bit lanes (``MODE_LANES``), its
-64-bit words mapped by ``X ^ (X >>> 32)`` (``MODE_WORDS``), or the replay digest's raw words
-(``MODE_RAW``). Its tensors are laid end to end in a reused byte scratch, each from a block
-boundary (a block is ``BLOCK`` values, ``_BLOCK_ROWS`` rows of ``_ROW``) and zero-padded to
-the next one, chunk after chunk so the scratch stays bounded. Per chunk:
+A *stream* is the tensors read one way: the fingerprint's 32-bit lanes (``MODE_LANES``, or
+``MODE_LANES_V2`` under version 2's weights, which the replay digest takes too) or its 64-bit
+words mapped by ``X ^ (X >>> 32)`` (``MODE_WORDS``). Its tensors are laid end to end in a
+reused byte scratch, each from a block boundary (a block is ``BLOCK`` values, ``_BLOCK_ROWS``
+rows of ``_ROW``) and zero-padded to the next one, chunk after chunk so the scratch stays
+bounded. Per chunk:
 
 1. one ``torch._foreach_copy_`` per dtype into views of the scratch (cached per layout: no op
    per tensor); a copy keeps the bits, lays a non-contiguous tensor out, and resolves a lazy
    conjugate or negative view (a bool tensor goes as its bytes, a view each, which launches
    nothing: a copy as bool would write any nonzero byte as 1);
 2. one ``torch._foreach_zero_`` of the padding;
-3. the values ``v`` widened to int64 (lanes zero-extended; words ``X ^ (X >>> 32)``; raw words
-   are the scratch itself, no pass). On CUDA (``LANE_SUM_DEVICES``) lanes are not widened:
-   the reductions below read them as ``uint32`` and sum into int64;
+3. the values ``v`` widened to int64 (lanes zero-extended; words ``X ^ (X >>> 32)``). On CUDA
+   (``LANE_SUM_DEVICES``) lanes are not widened: the reductions below read them as ``uint32``
+   and sum into int64;
 4. ``v`` as ``[blocks, _BLOCK_ROWS, _ROW]``: the row sums ``R`` and each block's column sums
    ``C``, two reductions;
 5. per block ``X_b = sum_r (2 P r + 2 s_b) R_br + sum_c (2c + 1) C_bc``, which is
    ``sum_k (2 (s_b + k) + 1) v_k`` over the block's values: ``s_b`` is the block's first value
    counted from where the weights start (its tensor's start for the fingerprint, the
-   concatenation's for the digest), cached per layout.
+   concatenation's for the digest), cached per layout (``MODE_LANES_V2``: the row weights
+   times ``2**8`` and the column weights ``2**8 (2c + 1) + 2**rho(c)``).
 
 A tensor's sum is then the sum of its blocks' ``X``: the differences of one running sum at the
 tensors' boundaries (exact: integers wrap modulo 2**64 alike in any order, on every device).
 
 Memory traffic per value of ``u`` bytes: read ``u`` and write ``u`` (the copy); then, for
-32-bit lanes on CUDA, read 4 twice (the sums); elsewhere read ``u`` and write 8 (the widening;
-none for raw words) and read 8 twice (the sums; on the CPU the chunk is read from cache); and
+32-bit lanes on CUDA, read 4 twice (the sums); elsewhere read ``u`` and write 8 (the widening)
+and read 8 twice (the sums; on the CPU the chunk is read from cache); and
 a 32nd as much for the per-block sums. For float32 on CUDA that is 16 bytes a value where
 ``torch.sum`` reads 4 (the per-tensor ops of ``weighted``: 28). A tensor of ``alone_bytes``
 or more is valued on its own (``weighted.weighted_sum``: no copy, and the compiled single-read
@@ -64,8 +66,6 @@ MODE_LANES: Final = 0
 """Elements of up to 4 bytes and complex128: unsigned 32-bit lanes, zero-extended."""
 MODE_WORDS: Final = 1
 """8-byte elements: 64-bit words mapped by ``X ^ (X >>> 32)``."""
-MODE_RAW: Final = 2
-"""Any elements as raw 64-bit words (the replay digest)."""
 MODE_LANES_V2: Final = LANES_V2
 """``MODE_LANES`` under the fingerprint's version 2: lane ``k`` weighs
 ``2**8 (2k + 1) + 2**rho(k)``. ``rho`` has period 64, which divides ``_ROW``: the block's
@@ -325,12 +325,9 @@ def _block_sums(plan: _Plan, tensors: Sequence[torch.Tensor], mode: int,
             rows = grid.sum(2, dtype=torch.int64)
             blocks = grid.sum(1, dtype=torch.int64)
         else:
-            if mode == MODE_RAW:
-                values = raw.view(torch.int64)
-            else:
-                values = _scratch_buffer(n, device)
-                (prep_lanes if lanes else prep_words)(
-                    raw.view(torch.uint32 if lanes else torch.int64), values)
+            values = _scratch_buffer(n, device)
+            (prep_lanes if lanes else prep_words)(
+                raw.view(torch.uint32 if lanes else torch.int64), values)
             grid = values.view(-1, _BLOCK_ROWS, _ROW)
             rows = grid.sum(2)
             blocks = grid.sum(1)
@@ -357,12 +354,14 @@ def stream_values(tensors: Sequence[torch.Tensor], mode: int,
 
 def stream_total(tensors: Sequence[torch.Tensor], shifts: Sequence[int],
                  device: torch.device) -> torch.Tensor:
-    """``sum_t sum_k (2 (shifts_t + k) + 1) X_tk`` over the raw 64-bit words ``X_tk`` of each
-    tensor, the last zero-padded: the replay digest of the tensors laid at word offsets
-    ``shifts`` of a concatenation. A 0-d int64 on ``device``."""
+    """``sum_t sum_k (2**8 (2 (2 shifts_t + k) + 1) + 2**rho(k)) L_tk`` over the 32-bit lanes
+    ``L_tk`` of each tensor, the last zero-padded: the replay digest of the tensors laid at
+    word offsets ``shifts`` of a concatenation (``sdc_guard.fingerprints.digest``). A 0-d
+    int64 on ``device``."""
     if not tensors:
         return torch.zeros((), dtype=torch.int64, device=device)
     tensors = _as_copied(tensors)
-    plan = _plan(tensors, MODE_RAW, device, shifts)
+    lanes = [2 * s for s in shifts]
+    plan = _plan(tensors, MODE_LANES_V2, device, lanes)
     with torch.no_grad():
-        return _block_sums(plan, tensors, MODE_RAW, device).sum()
+        return _block_sums(plan, tensors, MODE_LANES_V2, device).sum()

@@ -1,11 +1,25 @@
-"""The replay audit's word digest ``D = sum_k (2k+1) X_k`` over raw 64-bit words.
+"""The replay audit's digest of gradients: the fingerprint's version 2 lane sum, unmixed.
 
-The replay audit compares two computations of the same gradients, where a swap is
-not a fault model, so it uses this digest rather than the fingerprint: no widening
-pass, so one read of the bytes fewer. Single-element changes are still guaranteed to
-change it; swaps of elements that differ only in their top bits are not. D is linear, so D of
-tensors laid end to end is a sum of per-tensor parts (``digest_parts``,
-``concat_digest``): one flat DDP bucket or its separate gradients give the same.
+A tensor's bytes are read as unsigned 32-bit lanes ``L_k`` (the last zero-padded), and a
+tensor whose bytes start at 64-bit word ``o`` of a concatenation (lane ``2o``) contributes
+
+    ``sum_k (2**8 (2 (2o + k) + 1) + 2**rho(k)) L_k = P + 2**10 o S``  (mod 2**64)
+
+with ``P = sum_k (2**8 (2k + 1) + 2**rho(k)) L_k`` and ``S = sum_k L_k`` its parts
+(``digest_parts``) and ``rho`` the fingerprint's (``sdc_guard.fingerprints.public``),
+counted from the tensor's own first lane. So the digest of tensors laid end to end is a sum
+of per-tensor parts in any grouping (``concat_digest``): one flat DDP bucket, its gradients
+as spans, and the same gradients as separate tensors give the same value, which lets the
+comm hook digest the local gradients in the scaling pass while the replay digests its own
+one by one.
+
+The replay audit compares two computations of the same gradients, where a swap is not a
+fault model, so no mixing or keys: one read of the bytes, no widening pass on the CPU.
+Guaranteed to change it: any change inside one lane (every single-element change of
+dtypes of up to 4 bytes, every single bit flip of any dtype), and a burst at one bit over
+up to 64 adjacent lanes of one tensor (``fingerprint``'s proofs: the odd parts differ by
+``4o``, the powers of 2 are the same). Not proven: a change across both lanes of one
+8-byte element, bursts that cross from one tensor into the next.
 """
 
 from __future__ import annotations
@@ -17,21 +31,24 @@ import torch
 
 from sdc_guard.fingerprints.batched import split, stream_total
 from sdc_guard.fingerprints.native import active_kernel
-from sdc_guard.fingerprints.weighted import INT_OF_SIZE, odd_weights, raw_bytes, tail_word, weighted_sum
-from sdc_guard.fingerprints.words import MASK64, to_signed64
+from sdc_guard.fingerprints.weighted import (
+    INT_OF_SIZE,
+    odd_weights,
+    prep_lanes,
+    raw_bytes,
+    tail_word,
+    weighted_sum,
+)
+from sdc_guard.fingerprints.words import LANES_V2, MASK64, lane_weight, to_signed64
+
+OFFSET_FACTOR = 1 << 10
+"""A tensor at word offset ``o`` adds ``OFFSET_FACTOR * o * S`` to its part ``P``."""
 
 
 def digest_value(t: torch.Tensor) -> torch.Tensor:
-    """D = sum_k (2k+1) X_k (mod 2**64) over the raw 64-bit words X_k of t's bytes.
-
-    No widening or transform pass, so cheaper than ``tensor_value``. Any
-    single-element change is still guaranteed to change D (an element of s <= 8
-    bytes at byte offset o of word k changes X_k by d * 2**(8o), 0 < |d| < 2**(8s),
-    whose 2-adic valuation is at most 63, so (2k+1) * that is never 0 modulo 2**64),
-    but swaps of elements that differ only in their top bits are not: use it to
-    compare two computations of the same numbers, not as an order-sensitive
-    fingerprint.
-    """
+    """The digest of ``t`` alone (its part ``P``; module docstring), a 0-d int64 on its
+    device. Cheaper than ``tensor_value`` where the bytes need no copy, and not a
+    fingerprint: no key, no mixing, swaps of equal-weight lanes are not promised."""
     return digest_parts(t)[0]
 
 
@@ -41,20 +58,27 @@ def word_count(t: torch.Tensor) -> int:
 
 
 def digest_parts(t: torch.Tensor) -> torch.Tensor:
-    """int64 ``[D, S]`` of ``t``'s raw words: the digest D and the plain sum S (mod 2**64)."""
+    """int64 ``[P, S]`` of ``t``'s lanes: its part of the digest at offset 0 and the lanes'
+    plain sum (mod 2**64)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"digest_parts: expected a torch.Tensor, got {type(t).__name__}.")
     raw = raw_bytes(t)
-    full = raw.numel() // 8 * 8
-    parts = weighted_sum(raw[:full].view(torch.int64), None, with_sum=True)
+    full = raw.numel() // 4 * 4
+    parts = weighted_sum(raw[:full].view(torch.uint32), prep_lanes, with_sum=True, version=2)
     if full < raw.numel():
-        last = tail_word(raw, full, 8)[0]
-        parts = parts + torch.stack([(2 * (full // 8) + 1) * last, last])
+        last = tail_word(raw, full, 4)[0]
+        parts = parts + torch.stack([to_signed64(lane_weight(full // 4, 2)) * last, last])
     return parts
 
 
+def _host_parts(kernel: object, address: int, lanes: int) -> tuple[int, int]:
+    """``[P, S]`` of ``lanes`` uint32 lanes at ``address`` by one call of the C kernel."""
+    return kernel.words_at(address, lanes, LANES_V2)  # type: ignore[attr-defined, no-any-return]
+
+
 def host_concat_digest(pieces: Iterable[tuple[torch.Tensor, int]]) -> int | None:
-    """D of CPU tensors laid end to end, as an unsigned int, by the C kernel; else None.
+    """The digest of CPU tensors laid end to end, as an unsigned int, by the C kernel; else
+    None.
 
     ``pieces`` are (tensor, word offset in the concatenation). Each tensor is read
     once by the kernel and the parts are combined in Python integers (no torch op
@@ -74,16 +98,17 @@ def host_concat_digest(pieces: Iterable[tuple[torch.Tensor, int]]) -> int | None
         if t.device.type != "cpu":
             return None
         nbytes = t.numel() * t.element_size()
-        if nbytes % 8 == 0 and t.is_contiguous() and t.data_ptr() % 8 == 0:
-            d, s = kernel.words_at(t.data_ptr(), nbytes // 8, 2)
+        if nbytes % 4 == 0 and t.is_contiguous() and t.data_ptr() % 8 == 0:
+            d, s = _host_parts(kernel, t.data_ptr(), nbytes // 4)
         else:
             d, s = (v & MASK64 for v in digest_parts(t).tolist())
-        total += d + 2 * offset * s
+        total += d + OFFSET_FACTOR * offset * s
     return total & MASK64
 
 
 def host_spans_digest(buf: torch.Tensor, spans: Iterable[tuple[int, int, int]]) -> int | None:
-    """D of word ranges of one flat CPU buffer, moved to new offsets, by the C kernel; else None.
+    """The digest of word ranges of one flat CPU buffer, moved to new offsets, by the C
+    kernel; else None.
 
     ``spans`` are (first word, end word, word offset in the concatenation): the replay
     audit's view of a DDP bucket, whose gradients lie at other offsets in the bucket
@@ -100,19 +125,15 @@ def host_spans_digest(buf: torch.Tensor, spans: Iterable[tuple[int, int, int]]) 
         if not 0 <= a <= b <= end:
             raise ValueError(f"host_spans_digest: span [{a}, {b}) lies outside the buffer's "
                              f"{end} words.")
-        d, s = kernel.words_at(base + 8 * a, b - a, 2)
-        total += d + 2 * offset * s
+        d, s = _host_parts(kernel, base + 8 * a, 2 * (b - a))
+        total += d + OFFSET_FACTOR * offset * s
     return total & MASK64
 
 
 def concat_digest(parts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """D of tensors laid end to end, from their ``[D, S]`` rows and their word offsets.
-
-    A tensor whose words start at word ``o`` of the concatenation contributes
-    ``sum_k (2(o+k)+1) X_k = D + 2 o S``. So D of a concatenation is a sum of parts,
-    computed per tensor, per flat buffer, in any grouping: the replay audit gets the
-    same digest of a model's gradients from DDP's buckets as from separate tensors.
-    ``parts`` is ``[n, 2]``, ``offsets`` ``[n]`` (int64, same device); returns a 0-d int64.
+    """The digest of tensors laid end to end, from their ``[P, S]`` rows (``digest_parts``)
+    and their word offsets: ``sum P + 2**10 o S`` (module docstring). ``parts`` is
+    ``[n, 2]``, ``offsets`` ``[n]`` (int64, same device); returns a 0-d int64.
     """
     if (parts.dim() != 2 or parts.shape[1] != 2 or offsets.shape != (parts.shape[0],)
             or parts.dtype != torch.int64 or offsets.dtype != torch.int64):
@@ -121,21 +142,22 @@ def concat_digest(parts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
             f"int64 [n]; got parts {parts.dtype} {list(parts.shape)}, offsets {offsets.dtype} "
             f"{list(offsets.shape)}."
         )
-    return (parts[:, 0] + 2 * offsets * parts[:, 1]).sum()
+    return (parts[:, 0] + OFFSET_FACTOR * offsets * parts[:, 1]).sum()
 
 
 def tensors_digest(tensors: Sequence[torch.Tensor], offsets: Sequence[int],
                    device: torch.device) -> torch.Tensor:
-    """D of tensors laid at word ``offsets`` of a concatenation, a 0-d int64 on ``device``, in
+    """The digest of tensors laid at word ``offsets`` of a concatenation, a 0-d int64 on
+    ``device``, in
     a number of torch ops that does not grow with the number of tensors: the value of
     ``concat_digest`` over their ``digest_parts``, which takes a dozen ops per tensor.
 
     The tensors on ``device`` under ``batched.alone_bytes`` are read in one multi-tensor pass
-    per chunk (``sdc_guard.fingerprints.batched``: a copy into a scratch whose bytes are the
-    words, no widening); each larger one alone (at most total bytes / ``alone_bytes`` of
-    those); the tensors on another device are digested there and the value moved, one copy
-    per device. The replay audit's digest of the gradients it recomputes takes it once per
-    replay, whatever the number of parameters.
+    per chunk (``sdc_guard.fingerprints.batched``: a copy into a scratch, read as version 2
+    lanes weighted from each tensor's lane offset); each larger one alone (at most total
+    bytes / ``alone_bytes`` of those); the tensors on another device are digested there and
+    the value moved, one copy per device. The replay audit's digest of the gradients it
+    recomputes takes it once per replay, whatever the number of parameters.
     """
     if len(tensors) != len(offsets):
         raise ValueError(f"tensors_digest: {len(tensors)} tensors but {len(offsets)} offsets; "
@@ -153,7 +175,7 @@ def tensors_digest(tensors: Sequence[torch.Tensor], offsets: Sequence[int],
     total = stream_total([tensors[i] for i in batch], [offsets[i] for i in batch], device)
     for i in parts_of.alone:
         parts = digest_parts(tensors[i])
-        total = total + parts[0] + 2 * offsets[i] * parts[1]
+        total = total + parts[0] + OFFSET_FACTOR * offsets[i] * parts[1]
     for other, idx in parts_of.elsewhere.items():
         part = tensors_digest([tensors[i] for i in idx], [offsets[i] for i in idx], other)
         total = total + part.to(device, non_blocking=True)

@@ -406,9 +406,10 @@ class NativeKernel:
         return int(out[0])
 
     def scale_digest_at(self, address: int, n: int, scale: float) -> tuple[int, int, bool]:
-        """``words_at(address, n, 2)`` of ``n`` 64-bit words as they were, then their
-        ``2n`` float32 halves multiplied by ``scale`` in place (the bits of torch's
-        ``mul_``): ``(digest, sum, any half was NaN or Inf)``, in one pass over memory.
+        """``words_at(address, 2n, 6)`` of the ``2n`` float32 lanes of ``n`` 64-bit words as
+        they were (the replay digest's part and the lanes' plain sum), then those lanes
+        multiplied by ``scale`` in place (the bits of torch's ``mul_``): ``(digest part, sum,
+        any lane was NaN or Inf)``, in one pass over memory.
 
         The caller guarantees the memory: ``n`` writable, 8-byte aligned words of a
         live float32 CPU tensor.

@@ -6,61 +6,88 @@ A tensor's bytes are read in one of two ways, by element size:
 
 * elements of 4 bytes or less (float32, float16, bfloat16, int8/16/32, uint8,
   bool) and complex128 (four lanes an element): as unsigned 32-bit lanes ``L_k``
-  (the last one zero-padded), and ``V = sum_k (2k + 1) * L_k  (mod 2**64)``;
+  (the last one zero-padded), and ``V = sum_k w_k L_k  (mod 2**64)``;
 * 8-byte elements (float64, int64, complex64): as 64-bit words ``X_i``, each
   passed through the bijection ``Y_i = X_i ^ (X_i >>> 32)``, and
   ``V = sum_i (2i + 1) * Y_i  (mod 2**64)``.
 
-The weights are never materialised: with the values laid out as rows of ``P``,
-``sum_k (2k+1) v_k = 2P * sum_r r R_r + sum_c (2c+1) C_c`` where ``R`` are row
-sums and ``C`` column sums, done chunk by chunk on the CPU so the second pass
-reads from cache. ``V`` is folded with the dtype and shape through a bijective
-64-bit mixer (splitmix64's finaliser); the tensors of a list each contribute a
-mixed, position-keyed term to a wrapping sum (see ``fingerprint_tensor``).
+The lane weights depend on the version (``version=`` of ``fingerprint``; checkpoints
+record theirs, and one recorded in version 1 is verified in version 1):
 
-What is guaranteed (``v2`` = the power of 2 dividing a number; odd weights are
-invertible modulo 2**64; tested with hypothesis in ``tests/sdc_guard/test_fingerprint.py``):
+* version 2 (the default): ``w_k = 2**8 (2k + 1) + 2**rho(k)``, ``rho(k) = 6 - min(v2(k + 1),
+  6)`` (``v2`` = the power of 2 dividing a number), so ``v2(w_k) = rho(k)``;
+* version 1: ``w_k = 2k + 1``.
+
+The weights are never materialised: with the values laid out as rows of ``P`` (a multiple
+of 64, the period of ``rho``), ``sum_k w_k v_k`` is a row part ``2**8 * 2P * sum_r r R_r`` and a
+column part ``sum_c w_c C_c`` where ``R`` are row sums and ``C`` column sums, done chunk by
+chunk on the CPU so the second pass reads from cache. ``V`` is folded with the dtype, shape
+and version through a bijective 64-bit mixer (splitmix64's finaliser); the tensors of a list
+each contribute a mixed, position-keyed term to a wrapping sum (see
+``fingerprint_tensor``).
+
+What is guaranteed (odd numbers are invertible modulo 2**64; tested with hypothesis, and
+exhaustively for small tensors, in ``tests/sdc_guard/test_fingerprint.py``), version 2:
 
 * **any single-element change**, every dtype but complex128: an element of <= 4 bytes
-  lies in one lane, which changes by 0 < |d| < 2**32, so ``V`` changes by
-  ``(2k+1) d != 0``; an 8-byte element is one word, ``X -> Y`` is a bijection so
-  ``Y`` changes, and ``V`` changes by ``(2i+1) dY != 0``. The mixer is a
-  bijection, so the fingerprint changes too. A complex128 element spans four lanes:
-  a change inside one of them (any single bit flip) is seen by the same argument; a
-  change across several lanes of one element is not proven;
-* **swapping two unequal elements**, dtypes of <= 4 bytes, tensors under 2**32
-  lanes, any two positions: with the elements at byte offsets o1, o2 of lanes
-  k, l, ``dV = (v-u) [(2k+1) 2**(8 o1) - (2l+1) 2**(8 o2)]``; for k = l it is the
-  single-change case, for o1 = o2 ``v2(dV) <= 1 + 31 + 31 < 64``, and for
-  o1 != o2 ``v2(dV) <= 16 + 15 < 64``: never 0 modulo 2**64;
+  lies in one lane, which changes by 0 < |d| < 2**32, so ``V`` changes by ``w_k d`` with
+  ``v2(w_k d) <= 6 + 31 < 64``; an 8-byte element is one word, ``X -> Y`` is a bijection so
+  ``Y`` changes, and ``V`` changes by ``(2i+1) dY != 0``. The mixer is a bijection, so the
+  fingerprint changes too. A complex128 element spans four lanes: a change inside one of
+  them (any single bit flip) is seen by the same argument; a change across several lanes of
+  one element is not proven;
+* **a burst at one bit**: bit b flipped (each up or down) in every element of a run that
+  spans at most 64 adjacent lanes (64 float32, 126 bfloat16 or float16, 252 int8 elements),
+  dtypes of <= 4 bytes. A lane whose lowest element of the run flips changes by ``2**b c``,
+  ``c`` odd (its other elements add multiples of ``2**(b+8)``); the first lane may hold only
+  upper elements of the run (a change of ``v2 >= b + 8``). Among at most 64 consecutive
+  integers ``k + 1`` one has more factors of 2 than every other (capped at 6: a run of at
+  most 64 holds one multiple of 64 at most), so one lane has the smallest ``rho``: the terms
+  ``2**b c w_k`` have one smallest power of 2, ``b + rho_min <= 31 + 6``, and so has their
+  sum, which is not 0 modulo 2**64;
+* **swapping two unequal elements**, dtypes of <= 4 bytes, tensors under 2**24 lanes: with
+  the elements at byte offsets o1, o2 of lanes k, l, ``dV = (v-u) [w_k 2**(8 o1) - w_l 2**(8
+  o2)]``; for k = l it is the single-change case. For o1 = o2: with ``rho_k != rho_l`` the
+  bracket has ``v2 = 8 o1 + min(rho)``; with equal ``rho`` it is ``2**(8 o1 + 9) (k - l)``,
+  and ``v2(v-u) + 8 o1 <= 31``, so ``v2(dV) <= 40 + v2(k - l) < 64``. For o1 != o2 the two
+  terms' powers of 2 differ (``|rho_k - rho_l| <= 6 < 8``): ``v2(dV) <= 15 + 30``;
 * swaps in 8-byte dtypes: ``dV = 2(a-b)(Y_b - Y_a)``, guaranteed whenever the low
   halves of ``Y`` differ (``+x``/``-x``, ``0.0``/``-0.0``, small integers of either
   sign...); the only possible misses have ``X_a ^ X_b`` equal to the same 32-bit
   mask D in both halves with ``v2(a-b) + v2(D) >= 31`` (no bijective word map
   avoids every such exception);
-* **any two bit flips** in one tensor, every dtype, tensors under 2**31 lanes (2**30
-  words): a flip of bit b changes its lane by +-2**b. In one lane it is a single
-  change. Bits b1 < b2 of lanes k, l: ``dV = +-2**b1 (2k+1) +- 2**b2 (2l+1)``, and
-  ``v2(dV) = b1 <= 31``. Bit b of lanes k != l: ``dV = +-2**(b+1) (k+l+1)`` or
-  ``+-2**(b+1) (k-l)``, ``v2(dV) <= 32 + 31 < 64``. In 64-bit words a flip of bit c
-  changes ``Y`` by ``2**e u``, ``e = c mod 32``, ``u`` odd and ``u = +-1 mod 2**32`` (a
-  flip in the high half flips bit c of ``Y`` and bit c - 32 of its low half). In one
-  word it is a single change. In words i != j with unequal e, ``v2(dV)`` is the smaller
-  e. With equal e, ``dV = 2**e [u_i (2i+1) + u_j (2j+1)]``, and the bracket is
-  ``+-2 (i+j+1)`` or ``+-2 (i-j)`` modulo 2**32, neither 0, so ``v2(dV) <= 31 + 31``;
-* dtype, shape and number of elements are part of the value (``zeros(4)`` and
+* **any two bit flips** in one tensor, dtypes of <= 4 bytes in tensors under 2**24 lanes
+  (64 MiB), 8-byte dtypes under 2**30 words: a flip of bit b changes its lane by
+  ``+-2**b``. In one lane it is a single change. In lanes i != j with ``b_i + rho_i !=
+  b_j + rho_j``, ``v2(dV)`` is the smaller, ``<= 37``. With both equal to e, write
+  ``w = 2**rho u``, ``u = 1 + 2**(8 - rho) (2k + 1)`` odd: ``dV = 2**e (+-u_i +- u_j)``. With
+  ``rho_i != rho_j`` the bracket has ``v2 = 1`` (a sum: ``2`` plus multiples of 4) or
+  ``min(8 - rho) <= 8`` (a difference); with ``rho_i = rho_j`` (so ``b_i = b_j``) it is
+  ``2 + 2**(9 - rho) (i + j + 1)`` (``v2 = 1``) or ``2**(9 - rho) (i - j)``, and ``v2(dV) = b +
+  9 + v2(i - j) <= 40 + 23``. In 64-bit words a flip of bit c changes ``Y`` by ``2**e u``,
+  ``e = c mod 32``, ``u`` odd and ``u = +-1 mod 2**32`` (a flip in the high half flips bit c
+  of ``Y`` and bit c - 32 of its low half). In one word it is a single change. In words
+  i != j with unequal e, ``v2(dV)`` is the smaller e. With equal e, ``dV = 2**e [u_i (2i+1)
+  + u_j (2j+1)]``, and the bracket is ``+-2 (i+j+1)`` or ``+-2 (i-j)`` modulo 2**32,
+  neither 0, so ``v2(dV) <= 31 + 31``;
+* dtype, shape, number of elements and version are part of the value (``zeros(4)`` and
   ``zeros(5)`` differ, as do ``-0.0`` and ``+0.0``, and NaNs with other payloads);
 * no Python ``hash()``: the value is the same in every process and on every
   machine, CPU or CUDA (little-endian).
 
-What is not guaranteed: three or more changed bits whose weighted changes sum to 0
-modulo 2**64. ``V`` is linear in the lanes, with weights that the pass forms by
-additions alone, and such patterns exist at every length. The shortest come from bursts.
-Flip bit b of four adjacent lanes that held 0, 1, 1, 0 there (or 1, 0, 0, 1):
-``dV = +-2**b ((2k+1) - (2k+3) - (2k+5) + (2k+7)) = 0``. For random data that is 2 of
-the 16 patterns, so a burst of 4 float32 elements (``injectors``' ``burst=4``) goes
-unseen in about 1 draw in 8. Conjugating 6 complex64 elements leaves ``V`` unchanged for 2
-of the 64 sign patterns of their imaginary parts.
+Version 1 proves the single change, swaps (tensors under 2**32 lanes) and two flips
+(tensors under 2**31 lanes), but no burst: its weights ``2k+1`` cancel in 4 adjacent lanes
+(``(2k+1) - (2k+3) - (2k+5) + (2k+7) = 0``), so the same bit of 4 float32 elements that held
+0, 1, 1, 0 there goes unseen (about 1 random burst of 4 in 8). Version 2 trades the larger
+tensors of its two-flip and swap proofs (two flips at the same bit in lanes of equal
+``rho`` a multiple of ``2**(55 - b)`` apart, in opposite directions, can cancel in a
+tensor of more than ``2**24`` lanes) for the bursts.
+
+What is not guaranteed, version 2: changes whose weighted sum is 0 modulo 2**64. ``V`` is
+linear in the lanes, so such patterns exist: a lane up by 800 and its left neighbour down by
+2000 (``800 * 800 = 2000 * 320``, the weights of lanes 1 and 0), flips of many bits; bursts
+with each lane's own bit (``bench/BURSTS.md`` measures them: none seen in 100,000 random
+draws of up to 64 lanes); bursts in 8-byte dtypes, whose words keep the odd weights.
 
 Only the final 8 bytes leave the device, and only when ``fingerprint`` (not
 ``fingerprint_tensor``) is called.
@@ -70,10 +97,11 @@ built with the system C compiler on first use) computes the same sums in one rea
 where the torch path takes three (so about as fast as ``torch.sum``), and the few words
 per tensor are mixed as Python ints (no tensor operation); the values are identical
 either way. Without a compiler, or with ``SDC_GUARD_NATIVE=0``, the torch path runs
-(``native_enabled()`` says which). The torch path values a list's tensors together, in a
-number of ops that does not grow with the number of tensors (``tensor_values``,
-``sdc_guard.fingerprints.batched``): on a GPU each op is a launch. The replay audit uses a
-cheaper linear digest of raw words instead (``sdc_guard.fingerprints.digest``).
+(``native_enabled()`` says which). The torch path values a list of tensors in one multi-tensor pass
+(``tensor_values``, ``sdc_guard.fingerprints.batched``), in a number of ops that does not grow
+with the number of tensors (on a GPU each op is a launch). The replay audit uses a
+linear digest instead, version 2's lane sum without the mixing
+(``sdc_guard.fingerprints.digest``).
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ lanes cancels)."""
 VERSIONS: Final = (1, 2)
 """Every version this library computes (a checkpoint records the one it was saved with)."""
 LANES_V2: Final = 6
-"""The C kernel's and the torch path's mode for 32-bit lanes under version 2 (mode 0 is
-version 1's lanes, 1 the 64-bit words of both versions, 2 the replay digest's raw words)."""
+"""The C kernel's and the torch path's mode for 32-bit lanes under version 2, which the
+replay digest reads too (mode 0 is version 1's lanes, 1 the 64-bit words of both versions, 2
+raw 64-bit words)."""
 
 
 def check_version(version: object, where: str) -> int:

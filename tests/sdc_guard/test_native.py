@@ -367,10 +367,10 @@ def test_the_fallback_builds_scale_and_digest_the_same(tmp_path: Path, native: N
         assert torch.equal(y.view(torch.int32), want.view(torch.int32))
 
 
-@pytest.mark.parametrize("count", [1, 3, 9, 40])  # few spans: a sum each; many: one cumsum
+@pytest.mark.parametrize("count", [1, 3, 9, 40])
 def test_bucket_digest_is_the_same_on_the_host_and_the_tensor_path(native: None,
                                                                    count: int) -> None:
-    from sdc_guard.checks.replay import _FEW_SPANS, BucketPlan, grads_digest
+    from sdc_guard.checks.replay import BucketPlan, grads_digest
 
     g = torch.Generator().manual_seed(count)
     sizes = [2 * int(n) for n in torch.randint(1, 300, (count,), generator=g)]
@@ -388,7 +388,6 @@ def test_bucket_digest_is_the_same_on_the_host_and_the_tensor_path(native: None,
     assert int(plan.digest(buf)) == want  # the C kernel, per span
     nat.disable_native()
     assert int(plan.digest(buf)) == want  # tensor ops: the device path
-    assert (count > _FEW_SPANS) == (count in (9, 40))
 
 
 def test_scale_digest_spans_refuses_what_the_pass_cannot_fuse(native: None) -> None:

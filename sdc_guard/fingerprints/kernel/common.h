@@ -81,7 +81,8 @@ typedef struct {
 
 /* out = {sum_k (2k + 1) v_k, sum_k v_k} (mod 2^64) over n elements of x, on up to threads
    threads. Modes 0 (uint32 lanes), 1 and 2 (64-bit words, block1 and block2) sum; mode 6
-   (uint32 lanes) gives sum_k (2^8 (2k + 1) + 2^rho(k)) v_k in out[0] instead; modes
+   (uint32 lanes) gives sum_k (2^8 (2k + 1) + 2^rho(k)) v_k in out[0] instead, as does mode
+   3 over the 2n lanes of n words (the replay digest, out[1] their plain sum); modes
    3, 4 and 5 are the scaling pass's (scaling_job), which set out[2] to 1 if a float was NaN
    or Inf. 0, or 1 on bad arguments. */
 SDC_HIDDEN int weighted(const void* x, int64_t n, int mode, int threads, float scale,
@@ -89,7 +90,8 @@ SDC_HIDDEN int weighted(const void* x, int64_t n, int mode, int threads, float s
 
 /* ---- scaling.c ------------------------------------------------------------------------ */
 
-/* A job of modes 3 (scale_words: the raw words' sums, then their float32 halves scaled),
+/* A job of modes 3 (scale_words: the digest's sums of the words' lanes, then those float32
+   lanes scaled),
    4 (n float32 scaled in place, NaN/Inf flagged) and 5 (flagged only). */
 SDC_HIDDEN void scaling_job(job_t* j);
 

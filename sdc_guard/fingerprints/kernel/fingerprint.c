@@ -235,13 +235,14 @@ int weighted(const void* x, int64_t n, int mode, int threads, float scale, uint6
   }
   run_jobs(thread_main, jobs, sizeof jobs[0], used);
   uint64_t total = 0, plain = 0, bad = 0, extra = 0;
-  for (int t = 0; t < used; ++t) {
-    total += (2 * (uint64_t)jobs[t].lo + 1) * jobs[t].s1 + 2 * jobs[t].s2;
+  for (int t = 0; t < used; ++t) {  /* mode 3 sums lanes, two a word */
+    const uint64_t lane0 = (mode == 3 ? 2 : 1) * (uint64_t)jobs[t].lo;
+    total += (2 * lane0 + 1) * jobs[t].s1 + 2 * jobs[t].s2;
     plain += jobs[t].s1;
     bad |= jobs[t].bad;
     extra += jobs[t].g;
   }
-  out[0] = mode == 6 ? (total << 8) + extra : total;
+  out[0] = mode == 6 || mode == 3 ? (total << 8) + extra : total;
   out[1] = plain;
   if (mode >= 3) out[2] = bad;
   return 0;

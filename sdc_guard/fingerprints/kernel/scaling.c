@@ -29,23 +29,27 @@ CLONES static uint32_t check_f32(const float* f, int64_t n) {
   return bad;
 }
 
-/* Mode 3: the raw 64-bit words' sums as mode 2, then the float32 halves of the same
-   words scaled in place, chunk by chunk while the chunk is in L1: one pass over memory. */
+/* Mode 3: the replay digest's sums of the 2n uint32 lanes of n 64-bit words as they were
+   (block6's: s1, s2 by lane, g), then the same float32 lanes scaled in place, chunk by chunk
+   while the chunk is in L1: one pass over memory. A job starts at a multiple of 64 words,
+   a chunk at a multiple of CHUNK: every block6 phase is a multiple of 64 lanes. */
 #define CHUNK 2048
 static void scale_words(job_t* j) {
   char* p = (char*)j->x + 8 * j->lo;
-  uint64_t a1 = 0, a2 = 0;
+  uint64_t a1 = 0, a2 = 0, a3 = 0;
   uint32_t bad = 0;
   for (int64_t c = 0; c < j->n; c += CHUNK) {
     const int64_t m = j->n - c < CHUNK ? j->n - c : CHUNK;
-    uint64_t c1, c2;
-    block2(p + 8 * c, m, &c1, &c2);
+    uint64_t c1, c2, c3;
+    block6(p + 8 * c, 2 * m, 0, &c1, &c2, &c3);
     a1 += c1;
-    a2 += c2 + (uint64_t)c * c1;
+    a2 += c2 + 2 * (uint64_t)c * c1;
+    a3 += c3;
     bad |= scale_f32((float*)(p + 8 * c), 2 * m, j->scale);
   }
   j->s1 = a1;
   j->s2 = a2;
+  j->g = a3;
   j->bad = bad;
 }
 
@@ -58,8 +62,9 @@ void scaling_job(job_t* j) {
   else scale_words(j);
 }
 
-/* The sums of n raw 64-bit words at x (as mode 2), then their 2n float32 halves
-   multiplied by scale in place; out[2] = 1 if any of them was NaN or Inf. */
+/* The replay digest's part of the 2n uint32 lanes of n 64-bit words at x (as mode 6) and
+   their plain sum, then those lanes multiplied by scale in place as float32; out[2] = 1 if
+   any of them was NaN or Inf. */
 int sdc_scale_digest(void* x, int64_t n, float scale, int threads, uint64_t* out) {
   return weighted(x, n, 3, threads, scale, out);
 }
