@@ -22,6 +22,7 @@ from bench.timing import alternate, bootstrap_interval, cpu_name, seconds
 from sdc_guard import fingerprint, fingerprint_tensor, native_enabled, native_kernel
 from sdc_guard.internal import (
     ISAS,
+    LANES_V2,
     NativeKernel,
     active_kernel,
     kernel_in_use,
@@ -72,6 +73,8 @@ def fingerprint_throughput(mib: int, rounds: int) -> dict[str, Any]:
     if kernel is not None:
         methods[f"sdc_guard.fingerprint (C kernel, the default: {kernel.isa})"] = (
             lambda: _on_path(True, lambda: fingerprint(x)))
+        methods[f"sdc_guard.fingerprint version 1 (C kernel, {kernel.isa})"] = (
+            lambda: _on_path(True, lambda: fingerprint(x, version=1)))
         # The other instruction sets this CPU has: the same values, their speed.
         for isa in ISAS[: ISAS.index(kernel.cpu_isa) + 1]:
             if isa == kernel.isa:
@@ -121,14 +124,15 @@ def in_cache_throughput(rounds: int, reps: int = 50) -> dict[str, Any] | None:
                 fn()
         return run
 
-    def loop(isa: str) -> Callable[[], object]:
+    def loop(isa: str, mode: int) -> Callable[[], object]:
         assert kernel is not None
-        body = repeated(lambda: kernel.words_at(lanes.data_ptr(), lanes.numel(), 0))
+        body = repeated(lambda: kernel.words_at(lanes.data_ptr(), lanes.numel(), mode))
         return lambda: _on_isa(isa, body)
 
     methods: dict[str, Callable[[], object]] = {"torch.sum": repeated(lambda: x.sum())}
     for isa in ISAS[: ISAS.index(kernel.cpu_isa) + 1]:
-        methods[f"C word loop, {isa}"] = loop(isa)
+        methods[f"C word loop, {isa}"] = loop(isa, LANES_V2)
+        methods[f"C word loop, {isa}, version 1"] = loop(isa, 0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -32,7 +32,7 @@ from sdc_guard.fingerprints.native import (
 from sdc_guard.fingerprints.public import tensor_value, tensor_values
 from sdc_guard.fingerprints.weighted import DEVICE_CHUNK, INT_OF_SIZE
 from sdc_guard.fingerprints.weighted import FUSED_DEVICES as FINGERPRINT_FUSED_DEVICES
-from sdc_guard.fingerprints.words import to_signed64, to_unsigned64
+from sdc_guard.fingerprints.words import LANES_V2, to_signed64, to_unsigned64
 from sdc_guard.hostread import StepRead, cpu_as_device, on_host
 from sdc_guard.parallel import fsdp as fsdp_backend
 from sdc_guard.parallel.base import BucketListener
@@ -44,6 +44,7 @@ __all__ = [
     "FINGERPRINT_FUSED_DEVICES",
     "INT_OF_SIZE",
     "ISAS",
+    "LANES_V2",
     "SIDES_FUSED_DEVICES",
     "BucketListener",
     "BucketPlan",
