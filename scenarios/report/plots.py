@@ -21,7 +21,9 @@ SVG_METADATA: dict[str, Any] = {"Date": None}
 matplotlib.rcParams["svg.hashsalt"] = "sdc-guard"
 
 PLOTS = ("coverage_heatmap.png", "latency.png", "replay_interval.png")
-SVG_PLOTS = ("latency_cdf.svg", "cost.svg", "checksum_bits.svg", "pattern_checks.svg")
+SVG_PLOTS = ("latency_cdf.svg", "cost.svg", "checksum_bits.svg")
+PATTERN_PLOT = "pattern_checks.svg"
+"""Drawn when the campaign has a patterns axis (``pattern_checks``)."""
 LATENCY_CAP = 5
 """Latencies of this many steps or more share the last bin."""
 
@@ -245,10 +247,7 @@ def pattern_checks(summary: dict[str, Any], path: Path) -> None:
     grid = summary.get("pattern_checks") or {}
     cols = ["nonfinite", "weights", "replay", "checksum", "any"]
     fig, ax = plt.subplots(figsize=(7.5, 0.5 * max(len(grid), 1) + 1.8))
-    if not grid:
-        ax.text(0.5, 0.5, "one-bit faults only (no patterns axis)", ha="center", va="center")
-        ax.set_axis_off()
-    else:
+    if grid:
         rows = list(grid)
         values = [[math.nan if grid[r][c] is None else grid[r][c] for c in cols] for r in rows]
         ax.imshow(values, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
@@ -266,7 +265,8 @@ def pattern_checks(summary: dict[str, Any], path: Path) -> None:
 
 
 def draw_all(summary: dict[str, Any], out: Path) -> list[Path]:
-    """Every plot into ``out``: the PNGs (``PLOTS``), then the SVGs (``SVG_PLOTS``)."""
+    """Every plot into ``out``: the PNGs (``PLOTS``), then the SVGs (``SVG_PLOTS``, and
+    ``PATTERN_PLOT`` for a campaign with fault patterns)."""
     paths = [out / name for name in (*PLOTS, *SVG_PLOTS)]
     coverage_heatmap(summary, paths[0])
     latency(summary, paths[1])
@@ -274,5 +274,7 @@ def draw_all(summary: dict[str, Any], out: Path) -> list[Path]:
     latency_cdf(summary, paths[3])
     cost(summary, paths[4])
     checksum_bits(summary, paths[5])
-    pattern_checks(summary, paths[6])
+    if summary.get("pattern_checks"):
+        paths.append(out / PATTERN_PLOT)
+        pattern_checks(summary, paths[-1])
     return paths
