@@ -104,6 +104,7 @@ def base_row(trial: TrialSpec) -> dict[str, Any]:
         "id": trial.id, "scenario": trial.scenario, "kind": trial.kind,
         "site": trial.site or None, "field": trial.field or None,
         "fault_model": trial.fault_model or None,
+        "pattern": trial.pattern if trial.faults else None,
         "fault_rank": f.rank if f else (trial.chaos.rank if trial.chaos else None),
         "fault_step": f.step if f else (trial.chaos.step if trial.chaos else None),
         "target": f.target if f else None, "state_key": f.state_key if f else None,

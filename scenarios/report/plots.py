@@ -22,6 +22,8 @@ matplotlib.rcParams["svg.hashsalt"] = "sdc-guard"
 
 PLOTS = ("coverage_heatmap.png", "latency.png", "replay_interval.png")
 SVG_PLOTS = ("latency_cdf.svg", "cost.svg", "checksum_bits.svg")
+PATTERN_PLOT = "pattern_checks.svg"
+"""Drawn when the campaign has a patterns axis (``pattern_checks``)."""
 LATENCY_CAP = 5
 """Latencies of this many steps or more share the last bin."""
 
@@ -239,8 +241,32 @@ def checksum_bits(summary: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def pattern_checks(summary: dict[str, Any], path: Path) -> None:
+    """Each fault pattern (rows) against each check (columns): the share of its not-masked
+    trials the check saw, and any check: where a check stops seeing a shape of fault."""
+    grid = summary.get("pattern_checks") or {}
+    cols = ["nonfinite", "weights", "replay", "checksum", "any"]
+    fig, ax = plt.subplots(figsize=(7.5, 0.5 * max(len(grid), 1) + 1.8))
+    if grid:
+        rows = list(grid)
+        values = [[math.nan if grid[r][c] is None else grid[r][c] for c in cols] for r in rows]
+        ax.imshow(values, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+        for i, r in enumerate(rows):
+            for j, c in enumerate(cols):
+                v = grid[r][c]
+                ax.text(j, i, "-" if v is None else f"{v:.0%}", ha="center", va="center",
+                        fontsize=8)
+        ax.set_xticks(range(len(cols)), cols)
+        ax.set_yticks(range(len(rows)), [f"{r} (n={grid[r]['n']})" for r in rows])
+        ax.set_title("Who sees each fault pattern (share of not-masked trials)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, metadata=SVG_METADATA)
+    plt.close(fig)
+
+
 def draw_all(summary: dict[str, Any], out: Path) -> list[Path]:
-    """Every plot into ``out``: the PNGs (``PLOTS``), then the SVGs (``SVG_PLOTS``)."""
+    """Every plot into ``out``: the PNGs (``PLOTS``), then the SVGs (``SVG_PLOTS``, and
+    ``PATTERN_PLOT`` for a campaign with fault patterns)."""
     paths = [out / name for name in (*PLOTS, *SVG_PLOTS)]
     coverage_heatmap(summary, paths[0])
     latency(summary, paths[1])
@@ -248,4 +274,7 @@ def draw_all(summary: dict[str, Any], out: Path) -> list[Path]:
     latency_cdf(summary, paths[3])
     cost(summary, paths[4])
     checksum_bits(summary, paths[5])
+    if summary.get("pattern_checks"):
+        paths.append(out / PATTERN_PLOT)
+        pattern_checks(summary, paths[-1])
     return paths

@@ -68,6 +68,17 @@ def _tables(s: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
             [row(k, g) for k, g in s["fields"].items()]),
            ("Coverage by fault model", ["model", *head],
             [row(k, g) for k, g in s["fault_models"].items()]),
+           *([("Coverage by fault pattern", ["pattern", *head],
+               [row(k, g) for k, g in s["patterns"].items()]),
+              ("Fault patterns by site and dtype, highest escape rate first (cells with "
+               "fewer than 100 not-masked trials last, unranked)",
+               ["pattern", "site", "dtype", "not masked", "escaped", "escape rate", "95% CI",
+                "coverage", "95% CI", "ranked"],
+               [[c["pattern"], c["site"], c["dtype"], str(c["not_masked"]), str(c["escaped"]),
+                 _pct(c["escape_rate"]), _ci(c["escape_rate_ci95"]), _pct(c["coverage"]),
+                 _ci(c["coverage_ci95"]), "yes" if c["ranked"] else "no"]
+                for c in s["pattern_cells"]])]
+             if s.get("pattern_cells") else []),
            ("Coverage by scenario", ["scenario", *head],
             [row(k, g) for k, g in s["scenarios"].items()]),
            ("Escape rate by replay interval", ["interval", "trials", "masked", "escaped",

@@ -48,6 +48,7 @@ from typing import Any
 import pandas as pd
 
 from injectors import SITES
+from injectors.patterns import PATTERNS
 from scenarios.report.checksum import checksum_summary
 from scenarios.report.cost import cost_model, field_coverage
 from scenarios.report.latency import latency_distribution, step_counts
@@ -111,6 +112,51 @@ def _groups(faults: pd.DataFrame, by: str, order: list[Any]) -> dict[str, dict[s
     """``_group`` of every value of ``by`` in ``order`` (the values present, as strings)."""
     groups = dict(iter(faults.groupby(by, sort=False, dropna=False)))
     return {str(k): _group(groups[k]) for k in order if k in groups}
+
+
+MIN_CELL = 100
+"""Not-masked trials a (pattern, site, dtype) cell needs to be ranked: fewer give an interval
+too wide to order it by."""
+
+
+def pattern_cells(faults: pd.DataFrame) -> list[dict[str, Any]]:
+    """Coverage of every (pattern, site, dtype) cell of the fault trials, those with at least
+    ``MIN_CELL`` not-masked trials first, by escape rate (highest first), then the others
+    (``"ranked": False``). Empty when every trial is a one-bit fault (the report's other
+    tables say it all)."""
+    if set(faults["pattern"]) <= {"single"}:
+        return []
+    cells = []
+    dtype = faults["injected_dtype"].replace("", "?")
+    for (pat, site, dt), g in faults.assign(injected_dtype=dtype).groupby(
+            ["pattern", "site", "injected_dtype"], sort=False):
+        row = {"pattern": pat, "site": site, "dtype": dt, **_group(g)}
+        row["not_masked"] = row["trials"] - row["masked"]
+        row["ranked"] = row["not_masked"] >= MIN_CELL
+        cells.append(row)
+    return sorted(cells, key=lambda c: (not c["ranked"], -(c["escape_rate"] or 0.0),
+                                        c["pattern"], c["site"], c["dtype"]))
+
+
+CHECKS = ("nonfinite", "weights", "replay", "checksum")
+"""The checks a trial's ``checks`` column names, in the order ``pattern_checks`` lists them."""
+
+
+def pattern_checks(faults: pd.DataFrame) -> dict[str, dict[str, Any]]:
+    """Per pattern present (none when every trial is a one-bit fault): its not-masked trials
+    ``n`` and the share of them each check saw at the first detection step (``checks``), and
+    any check: where a check stops seeing a shape of fault."""
+    if set(faults["pattern"]) <= {"single"}:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for pat in [p for p in PATTERNS if p in set(faults["pattern"])]:
+        g = faults[(faults["pattern"] == pat) & (faults["outcome"] != "masked")]
+        seen = g["checks"].map(lambda v: set(str(v).split("+")) if v else set())
+        n = len(g)
+        out[pat] = {"n": n, **{c: _ratio(int(seen.map(lambda x, c=c: c in x).sum()), n)
+                               for c in CHECKS},
+                    "any": _ratio(int((g["outcome"] == "detected").sum()), n)}
+    return out
 
 
 def _smallest_within(values: dict[str, float], budget: float) -> int | None:
@@ -333,6 +379,8 @@ def summarize(out: Path, cluster: dict[str, Any] | None = None,
     # a table written before the parallel column existed holds DDP trials only
     df = df.assign(parallel=df["parallel"].replace("", "ddp"))
     faults = df[df["kind"] == "fault"]
+    # a table written before the pattern column existed holds one-bit faults only
+    faults = faults.assign(pattern=faults["pattern"].replace("", "single"))
     clean = df[df["kind"] == "clean"]
     fp = int((clean["outcome"] == "detected").sum())
     present_sites = set(faults["site"])
@@ -373,6 +421,9 @@ def summarize(out: Path, cluster: dict[str, Any] | None = None,
         "sites": _groups(faults, "site", sites),
         "fields": _groups(faults, "field", fields),
         "fault_models": _groups(faults, "fault_model", sorted(set(faults["fault_model"]))),
+        "patterns": _groups(faults, "pattern", [p for p in PATTERNS if p in set(faults["pattern"])]),
+        "pattern_cells": pattern_cells(faults),
+        "pattern_checks": pattern_checks(faults),
         "scenarios": _groups(faults, "scenario", sorted(set(faults["scenario"]))),
         "replay_intervals": _groups(faults, "replay_interval", intervals),
         "by_site_field": by_site_field,

@@ -27,7 +27,7 @@ FLOATS = ("rel_weight_dev", "loss_diff", "seconds", "fault_to_cordon_s", "fault_
 BOOLS = ("blame_correct", "contained", "same_step", "nonfinite_injected", "repaired",
          "cordon_correct", "breaker_tripped", "final_matches_golden", "checksum")
 KEYS = ("id", "scenario", "kind", "site", "field", "fault_model", "outcome", "check", "checks",
-        "product", "injected_dtype", "parallel")
+        "product", "injected_dtype", "parallel", "pattern")
 """Text columns a table groups or filters by; an empty cell reads as ``""``."""
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from injectors import MODELS as FAULT_MODELS
 from injectors import SITES
+from injectors.patterns import PATTERNS
 from scenarios.spec.errors import (
     ScenarioError,
     need_choice,
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
 FIELDS: Final = ("sign", "exponent", "mantissa", "any", "nan", "inf")
 """Bit fields of a campaign: one random bit of the sign / exponent / mantissa / any field
 (a bit flip), or the whole element set to NaN / +Inf (a value fault)."""
+BIT_FIELDS: Final = frozenset({"sign", "exponent", "mantissa", "any"})
+"""The fields of ``FIELDS`` that flip bits (the others write a value)."""
 MODES: Final = ("matrix", "sample")
 STATE_KEYS: Final = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",),
                      "muon": ("momentum_buffer", "exp_avg", "exp_avg_sq")}
@@ -59,6 +62,10 @@ class FaultSpace:
     """Bit fields: ``FIELDS`` (sign / exponent / mantissa / any: one random bit; nan / inf)."""
     models: tuple[str, ...] = ("transient",)
     """Fault models: transient, intermittent, permanent."""
+    patterns: tuple[str, ...] = ("single",)
+    """Shapes of the fault (``injectors.patterns.PATTERNS``): single (one bit), multi_bit,
+    burst_same, burst_random, column, whole_value, stuck. Each trial draws one; ``single``
+    alone plans the trials a space without the axis plans."""
     steps: tuple[int, ...] = ()
     """First steps; empty = every step from 1 to the scenario's last (sample mode)."""
     ranks: tuple[int, ...] = ()
@@ -86,6 +93,11 @@ class FaultSpace:
         need_choices("sites", self.sites, SITES)
         need_choices("fields", self.fields, FIELDS)
         need_choices("models", self.models, FAULT_MODELS)
+        need_choices("patterns", self.patterns, tuple(PATTERNS))
+        if self.patterns != ("single",) and not set(self.fields) <= BIT_FIELDS:
+            raise ScenarioError("fields", list(self.fields), "bit fields only "
+                                f"({', '.join(sorted(BIT_FIELDS))}) beside patterns other than "
+                                "single: nan and inf are values, not bits a pattern shapes")
         need_ints("steps", self.steps, 0, MAX_STEPS - 1, empty=True)
         need_ints("ranks", self.ranks, 0, MAX_WORLD_SIZE - 1, empty=True)
         need_ints("replay_intervals", self.replay_intervals, 0, MAX_STEPS)

@@ -460,6 +460,45 @@ class Scenario:
             h.remove()
         return {n: sizes.get(n, 1) for n in names}
 
+    def target_shapes(self, site: str, rank: int | None = None,
+                      product: str | None = None) -> dict[str, tuple[int, ...]]:
+        """The shape of each possible target of ``site`` as a fault meets it: a parameter
+        (under FSDP2, for a site in ``SHARDED_SITES`` and a ``rank``, its shard: dim 0 split
+        as ``torch.chunk`` does), a module's output, or for ``linear_product`` the
+        ``product``'s (``"forward"``: the output, ``"input_grad"``: the input, ``"weight_grad"``:
+        the weight). What a fault pattern's span must fit (``injectors.patterns``)."""
+        import torch
+
+        model = build_model(self.model.kind, width=self.model.width, depth=self.model.depth,
+                            seed=self.seed)
+        names = self.targets(site)
+        modules = dict(model.named_modules())
+        if site == "linear_product" and product == "weight_grad":
+            return {n: tuple(modules[n].weight.shape) for n in names}
+        if site not in ("activation", "activation_grad", "linear_product"):
+            params = dict(model.named_parameters())
+            out = {n: tuple(params[n].shape) for n in names}
+            if rank is not None and site in SHARDED_SITES and self.sharded:
+                index, count = self.shard_of(rank)
+                for n, shape in out.items():
+                    rows = shard_numel(shape[:1], index, count) if shape else 1
+                    out[n] = (rows, *shape[1:]) if shape else shape
+            return out
+        shapes: dict[str, tuple[int, ...]] = {}
+
+        def recorder(name: str) -> Any:
+            def hook(module: torch.nn.Module, args: Any, out: torch.Tensor) -> None:
+                seen = args[0] if product == "input_grad" else out
+                shapes.setdefault(name, tuple(seen.shape))
+            return hook
+
+        hooks = [modules[n].register_forward_hook(recorder(n)) for n in names]
+        with torch.no_grad():
+            model(synthetic_batch(self.model.kind, self.seed, 0, 0, 0, batch=self.batch)[0])
+        for h in hooks:
+            h.remove()
+        return {n: shapes.get(n, (1,)) for n in names}
+
     def guard_config(self, replay_interval: int | None = None,
                      checksum: bool | None = None) -> GuardConfig:
         """The guard's configuration for a run at ``replay_interval`` (None: the file's),

@@ -22,6 +22,7 @@ from typing import Any, Final
 
 from injectors import Fault
 from injectors.fault import PRODUCTS
+from injectors.patterns import PATTERNS, pattern_fields
 from scenarios.spec.campaign import CampaignSpec
 from scenarios.spec.errors import ScenarioError, need_int
 from scenarios.spec.faults import FaultSpace
@@ -65,6 +66,9 @@ class TrialSpec:
     field: str = ""
     """Label: the bit field (sign / exponent / mantissa / any / nan / inf), or "custom"."""
     fault_model: str = ""
+    pattern: str = "single"
+    """Label: the fault's shape (``injectors.patterns``; "single" for one bit, and for clean
+    and explicit trials)."""
     chaos: Chaos | None = None
     checksum: bool | None = None
     """The checksum check on or off in this trial (the campaign's ``checksum`` axis); None:
@@ -111,11 +115,34 @@ def _trial_id(scenario: Scenario, *parts: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
+def _fits(pattern: str, shape: tuple[int, ...]) -> bool:
+    """Does ``pattern``'s span fit a tensor of ``shape``?"""
+    burst, along = PATTERNS[pattern].span
+    stride = shape[-1] if along == "column" and shape else 1
+    return (burst - 1) * stride + 1 <= math.prod(shape)
+
+
 def make_fault(scenario: Scenario, *, site: str, field_name: str, model: str, step: int,
-               rank: int, seed: int, p: float, sizes: Mapping[str, int]) -> Fault:
-    """One fault from matrix axes; target (weighted by elements) and state key drawn from seed."""
+               rank: int, seed: int, p: float, sizes: Mapping[str, int],
+               pattern: str = "single") -> Fault:
+    """One fault from matrix axes; target (weighted by elements) and state key drawn from seed.
+
+    A ``pattern`` other than "single" (``injectors.patterns``) lays its fields over the
+    one-bit fault, and its target is drawn among those its span fits (the product, for a
+    linear product, drawn first: on its own stream, as for "single")."""
     rng = random.Random(seed)
     names = sorted(sizes)
+    product = random.Random(f"{seed}/product").choice(PRODUCTS)
+    if pattern != "single":
+        rank_of = rank if scenario.sharded and site in SHARDED_SITES else None
+        shapes = _target_shapes(scenario, site, rank_of,
+                                product if site == "linear_product" else None)
+        names = [n for n in names if _fits(pattern, shapes[n])]
+        if not names:
+            raise ScenarioError("patterns", pattern, f"a pattern whose span fits a {site} target "
+                                f"of scenario {scenario.name!r}", reason="none of its targets "
+                                f"holds {PATTERNS[pattern].span[0]} elements "
+                                f"along a {PATTERNS[pattern].span[1]}")
     target = rng.choices(names, weights=[sizes[n] for n in names])[0] if site not in (
         "activation", "activation_grad") else rng.choice(names)  # linear_product: by weight size
     kw: dict[str, Any] = {"site": site, "rank": rank, "step": step, "target": target,
@@ -129,26 +156,36 @@ def make_fault(scenario: Scenario, *, site: str, field_name: str, model: str, st
     if model == "intermittent":
         kw["p"] = p
     if site == "linear_product":
-        kw["product"] = random.Random(f"{seed}/product").choice(PRODUCTS)
-    if model == "permanent" and site in ("activation", "activation_grad", "linear_product"):
+        kw["product"] = product
+    if pattern != "single":
+        kw = pattern_fields(pattern, kw)
+    if kw["model"] == "permanent" and site in ("activation", "activation_grad", "linear_product"):
         kw["phase"] = "any"  # a broken unit also corrupts the audit's recomputations
     return Fault(**kw)
 
 
+@functools.lru_cache(maxsize=256)
+def _target_shapes(scenario: Scenario, site: str, rank: int | None,
+                   product: str | None) -> dict[str, tuple[int, ...]]:
+    """``scenario.target_shapes(site, rank, product)``, once per scenario and arguments."""
+    return scenario.target_shapes(site, rank, product)
+
+
 def _fault_trial(scenario: Scenario, space: FaultSpace, combo: tuple[Any, ...], seed: int,
-                 sizes: Mapping[str, int]) -> TrialSpec | None:
+                 sizes: Mapping[str, int], pattern: str = "single") -> TrialSpec | None:
     k, site, fld, model, step, rank, checksum = combo
     if site == "optimizer_state" and step == 0:
         return None  # no optimizer state exists before the first step
     if scenario.sharded and site in SHARDED_SITES:  # the faulty rank's shards, none empty
         sizes = {n: v for n, v in _shard_sizes(scenario, site, rank).items() if v}
     fault = make_fault(scenario, site=site, field_name=fld, model=model, step=step, rank=rank,
-                       seed=seed, p=space.p, sizes=sizes)
+                       seed=seed, p=space.p, sizes=sizes, pattern=pattern)
     extra = () if checksum is None else ({"checksum": checksum},)
     tid = _trial_id(scenario, k, fault.to_dict(), *extra)
+    label = fld if pattern == "single" else (fault.field or "value")
     return TrialSpec(id=tid, scenario=scenario.name, replay_interval=k, faults=(fault,),
-                     site=site, field=fld, fault_model=model, checksum=checksum,
-                     parallel=scenario.parallel_label)
+                     site=site, field=label, fault_model=fault.model, checksum=checksum,
+                     parallel=scenario.parallel_label, pattern=pattern)
 
 
 @functools.lru_cache(maxsize=256)
@@ -165,12 +202,14 @@ def _space_trials(scenario: Scenario, space: FaultSpace) -> list[TrialSpec]:
     if space.mode == "matrix":
         for combo in itertools.product(space.replay_intervals, space.sites, space.fields,
                                        space.models, steps, ranks, space.checksum or (None,)):
-            for rep in range(space.repeat):
-                seed = seed_of(space.seed, scenario.name, combo[:6] if combo[6] is None
-                               else combo, rep)
-                t = _fault_trial(scenario, space, combo, seed, sizes[combo[1]])
-                if t is not None:
-                    out.append(t)
+            for pattern in space.patterns:
+                for rep in range(space.repeat):
+                    key: Any = combo[:6] if combo[6] is None else combo
+                    seed = (seed_of(space.seed, scenario.name, key, rep) if pattern == "single"
+                            else seed_of(space.seed, scenario.name, key, rep, pattern))
+                    t = _fault_trial(scenario, space, combo, seed, sizes[combo[1]], pattern)
+                    if t is not None:
+                        out.append(t)
         return out
     for site in space.sites:
         n = space.trials_per_site
@@ -187,7 +226,10 @@ def _space_trials(scenario: Scenario, space: FaultSpace) -> list[TrialSpec]:
                      # a stream of its own: the other draws stay as they were without the axis
                      random.Random(f"{seed}/checksum").choice(space.checksum)
                      if space.checksum else None)
-            trial = _fault_trial(scenario, space, combo, seed, sizes[site])
+            # a stream of its own too: without the axis every draw is as it was
+            pattern = (random.Random(f"{seed}/pattern").choice(space.patterns)
+                       if space.patterns != ("single",) else "single")
+            trial = _fault_trial(scenario, space, combo, seed, sizes[site], pattern)
             if trial is not None:
                 out.append(trial)
     return out
@@ -245,7 +287,7 @@ def count_trials(campaign: CampaignSpec) -> dict[str, int]:
             if space.mode == "matrix":
                 parts[f"{scenario.name}: [matrix]"] = (
                     intervals * len(space.sites) * len(space.fields) * len(space.models) * steps
-                    * ranks * checksum * space.repeat)
+                    * ranks * checksum * space.repeat * len(space.patterns))
             else:
                 parts[f"{scenario.name}: [sample]"] = sum(
                     space.trials_per_site or leveugle_sample_size(
