@@ -94,6 +94,13 @@ def bursts(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
+def versions(session: nox.Session) -> None:
+    """The fingerprint's version 2 beside version 1 and torch.sum; bench/VERSIONS.md."""
+    _install(session)
+    session.run("python", "-m", "bench.versions", *session.posargs)
+
+
+@nox.session(default=False)
 def soak(session: nox.Session) -> None:
     """False positives of every check on clean FSDP2 and HSDP runs; bench/soak.json."""
     _install(session)

@@ -68,10 +68,10 @@ def _count(campaign: CampaignSpec, file: str) -> int:
         raise e.in_file(file) from None
 
 
-def _load_campaign(file: str, quick: bool = False) -> CampaignSpec:
+def _load_campaign(file: str, quick: bool = False, full: bool = False) -> CampaignSpec:
     """``load_campaign`` with ``[cluster] overhead_file`` made absolute, relative to ``file``
     (``ClusterSpec.resolved``): a missing file is refused before anything runs."""
-    camp = load_campaign(file, quick=quick)
+    camp = load_campaign(file, quick=quick, full=full)
     if camp.cluster is None or camp.cluster.overhead_file is None:
         return camp
     try:
@@ -105,7 +105,9 @@ def _parser() -> argparse.ArgumentParser:
     camp = sub.add_parser("campaign", help="run a campaign file (resumes where it stopped)")
     camp.add_argument("file")
     camp.add_argument("--quick", action="store_true", help="apply the file's [quick] overrides")
-    camp.add_argument("--out", help="output directory (default: reports/<name>[-quick])")
+    camp.add_argument("--full", action="store_true",
+                      help="apply the file's [full] overrides (its full cross product)")
+    camp.add_argument("--out", help="output directory (default: reports/<name>[-quick|-full])")
     camp.add_argument("--shard", metavar="I/N",
                       help="run shard I (0-based) of N: a deterministic 1/N of the trials "
                            "(shard 0 fewer: it also measures the overhead), no report (merge "
@@ -143,10 +145,10 @@ def main(argv: list[str] | None = None) -> int:
             out = Path(args.out or Path("runs") / sc.name)
             return _run_campaign(one, out, args.cache, not args.no_progress)
         if args.command == "campaign":
-            camp = _load_campaign(args.file, quick=args.quick)
+            camp = _load_campaign(args.file, quick=args.quick, full=args.full)
             _count(camp, args.file)
             shard = parse_shard(args.shard) if args.shard is not None else None
-            name = camp.name + ("-quick" if args.quick else "") + (
+            name = camp.name + ("-quick" if args.quick else "-full" if args.full else "") + (
                 f"-shard{shard[0]}of{shard[1]}" if shard else "")
             out = Path(args.out or Path("reports") / name)
             return _run_campaign(camp, out, args.cache, not args.no_progress, shard,

@@ -156,13 +156,21 @@ class CampaignSpec:
 
 # -- loading ------------------------------------------------------------------------------------
 def campaign_from_dict(data: Mapping[str, Any], *, name: str, base_dir: Path,
-                       quick: bool = False) -> CampaignSpec:
+                       quick: bool = False, full: bool = False) -> CampaignSpec:
     """Build a ``CampaignSpec`` from a parsed campaign file (scenario files relative to
-    ``base_dir``; ``quick``: with its ``[quick]`` overrides applied)."""
+    ``base_dir``; ``quick``: with its ``[quick]`` overrides applied; ``full``: with its
+    ``[full]`` ones, the larger campaign a file may describe beside its default)."""
     known_keys(data, ("name", "scenarios", "clean_trials", "overhead_budget", "overhead",
-                      "matrix", "sample", "quick", "cluster"), "")
+                      "matrix", "sample", "quick", "full", "cluster"), "")
+    if quick and full:
+        raise ScenarioError("--full", "with --quick", "one of --quick or --full")
     if quick:
         data = merge(data, table_of(data, "quick"))
+    if full:
+        if "full" not in data:
+            raise ScenarioError("--full", "no [full] table", "a campaign file with a [full] "
+                                "table of overrides (scenarios/configs/field.toml has one)")
+        data = merge(data, table_of(data, "full"))
     files = data.get("scenarios")
     if not isinstance(files, list) or not files or not all(isinstance(f, str) for f in files):
         raise ScenarioError("scenarios", files, "a non-empty list of scenario file names")
@@ -185,12 +193,14 @@ def campaign_from_dict(data: Mapping[str, Any], *, name: str, base_dir: Path,
     )
 
 
-def load_campaign(path: str | Path, *, quick: bool = False) -> CampaignSpec:
-    """Read and validate a campaign file (``quick``: apply its ``[quick]`` overrides)."""
+def load_campaign(path: str | Path, *, quick: bool = False, full: bool = False) -> CampaignSpec:
+    """Read and validate a campaign file (``quick`` / ``full``: apply its ``[quick]`` /
+    ``[full]`` overrides)."""
     p = Path(path)
     data = read_toml(p)
     try:
-        return campaign_from_dict(data, name=p.stem, base_dir=p.parent, quick=quick)
+        return campaign_from_dict(data, name=p.stem, base_dir=p.parent, quick=quick,
+                                  full=full)
     except ScenarioError as e:
         raise e.in_file(p) from None
 
