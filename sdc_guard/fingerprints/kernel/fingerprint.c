@@ -19,40 +19,30 @@
 #define SDC_PREFETCH 4096
 #endif
 
-/* sigma(k) = 5 - min(v2(k + 1), 5): the shift of the upper lane of word k under the
-   fingerprint's second version, with the words counted from an even lane (block6). */
-static inline int sigma(uint64_t k) { return 5 - __builtin_ctzll((k + 1) | 32); }
-
-/* Sums over m 64-bit words X_k at x, k from 0 (mod 2^64), in out[0..4]:
+/* Sums over m 64-bit words X_k at x, k from 0 (mod 2^64), in out[0..3]:
    mode 0: sum X, sum k X, sum hi, sum k hi (hi = X >> 32: the word's upper uint32 lane);
-   mode 6: those, and out[4] = sum_k hi_k 2^sigma(k + half) (block6);
-   mode 1: sum Y, sum k Y over Y = X ^ (X >> 32), out[2..4] = 0;
-   mode 2: sum X, sum k X, out[2..4] = 0.
+   mode 1: sum Y, sum k Y over Y = X ^ (X >> 32), out[2..3] = 0;
+   mode 2: sum X, sum k X, out[2..3] = 0.
    NV vectors of VB bytes make one block of S words: word k = S b + s sits in stream s,
    which keeps P_s = sum_b v and Q_s = sum_b (nb - 1 - b) v (Q += P, then P += v: two
-   additions per vector, no multiply), so that sum_b b v = (nb - 1) P_s - Q_s. In mode 6
-   sigma(k + half) is the same for every word of a stream (S divides 32, and v2(k + half + 1)
-   < log2 S decides it) but one, whose words are summed apart, one scalar word a block. One
-   copy per vector width; GCC and Clang vector extensions, no intrinsics. */
+   additions per vector, no multiply), so that sum_b b v = (nb - 1) P_s - Q_s. One copy
+   per vector width; GCC and Clang vector extensions, no intrinsics. */
 #define WORDS(NAME, TARGET, VB)                                                        \
   typedef uint64_t NAME##_vec __attribute__((vector_size(VB)));                        \
-  TARGET static void NAME(const char* x, int64_t m, int mode, uint64_t half,          \
-                          uint64_t* out) {                                             \
+  TARGET static void NAME(const char* x, int64_t m, int mode, uint64_t* out) {         \
     enum { L = VB / 8, NV = 2, S = L * NV };                                           \
     NAME##_vec P[NV], Q[NV], PH[NV], QH[NV];                                           \
     memset(P, 0, sizeof P); memset(Q, 0, sizeof Q);                                    \
     memset(PH, 0, sizeof PH); memset(QH, 0, sizeof QH);                                \
     const int64_t nb = m / S;                                                          \
-    const int odd = (int)((S - 1 - half % S) % S); /* the stream whose shift varies */ \
-    uint64_t g = 0;                                                                    \
-    for (int64_t b = 0; b < nb; ++b) {                                                 \
+    for (int64_t b = 0; b < nb; ++b)                                                   \
       for (int j = 0; j < NV; ++j) {                                                   \
         const char* at = x + 8 * (b * S + j * L);                                      \
         if ((j * VB) % 64 == 0) __builtin_prefetch(at + SDC_PREFETCH);                 \
         NAME##_vec v;                                                                  \
         memcpy(&v, at, VB);                                                            \
         Q[j] += P[j];                                                                  \
-        if (mode == 0 || mode == 6) {                                                  \
+        if (mode == 0) {                                                               \
           QH[j] += PH[j];                                                              \
           PH[j] += v >> 32;                                                            \
         } else if (mode == 1) {                                                        \
@@ -60,13 +50,6 @@ static inline int sigma(uint64_t k) { return 5 - __builtin_ctzll((k + 1) | 32); 
         }                                                                              \
         P[j] += v;                                                                     \
       }                                                                                \
-      if (mode == 6) {                                                                 \
-        const uint64_t kw = (uint64_t)(b * S + odd);                                   \
-        uint32_t hw;                                                                   \
-        memcpy(&hw, x + 8 * kw + 4, 4);                                                \
-        g += (uint64_t)hw << sigma(kw + half);                                         \
-      }                                                                                \
-    }                                                                                  \
     uint64_t a = 0, k = 0, h = 0, kh = 0;                                              \
     for (int j = 0; j < NV; ++j)                                                       \
       for (int l = 0; l < L; ++l) {                                                    \
@@ -75,7 +58,6 @@ static inline int sigma(uint64_t k) { return 5 - __builtin_ctzll((k + 1) | 32); 
         k += (uint64_t)S * ((uint64_t)(nb - 1) * P[j][l] - Q[j][l]) + s * P[j][l];     \
         h += PH[j][l];                                                                 \
         kh += (uint64_t)S * ((uint64_t)(nb - 1) * PH[j][l] - QH[j][l]) + s * PH[j][l]; \
-        if (mode == 6 && (int)s != odd) g += PH[j][l] << sigma(s + half);              \
       }                                                                                \
     for (int64_t i = nb * S; i < m; ++i) {                                             \
       uint64_t w;                                                                      \
@@ -84,19 +66,74 @@ static inline int sigma(uint64_t k) { return 5 - __builtin_ctzll((k + 1) | 32); 
       if (mode == 1) w ^= hi;                                                          \
       a += w;                                                                          \
       k += (uint64_t)i * w;                                                            \
-      if (mode == 0 || mode == 6) {                                                    \
+      if (mode == 0) {                                                                 \
         h += hi;                                                                       \
         kh += (uint64_t)i * hi;                                                        \
       }                                                                                \
-      if (mode == 6) g += hi << sigma((uint64_t)i + half);                             \
     }                                                                                  \
-    out[0] = a; out[1] = k; out[2] = h; out[3] = kh; out[4] = g;                       \
+    out[0] = a; out[1] = k; out[2] = h; out[3] = kh;                                   \
+  }
+
+/* sigma(k) = 5 - min(v2(k + 1), 5): the shift of the upper lane of word k under the
+   fingerprint's second version, with the words counted from an even lane (block6). It
+   depends on k mod 32 alone. */
+static inline int sigma(uint64_t k) { return 5 - __builtin_ctzll((k + 1) | 32); }
+
+/* The second version's sums over m 64-bit words at x, in out[0..3]: sum u, sum k u over
+   u_k = lo_k + hi_k (the word's two uint32 lanes added), sum hi, and sum hi_k 2^sigma(k +
+   half). Blocks of S words go in rounds of R = 32 / S, a round being 32 words: stream s of
+   the round's block c holds the words k = s + c S (mod 32), whose upper lanes share one
+   shift, so each (c, stream) sums its upper lanes apart (H) and takes its shift at the end:
+   per vector one addition more than mode 0's loop, and no per-word shift. */
+#define WORDS6(NAME, TARGET, VB)                                                       \
+  TARGET static void NAME(const char* x, int64_t m, uint64_t half, uint64_t* out) {    \
+    typedef uint64_t vec __attribute__((vector_size(VB)));                             \
+    enum { L = VB / 8, NV = 2, S = L * NV, R = 32 / S };                               \
+    vec P[NV], Q[NV], H[R][NV];                                                        \
+    memset(P, 0, sizeof P); memset(Q, 0, sizeof Q); memset(H, 0, sizeof H);            \
+    const int64_t nr = m / (S * R), nb = nr * R;                                       \
+    for (int64_t r = 0; r < nr; ++r)                                                   \
+      for (int c = 0; c < R; ++c)                                                      \
+        for (int j = 0; j < NV; ++j) {                                                 \
+          const char* at = x + 8 * ((r * R + c) * S + j * L);                          \
+          if ((j * VB) % 64 == 0) __builtin_prefetch(at + SDC_PREFETCH);               \
+          vec v;                                                                       \
+          memcpy(&v, at, VB);                                                          \
+          const vec hi = v >> 32;                                                      \
+          Q[j] += P[j];                                                                \
+          P[j] += (v & 0xffffffffULL) + hi;                                            \
+          H[c][j] += hi;                                                               \
+        }                                                                              \
+    uint64_t a = 0, k = 0, h = 0, g = 0;                                               \
+    for (int j = 0; j < NV; ++j)                                                       \
+      for (int l = 0; l < L; ++l) {                                                    \
+        const uint64_t s = (uint64_t)(j * L + l);                                      \
+        a += P[j][l];                                                                  \
+        k += (uint64_t)S * ((uint64_t)(nb - 1) * P[j][l] - Q[j][l]) + s * P[j][l];     \
+        for (int c = 0; c < R; ++c) {                                                  \
+          h += H[c][j][l];                                                             \
+          g += H[c][j][l] << sigma((uint64_t)c * S + s + half);                        \
+        }                                                                              \
+      }                                                                                \
+    for (int64_t i = nb * S; i < m; ++i) {                                             \
+      uint64_t w;                                                                      \
+      memcpy(&w, x + 8 * i, 8);                                                        \
+      const uint64_t hi = w >> 32, u = (w & 0xffffffffULL) + hi;                       \
+      a += u;                                                                          \
+      k += (uint64_t)i * u;                                                            \
+      h += hi;                                                                         \
+      g += hi << sigma((uint64_t)i + half);                                            \
+    }                                                                                  \
+    out[0] = a; out[1] = k; out[2] = h; out[3] = g;                                    \
   }
 
 WORDS(words_base, , 16)
+WORDS6(words6_base, , 16)
 #ifdef SDC_X86
 WORDS(words_avx2, __attribute__((target("avx2"))), 32)
 WORDS(words_avx512, __attribute__((target("avx512f"))), 64)
+WORDS6(words6_avx2, __attribute__((target("avx2"))), 32)
+WORDS6(words6_avx512, __attribute__((target("avx512f"))), 64)
 #endif
 
 /* The widest copy this CPU runs: 2 = AVX-512F, 1 = AVX2, 0 = the baseline (SSE2 on
@@ -122,13 +159,23 @@ int sdc_isa(int want) {
   return isa_used;
 }
 
-static void words(const char* x, int64_t m, int mode, uint64_t half, uint64_t* out) {
+static void words(const char* x, int64_t m, int mode, uint64_t* out) {
   switch (sdc_isa(-1)) {
 #ifdef SDC_X86
-    case 2: words_avx512(x, m, mode, half, out); return;
-    case 1: words_avx2(x, m, mode, half, out); return;
+    case 2: words_avx512(x, m, mode, out); return;
+    case 1: words_avx2(x, m, mode, out); return;
 #endif
-    default: words_base(x, m, mode, half, out);
+    default: words_base(x, m, mode, out);
+  }
+}
+
+static void words6(const char* x, int64_t m, uint64_t half, uint64_t* out) {
+  switch (sdc_isa(-1)) {
+#ifdef SDC_X86
+    case 2: words6_avx512(x, m, half, out); return;
+    case 1: words6_avx2(x, m, half, out); return;
+#endif
+    default: words6_base(x, m, half, out);
   }
 }
 
@@ -138,8 +185,8 @@ static void words(const char* x, int64_t m, int mode, uint64_t half, uint64_t* o
    sum lo = sum X - 2^32 sum hi, sum k lo = sum k X - 2^32 sum k hi, and
    s1 = sum lo + sum hi, s2 = 2 (sum k lo + sum k hi) + sum hi. */
 void block0(const void* x, int64_t n, uint64_t* s1, uint64_t* s2) {
-  uint64_t o[5];
-  words((const char*)x, n / 2, 0, 0, o);
+  uint64_t o[4];
+  words((const char*)x, n / 2, 0, o);
   const uint64_t lo = o[0] - (o[2] << 32), klo = o[1] - (o[3] << 32);
   *s1 = lo + o[2];
   *s2 = 2 * (klo + o[3]) + o[2];
@@ -173,12 +220,11 @@ void block6(const void* x, int64_t n, uint64_t phase, uint64_t* s1, uint64_t* s2
     *g = e;
     return;
   }
-  uint64_t o[5];
-  words((const char*)x, n / 2, 6, phase / 2, o);
-  const uint64_t lo = o[0] - (o[2] << 32), klo = o[1] - (o[3] << 32);
-  *s1 = lo + o[2];
-  *s2 = 2 * (klo + o[3]) + o[2];
-  *g = (lo << 6) + o[4];
+  uint64_t o[4];
+  words6((const char*)x, n / 2, phase / 2, o);
+  *s1 = o[0];                /* lane 2k is lo_k, lane 2k + 1 hi_k: */
+  *s2 = 2 * o[1] + o[2];     /* sum (2k lo_k + (2k + 1) hi_k) = 2 sum k u_k + sum hi_k */
+  *g = ((o[0] - o[2]) << 6) + o[3];  /* the low lanes' rho is 6 */
   if (n % 2) {
     uint32_t v;
     memcpy(&v, (const char*)x + 4 * (n - 1), 4);
@@ -190,15 +236,15 @@ void block6(const void* x, int64_t n, uint64_t phase, uint64_t* s1, uint64_t* s2
 
 /* block1: n words mapped to X ^ (X >>> 32); block2: n words as they are. */
 void block1(const void* x, int64_t n, uint64_t* s1, uint64_t* s2) {
-  uint64_t o[5];
-  words((const char*)x, n, 1, 0, o);
+  uint64_t o[4];
+  words((const char*)x, n, 1, o);
   *s1 = o[0];
   *s2 = o[1];
 }
 
 void block2(const void* x, int64_t n, uint64_t* s1, uint64_t* s2) {
-  uint64_t o[5];
-  words((const char*)x, n, 2, 0, o);
+  uint64_t o[4];
+  words((const char*)x, n, 2, o);
   *s1 = o[0];
   *s2 = o[1];
 }
