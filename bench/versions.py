@@ -4,8 +4,9 @@ Version 2 weights each 32-bit lane ``2**8 (2k+1) + 2**rho(k)`` where version 1 w
 ``2k+1`` (docs/fingerprint.md): the same read pass, a few more additions. Measured in
 alternated rounds on one tensor, per instruction set of the C kernel this CPU has, and on the
 torch path (no C compiler): a float32 tensor of ``--mib`` MiB on torch's threads (what memory
-allows), and one of 1 MiB on one thread (it stays in L2: what each loop's instructions allow);
-the replay digest (version 2's lanes, unmixed) beside them.
+allows), with the replay digest (version 2's lanes, unmixed) beside them; and the word loops
+alone over 1 MiB on one thread, ``REPS`` passes a call (it stays in L2: what each loop's
+instructions allow).
 
     python -m bench.versions [--mib 256] [--rounds 30] [--out bench]
 
@@ -28,7 +29,7 @@ import torch
 
 from bench.timing import alternate, cpu_name, publish
 from sdc_guard import fingerprint, native_enabled, native_kernel
-from sdc_guard.internal import ISAS, active_kernel, digest_value
+from sdc_guard.internal import ISAS, LANES_V2, active_kernel, digest_value
 
 GIB = 1024**3
 
@@ -80,15 +81,43 @@ def _ratio_interval(base: list[float], ts: list[float], n: int = 1000) -> tuple[
     return stats[int(0.025 * n)], stats[int(0.975 * n) - 1]
 
 
-def _table(x: torch.Tensor, rounds: int, threads: int, torch_path: bool) -> dict[str, Any]:
+REPS = 20
+"""In cache, each timed call repeats the pass this many times (one pass is tens of
+microseconds: the clock and the call would weigh)."""
+
+
+def _loops(x: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The C kernel's word loop over ``x``'s lanes, version 2 and version 1, per instruction
+    set, ``REPS`` passes a call (no Python between them), beside ``REPS`` ``torch.sum``."""
+    lanes = x.view(torch.int32)
+
+    def reps(fn: Callable[[], object]) -> Callable[[], object]:
+        def run() -> None:
+            for _ in range(REPS):
+                fn()
+        return run
+
+    out: dict[str, Callable[[], object]] = {"torch.sum": reps(lambda: x.sum())}
+    kernel = active_kernel() if native_enabled() else None
+    if kernel is not None:
+        for isa in ISAS[: ISAS.index(kernel.cpu_isa) + 1]:
+            for version, mode in ((2, LANES_V2), (1, 0)):
+                out[f"C word loop, {isa}, version {version}"] = functools.partial(
+                    _isa, isa, reps(functools.partial(kernel.words_at, lanes.data_ptr(),
+                                                      lanes.numel(), mode)))
+    return out
+
+
+def _table(x: torch.Tensor, rounds: int, threads: int, torch_path: bool,
+           loops: bool = False) -> dict[str, Any]:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        times = alternate(_methods(x, torch_path), rounds)
+        times = alternate(_loops(x) if loops else _methods(x, torch_path), rounds)
     finally:
         torch.set_num_threads(before)
     base = times["torch.sum"]
-    nbytes = x.numel() * x.element_size()
+    nbytes = x.numel() * x.element_size() * (REPS if loops else 1)
     rows = {}
     for name, ts in times.items():
         med = statistics.median(ts)
@@ -96,7 +125,8 @@ def _table(x: torch.Tensor, rounds: int, threads: int, torch_path: bool) -> dict
         rows[name] = {"median_s": med, "gib_per_s": nbytes / med / GIB,
                       "ratio_to_sum": statistics.median(base) / med,
                       "ratio_to_sum_ci95": [low, high]}
-    return {"mib": nbytes / 2**20, "threads": threads, "rounds": rounds, "methods": rows}
+    return {"mib": x.numel() * x.element_size() / 2**20, "threads": threads, "rounds": rounds,
+            "methods": rows}
 
 
 def versions(mib: int, rounds: int) -> dict[str, Any]:
@@ -104,7 +134,7 @@ def versions(mib: int, rounds: int) -> dict[str, Any]:
     small = torch.randn(2**20 // 4)
     t0 = time.perf_counter()
     memory = _table(big, rounds, torch.get_num_threads(), torch_path=True)
-    cache = _table(small, rounds * 10, 1, torch_path=False)
+    cache = _table(small, rounds * 5, 1, torch_path=False, loops=True)
     kernel = active_kernel() if native_enabled() else None
     return {"machine": cpu_name(), "torch": torch.__version__,
             "default_isa": kernel.isa if kernel else None,
@@ -119,7 +149,7 @@ def markdown(res: dict[str, Any]) -> list[str]:
              "ratio is torch.sum's time over the method's (1.00: as fast as one torch.sum "
              "pass; above: faster), with a 95% bootstrap interval over the rounds. Generated "
              "by `python -m bench.versions`.", ""]
-    for key, title in (("memory", "From memory"), ("in_cache", "In cache")):
+    for key, title in (("memory", "From memory"), ("in_cache", "In cache, the word loops")):
         t = res[key]
         lines += [f"## {title}: {t['mib']:.0f} MiB float32, {t['threads']} thread(s), "
                   f"{t['rounds']} rounds", "",

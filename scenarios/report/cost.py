@@ -9,7 +9,8 @@ k, 0 = off, and each optional check on or off; the non-finite check is always on
   interval gives the band). ``[cluster.overhead]`` replaces any of them.
 * ``F = sdc_per_gpu_hour x gpus x 24``: state-changing corruptions per day.
 * Per corruption, from the campaign's fault trials at interval k, weighted by the fault mix
-  (``field_mix`` x ``site_mix`` over each (site, field) cell's trials): the shares of
+  (``field_mix`` x ``site_mix`` x ``pattern_mix`` over each (site, field, pattern) cell's
+  trials): the shares of
   detected, escaped and crashed (or hung) among those not masked. A detection by checks
   that are all off in the configuration counts as escaped (no later check is assumed).
 * Parts, with ``t = step_time_s x (1 + f)`` and ``G = gpus``:
@@ -65,15 +66,35 @@ def _mix(pairs: tuple[tuple[str, float], ...], present: list[str]) -> dict[str, 
     return {v: mix.get(v, 0.0) for v in present} if mix else dict.fromkeys(present, 1.0)
 
 
+def _patterns(faults: pd.DataFrame) -> pd.Series:
+    """Each trial's fault pattern ("single" where the table has none: written before it)."""
+    if "pattern" not in faults:
+        return pd.Series("single", index=faults.index)
+    return faults["pattern"].replace("", "single")
+
+
 def trial_weights(faults: pd.DataFrame, cluster: ClusterSpec) -> pd.Series:
-    """Each fault trial's weight: its (site, field) cell's share of the mix over the trials
-    in that cell (post-stratification; 0 for fields or sites the mix leaves out)."""
+    """Each fault trial's weight: its (site, field, pattern) cell's share of the mix over the
+    trials in that cell (post-stratification; 0 for fields, sites or patterns the mix leaves
+    out). The field mix shapes one-bit faults (``single``: its weights normalised over the
+    fields present); another pattern's field labels count alike."""
     if faults.empty:
         return pd.Series(dtype=float)
+    pattern = _patterns(faults)
+    single = pattern == "single"
     sw = _mix(cluster.site_mix, sorted(set(faults["site"])))
-    fw = _mix(cluster.field_mix, sorted(set(faults["field"])))
-    n = faults.groupby(["site", "field"])["id"].transform("size")
-    return faults["site"].map(sw).astype(float) * faults["field"].map(fw).astype(float) / n
+    pw = _mix(cluster.pattern_mix, sorted(set(pattern)))
+    fw = _mix(cluster.field_mix, sorted(set(faults.loc[single, "field"])))
+    total = sum(fw.values()) or 1.0
+    field_w = pd.Series(1.0, index=faults.index)
+    field_w[single] = faults.loc[single, "field"].map(fw).astype(float) / total
+    if (~single).any():
+        labels = faults.loc[~single].groupby(pattern[~single])["field"].transform("nunique")
+        field_w[~single] = 1.0 / labels.astype(float)
+    n = faults.assign(pattern=pattern).groupby(["site", "field", "pattern"])["id"].transform(
+        "size")
+    return (faults["site"].map(sw).astype(float) * pattern.map(pw).astype(float) * field_w
+            / n)
 
 
 def _shares(g: pd.DataFrame, w: pd.Series, off: set[str]) -> dict[str, Any] | None:
@@ -318,15 +339,24 @@ def field_coverage(faults: pd.DataFrame, cluster: ClusterSpec,
         return {"weighted": p, "weighted_ci95": wilson(round(p * n_eff), max(1, round(n_eff))),
                 "effective_trials": n_eff, "sampled": raw}
 
-    fields = sorted(set(faults["field"]))
+    pattern = _patterns(faults)
+    fields = sorted(set(faults.loc[pattern == "single", "field"]))
     mix = dict(cluster.field_mix)
+    pmix = dict(cluster.pattern_mix)
+    sampled = sorted(set(pattern))
+    multi = "multi_bit" in sampled
     return {
         "sites": {s: one(faults["site"] == s) for s in sites},
         "all": one(pd.Series(True, index=faults.index)),
         "field_mix": mix, "site_mix": dict(cluster.site_mix) or "every sampled site alike",
+        "pattern_mix": pmix,
         "fields_without_weight": [f for f in fields if mix and mix.get(f, 0.0) == 0.0],
-        "note": "weighted: each (site, field) cell's trials stand for the cell's share of "
-                "the fault mix; sampled: detected / not masked over the campaign's own "
-                "sample. Multi-bit flips (over 60% of bit-flip events in arXiv 2605.04213) "
-                "are not sampled and not in either number.",
+        "patterns_without_weight": [p for p in sampled if pmix and pmix.get(p, 0.0) == 0.0],
+        "note": "weighted: each (site, field, pattern) cell's trials stand for the cell's "
+                "share of the fault mix; sampled: detected / not masked over the campaign's "
+                "own sample. " + (
+                    "Multi-bit flips (the pattern mix's multi_bit) are sampled." if multi else
+                    "Multi-bit flips (over 60% of bit-flip events in arXiv 2605.04213) are "
+                    "not sampled and not in either number (a patterns axis samples them: "
+                    "scenarios/configs/field.toml)."),
     }

@@ -47,6 +47,13 @@ of SDC", arXiv 2605.04213, a gate-level study of a datacenter GPU); the other 99
 single flipped bit anywhere in a float32 word (sign 1, exponent 8, mantissa 23 of 32 bits).
 The same study puts single-bit flips under 40% of bit-flip events: the rest are multi-bit,
 which the campaign does not sample (the report says so beside the weighted coverage)."""
+DEFAULT_PATTERN_MIX: tuple[tuple[str, float], ...] = (("single", 0.4), ("multi_bit", 0.6))
+"""The fault mix over shapes (``injectors.patterns``): the same study ("Anatomy of SDC",
+arXiv 2605.04213) puts single-bit flips under 40% of bit-flip events and the rest multi-bit:
+single 0.4, multi_bit (several bits of one word) 0.6. It gives no share for bursts across
+lanes, columns, whole values or stuck bits: they weigh 0 unless ``[cluster.pattern_mix]``
+gives them one. A campaign of one-bit faults alone is priced as before (the shares are
+ratios)."""
 OVERHEAD_KEYS = ("guard_checks_off", "nonfinite", "weights", "checksum", "replay_fixed",
                  "replay_per_audit")
 """Per-check overheads (fractions of plain DDP's step) a user may set for their hardware;
@@ -96,6 +103,9 @@ class ClusterSpec:
     site_mix: tuple[tuple[str, float], ...] = ()
     """Relative weight of each fault site; empty: every site the campaign sampled alike
     (no published per-site rates)."""
+    pattern_mix: tuple[tuple[str, float], ...] = DEFAULT_PATTERN_MIX
+    """Relative weight of each fault shape (``DEFAULT_PATTERN_MIX``); patterns without a
+    weight count 0. ``field_mix`` shapes the one-bit faults within ``single``."""
 
     def __post_init__(self) -> None:
         need_int("cluster.gpus", self.gpus, 1)
@@ -110,7 +120,7 @@ class ClusterSpec:
                 raise ScenarioError(f"cluster.overhead.{key}", v, f"one of {OVERHEAD_KEYS}",
                                     reason="unknown key")
             need_number(f"cluster.overhead.{key}", v, -1.0, 100.0)
-        for table in ("field_mix", "site_mix"):
+        for table in ("field_mix", "site_mix", "pattern_mix"):
             for key, v in getattr(self, table):
                 need_number(f"cluster.{table}.{key}", v, 0.0, 1e9)
         if self.overhead_file is not None and (not isinstance(self.overhead_file, str)
@@ -140,7 +150,7 @@ class ClusterSpec:
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
-        for table in ("overhead", "field_mix", "site_mix"):
+        for table in ("overhead", "field_mix", "site_mix", "pattern_mix"):
             out[table] = dict(out[table])
         if out["overhead_file"] is None:  # written only when given
             del out["overhead_file"]
@@ -157,10 +167,11 @@ SCALARS = ("gpus", "sdc_per_gpu_hour", "step_time_s", "checkpoint_interval_steps
 
 def cluster_from_table(table: Mapping[str, Any], prefix: str = "cluster.") -> ClusterSpec:
     """A ``ClusterSpec`` from a ``[cluster]`` table (or ``campaign.json``'s ``cluster``)."""
-    known_keys(table, (*SCALARS, "overhead", "field_mix", "site_mix", "overhead_file"), prefix)
+    known_keys(table, (*SCALARS, "overhead", "field_mix", "site_mix", "pattern_mix",
+                       "overhead_file"), prefix)
     kw: dict[str, Any] = {k: table[k] for k in (*SCALARS, "overhead_file")
                           if table.get(k) is not None}
-    for sub in ("overhead", "field_mix", "site_mix"):
+    for sub in ("overhead", "field_mix", "site_mix", "pattern_mix"):
         v = table.get(sub)
         if v is None:
             continue

@@ -167,3 +167,34 @@ def test_a_campaign_with_patterns_runs_and_reports_them(tmp_path: Path) -> None:
         assert row["n"] == len(g)
         assert row["any"] == (None if not len(g) else (g["outcome"] == "detected").mean())
     assert (out / "pattern_checks.svg").read_text().count("<svg") == 1
+
+
+def test_the_cost_model_weighs_patterns_by_the_cluster_mix() -> None:
+    from scenarios.report.cost import trial_weights
+    from scenarios.spec.cluster import DEFAULT_PATTERN_MIX, ClusterSpec
+
+    rows = []
+    for i, (pat, field) in enumerate([("single", "sign"), ("single", "exponent"),
+                                      ("single", "exponent"), ("multi_bit", "any"),
+                                      ("burst_same", "exponent"), ("burst_same", "mantissa")]):
+        rows.append({"id": str(i), "site": "weight_storage", "field": field, "pattern": pat})
+    faults = pd.DataFrame(rows)
+    w = trial_weights(faults, ClusterSpec())
+    mix = dict(DEFAULT_PATTERN_MIX)
+    single = faults["pattern"] == "single"
+    assert math.isclose(float(w[single].sum()), mix["single"])
+    assert math.isclose(float(w[faults["pattern"] == "multi_bit"].sum()), mix["multi_bit"])
+    assert float(w[faults["pattern"] == "burst_same"].sum()) == 0.0  # no share in the study
+    # within single, the bit-field mix: exponent weighs 8 bits to the sign's 1
+    assert math.isclose(float(w[single & (faults["field"] == "exponent")].sum())
+                        / float(w[single & (faults["field"] == "sign")].sum()), 8.0)
+    own = ClusterSpec(pattern_mix=(("single", 1.0), ("burst_same", 1.0)))
+    w = trial_weights(faults, own)
+    assert math.isclose(float(w[faults["pattern"] == "burst_same"].sum()), 1.0)
+    assert w[faults["pattern"] == "burst_same"].nunique() == 1  # its fields count alike
+    # one-bit faults alone: the weights of before, up to one factor (the shares are ratios)
+    only = faults[single]
+    before = only["field"].map(dict(ClusterSpec().field_mix)) / only.groupby(
+        "field")["id"].transform("size")
+    ratio = trial_weights(only, ClusterSpec()) / before
+    assert float(ratio.max() - ratio.min()) <= 1e-12 * float(ratio.max())

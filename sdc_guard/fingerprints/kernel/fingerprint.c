@@ -85,16 +85,16 @@ static inline int sigma(uint64_t k) { return 5 - __builtin_ctzll((k + 1) | 32); 
    the round's block c holds the words k = s + c S (mod 32), whose upper lanes share one
    shift, so each (c, stream) sums its upper lanes apart (H) and takes its shift at the end:
    per vector one addition more than mode 0's loop, and no per-word shift. */
-#define WORDS6(NAME, TARGET, VB)                                                       \
+#define WORDS6(NAME, TARGET, VB, NVEC)                                                 \
   TARGET static void NAME(const char* x, int64_t m, uint64_t half, uint64_t* out) {    \
     typedef uint64_t vec __attribute__((vector_size(VB)));                             \
-    enum { L = VB / 8, NV = 2, S = L * NV, R = 32 / S };                               \
+    enum { L = VB / 8, NV = NVEC, S = L * NV, R = 32 / S };                            \
     vec P[NV], Q[NV], H[R][NV];                                                        \
     memset(P, 0, sizeof P); memset(Q, 0, sizeof Q); memset(H, 0, sizeof H);            \
     const int64_t nr = m / (S * R), nb = nr * R;                                       \
     for (int64_t r = 0; r < nr; ++r)                                                   \
-      for (int c = 0; c < R; ++c)                                                      \
-        for (int j = 0; j < NV; ++j) {                                                 \
+      _Pragma("GCC unroll 16") for (int c = 0; c < R; ++c)                             \
+        _Pragma("GCC unroll 2") for (int j = 0; j < NV; ++j) {                         \
           const char* at = x + 8 * ((r * R + c) * S + j * L);                          \
           if ((j * VB) % 64 == 0) __builtin_prefetch(at + SDC_PREFETCH);               \
           vec v;                                                                       \
@@ -128,12 +128,12 @@ static inline int sigma(uint64_t k) { return 5 - __builtin_ctzll((k + 1) | 32); 
   }
 
 WORDS(words_base, , 16)
-WORDS6(words6_base, , 16)
+WORDS6(words6_base, , 16, 2)
 #ifdef SDC_X86
 WORDS(words_avx2, __attribute__((target("avx2"))), 32)
 WORDS(words_avx512, __attribute__((target("avx512f"))), 64)
-WORDS6(words6_avx2, __attribute__((target("avx2"))), 32)
-WORDS6(words6_avx512, __attribute__((target("avx512f"))), 64)
+WORDS6(words6_avx2, __attribute__((target("avx2"))), 32, 1)
+WORDS6(words6_avx512, __attribute__((target("avx512f"))), 64, 2)
 #endif
 
 /* The widest copy this CPU runs: 2 = AVX-512F, 1 = AVX2, 0 = the baseline (SSE2 on
