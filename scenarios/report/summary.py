@@ -133,7 +133,8 @@ def pattern_cells(faults: pd.DataFrame) -> list[dict[str, Any]]:
         row = {"pattern": pat, "site": site, "dtype": dt, **_group(g)}
         row["not_masked"] = row["trials"] - row["masked"]
         row["ranked"] = row["not_masked"] >= MIN_CELL
-        cells.append(row)
+        if row["not_masked"]:  # (faults that never fired have no dtype and no outcome)
+            cells.append(row)
     return sorted(cells, key=lambda c: (not c["ranked"], -(c["escape_rate"] or 0.0),
                                         c["pattern"], c["site"], c["dtype"]))
 
