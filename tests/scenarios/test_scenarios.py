@@ -68,6 +68,20 @@ def test_every_shipped_config_loads() -> None:
             camp = load_campaign(p)
             assert {s.model.kind for s in camp.scenarios} == {"mlp", "transformer", "cnn_bn"}
             assert camp.space.sites == ("linear_product",)  # type: ignore[union-attr]
+        elif p.name == "field.toml":
+            # at most 15 (pattern, site, dtype) cells by default; --full: the cross product
+            camp = load_campaign(p)
+            space = camp.space
+            assert space is not None
+            dtypes = {s.dtype for s in camp.scenarios}
+            assert len(space.patterns) * len(space.sites) * len(dtypes) <= 15
+            full = load_campaign(p, full=True)
+            assert full.space is not None and len(full.space.sites) == 7
+            assert {s.dtype for s in full.scenarios} == {"float32", "bfloat16"}
+            with pytest.raises(ScenarioError, match="one of --quick or --full"):
+                load_campaign(p, quick=True, full=True)
+            with pytest.raises(ScenarioError, match=r"\[full\] table"):
+                load_campaign(CONFIGS / "checksum.toml", full=True)
         else:
             load_scenario(p)
 
