@@ -11,8 +11,10 @@ core: flips and value faults on any supported dtype, in place, by
 reinterpreting the storage (bit 0 = least significant).
 
 Sites: activation, activation_grad, gradient_before_allreduce,
-gradient_after_allreduce, optimizer_state, weight_storage.
+gradient_after_allreduce, optimizer_state, weight_storage, linear_product.
 Fault models: transient, intermittent (probability p per step), permanent.
+``injectors.patterns`` names the shapes faults take in the field (bursts, columns,
+multi-bit words, whole values, stuck bits), each with the study or hardware it imitates.
 """
 
 from injectors.arm import InjectionHandle, arm, resolve_target
