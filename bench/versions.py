@@ -27,22 +27,12 @@ from typing import Any
 
 import torch
 
+from bench.fingerprint import _on_isa
 from bench.timing import alternate, cpu_name, publish
 from sdc_guard import fingerprint, native_enabled, native_kernel
 from sdc_guard.internal import ISAS, LANES_V2, active_kernel, digest_value
 
 GIB = 1024**3
-
-
-def _isa(isa: str, fn: Callable[[], object]) -> object:
-    kernel = active_kernel()
-    assert kernel is not None
-    before = kernel.isa
-    kernel.use_isa(isa)
-    try:
-        return fn()
-    finally:
-        kernel.use_isa(before)
 
 
 def _torch_path(fn: Callable[[], object]) -> object:
@@ -57,9 +47,9 @@ def _methods(x: torch.Tensor, torch_path: bool) -> dict[str, Callable[[], object
         for isa in ISAS[: ISAS.index(kernel.cpu_isa) + 1]:
             for version in (2, 1):
                 out[f"C kernel, {isa}, version {version}"] = functools.partial(
-                    _isa, isa, functools.partial(fingerprint, x, version=version))
+                    _on_isa, isa, functools.partial(fingerprint, x, version=version))
             out[f"C kernel, {isa}, replay digest"] = functools.partial(
-                _isa, isa, functools.partial(digest_value, x))
+                _on_isa, isa, functools.partial(digest_value, x))
     if torch_path:
         for version in (2, 1):
             out[f"torch path, version {version}"] = functools.partial(
@@ -103,7 +93,7 @@ def _loops(x: torch.Tensor) -> dict[str, Callable[[], object]]:
         for isa in ISAS[: ISAS.index(kernel.cpu_isa) + 1]:
             for version, mode in ((2, LANES_V2), (1, 0)):
                 out[f"C word loop, {isa}, version {version}"] = functools.partial(
-                    _isa, isa, reps(functools.partial(kernel.words_at, lanes.data_ptr(),
+                    _on_isa, isa, reps(functools.partial(kernel.words_at, lanes.data_ptr(),
                                                       lanes.numel(), mode)))
     return out
 

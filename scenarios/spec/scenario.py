@@ -431,34 +431,19 @@ class Scenario:
         """Elements of each possible target of ``site``: parameters, or module outputs. Under
         FSDP2, for a site in ``SHARDED_SITES`` and a ``rank``: the elements of that rank's
         shard (FSDP2 splits dim 0 as ``torch.chunk`` does; a shard may be empty)."""
-        import torch
-
+        if site in ("activation", "activation_grad"):  # the module's output, as it meets it
+            return {n: math.prod(shape) for n, shape in self.target_shapes(site).items()}
         model = build_model(self.model.kind, width=self.model.width, depth=self.model.depth,
                             seed=self.seed)
         names = self.targets(site)
         if site == "linear_product":  # the weight's elements: the products scale with it
             modules = dict(model.named_modules())
             return {n: modules[n].weight.numel() for n in names}
-        if site not in ("activation", "activation_grad"):
-            params = dict(model.named_parameters())
-            if rank is None or site not in SHARDED_SITES or not self.sharded:
-                return {n: params[n].numel() for n in names}
-            index, count = self.shard_of(rank)
-            return {n: shard_numel(tuple(params[n].shape), index, count) for n in names}
-        sizes: dict[str, int] = {}
-        modules = dict(model.named_modules())
-
-        def recorder(name: str) -> Any:
-            def hook(module: torch.nn.Module, args: Any, out: torch.Tensor) -> None:
-                sizes.setdefault(name, out.numel())
-            return hook
-
-        hooks = [modules[n].register_forward_hook(recorder(n)) for n in names]
-        with torch.no_grad():
-            model(synthetic_batch(self.model.kind, self.seed, 0, 0, 0, batch=self.batch)[0])
-        for h in hooks:
-            h.remove()
-        return {n: sizes.get(n, 1) for n in names}
+        params = dict(model.named_parameters())
+        if rank is None or site not in SHARDED_SITES or not self.sharded:
+            return {n: params[n].numel() for n in names}
+        index, count = self.shard_of(rank)
+        return {n: shard_numel(tuple(params[n].shape), index, count) for n in names}
 
     def target_shapes(self, site: str, rank: int | None = None,
                       product: str | None = None) -> dict[str, tuple[int, ...]]:
