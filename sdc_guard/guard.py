@@ -71,11 +71,12 @@ def _timed(into: dict[str, float], name: str, call: Callable[..., Any], step: in
 
 
 def _is_fsdp(model: torch.nn.Module) -> bool:
-    """Is ``model`` FSDP2's (``fully_shard``)? Asked without importing FSDP2 for DDP users."""
+    """Is ``model`` FSDP2's (``fully_shard``)? Asked without importing FSDP2 for DDP users
+    (a torch without the public ``FSDPModule`` has no model of it to pass)."""
     import sys
 
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
+    module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    return module is not None and isinstance(model, module)
 
 
 def _sparse_gradients(model: torch.nn.Module) -> bool:

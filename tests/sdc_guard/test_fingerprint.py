@@ -549,6 +549,8 @@ def test_same_value_in_a_fresh_process() -> None:
     assert int(out.stdout.strip()) == here
 
 
+@pytest.mark.skipif(not hasattr(torch, "hash_tensor"),
+                    reason="this torch has no torch.hash_tensor to compare with")
 def test_order_and_cancellation_that_blind_torch_hash_tensor() -> None:
     def h(t: torch.Tensor) -> int:
         return int(torch.hash_tensor(t).view(torch.int64).item())
