@@ -33,7 +33,11 @@ verdict per step against its ideal (``weights_verdict``: at rest on FSDP 2, vote
 2x2), as ``bench`` does under DDP. Results go to
 ``bench/fsdp.json`` and ``bench/FSDP.md``::
 
-    python -m bench.fsdp [--rounds N] [--block N] [--batch N] [--direct-steps N] [--out bench]
+    python -m bench.fsdp [--rounds N] [--block N] [--batch N] [--direct-steps N]
+                         [--audit-rounds N] [--checksum-rounds N] [--launches N] [--out bench]
+
+The checksum's budget is set under DDP over launches of new rank processes
+(``bench.checksum``); its last run here does the same under FSDP2 (``checksum_launches``).
 """
 
 from __future__ import annotations
@@ -49,8 +53,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bench.checksum import DEFAULTS, DEFAULTS_CHECKSUM, PAIR, launch_stats
 from bench.reference import classification_batch, cross_entropy_loss, reference_mlp
-from bench.timing import bootstrap_interval, cpu_name, publish, split_rounds
+from bench.timing import bootstrap_interval, cpu_name, launch_rounds, publish, split_rounds
 from scenarios.run.launch import run_ranks
 from scenarios.spec.models import build_model, scenario_loss, synthetic_batch
 from scenarios.spec.sharding import shard_model
@@ -467,8 +472,55 @@ def _ratios(samples: dict[str, list[float]], rounds: int) -> dict[str, dict[str,
     return out
 
 
+def _checksum_pair_rank(rank: int, world: int, rounds: int,
+                        block: int) -> dict[str, dict[str, list[float]]]:
+    """One launch of ``checksum_launches``: the reference MLP under FSDP2 with the guard's
+    defaults and with the defaults and the checksum, each on a model of its own, timed in
+    blocks of ``block`` steps after one untimed step, the order rotating round by round."""
+    torch.set_num_threads(1)
+    runs = {DEFAULTS: _runner(rank, world, "fsdp", GuardConfig(), 0, mlp=True),
+            DEFAULTS_CHECKSUM: _runner(rank, world, "fsdp", GuardConfig(checksum=True), 0,
+                                       mlp=True)}
+    names = list(runs)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    step = 0
+    for name in names:  # warm-up: optimizer state exists, caches are hot
+        for _ in range(3):
+            runs[name](step)
+            step += 1
+    for r in range(rounds):
+        for name in names[r % 2:] + names[:r % 2]:
+            runs[name](step)  # untimed, as bench.checksum's blocks
+            step += 1
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(block):
+                runs[name](step)
+                step += 1
+            dist.barrier()
+            times[name].append((time.perf_counter() - t0) / block)
+            cpu[name].append((time.process_time() - c0) / block)
+    return {"round_step_s": times, "round_cpu_s": cpu}
+
+
+def checksum_launches(rounds: int, launches: int, block: int = 10) -> dict[str, Any]:
+    """The checksum's DDP budget in its own terms under FSDP2 (``GuardConfig(checksum=True)``
+    over ``GuardConfig()`` on the reference MLP, 2 ranks), the rounds split over ``launches``
+    runs of new rank processes, as ``bench.checksum`` measures it under DDP: the overhead is
+    the median over whole rotations, its interval resamples whole launches."""
+    each = launch_rounds(rounds, launches, len(PAIR))
+    runs = [run_ranks(_checksum_pair_rank, 2, each, block, timeout=1800)[0]
+            for _ in range(launches)]
+    times, cpu = ({k: [x for run in runs for x in run[key][k]] for k in PAIR}
+                  for key in ("round_step_s", "round_cpu_s"))
+    return {"world": 2, "batch": MLP_BATCH, "rounds": rounds, "block": block,
+            **launch_stats(times, cpu, launches)}
+
+
 def fsdp_overhead(rounds: int = 20, block: int = 5, batch: int = 16,
-                  direct_steps: int = 300) -> dict[str, Any]:
+                  direct_steps: int = 300, audit_rounds: int = 200,
+                  checksum_rounds: int = 200, launches: int = 10) -> dict[str, Any]:
     """Medians per configuration (rank 0's clock) and each one's ratio to its baseline; the
     control word's all-reduce alone; the guard's own work measured directly on one rank."""
     got = run_ranks(_bench_rank, 2, rounds, block, batch, timeout=3600)[0]
@@ -483,7 +535,8 @@ def fsdp_overhead(rounds: int = 20, block: int = 5, batch: int = 16,
 
     low, high = bootstrap_interval({WORD: split_rounds(words, rounds)}, share)
     own = direct(direct_steps, batch)
-    audits = audit(rounds, 2 * AUDIT_EVERY, batch)
+    audits = audit(audit_rounds, 2 * AUDIT_EVERY, batch)
+    checksum = checksum_launches(checksum_rounds, launches)
     verdicts = weights_verdict(max(100, 10 * rounds), batch)
     word = {"median_us": statistics.median(words) * 1e6, "share_of_plain_step": share({WORD: words}),
             "interval": [low, high]}
@@ -492,6 +545,7 @@ def fsdp_overhead(rounds: int = 20, block: int = 5, batch: int = 16,
             "model": "llama (2 blocks, width 64), AdamW", "batch": batch, "rounds": rounds,
             "block": block, "rows": rows, "word": word, "direct_steps": direct_steps,
             "plain_step_ms": plain * 1e3, "audit": audits, "weights_verdict": verdicts,
+            "checksum_launches": checksum,
             "direct": {"plain_own_us": own["plain_own_us"], "rows": {
                 n: {**v, "share": v["extra_us"] / step_us,
                     "share_interval": [x / step_us for x in v["interval_us"]]}
@@ -577,7 +631,34 @@ def markdown(res: dict[str, Any]) -> list[str]:
                      f"{v['interval'][1]:.2f}x | {v['own_ideal_us']:.0f} | "
                      f"**{v['own_ratio']:.2f}x** | {v['own_interval'][0]:.2f}x .. "
                      f"{v['own_interval'][1]:.2f}x |")
+    if "checksum_launches" in res:
+        lines += checksum_launches_md(res["checksum_launches"])
     return lines
+
+
+def checksum_launches_md(c: dict[str, Any]) -> list[str]:
+    """``checksum_launches``' section of FSDP.md."""
+    def pct(v: float) -> str:
+        return f"{100 * v:+.1f}%"
+
+    lo, hi = c["overhead_interval_90"]
+    clo, chi = c["cpu_overhead_interval_90"]
+    n = c["launches"]
+    return ["", f"## The checksum in the defaults under FSDP2, over {n} launches", "",
+            "`GuardConfig(checksum=True)` against `GuardConfig()` on the reference MLP "
+            f"under FSDP2 (2 ranks x 1 thread, batch {c['batch']} per rank), each on a "
+            f"model of its own, alternated in blocks of {c['block']} steps after one "
+            f"untimed step, {c['rounds']} rounds in {n} launches of {c['rounds'] // n} "
+            "rounds (new rank processes each time), as `bench.checksum` measures the DDP "
+            "budget (<= 3%): the median over whole rotations of each rotation's ratio "
+            "of means, its 90% bootstrap interval resampling whole launches.", "",
+            "| step, defaults (ms) | step, defaults + checksum (ms) | overhead | "
+            "90% interval | CPU overhead (90% interval) |", "|---|---|---|---|---|",
+            f"| {c['step_ms']:.2f} | {c['step_ms_checksum']:.2f} | "
+            f"**{pct(c['overhead'])}** | {pct(lo)} .. {pct(hi)} | "
+            f"{pct(c['cpu_overhead'])} ({pct(clo)} .. {pct(chi)}) |", "",
+            "Each launch's own overhead, in the order they ran: "
+            + ", ".join(pct(x) for x in c["overhead_per_launch"]) + "."]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -587,6 +668,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--direct-steps", type=int, default=300,
                     help="traced steps per configuration (default 300)")
+    ap.add_argument("--audit-rounds", type=int, default=200,
+                    help="rounds of the replay audit's run (default 200)")
+    ap.add_argument("--checksum-rounds", type=int, default=200,
+                    help="rounds of the checksum's launches, all together (default 200)")
+    ap.add_argument("--launches", type=int, default=10,
+                    help="launches the checksum's rounds are split over (default 10)")
     ap.add_argument("--out", default="bench")
     args = ap.parse_args(argv)
     if min(args.rounds, args.block, args.batch) < 1 or args.direct_steps < 10:
@@ -594,7 +681,14 @@ def main(argv: list[str] | None = None) -> int:
                  f"least 10 (its intervals resample blocks of 10 steps); got --rounds "
                  f"{args.rounds} --block {args.block} --batch {args.batch} --direct-steps "
                  f"{args.direct_steps}")
-    res = fsdp_overhead(args.rounds, args.block, args.batch, args.direct_steps)
+    if args.audit_rounds < 1:
+        ap.error(f"--audit-rounds must be at least 1; got {args.audit_rounds}")
+    try:
+        launch_rounds(args.checksum_rounds, args.launches, len(PAIR))
+    except ValueError as e:
+        ap.error(f"--checksum-rounds {args.checksum_rounds} --launches {args.launches}: {e}")
+    res = fsdp_overhead(args.rounds, args.block, args.batch, args.direct_steps,
+                        args.audit_rounds, args.checksum_rounds, args.launches)
     lines = markdown(res)
     publish(Path(args.out), "fsdp", res, lines)
     (Path(args.out) / "FSDP.md").write_text("\n".join(lines) + "\n")

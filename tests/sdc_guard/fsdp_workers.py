@@ -161,11 +161,12 @@ def faults(rank: int, world: int, shape: tuple[int, ...], site: str, target: int
 
 
 def collectives_per_step(rank: int, world: int, shape: tuple[int, ...], steps: int = 5,
-                         weights: int = 0) -> dict[str, list[int]]:
+                         weights: int = 0, checksum: bool = False) -> dict[str, list[int]]:
     """The collectives each step issues (the sequence numbers of every process group of
     this process, the mesh's included), for plain FSDP2 and for the guard with the
-    non-finite check (its naming word out of the way) and the weights check every
-    ``weights`` steps (0: off), and whether the guard's run is bit-identical."""
+    non-finite check (its naming word out of the way), the weights check every
+    ``weights`` steps (0: off) and the checksum check if ``checksum``, and whether the
+    guard's run is bit-identical."""
     def issued() -> int:
         groups: Any = dist.distributed_c10d._world.pg_map
         return sum(int(g._get_sequence_number_for_group()) for g in groups)
@@ -177,7 +178,8 @@ def collectives_per_step(rank: int, world: int, shape: tuple[int, ...], steps: i
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         guard = None if name == "plain" else SDCGuard(
             model, opt, loss_fn=loss_fn, batch_for=batch_for,
-            config=GuardConfig(weights_interval=weights, nonfinite_exchange_interval=1000))
+            config=GuardConfig(weights_interval=weights, nonfinite_exchange_interval=1000,
+                               checksum=checksum))
         counts = []
         for step in range(steps):
             before = issued()

@@ -55,16 +55,20 @@ def test_nonfinite_reduced_shard_is_withheld_everywhere_without_a_suspect() -> N
         assert res["detections"] == [("nonfinite", 2, (), False)]
 
 
-@pytest.mark.parametrize(("name", "weights"), [("fsdp2", 0), ("hsdp2x2", 0), ("fsdp2", 1)])
-def test_the_veto_rides_the_last_reduce_scatter_and_adds_no_collective(name: str,
-                                                                       weights: int) -> None:
-    """With the non-finite check (and under FSDP the weights check at rest, every step), a
-    guarded step issues the collectives plain FSDP2's step issues and no more: the step's
-    veto, the weights' verdict on the state the step before left included, rides its last
-    reduce-scatter (from the second step on: the first learns which reduction is the last,
-    and sends the veto in a word)."""
+@pytest.mark.parametrize(("name", "weights", "checksum"),
+                         [("fsdp2", 0, False), ("hsdp2x2", 0, False), ("fsdp2", 1, False),
+                          ("fsdp2", 1, True)])
+def test_the_veto_rides_the_last_reduce_scatter_and_adds_no_collective(
+        name: str, weights: int, checksum: bool) -> None:
+    """With the non-finite check (and under FSDP the weights check at rest, every step, and
+    the checksum check), a guarded step issues the collectives plain FSDP2's step issues and
+    no more: the step's veto, the weights' verdict on the state the step before left and the
+    checksum's on the step's products included, rides its last reduce-scatter (from the
+    second step on: the first learns which reduction is the last, and sends the veto in a
+    word)."""
     shape = SHAPES[name]
-    for res in run_ranks(w.collectives_per_step, _world(shape), shape, 5, weights):
+    for res in run_ranks(w.collectives_per_step, _world(shape), shape, 5, weights,
+                         checksum):
         assert res["guard"][1:] == res["plain"][1:], res
         assert res["guard"][0] > res["plain"][0], res  # (and the step agreement)
         assert res["identical"] == [1]

@@ -114,6 +114,10 @@ class ChecksumCheck(Hooks, Check, GradientListener):
     name = "checksum"
     withholds = True
     wants_veto = True
+    veto_early = True
+    """Every product of the step is computed and compared before the step's last gradient
+    reduction starts (its weight gradients are checked as they reach their reduction):
+    under FSDP2 the veto rides that reduction, with no word of its own."""
 
     _read: tuple[StepRead, int] | None = None
     """This step's failure flag's handle in the step's read (``ask``)."""
