@@ -87,6 +87,11 @@ def chunk_word(buf: torch.Tensor, index: int, device: torch.device) -> Word:
 class FSDPReplayAudit(ReplayAudit):
     """The ring replay audit of a ``fully_shard`` model (FSDP or HSDP); see the module doc."""
 
+    veto_early = True
+    """The own words are complete once the step's last reduce-scatter input is digested
+    (``local`` runs before the backend carries the veto) and the replayed words arrived by
+    then: the veto rides that reduction, with no word of its own."""
+
     def __init__(
         self,
         model: nn.Module,

@@ -117,6 +117,40 @@ def replicate_collectives_in_replay(rank: int, world: int, micro: int) -> list[i
     return counts
 
 
+def veto_collectives(rank: int, world: int, steps: int) -> dict[str, list[int]]:
+    """FSDP, an audit every step, the other checks off: the collectives each step issues
+    (every process group of this process) with the audit's veto carried by the step's last
+    reduce-scatter (``veto_early``, as built) and with it sent in a word of its own; and
+    whether the two runs trained alike."""
+    from sdc_guard.checks.replay_fsdp import FSDPReplayAudit
+
+    def issued() -> int:
+        groups: Any = dist.distributed_c10d._world.pg_map
+        return sum(int(g._get_sequence_number_for_group()) for g in groups)
+
+    out: dict[str, list[int]] = {}
+    states = []
+    for name in ("carried", "word"):
+        model = build((world,))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        cfg = GuardConfig(nonfinite=False, weights_interval=0, replay_interval=1,
+                          deterministic=True)
+        guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=batch_for, config=cfg)
+        if name == "word":
+            audit = next(c for c in guard.checks if isinstance(c, FSDPReplayAudit))
+            audit.veto_early = False
+        counts = []
+        for step in range(steps):
+            before = issued()
+            report = guard.step(step)
+            assert not report.skipped and not report.detections, report
+            counts.append(issued() - before)
+        out[name] = counts
+        states.append(local_state(model, opt))
+    out["identical"] = [int(all(torch.equal(a, b) for a, b in zip(*states, strict=True)))]
+    return out
+
+
 def soak(audits: int) -> None:
     """Clean runs with an audit at every step, FSDP 3 and HSDP 2x2 (2 micro-batches): prints
     the audits and the bad edges seen (the target: 0 over >= 100 audits). Run it with

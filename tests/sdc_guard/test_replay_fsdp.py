@@ -103,6 +103,16 @@ def test_hsdp_3x2_names_the_faulty_rank() -> None:
         assert res["alike"]
 
 
+def test_the_audits_veto_rides_the_last_reduce_scatter() -> None:
+    """From the second step on (the first learns which reduction is the step's last) an
+    audit step issues one collective fewer than with the veto in a word of its own, and
+    trains the same."""
+    for res in run_ranks(w.veto_collectives, 2, 4):
+        assert [c + 1 for c in res["carried"][1:]] == res["word"][1:], res
+        assert res["carried"][0] == res["word"][0], res
+        assert res["identical"] == [1]
+
+
 def test_the_recomputation_runs_no_replicate_all_reduce() -> None:
     """HSDP 2x2 with 2 micro-batches: turning the gradient sync back on after the first
     micro-batch must not turn HSDP's all-reduce back on inside the recomputation."""
