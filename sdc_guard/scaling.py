@@ -233,6 +233,21 @@ class RowPlan:
         """The pass: the row sums written, the buffer scaled; whether any was NaN or Inf."""
         return self.kernel.scale_rows_blocks(self.base, self.n, scale, self.blocks)
 
+    def check(self) -> bool:
+        """The pass without scaling: the row sums written, the buffer only read; whether
+        any was NaN or Inf."""
+        return self.kernel.check_rows_blocks(self.base, self.n, self.blocks)
+
+
+def check_row_sums(buf: torch.Tensor, requests: Sequence[RowSums]) -> Flag:
+    """``row_sums(requests)`` and ``check_nonfinite(buf)``: in one read of ``buf`` where
+    ``can_fuse_rows`` holds (the C kernel), else the two passes."""
+    plan = RowPlan.of(buf, requests)
+    if plan is not None:
+        return plan.check()
+    row_sums(requests)
+    return check_nonfinite(buf)
+
 
 class RowPlans:
     """The ``RowPlan`` of each bucket (by its index): the same tensor objects, at the same

@@ -319,6 +319,10 @@ class NativeKernel:
         scale_rows.argtypes = [P, N, ctypes.c_float, P, C, C]
         scale_rows.restype = C
         self._scale_rows = scale_rows
+        check_rows = self._lib.sdc_check_rows
+        check_rows.argtypes = [P, N, P, C, C]
+        check_rows.restype = C
+        self._check_rows = check_rows
         isa = self._lib.sdc_isa
         isa.argtypes = [ctypes.c_int]
         isa.restype = ctypes.c_int
@@ -456,6 +460,16 @@ class NativeKernel:
         bad = self._scale_rows(address, n, scale, blocks[0], blocks[1], threads)
         if bad < 0:
             raise ValueError("sdc_scale_rows: blocks must lie inside the buffer, in increasing "
+                             "offset, without overlapping")
+        return bool(bad)
+
+    def check_rows_blocks(self, address: int, n: int, blocks: Any) -> bool:
+        """``scale_rows_blocks`` that writes nothing: the row sums and whether any float was
+        NaN or Inf, in one read of the ``n`` float32 at ``address``."""
+        threads = max(1, min(torch.get_num_threads(), n // _PER_THREAD))
+        bad = self._check_rows(address, n, blocks[0], blocks[1], threads)
+        if bad < 0:
+            raise ValueError("sdc_check_rows: blocks must lie inside the buffer, in increasing "
                              "offset, without overlapping")
         return bool(bad)
 

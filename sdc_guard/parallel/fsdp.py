@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from sdc_guard.collectives import PendingSum, words_on
 from sdc_guard.parallel.base import GradientListener, Layout
 from sdc_guard.parallel.ddp import SentinelAnswer, WordAnswer, sentinel_values
-from sdc_guard.scaling import Flag, check_nonfinite, row_sums
+from sdc_guard.scaling import Flag, check_nonfinite, check_row_sums, row_sums
 
 _REDUCE_SCATTER: Any = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 """FSDP2's own default collective (``reduce_scatter_single`` where torch has it)."""
@@ -310,18 +310,26 @@ class FSDPBackend:
 
     # -- events ------------------------------------------------------------------------------
     def _local(self, chunk: ShardChunk) -> None:
+        """The local gradients: the injectors' callbacks, then the row sums the listeners
+        ask for and the non-finite flag, in one read where the C kernel can take both (as
+        DDP's scaling pass does), then each listener's ``local`` and ``after_scaling``."""
         flag: Flag | None = None
+        wants_flag = False
         if not self.quiet:  # a recomputation's gradients are not the step's: no injector
             # (as under DDP, where a recomputation passes no comm hook), no non-finite flag
             for cb in self.before:
                 cb(chunk)
-            if any(lst.wants_flag for lst in self.listeners):
+            wants_flag = any(lst.wants_flag for lst in self.listeners)
+        rows = [r for lst in self.listeners for r in (lst.row_sums(chunk) or ())]
+        if wants_flag and rows:
+            flag = check_row_sums(chunk.buffer(), rows)
+        else:
+            if wants_flag:
                 flag = check_nonfinite(chunk.buffer())
+            if rows:
+                row_sums(rows)
         wants = [lst.local(chunk) for lst in self.listeners]
         digests = [None if w is None else w.digest(chunk.buffer()) for w in wants]
-        rows = [r for lst in self.listeners for r in (lst.row_sums(chunk) or ())]
-        if rows:
-            row_sums(rows)
         for lst, digest in zip(self.listeners, digests, strict=True):
             lst.after_scaling(chunk, flag, digest)
         self._chunks.append(chunk)

@@ -333,6 +333,40 @@ def test_scale_row_sums_is_mul_and_the_row_sums_as_they_were(kernel: nat.NativeK
     assert torch.allclose(separate[0].double(), a.double().sum(1), rtol=1e-5, atol=1e-2)
 
 
+@pytest.mark.parametrize(("threads", "where"), [(1, None), (3, 7), (1, 100 + 5 * 300 + 299),
+                                               (3, 200_000 + 39 * 7 + 6), (1, 299_999)])
+def test_check_row_sums_reads_once_and_writes_nothing(kernel: nat.NativeKernel, threads: int,
+                                                      where: int | None) -> None:
+    # FSDP2's local gradients: the row sums of the weight gradients in the buffer and its
+    # non-finite flag in one read; the buffer keeps its bits (a signalling NaN's payload too,
+    # which a multiplication by 1 would quiet), a NaN or Inf anywhere is flagged (in a
+    # block's body, its last column, between blocks, at the end), and the sums are the
+    # separate pass's bit for bit.
+    from sdc_guard.scaling import check_nonfinite, check_row_sums, row_sums
+    g = torch.Generator().manual_seed(6)
+    buf = torch.randn(300_000, generator=g) * 1e3
+    if where is not None:
+        buf.view(torch.int32)[where] = 0x7FA00001  # a signalling NaN
+    a = buf[100:100 + 600 * 300].view(600, 300)
+    b = buf[200_000:200_000 + 40 * 7].view(40, 7)
+    outs = [torch.empty(600), torch.empty(40)]
+    want = [torch.empty(600), torch.empty(40)]
+    row_sums([(a, want[0]), (b, want[1])])
+    before = buf.clone()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        flag = check_row_sums(buf, [(b, outs[1]), (a, outs[0])])
+    finally:
+        torch.set_num_threads(saved)
+    assert flag is (where is not None) and check_nonfinite(buf) is flag
+    assert torch.equal(buf.view(torch.int32), before.view(torch.int32))
+    for got, ref in zip(outs, want, strict=True):  # (a row with the NaN sums to NaN in both)
+        keep = ~ref.isnan()
+        assert int(keep.sum()) >= ref.numel() - 1 and torch.equal(got.isnan(), ref.isnan())
+        assert torch.equal(got[keep].view(torch.int32), ref[keep].view(torch.int32))
+
+
 def test_row_plans_are_kept_per_bucket_and_remade_when_its_tensors_change(
         kernel: nat.NativeKernel) -> None:
     from sdc_guard.scaling import RowPlans
