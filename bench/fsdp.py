@@ -142,6 +142,17 @@ WORD = "the control word's all-reduce"
 """The word's timing's key: one int64 per check whose veto travels in it."""
 
 
+def _warm_up(runs: dict[str, Callable[[int], None]]) -> int:
+    """Three steps of each configuration (optimizer state exists, caches are hot); the next
+    step's number."""
+    step = 0
+    for run in runs.values():
+        for _ in range(3):
+            run(step)
+            step += 1
+    return step
+
+
 def _bench_rank(rank: int, world: int, rounds: int, block: int,
                 batch: int) -> dict[str, dict[str, list[float]]]:
     torch.set_num_threads(1)  # two ranks on two cores: one thread each
@@ -151,11 +162,7 @@ def _bench_rank(rank: int, world: int, rounds: int, block: int,
     times: dict[str, list[float]] = {n: [] for n in names}
     word = torch.zeros(1, dtype=torch.int64)
     words: list[float] = []
-    step = 0
-    for name in names:  # warm-up: optimizer state exists, caches are hot
-        for _ in range(3):
-            runs[name](step)
-            step += 1
+    step = _warm_up(runs)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             for _ in range(block):
@@ -484,11 +491,7 @@ def _checksum_pair_rank(rank: int, world: int, rounds: int,
     names = list(runs)
     times: dict[str, list[float]] = {n: [] for n in names}
     cpu: dict[str, list[float]] = {n: [] for n in names}
-    step = 0
-    for name in names:  # warm-up: optimizer state exists, caches are hot
-        for _ in range(3):
-            runs[name](step)
-            step += 1
+    step = _warm_up(runs)
     for r in range(rounds):
         for name in names[r % 2:] + names[:r % 2]:
             runs[name](step)  # untimed, as bench.checksum's blocks

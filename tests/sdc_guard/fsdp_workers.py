@@ -167,10 +167,6 @@ def collectives_per_step(rank: int, world: int, shape: tuple[int, ...], steps: i
     non-finite check (its naming word out of the way), the weights check every
     ``weights`` steps (0: off) and the checksum check if ``checksum``, and whether the
     guard's run is bit-identical."""
-    def issued() -> int:
-        groups: Any = dist.distributed_c10d._world.pg_map
-        return sum(int(g._get_sequence_number_for_group()) for g in groups)
-
     out: dict[str, list[int]] = {}
     states = []
     for name in ("plain", "guard"):
@@ -182,16 +178,23 @@ def collectives_per_step(rank: int, world: int, shape: tuple[int, ...], steps: i
                                checksum=checksum))
         counts = []
         for step in range(steps):
-            before = issued()
+            before = collectives_issued()
             if guard is None:
                 plain_steps_from(model, opt, step, rank)
             else:
                 assert not guard.step(step).skipped
-            counts.append(issued() - before)
+            counts.append(collectives_issued() - before)
         out[name] = counts
         states.append(local_state(model, opt))
     out["identical"] = [int(all(torch.equal(a, b) for a, b in zip(*states, strict=True)))]
     return out
+
+
+def collectives_issued() -> int:
+    """The collectives this process has issued so far: the sum of every process group's
+    sequence number (the mesh's groups included)."""
+    groups: Any = dist.distributed_c10d._world.pg_map
+    return sum(int(g._get_sequence_number_for_group()) for g in groups)
 
 
 def plain_steps_from(model: Any, opt: torch.optim.Optimizer, step: int, rank: int) -> None:

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from sdc_guard import GuardConfig, SDCGuard
-from tests.sdc_guard.fsdp_workers import batch_for, local_state, mesh_for
+from tests.sdc_guard.fsdp_workers import batch_for, collectives_issued, local_state, mesh_for
 
 
 def build(shape: tuple[int, ...]) -> nn.Module:
@@ -124,10 +124,6 @@ def veto_collectives(rank: int, world: int, steps: int) -> dict[str, list[int]]:
     whether the two runs trained alike."""
     from sdc_guard.checks.replay_fsdp import FSDPReplayAudit
 
-    def issued() -> int:
-        groups: Any = dist.distributed_c10d._world.pg_map
-        return sum(int(g._get_sequence_number_for_group()) for g in groups)
-
     out: dict[str, list[int]] = {}
     states = []
     for name in ("carried", "word"):
@@ -141,10 +137,10 @@ def veto_collectives(rank: int, world: int, steps: int) -> dict[str, list[int]]:
             audit.veto_early = False
         counts = []
         for step in range(steps):
-            before = issued()
+            before = collectives_issued()
             report = guard.step(step)
             assert not report.skipped and not report.detections, report
-            counts.append(issued() - before)
+            counts.append(collectives_issued() - before)
         out[name] = counts
         states.append(local_state(model, opt))
     out["identical"] = [int(all(torch.equal(a, b) for a, b in zip(*states, strict=True)))]
