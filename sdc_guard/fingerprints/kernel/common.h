@@ -6,7 +6,7 @@
                     copy per instruction set (sdc_weighted_sum, sdc_isa)
      scaling.c      the comm hook's fused 1/world scaling pass: scale, flag NaN/Inf, digest
                     and row sums in one read (sdc_scale_check, sdc_nonfinite,
-                    sdc_scale_digest, sdc_scale_rows)
+                    sdc_scale_digest, sdc_scale_rows; read only: sdc_check_rows)
      checksum.c     the checksum check's float32 passes and its hooks' calls (sdc_cs_*),
                     and the weights check's pass that takes the checksum's weight sums
                     (sdc_fp_wsum)
@@ -123,6 +123,7 @@ int sdc_scale_digest(void* x, int64_t n, float scale, int threads, uint64_t* out
 int sdc_scale_check(void* x, int64_t n, float scale, int threads);
 int sdc_nonfinite(const void* x, int64_t n, int threads);
 int sdc_scale_rows(float* x, int64_t n, float scale, const int64_t* seg, int m, int threads);
+int sdc_check_rows(const float* x, int64_t n, const int64_t* seg, int m, int threads);
 
 /* sdc_cs_cols: over A (rows x cols, row stride ld), s_p (+)= u_p^T A for p < k and
    b_p (+)= a_p^T |A| for p < ka (a NULL u_p or a_p is a vector of ones); bit p of acc_mask

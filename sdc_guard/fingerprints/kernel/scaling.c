@@ -1,7 +1,8 @@
 /* The comm hook's fused 1/world scaling pass (sdc_guard.scaling): each gradient bucket
    scaled in place with the bits of torch's mul_, NaN/Inf flagged, and in the same read the
    replay digest's words (sdc_scale_digest) or the checksum check's row sums of the weight
-   gradients in the bucket (sdc_scale_rows). */
+   gradients in the bucket (sdc_scale_rows); and the same rows pass without the store, for
+   FSDP2's reduce-scatter input (sdc_check_rows). */
 
 #include "common.h"
 
