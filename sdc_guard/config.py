@@ -92,7 +92,15 @@ class GuardConfig:
     """Compare fingerprints of the updated weights across ranks every N steps (0 = off)."""
 
     replay_interval: int = 0
-    """Ring replay audit every N steps (0 = off). Needs ``batch_for`` and deterministic mode."""
+    """Ring replay audit every N steps (0 = off). Needs ``batch_for``; in the exact mode (the
+    default) also deterministic mode."""
+
+    replay_mode: str = "exact"
+    """How the replay audit compares a recomputation with the owner's step: ``"exact"``, bit
+    for bit (needs ``deterministic=True`` and every rank computing alike), or
+    ``"tolerant"``, a float64 sketch of the loss and gradients within a tolerance calibrated
+    from the run, with a rerun on the same rank and on a third before anyone is blamed (for
+    non-deterministic kernels; ``docs/checks/replay.md``, "Tolerant mode")."""
 
     checksum: bool | ChecksumConfig = False
     """Checksums of every ``nn.Linear`` product (forward, input and weight gradients), every
@@ -116,8 +124,9 @@ class GuardConfig:
     """Containment: withhold ``optimizer.step()`` on every rank when a pre-step check fires."""
 
     deterministic: bool = False
-    """Deterministic kernels and one RNG stream per (rank, step, micro-batch). Required by
-    the replay audit, which compares recomputations bit for bit (``docs/checks/replay.md``)."""
+    """Deterministic kernels. Required by the exact replay audit, which compares
+    recomputations bit for bit (``docs/checks/replay.md``). The per-(rank, step,
+    micro-batch) RNG streams are on whenever this or the replay audit is."""
 
     seed: int = 0
     """Root seed of the per-(rank, step, micro-batch) random streams."""
@@ -195,12 +204,17 @@ class GuardConfig:
                 timeout, (int, float)) or not (math.isfinite(timeout) and timeout > 0)):
             raise ValueError(f"GuardConfig.collective_timeout_s must be a number of seconds "
                              f"> 0, or None for no watchdog, got {timeout!r}.")
-        if self.replay_interval and not self.deterministic:
+        if self.replay_mode not in ("exact", "tolerant"):
+            raise ValueError(f"GuardConfig.replay_mode must be 'exact' (bit for bit, with "
+                             f"deterministic=True) or 'tolerant' (within a calibrated "
+                             f"tolerance), got {self.replay_mode!r}.")
+        if self.replay_interval and self.replay_mode == "exact" and not self.deterministic:
             raise ValueError(
                 f"GuardConfig.replay_interval={self.replay_interval} needs deterministic=True: "
-                "the replay audit compares recomputations bit for bit, which only holds with "
-                "deterministic kernels and per-(rank, step) random streams. Set "
-                "GuardConfig(deterministic=True, ...) or replay_interval=0."
+                "the exact replay audit compares recomputations bit for bit, which only holds "
+                "with deterministic kernels. Set GuardConfig(deterministic=True, ...), or "
+                "replay_mode='tolerant' to compare within a calibrated tolerance, or "
+                "replay_interval=0."
             )
         for name in ("nonfinite", "include_optimizer_state", "skip_step_on_detection",
                      "deterministic", "repair_by_majority"):

@@ -291,7 +291,7 @@ class SDCGuard:
                 "SDCGuard(..., batch_for=lambda rank, step: ...) or set replay_interval=0."
             )
         mismatch = self.topology.compute_mismatch()
-        if config.replay_interval and mismatch is not None:
+        if config.replay_interval and config.replay_mode == "exact" and mismatch is not None:
             raise ValueError(
                 f"GuardConfig.replay_interval={config.replay_interval}: the replay audit "
                 "compares each rank's loss and gradients with its neighbour's recomputation bit "
@@ -455,6 +455,10 @@ class SDCGuard:
             verdicts = [(check, check.pre_step(step) if timed is None
                          else _timed(timed, check.name, check.pre_step, step)) for check in pre]
             detections = [d for _, v in verdicts for d in v.detections]
+            for check in pre:
+                for record in check.records():
+                    if self.rank == 0:  # one record per job
+                        self.log_event(record)
             if cfg.skip_step_on_detection:
                 withheld_by = tuple(c.name for c, v in verdicts if v.withhold)
         skipped = bool(withheld_by)
@@ -499,7 +503,7 @@ class SDCGuard:
         done with it."""
         mb, batches[i] = batches[i], None
         cfg = self.config
-        if cfg.deterministic:
+        if cfg.deterministic or cfg.replay_interval:
             with rng_stream(cfg.seed, self.rank, step, i, self.device):
                 loss = scalar_loss(self.loss_fn(self.model, mb))
         else:
@@ -704,6 +708,8 @@ class SDCGuard:
                        "contained: step withheld, nothing to roll back" if d.contained else
                        f"withheld by {', '.join(withheld)} on this rank" if withheld else
                        "not contained")
+            if d.transient:
+                outcome += "; transient (it did not come back): not quarantined"
             log.warning("SDC detection at step %d by %s: suspects %s on %s; %s (%s)", d.step,
                         d.check, list(d.suspect_ranks), list(d.suspect_nodes), outcome, d.detail)
             record = d.to_json()
@@ -719,7 +725,8 @@ class SDCGuard:
                     d, verified_through=self.clean_through,
                     repair_window_steps=self.config.repair_window_steps)
         finally:  # a window the manager could not record (it logs why) still quarantines
-            if self.remediation is not None and not d.repaired:  # a repair does not quarantine
+            if self.remediation is not None and not (d.repaired or d.transient):
+                # a repair, or a fault that did not come back, does not quarantine
                 self.remediation.act(d)
         if self.on_detection is not None:
             self.on_detection(d)

@@ -32,6 +32,11 @@ class Detection:
     repaired: bool = False
     """The weights check repaired the suspects' state in place from the majority and verified
     it (``GuardConfig.repair_by_majority``): no quarantine, no suspect window."""
+    transient: bool = False
+    """The tolerant replay audit's diagnosis: recomputed on the same rank, the suspects'
+    result came out right, so the fault did not last (``docs/checks/replay.md``). Not
+    quarantined; a second one on a rank within ``GuardConfig.repair_window_steps`` (or one
+    after a repair there) is reported as lasting."""
     contained: bool = False
     """The fault never reached the weights: the optimizer step of ``step`` was withheld on
     every rank, and every enabled check had verified the run clean through ``step - 1``.
@@ -47,6 +52,7 @@ class Detection:
             "suspect_nodes": list(self.suspect_nodes),
             "repaired": self.repaired,
             "contained": self.contained,
+            "transient": self.transient,
             "detail": self.detail,
             "evidence": self.evidence,
         }

@@ -15,6 +15,7 @@ from sdc_guard.checks.base import Check, Verdict
 from sdc_guard.checks.checksum import ChecksumCheck
 from sdc_guard.checks.nonfinite import NeighbourRecompute, NonFiniteCheck
 from sdc_guard.checks.replay import ReplayAudit
+from sdc_guard.checks.replay_tolerant import TolerantReplayAudit
 from sdc_guard.checks.weightpass import WeightPass
 from sdc_guard.checks.weights import WeightsCheck
 from sdc_guard.config import ChecksumConfig, GuardConfig
@@ -29,6 +30,7 @@ __all__ = [
     "ChecksumConfig",
     "NonFiniteCheck",
     "ReplayAudit",
+    "TolerantReplayAudit",
     "Verdict",
     "WeightPass",
     "WeightsCheck",
@@ -56,13 +58,15 @@ def build_checks(
     device = next(model.parameters()).device
     group = backend.group
     weight_pass = WeightPass()
+    strikes: dict[int, list[int]] = {}  # repairs and transient faults per rank: one window
     checks: list[Check] = []
     if config.nonfinite:
         # (under sharding a recomputation is collective: not on the ranks that flag alone)
         recompute = None if batch_for is None or backend.layout.sharded else NeighbourRecompute(
             cast(DistributedDataParallel, model).module, loss_fn=loss_fn, batch_for=batch_for,
             micro_batches=config.micro_batches,
-            seed=config.seed if config.deterministic else None, device=device, group=group)
+            seed=config.seed if config.deterministic or config.replay_interval else None,
+            device=device, group=group)
         checks.append(NonFiniteCheck(
             backend, device=device, group=group, expect_overflow=grad_scaler is not None,
             exchange_interval=config.nonfinite_exchange_interval, recompute=recompute))
@@ -70,6 +74,10 @@ def build_checks(
         if batch_for is None:
             raise ValueError("GuardConfig.replay_interval needs batch_for.")
         scale = grad_scaler.scale if grad_scaler is not None else None
+        if backend.layout.sharded and config.replay_mode == "tolerant":
+            raise ValueError("GuardConfig(replay_mode='tolerant') is not available under FSDP2 "
+                             "yet: use replay_mode='exact' with deterministic=True there, or "
+                             "replay_interval=0.")
         if backend.layout.sharded:  # the FSDP2 root, recomputed through the FSDP backend
             from sdc_guard.checks.replay_fsdp import FSDPReplayAudit
 
@@ -78,6 +86,13 @@ def build_checks(
                 backend=cast(Any, backend), seed=config.seed,
                 micro_batch_count=config.micro_batches, group=group, scale=scale,
                 contain=config.skip_step_on_detection))
+        elif config.replay_mode == "tolerant":
+            checks.append(TolerantReplayAudit(
+                cast(DistributedDataParallel, model), interval=config.replay_interval,
+                loss_fn=loss_fn, batch_for=batch_for, backend=backend, seed=config.seed,
+                micro_batch_count=config.micro_batches, group=group, scale=scale,
+                contain=config.skip_step_on_detection, strikes=strikes,
+                repair_window_steps=config.repair_window_steps))
         else:
             checks.append(ReplayAudit(
                 cast(DistributedDataParallel, model), interval=config.replay_interval,
@@ -89,7 +104,8 @@ def build_checks(
             model, optimizer, interval=config.weights_interval,
             include_optimizer_state=config.include_optimizer_state, device=device, group=group,
             repair=config.repair_by_majority, repair_window_steps=config.repair_window_steps,
-            weight_pass=weight_pass, layout=backend.layout, backend=backend))
+            weight_pass=weight_pass, layout=backend.layout, backend=backend,
+            repairs=strikes))
     checksum = config.checksum_config
     if checksum is not None:
         checks.append(ChecksumCheck(

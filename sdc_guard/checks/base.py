@@ -27,6 +27,7 @@ by ``build_checks``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -123,6 +124,11 @@ class Check:
     def pre_step(self, step: int) -> Verdict:
         """After the backward pass, before ``optimizer.step()``."""
         return Verdict()
+
+    def records(self) -> list[dict[str, Any]]:
+        """Event records of this check's own that are not detections (the tolerant replay's
+        calibration), taken by the guard after ``pre_step`` and written to the event log."""
+        return []
 
     def post_step(self, step: int) -> list[Detection]:
         """After ``optimizer.step()`` (or after it was withheld)."""

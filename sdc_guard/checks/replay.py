@@ -340,6 +340,39 @@ def replay_term_device(row: torch.Tensor) -> torch.Tensor:
     return h(row[2], row[3]) - h(row[0], row[1])
 
 
+def own_batch_error(step: int) -> ValueError:
+    """Every rank's replay of its neighbour's batch came out as its own step did, and the
+    ranks' own steps differ: each rank recomputed its own batch. A fault cannot do that; a
+    ``batch_for`` that ignores its rank argument does (every edge would disagree at every
+    audit step)."""
+    return ValueError(
+        f"replay audit, step {step}: every rank's recomputation of its neighbour's "
+        "batch came out as its own step did: batch_for(rank, step) returns this "
+        "process's batch whatever rank it is given (it must build the batch of its "
+        "rank argument, not of dist.get_rank()), or the loss depends on the process's "
+        "rank. Fix batch_for (or the loss), or set replay_interval=0.")
+
+
+def every_edge_detection(step: int, evidence: dict[str, Any], module: nn.Module) -> Detection:
+    """The detection when every edge of a ring of more than two ranks disagrees: no rank is
+    named (a fault breaks only its own rank's two edges; every edge at once is a loss or a
+    model that depends on the process computing it)."""
+    kept = state_tensors_written(module)
+    if kept:
+        evidence["state_tensors"] = kept
+    return Detection(
+        "replay", step, (), evidence=evidence,
+        detail="every ring edge disagrees: each rank's recomputation of its neighbour's "
+        "batch differs from the neighbour's own step, as when the loss or the model "
+        "depends on the process computing it (dist.get_rank() in loss_fn, state kept "
+        "outside the modules' parameters and buffers) rather than on the batch; a fault "
+        "breaks only its own rank's two edges. No rank is named; the step is withheld"
+        + (f". The forward writes tensors kept as plain attributes, which DDP does not "
+           f"keep equal across ranks: {kept} (register them as buffers, which DDP "
+           f"broadcasts from rank 0, or compute them from the parameters)"
+           if kept else ""))
+
+
 def _buffers_synced_before_forward(model: DistributedDataParallel) -> bool:
     """Does DDP's training forward (outside ``no_sync``) start by broadcasting the
     authoritative rank's buffers (``broadcast_buffers=True``, the default, and buffers to
@@ -527,7 +560,8 @@ class ReplayAudit(Check, GradientListener):
         self._own_grad: Word | None = None
         self._observing = False
         self._own_losses: list[torch.Tensor] = []
-        self._replayed: tuple[Word, Word] | None = None
+        self._replayed: Any = None
+        """The replay's words (``_words_of``), once ``begin_step`` has replayed."""
         self._own_cache: tuple[Word, Word] | None = None
         self._row_cache: torch.Tensor | None = None
         self._pending: PendingSum | None = None
@@ -546,6 +580,8 @@ class ReplayAudit(Check, GradientListener):
         # The fast path (module doc): the replayed words go to their owner point to point,
         # the owner compares and vetoes through the backend's containment channel.
         self.wants_veto = contain and self.world > 1
+        self._exchanges = self.wants_veto
+        """Do the replayed words travel to their owner point to point (``_send_replayed``)?"""
         self._answer: Containment | None = None
         """This step's containment answer (``vetoed``), when the veto was asked."""
         self._exchange: list[Any] = []
@@ -585,6 +621,21 @@ class ReplayAudit(Check, GradientListener):
         """On audit steps, the bucket's share of the own gradient word: its spans, for the
         comm hook's scaling pass to digest (``after_scaling`` receives the value), or, for
         a bucket whose gradients do not tile it, digested here per gradient."""
+        idx = self._seen(bucket)
+        if idx is None:
+            return None
+        plan = self._plan(bucket, idx)
+        if plan is None:
+            grads = bucket_gradients(bucket)
+            if bucket.buffer().layout != torch.strided and len(idx) == 1:
+                grads = [bucket.buffer()]  # DDP gives a sparse gradient a bucket of its own
+            kept = [(i, g) for i, g in zip(idx, grads, strict=True) if i >= 0]
+            self._add_own(self._digest([g for _, g in kept], [i for i, _ in kept]))
+        return plan
+
+    def _seen(self, bucket: Bucket) -> list[int] | None:
+        """A local bucket seen: on audit steps the index of each of its parameters (-1: not
+        audited), after posting the exchange if it waited for the first bucket; else None."""
         if not self._observing:
             if bucket.is_last():  # learned on every step, so a new audit's first one posts early
                 self._many_buckets = bucket.index() > 0
@@ -595,14 +646,7 @@ class ReplayAudit(Check, GradientListener):
             self._send_replayed()
         idx = [self.index.get(id(p), -1) for p in bucket.parameters()]
         self._own_params += sum(i >= 0 for i in idx)
-        plan = self._plan(bucket, idx)
-        if plan is None:
-            grads = bucket_gradients(bucket)
-            if bucket.buffer().layout != torch.strided and len(idx) == 1:
-                grads = [bucket.buffer()]  # DDP gives a sparse gradient a bucket of its own
-            kept = [(i, g) for i, g in zip(idx, grads, strict=True) if i >= 0]
-            self._add_own(self._digest([g for _, g in kept], [i for i, _ in kept]))
-        return plan
+        return idx
 
     def after_scaling(self, bucket: Bucket, flag: Flag | None,
                       digest: int | torch.Tensor | None) -> None:
@@ -671,7 +715,7 @@ class ReplayAudit(Check, GradientListener):
         self._replayed = self._replay((self.rank + 1) % self.world, step, "replay")
         if not self._buffers_checked:
             self._check_buffers()
-        if self.wants_veto:
+        if self._exchanges:
             if self._many_buckets and self.exchange_with_first_bucket:
                 self._send_due = True
             else:
@@ -722,6 +766,10 @@ class ReplayAudit(Check, GradientListener):
                            _TWO_WORDS.pack(*(to_signed64(int(w)) for w in self._replayed)), 16)
         else:
             words = words_tensor(self._replayed, self.device)
+        self._post(words)
+
+    def _post(self, words: torch.Tensor) -> None:
+        """Send ``words`` to the next rank and receive the previous rank's into ``_peer``."""
         nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world
         if self.device.type == "cpu":
             # gloo sends each op on its own (batch_isend_irecv would loop over them): post
@@ -794,8 +842,9 @@ class ReplayAudit(Check, GradientListener):
         return self._row_cache
 
     # -- recomputation ----------------------------------------------------------------------
-    def _replay(self, rank: int, step: int, phase: str) -> tuple[Word, Word]:
-        """(loss fingerprint, gradient fingerprint) of ``rank``'s micro-batches of ``step``."""
+    def _replay(self, rank: int, step: int, phase: str) -> Any:
+        """What ``rank``'s micro-batches of ``step`` give here (``_words_of``: the loss and
+        gradient fingerprints)."""
         self.phase = phase
         _refuse_post_accumulate_hooks(self._named)
         buffers = buffers_saved(self.module)
@@ -831,6 +880,12 @@ class ReplayAudit(Check, GradientListener):
                                  and not _same_buffer(m._buffers.get(n), value)]
             buffers_set(self.module, buffers)
             self.phase = "train"
+        return self._words_of(losses, grads)
+
+    def _words_of(self, losses: Sequence[torch.Tensor],
+                  grads: Sequence[torch.Tensor | None]) -> Any:
+        """What a recomputation reports: its loss and gradient words (the tolerant audit: a
+        sketch)."""
         kept = [(i, g) for i, g in enumerate(grads) if g is not None]
         return _loss_word(losses), self._digest([g for _, g in kept], [i for i, _ in kept])
 
@@ -879,17 +934,16 @@ class ReplayAudit(Check, GradientListener):
             if self._veto_asked:  # the owners compared: a veto (or a non-finite value in
                 # the sentinel's slots, which may hide one) sends every rank to the gather
                 answer, self._answer = self._answer, None
-                if answer is None or not answer.read():
-                    self.verified(step)
-                    return Verdict()
+                clean = answer is None or not answer.read()
             else:
                 self._finish_exchange()  # (ask did it, unless it was not called)
                 if self._pending is None:  # (alike on every rank)
                     self._send_words()
                 pending, self._pending = self._pending, None
-                if pending is None or pending.wait() == 0:  # every edge agrees
-                    self.verified(step)
-                    return Verdict()
+                clean = pending is None or pending.wait() == 0  # every edge agrees
+            if clean and not self._gathers_anyway():
+                self.verified(step)
+                return Verdict()
             found = self.judge(step, self._gather_rows(step))
         finally:
             self._observing = False
@@ -902,7 +956,11 @@ class ReplayAudit(Check, GradientListener):
             self.verified(step)
         return Verdict(found, withhold=bool(found))
 
-    def _gather_rows(self, step: int) -> list[list[int]]:
+    def _gathers_anyway(self) -> bool:
+        """Does this audit step gather every rank's words even when every edge agrees?"""
+        return False
+
+    def _gather_rows(self, step: int) -> list[list[Any]]:
         """Every rank's ``row()`` (row r: rank r), gathered with its step: ranks at other
         steps (a drift the first step's agreement did not see) disagree on every edge of
         theirs, and that is an error of the loop, not a fault to convict."""
@@ -915,16 +973,7 @@ class ReplayAudit(Check, GradientListener):
                              f"{STEPS_FIX}")
         words = [row[:4] for row in rows]
         if all(w[2:] == w[:2] for w in words) and len({tuple(w[:2]) for w in words}) > 1:
-            # Every rank's replay of its neighbour's batch came out as its own step did, and
-            # the ranks' own steps differ: each rank recomputed its own batch. A fault cannot
-            # do that; a batch_for that ignores its rank argument does (every edge would
-            # disagree at every audit step).
-            raise ValueError(
-                f"replay audit, step {step}: every rank's recomputation of its neighbour's "
-                "batch came out exactly as its own step did: batch_for(rank, step) returns this "
-                "process's batch whatever rank it is given (it must build the batch of its "
-                "rank argument, not of dist.get_rank()), or the loss depends on the process's "
-                "rank. Fix batch_for (or the loss), or set replay_interval=0.")
+            raise own_batch_error(step)
         return words
 
     def _check_complete(self, step: int) -> None:
@@ -947,7 +996,7 @@ class ReplayAudit(Check, GradientListener):
                 "DistributedDataParallel(..., find_unused_parameters=True), or set "
                 "requires_grad=False on the parameters the forward does not use.")
 
-    def judge(self, step: int, words: list[list[int]]) -> list[Detection]:
+    def judge(self, step: int, words: list[list[Any]]) -> list[Detection]:
         """The detection, if any, from every rank's four words (row r: rank r, as ``row()``)."""
         rows = [[to_unsigned64(v) for v in row] for row in words]
         n = self.world
@@ -965,20 +1014,7 @@ class ReplayAudit(Check, GradientListener):
             # A faulty rank breaks its own two edges; every edge at once takes faults on
             # several ranks together, or (far likelier) a computation that depends on the
             # process: naming every rank would quarantine the whole job.
-            kept = state_tensors_written(self.module)
-            if kept:
-                evidence["state_tensors"] = kept
-            return [Detection(
-                "replay", step, (), evidence=evidence,
-                detail="every ring edge disagrees: each rank's recomputation of its neighbour's "
-                "batch differs from the neighbour's own step, as when the loss or the model "
-                "depends on the process computing it (dist.get_rank() in loss_fn, state kept "
-                "outside the modules' parameters and buffers) rather than on the batch; a fault "
-                "breaks only its own rank's two edges. No rank is named; the step is withheld"
-                + (f". The forward writes tensors kept as plain attributes, which DDP does not "
-                   f"keep equal across ranks: {kept} (register them as buffers, which DDP "
-                   f"broadcasts from rank 0, or compute them from the parameters)"
-                   if kept else ""))]
+            return [every_edge_detection(step, evidence, self.module)]
         if n == 2:
             return [Detection("replay", step, (), evidence=evidence,
                               detail="replay mismatch between the two ranks; with world size 2 "

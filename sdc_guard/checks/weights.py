@@ -162,6 +162,7 @@ class WeightsCheck(Check):
         group: dist.ProcessGroup | None = None,
         repair: bool = False,
         repair_window_steps: int = 1000,
+        repairs: dict[int, list[int]] | None = None,
         weight_pass: WeightPass | None = None,
         layout: Layout | None = None,
         backend: Backend | None = None,
@@ -179,8 +180,9 @@ class WeightsCheck(Check):
         self.group = group
         self.repair = repair
         self.repair_window_steps = repair_window_steps
-        self.repairs: dict[int, list[int]] = {}
-        """Steps at which each rank was repaired."""
+        self.repairs: dict[int, list[int]] = {} if repairs is None else repairs
+        """Steps at which each rank was repaired (or, shared with the tolerant replay audit,
+        named with a transient fault): one repair window for both."""
         self._vote: _Vote | None = None
         """The vote of the state after the last step it was due at, until it is read."""
         self.weight_pass = WeightPass() if weight_pass is None else weight_pass

@@ -1,0 +1,73 @@
+"""Recomputation noise on the CPU: the testbed for the tolerant replay audit.
+
+A GPU without deterministic kernels computes the same batch with other roundings on every
+run (atomics in a reduction, split-K matrix products, a non-deterministic attention
+backward). A CPU does not: with one thread count its kernels give the same bits every
+time. ``LinearNoise`` makes them differ the way the GPU does: every ``nn.Linear`` output
+element moves by a random whole number of units in the last place, from ``-ulps`` to
+``ulps``, drawn afresh at every call (so a recomputation of the same batch, on the same
+rank or another, never rounds alike). Ranks at different thread counts (1 and 2) add the
+CPU's own difference: torch's kernels split their reductions by thread.
+
+It is noise, not a fault: it stays within a few ulps of each output, and the tolerant
+audit must accept it (0 false positives is the target). Faults stay defined by site and
+bit (``injectors.Fault``). Reproducible: the draws come from one generator per rank seeded
+by ``(seed, rank)``, in call order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from sdc_guard.determinism import derive_seed
+
+_BITS = {torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000),
+         torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
+         torch.float16: (torch.int16, 0x7FFF, 0x7C00)}
+"""Per float dtype: the integer view, the magnitude mask, and the magnitude of Inf."""
+
+
+def nudge(out: torch.Tensor, ulps: int, gen: torch.Generator) -> torch.Tensor:
+    """``out`` with each finite element moved by a random ``-ulps..ulps`` units in the last
+    place (its magnitude's bit pattern plus the step, which is one ulp at every exponent);
+    elements within ``ulps`` of zero or of Inf are left as they are (no sign change, no
+    overflow)."""
+    if out.dtype not in _BITS:
+        raise ValueError(f"LinearNoise: outputs of dtype {out.dtype} are not supported "
+                         f"(float32, bfloat16, float16)")
+    itype, mask, inf = _BITS[out.dtype]
+    steps = torch.randint(-ulps, ulps + 1, out.shape, generator=gen, dtype=itype)
+    bits = out.detach().contiguous().view(itype)
+    mag = bits & mask
+    safe = (mag >= ulps) & (mag < inf - ulps)
+    moved = torch.where(safe, bits + steps.to(out.device), bits)
+    return moved.view(out.dtype)
+
+
+class LinearNoise:
+    """Random ``-ulps..ulps`` ulp noise on every ``nn.Linear`` output of ``model``; see the
+    module doc. ``remove()`` takes the hooks off."""
+
+    def __init__(self, model: nn.Module, *, ulps: int = 4, seed: int = 0, rank: int = 0) -> None:
+        if isinstance(ulps, bool) or not isinstance(ulps, int) or not 0 < ulps <= 64:
+            raise ValueError(f"LinearNoise(ulps=...) must be an int in 1..64, got {ulps!r}.")
+        self.ulps = ulps
+        self.gen = torch.Generator().manual_seed(derive_seed(seed, rank) >> 1)
+        self.calls = 0
+        self._hooks = [m.register_forward_hook(self._hook) for m in model.modules()
+                       if isinstance(m, nn.Linear)]
+        if not self._hooks:
+            raise ValueError("LinearNoise: the model has no nn.Linear layer to perturb.")
+
+    def _hook(self, module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        noisy = nudge(out, self.ulps, self.gen)
+        return out + (noisy - out).detach()  # the gradient flows as through the layer's output
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

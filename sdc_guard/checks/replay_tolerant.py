@@ -1,0 +1,344 @@
+"""Check "replay", tolerant mode (``GuardConfig(replay_mode="tolerant")``): the ring replay
+audit for runs without deterministic kernels.
+
+The ring, the exchange beside the gradient buckets, the veto and the localisation are the
+exact audit's (``sdc_guard.checks.replay``). What differs is what the ranks compare and
+what they do before blaming anyone:
+
+- **A sketch, within a tolerance.** Each side reports a float64 sketch of its loss and
+  local gradients (``sdc_guard.checks.sketch``: the loss, each parameter's gradient norm and
+  four fixed random projections of it), and an edge is bad when the two sketches differ
+  by more than the tolerance (``distance``: every component in its own scale).
+- **A tolerance calibrated from the run.** At the audit's first step (so after every
+  ``SDCGuard.reconfigure`` too) each rank recomputes its neighbour's batch ``RERUNS``
+  times; every rank gathers every rank's recomputations and owners' steps, and sets the
+  tolerance to ``MARGIN`` times the larger median of the same-rank and the cross-rank
+  differences (``calibrated_tolerance``). Every rank computes the same number from the same
+  gathered sketches. It is logged (event ``replay_calibration``); a calibration above
+  ``CEILING`` is refused (logged, and done again at the next audit), and meanwhile the
+  audit compares at ``CEILING``.
+- **A three-way diagnosis before blame.** For a bad edge a -> b the audit reruns in the
+  same step, in one gather: b recomputes its own batch, a recomputes its replay of it, and
+  (with more than two ranks) the third rank b + 1 replays b's batch too. A result that did
+  not come back on its own rank was transient: the rank is named with ``transient=True``
+  (no quarantine) unless it was named transient, or repaired by the weights check, within
+  ``repair_window_steps`` (a permanent fault then). A result that comes back on its rank
+  and is contradicted by the third rank names that rank (quarantine). Anything else (the
+  reruns scatter: a batch that is numerically unstable everywhere; no third rank) names
+  no one. A rank whose two edges are both bad computed wrong twice: it is named, transient
+  when its own batch rerun comes out right.
+
+What the sketch cannot see: a difference smaller than the tolerance in every component,
+i.e. a corruption of the low mantissa bits of a value (``docs/checks/replay.md``, "Tolerant
+mode", measures the escapes by bit).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from sdc_guard.checks.replay import ReplayAudit, every_edge_detection, own_batch_error
+from sdc_guard.checks.sketch import (
+    CEILING,
+    FLOOR,
+    MARGIN,
+    GradientSketch,
+    calibrated_tolerance,
+    distance,
+)
+from sdc_guard.collectives import STEPS_FIX, PendingSum, all_gather_rows, steps_disagree
+from sdc_guard.determinism import derive_seed
+from sdc_guard.hostread import on_host
+from sdc_guard.parallel.base import Bucket, bucket_gradients
+from sdc_guard.report import Detection
+from sdc_guard.scaling import Flag
+
+RERUNS = 4
+"""Recomputations of the neighbour's batch on each rank at a calibration (the replay
+included): ``RERUNS * (RERUNS - 1) / 2`` same-rank and ``RERUNS`` cross-rank differences per
+rank."""
+
+_SKETCH_SALT = 0x5EC7
+"""Separates the sketch's projections from the other streams drawn from the seed."""
+
+
+def _loss_sum(losses: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not losses:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack([loss.detach().to(torch.float64).reshape(()) for loss in losses]).sum()
+
+
+class TolerantReplayAudit(ReplayAudit):
+    """The ring replay audit compared within a calibrated tolerance; see the module doc."""
+
+    def __init__(self, *args: Any, strikes: dict[int, list[int]],
+                 repair_window_steps: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sketch = GradientSketch(self.params, seed=derive_seed(self.seed, _SKETCH_SALT),
+                                     device=self.device)
+        self.tolerance: float | None = None
+        """The calibrated tolerance (None until a calibration is accepted)."""
+        self.strikes = strikes
+        """Steps at which each rank was named transient here or repaired by the weights
+        check (shared with it: one repair window for both)."""
+        self.repair_window_steps = repair_window_steps
+        self._exchanges = self.world > 1  # the agreement without a veto compares the edge too
+        self._peer = torch.zeros(self.sketch.size(), dtype=torch.float64, device=self.device)
+        self._own_rows: list[torch.Tensor | None] = []
+        self._own_sketch: torch.Tensor | None = None
+        self._calibration: list[torch.Tensor] = []
+        self._records: list[dict[str, Any]] = []
+
+    # -- the tolerance -------------------------------------------------------------------
+    def _tol(self) -> float:
+        return CEILING if self.tolerance is None else self.tolerance
+
+    def restore_tolerance(self, tolerance: float) -> None:
+        """Take a tolerance calibrated earlier in the run (a checkpoint's) instead of
+        calibrating at the next audit."""
+        if not FLOOR <= tolerance <= CEILING:
+            raise ValueError(f"replay tolerance {tolerance!r} is outside [{FLOOR}, {CEILING}]")
+        self.tolerance = float(tolerance)
+
+    def records(self) -> list[dict[str, Any]]:
+        out, self._records = self._records, []
+        return out
+
+    def _gathers_anyway(self) -> bool:
+        return self.tolerance is None  # a calibration gathers every rank's recomputations
+
+    def _calibrate(self, step: int, own: torch.Tensor, rep: torch.Tensor,
+                   calib: torch.Tensor) -> None:
+        """Set the tolerance from every rank's recomputations of its neighbour's batch."""
+        n, w = self.world, self.sketch.width
+        same: list[float] = []
+        cross: list[float] = []
+        for r in range(n):
+            runs = [rep[r], *calib[r]]
+            owner = own[(r + 1) % n]
+            same += [float(distance(x, y, w)) for x, y in itertools.combinations(runs, 2)]
+            cross += [float(distance(x, owner, w)) for x in runs]
+        tol = calibrated_tolerance(same, cross)
+        accepted = tol <= CEILING
+        if accepted:
+            self.tolerance = tol
+        self._records.append({
+            "event": "replay_calibration", "step": step, "tolerance": tol,
+            "accepted": accepted, "margin": MARGIN, "floor": FLOOR, "ceiling": CEILING,
+            "same_rank": {"count": len(same), "max": max(same, default=0.0)},
+            "cross_rank": {"count": len(cross), "max": max(cross, default=0.0)},
+            "detail": ("tolerance calibrated" if accepted else
+                       "calibration refused: recomputations differ by more than the ceiling "
+                       "(calibrated again at the next audit)")})
+
+    # -- the step's sketches -------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        self._own_rows = [None] * len(self.params)
+        self._own_sketch = None
+        self._calibration = []
+        super().begin_step(step)
+        if self.tolerance is None:
+            nxt = (self.rank + 1) % self.world
+            self._calibration = [self._replay(nxt, step, "calibrate")
+                                 for _ in range(RERUNS - 1)]
+
+    def _words_of(self, losses: Sequence[torch.Tensor],
+                  grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        rows = [None if g is None else self.sketch.row(i, g) for i, g in enumerate(grads)]
+        return self.sketch.of(_loss_sum(losses, self.device), rows)
+
+    def local(self, bucket: Bucket) -> None:
+        """On audit steps, sketch the bucket's local gradients (before the scaling)."""
+        idx = self._seen(bucket)
+        if idx is None:
+            return None
+        grads = bucket_gradients(bucket)
+        if bucket.buffer().layout != torch.strided and len(idx) == 1:
+            grads = [bucket.buffer()]  # DDP gives a sparse gradient a bucket of its own
+        for i, g in zip(idx, grads, strict=True):
+            if i >= 0:
+                self._own_rows[i] = self.sketch.row(i, g)
+        return None
+
+    def _own_vector(self) -> torch.Tensor:
+        """This rank's own sketch, once its gradients are all seen (the audit stops watching)."""
+        if self._own_sketch is None:
+            self._own_sketch = self.sketch.of(_loss_sum(self._own_losses, self.device),
+                                              self._own_rows)
+            self._observing = False
+        return self._own_sketch
+
+    def _send_replayed(self) -> None:
+        self._finish_exchange()
+        self._post(self._replayed)
+
+    def _far(self) -> torch.Tensor:
+        """Does the replay of this rank's batch (the previous rank's, or this rank's own with
+        one rank) differ from its own step by more than the tolerance? (0-d bool)"""
+        other = self._peer if self.world > 1 else self._replayed
+        return distance(self._own_vector(), other, self.sketch.width) > self._tol()
+
+    def veto(self) -> Flag | None:
+        if not self._observing or not self._exchange:
+            return None
+        self._finish_exchange()
+        self._veto_asked = True
+        far = self._far()
+        return bool(far) if on_host(far) else far
+
+    def _send_words(self) -> None:
+        if not self._observing or self._replayed is None or self._pending is not None:
+            return
+        self._finish_exchange()
+        self._pending = PendingSum(self._far().to(torch.int64).reshape(1), self.group)
+
+    # -- verdict ---------------------------------------------------------------------------
+    def _gather_rows(self, step: int) -> list[list[Any]]:
+        """Every rank's own and replayed sketches (row r: rank r's, on the host), gathered with
+        its step and, at a calibration, its recomputations (which set the tolerance here)."""
+        size = self.sketch.size()
+        mine = torch.cat([self._own_vector(), self._replayed, *self._calibration,
+                          torch.tensor([float(step)], dtype=torch.float64, device=self.device)])
+        rows = all_gather_rows(mine, self.group).cpu()
+        differ = steps_disagree([int(v) for v in rows[:, -1].tolist()])
+        if differ is not None:
+            raise ValueError(f"replay audit: the ranks are not at one step ({differ}); "
+                             f"{STEPS_FIX}")
+        own, rep = rows[:, :size], rows[:, size:2 * size]
+        if self._calibration or self.tolerance is None:
+            calib = rows[:, 2 * size:-1].reshape(self.world, -1, size)
+            self._calibrate(step, own, rep, calib)
+        w, tol = self.sketch.width, self._tol()
+        if (self.world > 1 and all(float(distance(rep[r], own[r], w)) <= tol
+                                   for r in range(self.world))
+                and any(float(distance(own[r], own[(r + 1) % self.world], w)) > tol
+                        for r in range(self.world))):
+            raise own_batch_error(step)
+        return [[own[r], rep[r]] for r in range(self.world)]
+
+    def judge(self, step: int, words: list[list[Any]]) -> list[Detection]:
+        """The detections, if any, from every rank's own and replayed sketches (row r: rank
+        r's): the exact audit's localisation, with the three-way diagnosis (module doc)."""
+        n, w, tol = self.world, self.sketch.width, self._tol()
+        own = [row[0] for row in words]
+        rep = [row[1] for row in words]
+        gaps = [float(distance(rep[r], own[(r + 1) % n], w)) for r in range(n)]
+        bad = [g > tol for g in gaps]
+        if not any(bad):
+            return []
+        evidence: dict[str, Any] = {
+            "mode": "tolerant", "tolerance": tol, "edge_distances": gaps,
+            "bad_edges": [[r, (r + 1) % n] for r in range(n) if bad[r]],
+        }
+        if n > 2 and all(bad):
+            return [every_edge_detection(step, evidence, self.module)]
+        if n > 2:
+            doubles = [f for f in range(n) if bad[(f - 1) % n] and bad[f]]
+            singles = [a for a in range(n)
+                       if bad[a] and not bad[(a - 1) % n] and not bad[(a + 1) % n]]
+        else:  # two ranks: each bad edge on its own, without a third opinion
+            doubles, singles = [], [a for a in range(n) if bad[a]]
+        tasks: list[tuple[int, int]] = []  # (batch owner, recomputed by)
+        for f in doubles:
+            tasks.append((f, f))
+        for a in singles:
+            b = (a + 1) % n
+            tasks += [(b, b), (b, a)] + ([(b, (b + 1) % n)] if n > 2 else [])
+        tasks = list(dict.fromkeys(tasks))
+        got = self._rerun(step, tasks)
+
+        def close(x: torch.Tensor, y: torch.Tensor) -> bool:
+            return float(distance(x, y, w)) <= tol
+
+        named: dict[int, bool] = {}  # rank -> transient
+        verdicts: dict[str, Any] = {}
+        for f in doubles:
+            again = got[(f, f)]
+            transient = not close(again, own[f])
+            named[f] = transient and named.get(f, True)
+            verdicts[f"rank {f}"] = {"edges": [[(f - 1) % n, f], [f, (f + 1) % n]],
+                                     "own_rerun_came_back": not transient}
+        unresolved: list[list[int]] = []
+        for a in singles:
+            b = (a + 1) % n
+            o, r = own[b], rep[a]
+            b2, a2 = got[(b, b)], got[(b, a)]
+            third = got.get((b, (b + 1) % n)) if n > 2 else None
+            who: int | None
+            transient = False
+            if close(b2, r) and not close(b2, o):
+                who, transient = b, True  # b's own step did not come back: transient on b
+            elif close(a2, o) and not close(a2, r):
+                who, transient = a, True  # a's replay did not come back: transient on a
+            elif third is not None and close(third, o) and not close(third, r):
+                who = a  # a's replay came back wrong, the third rank agrees with b
+            elif third is not None and close(third, r) and not close(third, o):
+                who = b  # b's own step came back wrong, the third rank agrees with a
+            else:
+                who = None
+            verdicts[f"edge {a}"] = {
+                "edge": [a, b], "blames": who, "transient": transient,
+                "owner_rerun": float(distance(b2, o, w)),
+                "replayer_rerun": float(distance(a2, r, w)),
+                **({"arbiter": (b + 1) % n, "arbiter_to_owner": float(distance(third, o, w)),
+                    "arbiter_to_replay": float(distance(third, r, w))}
+                   if third is not None else {})}
+            if who is None:
+                unresolved.append([a, b])
+            else:
+                named[who] = transient and named.get(who, True)
+        evidence["diagnosis"] = verdicts
+        return self._detections(step, named, unresolved, evidence)
+
+    def _detections(self, step: int, named: dict[int, bool], unresolved: list[list[int]],
+                    evidence: dict[str, Any]) -> list[Detection]:
+        """One detection for the ranks named with a fault that came back (or a transient
+        within the repair window), one for those named transient; one naming no one when
+        nobody was named."""
+        repeat = []
+        for r in sorted(named):
+            if named[r]:
+                recent = [s for s in self.strikes.get(r, []) if step - s < self.repair_window_steps]
+                self.strikes.setdefault(r, []).append(step)
+                if recent:
+                    named[r] = False
+                    repeat.append(r)
+        lasting = tuple(r for r in sorted(named) if not named[r])
+        passing = tuple(r for r in sorted(named) if named[r])
+        head = f"replayed sketches differ beyond the tolerance on ring edges {evidence['bad_edges']}"
+        tail = f"; the diagnosis could not decide edges {unresolved}" if unresolved else ""
+        out = []
+        if lasting:
+            detail = f"{head}; localised to rank(s) {list(lasting)}, whose result came back"
+            if repeat:
+                detail += (f" (rank(s) {repeat} named transient or repaired within "
+                           f"{self.repair_window_steps} steps before: a lasting fault)")
+            out.append(Detection("replay", step, lasting, detail=detail + tail,
+                                 evidence=evidence))
+        if passing:
+            out.append(Detection(
+                "replay", step, passing, transient=True, evidence=evidence,
+                detail=f"{head}; rank(s) {list(passing)} computed wrong once: recomputed on "
+                "the same rank the result came out right (a transient fault: no quarantine)"
+                + tail))
+        if not out:
+            out.append(Detection("replay", step, (), evidence=evidence,
+                                 detail=head + "; no rank's hardware is to blame: the reruns "
+                                 "did not single one out" + tail))
+        return out
+
+    def _rerun(self, step: int, tasks: list[tuple[int, int]]) -> dict[tuple[int, int], Any]:
+        """Each (owner, by) task's sketch: ``by`` recomputes ``owner``'s batch of ``step``
+        (one gather for all of them)."""
+        size = self.sketch.size()
+        mine = torch.zeros(len(tasks) * size, dtype=torch.float64, device=self.device)
+        for k, (owner, by) in enumerate(tasks):
+            if by == self.rank:
+                mine[k * size:(k + 1) * size] = self._replay(owner, step, "arbitrate")
+        rows = all_gather_rows(mine, self.group).cpu()
+        return {(owner, by): rows[by, k * size:(k + 1) * size]
+                for k, (owner, by) in enumerate(tasks)}

@@ -1,0 +1,150 @@
+"""The tolerant replay's gradient sketch, its distance and its calibrated tolerance.
+
+Without deterministic kernels a recomputation of the same batch differs from the first
+in the last bits, so the replay cannot compare bit patterns. It compares a *sketch*
+instead, in float64: the loss, and for every parameter its gradient's L2 norm and
+``PROJECTIONS`` fixed random projections of it. The projections are drawn once, from a
+generator seeded alike on every rank (``GuardConfig.seed``), so two ranks that sketch
+the same gradient compute the same numbers up to rounding.
+
+A projection of a gradient ``g`` of ``n`` elements, viewed as a ``q x c`` matrix ``G``
+(``c`` about ``sqrt(n)``; the last ``n - qc`` elements apart), is ``a' G b`` plus the
+tail's ``t' g_tail``, with ``a``, ``b`` and ``t`` standard normal: a random rank-one
+tensor, held in ``O(sqrt(n))`` numbers rather than ``n``, read in one pass (one matrix
+product). For any fixed difference ``d`` between two gradients the projection of ``d``
+has mean 0 and variance ``||d||^2``, so a difference large against the rounding noise
+shows, whatever its direction; a difference exactly orthogonal to all of them has
+probability zero.
+
+Each component's difference is measured in its own scale (``distance``): the loss's
+relative to the loss, a parameter's norm and projections relative to its gradient's
+norm. The audit compares the largest of them with a tolerance calibrated from the run
+(``calibrated_tolerance``): a quantile of the differences seen when the same batch is
+recomputed, on one rank and across ranks, times ``MARGIN``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+PROJECTIONS = 4
+"""Random projections per parameter: a difference escapes all of them together only when
+it is small against the tolerance in each of four independent directions."""
+
+MARGIN = 16.0
+"""The calibrated tolerance is this multiple of the median of the calibration's
+differences: the noise of a recomputation of another batch (other magnitudes, other
+roundings) stays within a few times the median (``docs/checks/replay.md``, "Tolerant
+mode", gives the measured spread and the false-positive rate)."""
+
+FLOOR = 2.0**-20
+"""The least tolerance: eight float32 ulps of a component's scale. A calibration that saw no
+difference at all (every recomputation bit for bit alike) gives this, so that one rounding
+of another kernel later is not a fault."""
+
+CEILING = 2.0**-10
+"""The largest tolerance the audit accepts (about 0.1% of each component's scale: the
+threshold Megatron-LM's rerun machine uses for non-deterministic attention backward).
+A calibration above it is refused and done again at the next audit: a faulty
+computation during the calibration must not blind the audit."""
+
+
+def _factors(n: int, k: int, gen: torch.Generator) -> tuple[int, int, torch.Tensor, torch.Tensor,
+                                                            torch.Tensor]:
+    c = max(1, math.isqrt(n))
+    q = n // c
+    a = torch.randn(q, k, generator=gen, dtype=torch.float64)
+    b = torch.randn(c, k, generator=gen, dtype=torch.float64)
+    t = torch.randn(n - q * c, k, generator=gen, dtype=torch.float64)
+    return q, c, a, b, t
+
+
+class GradientSketch:
+    """Each parameter's gradient as its norm and ``PROJECTIONS`` random projections, in float64.
+
+    ``row(i, g)`` sketches parameter ``i``'s gradient ``g``; ``of(loss, rows)`` lays the
+    loss and every parameter's row end to end: the vector the audit compares. A parameter
+    without a gradient sketches as zeros, as a gradient of zeros does."""
+
+    def __init__(self, params: Sequence[torch.Tensor], *, seed: int, device: torch.device,
+                 k: int = PROJECTIONS) -> None:
+        self.k = k
+        self.device = device
+        gen = torch.Generator().manual_seed(seed & (2**63 - 1))
+        self._factors = []
+        for p in params:
+            q, c, a, b, t = _factors(p.numel(), k, gen)
+            self._factors.append((q, c, a.to(device), b.to(device), t.to(device)))
+
+    @property
+    def width(self) -> int:
+        """Numbers per parameter: the norm and the projections."""
+        return 1 + self.k
+
+    def size(self) -> int:
+        """Length of the sketch vector (``of``)."""
+        return 1 + len(self._factors) * self.width
+
+    def row(self, i: int, g: torch.Tensor) -> torch.Tensor:
+        """Parameter ``i``'s gradient ``g`` as ``[norm, projections...]`` (float64)."""
+        if g.layout != torch.strided:  # a sparse gradient: its dense values, same numbers
+            g = g.to_dense()
+        q, c, a, b, t = self._factors[i]
+        flat = g.detach().reshape(-1).to(torch.float64)
+        out = torch.empty(self.width, dtype=torch.float64, device=flat.device)
+        out[0] = torch.linalg.vector_norm(flat)
+        body = (flat[:q * c].view(q, c) @ b) * a
+        proj = body.sum(0)
+        if t.shape[0]:
+            proj = proj + flat[q * c:] @ t
+        out[1:] = proj
+        return out
+
+    def of(self, loss: torch.Tensor, rows: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """The sketch vector: the loss, then each parameter's row (None: zeros)."""
+        out = torch.zeros(self.size(), dtype=torch.float64, device=self.device)
+        out[0] = loss.detach().to(torch.float64)
+        w = self.width
+        for i, r in enumerate(rows):
+            if r is not None:
+                out[1 + i * w: 1 + (i + 1) * w] = r
+        return out
+
+
+def distance(a: torch.Tensor, b: torch.Tensor, width: int) -> torch.Tensor:
+    """How far apart two sketch vectors are: the largest of their components' differences,
+    each in its own scale (0-d float64, on their device, no host read).
+
+    The loss's difference is relative to the larger of the two losses; a parameter's norm
+    and projections differ relative to the larger of its two gradient norms. Components
+    equal bit for bit, or non-finite alike (NaN and NaN, Inf and Inf of one sign: a batch
+    that makes the same overflow on every rank), differ by 0; a component finite on one
+    side only, or a non-zero difference with a zero scale, by Inf."""
+    diff = (a - b).abs()
+    scale = torch.empty_like(diff)
+    scale[0] = torch.maximum(a[0].abs(), b[0].abs())
+    norms = torch.maximum(a[1::width].abs(), b[1::width].abs())
+    scale[1:] = norms.repeat_interleave(width)
+    rel = diff / scale
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    rel = torch.where(same, torch.zeros_like(rel), rel)
+    rel = torch.where(torch.isnan(rel), torch.full_like(rel, math.inf), rel)
+    return rel.max()
+
+
+def calibrated_tolerance(same_rank: Sequence[float], cross_rank: Sequence[float]) -> float:
+    """``MARGIN`` times the larger of the medians of the two kinds of calibration
+    differences (the same batch recomputed on one rank; a rank's recomputation against the
+    owner's step), at least ``FLOOR``. The medians, not the maxima: one faulty
+    recomputation during the calibration moves a median little."""
+    def median(xs: Sequence[float]) -> float:
+        s = sorted(xs)
+        if not s:
+            return 0.0
+        m = len(s) // 2
+        return s[m] if len(s) % 2 else (s[m - 1] + s[m]) / 2
+
+    return max(FLOOR, MARGIN * max(median(same_rank), median(cross_rank)))

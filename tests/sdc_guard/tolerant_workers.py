@@ -1,0 +1,61 @@
+"""Rank functions for the tolerant replay audit's tests: the CPU testbed for nondeterminism
+(ranks at 1 and 2 threads, ``injectors.noise.LinearNoise`` on every linear output) and
+faults by site and bit (``injectors.Fault``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import sdc_guard
+from injectors import Fault, arm
+from injectors.noise import LinearNoise
+from sdc_guard import GuardConfig, SDCGuard
+from tests.workers import DropMLP, batch_for, loss_fn
+
+
+def tolerant_run(rank: int, world: int, steps: int, *, threads: tuple[int, ...] = (1, 2),
+                 ulps: int = 4, fault: dict[str, Any] | None = None, interval: int = 1,
+                 contain: bool = True, event_log: str | None = None,
+                 mode: str = "tolerant", window: int = 1000) -> dict[str, Any]:
+    """Guarded training of ``DropMLP`` (dropout: the RNG streams must replay) with the
+    tolerant replay audit every ``interval`` steps on the testbed: rank r at
+    ``threads[r % len(threads)]`` threads, ``ulps`` of noise on every linear output (0: none),
+    and optionally ``fault`` (``injectors.Fault`` fields; armed on its rank)."""
+    torch.set_num_threads(threads[rank % len(threads)])
+    torch.manual_seed(0)
+    model = DDP(DropMLP())
+    noise = LinearNoise(model.module, ulps=ulps, seed=7, rank=rank) if ulps else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = GuardConfig(replay_interval=interval, replay_mode=mode, weights_interval=1,
+                      skip_step_on_detection=contain, event_log=event_log,
+                      repair_window_steps=window)
+    guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for, config=cfg)
+    handle = arm(Fault(**fault), guard=guard) if fault and fault["rank"] == rank else None
+    reports = [guard.step(s) for s in range(steps)]
+    found = [d for r in reports for d in r.detections] + guard.flush()
+    audit = next(c for c in guard.checks if c.name == "replay")
+    out = {
+        "detections": [(d.check, d.step, d.suspect_ranks, d.transient) for d in found],
+        "details": [d.detail for d in found],
+        "evidence": [d.evidence.get("diagnosis") for d in found],
+        "skipped": [r.step for r in reports if r.skipped],
+        "tolerance": getattr(audit, "tolerance", None),
+        "noise_calls": noise.calls if noise else 0,
+        "final": sdc_guard.fingerprint(list(model.module.parameters())),
+        "injections": len(handle.records) if handle is not None else 0,
+    }
+    if handle is not None:
+        handle.remove()
+    guard.close()
+    return out
+
+
+def calibration_records(path: str) -> list[dict[str, Any]]:
+    """The event log's calibration records."""
+    lines = Path(path).read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("event") == "replay_calibration"]
