@@ -102,6 +102,12 @@ class GuardConfig:
     from the run, with a rerun on the same rank and on a third before anyone is blamed (for
     non-deterministic kernels; ``docs/checks/replay.md``, "Tolerant mode")."""
 
+    replay_trigger: bool = True
+    """Tolerant mode, with ``replay_interval`` above 1: between audits, compare the ranks' local
+    gradient norms every step (one small all-reduce of one float per rank) and audit a step
+    at once, before its optimizer step, when one rank's is an outlier
+    (``docs/checks/replay.md``, "Tolerant mode")."""
+
     checksum: bool | ChecksumConfig = False
     """Checksums of every ``nn.Linear`` product (forward, input and weight gradients), every
     step, contained in the step (``docs/checks/checksum.md``). True = ``ChecksumConfig()``;
@@ -217,7 +223,7 @@ class GuardConfig:
                 "replay_interval=0."
             )
         for name in ("nonfinite", "include_optimizer_state", "skip_step_on_detection",
-                     "deterministic", "repair_by_majority"):
+                     "replay_trigger", "deterministic", "repair_by_majority"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"GuardConfig.{name} must be True or False, got {value!r}.")

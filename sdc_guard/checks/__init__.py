@@ -92,7 +92,7 @@ def build_checks(
                 loss_fn=loss_fn, batch_for=batch_for, backend=backend, seed=config.seed,
                 micro_batch_count=config.micro_batches, group=group, scale=scale,
                 contain=config.skip_step_on_detection, strikes=strikes,
-                repair_window_steps=config.repair_window_steps))
+                repair_window_steps=config.repair_window_steps, trigger=config.replay_trigger))
         else:
             checks.append(ReplayAudit(
                 cast(DistributedDataParallel, model), interval=config.replay_interval,

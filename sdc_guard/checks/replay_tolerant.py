@@ -28,6 +28,20 @@ what they do before blaming anyone:
   no one. A rank whose two edges are both bad computed wrong twice: it is named, transient
   when its own batch rerun comes out right.
 
+- **A cheap trigger between audits** (``GuardConfig.replay_trigger``, with an interval above
+  1): on the other steps each rank takes its local gradient norm from its gradient
+  buckets before the reduction (one read of each bucket), and the ranks' norms travel in
+  one small all-reduce beside the last bucket's. A rank whose norm is an outlier among the
+  ranks' (``outlier_score`` above ``trigger_threshold``: far from the median, in log
+  scale, against the run's recent clean steps) triggers an audit of the step at once, on
+  every rank, before the optimizer step: every rank recomputes its own batch and its
+  neighbour's, the ring is judged on those, and each rank's recomputed norm is compared
+  with the one it sent (a norm that did not come back while the batch reproduces on two
+  ranks was a transient fault of the rank's step). A spike the batch itself makes comes
+  back everywhere: an event record, no suspect, and the step goes on. The trigger names
+  no one by itself. It misses what does not move the norm: flips of low mantissa bits,
+  and exponent flips that shrink a value which mattered little.
+
 What the sketch cannot see: a difference smaller than the tolerance in every component,
 i.e. a corruption of the low mantissa bits of a value (``docs/checks/replay.md``, "Tolerant
 mode", measures the escapes by bit).
@@ -35,12 +49,16 @@ mode", measures the escapes by bit).
 
 from __future__ import annotations
 
+import collections
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from sdc_guard.checks.base import Verdict
 from sdc_guard.checks.replay import ReplayAudit, every_edge_detection, own_batch_error
 from sdc_guard.checks.sketch import (
     CEILING,
@@ -51,11 +69,48 @@ from sdc_guard.checks.sketch import (
     distance,
 )
 from sdc_guard.collectives import STEPS_FIX, PendingSum, all_gather_rows, steps_disagree
-from sdc_guard.determinism import derive_seed
-from sdc_guard.hostread import on_host
+from sdc_guard.determinism import buffers_saved, derive_seed
+from sdc_guard.hostread import StepRead, on_host
 from sdc_guard.parallel.base import Bucket, bucket_gradients
 from sdc_guard.report import Detection
 from sdc_guard.scaling import Flag
+
+TRIGGER_HISTORY = 64
+"""Clean steps whose outlier scores set the trigger's threshold."""
+
+TRIGGER_MARGIN = 4.0
+"""The trigger fires above this multiple of the median outlier score of the recent clean
+steps (``trigger_threshold``)."""
+
+TRIGGER_FLOOR = math.log(4.0)
+"""The least threshold: a rank's norm a factor of 4 from the ranks' median."""
+
+TRIGGER_WARMUP = 8
+"""Clean steps of history before the threshold follows it (``TRIGGER_FLOOR`` until then)."""
+
+
+def outlier_score(norms: Sequence[float]) -> float:
+    """How far the farthest rank's local gradient norm is from the ranks' median, in log
+    scale (``|ln(n / median)|``); Inf when a norm is not finite or is zero against a non-zero
+    median."""
+    if not all(math.isfinite(n) for n in norms):
+        return math.inf
+    s = sorted(norms)
+    m = len(s) // 2
+    med = s[m] if len(s) % 2 else (s[m - 1] + s[m]) / 2
+    if med <= 0.0:
+        return 0.0 if all(n == 0.0 for n in norms) else math.inf
+    return max(abs(math.log(n / med)) if n > 0.0 else math.inf for n in norms)
+
+
+def trigger_threshold(history: Sequence[float]) -> float:
+    """``TRIGGER_MARGIN`` times the median score of the recent clean steps, at least
+    ``TRIGGER_FLOOR`` (only the floor before ``TRIGGER_WARMUP`` of them)."""
+    if len(history) < TRIGGER_WARMUP:
+        return TRIGGER_FLOOR
+    s = sorted(history)
+    return max(TRIGGER_FLOOR, TRIGGER_MARGIN * s[len(s) // 2])
+
 
 RERUNS = 4
 """Recomputations of the neighbour's batch on each rank at a calibration (the replay
@@ -72,12 +127,34 @@ def _loss_sum(losses: Sequence[torch.Tensor], device: torch.device) -> torch.Ten
     return torch.stack([loss.detach().to(torch.float64).reshape(()) for loss in losses]).sum()
 
 
+def _norm_of(sketch: torch.Tensor, width: int) -> float:
+    """The whole gradient's norm, from a sketch's per-parameter norms."""
+    return float(torch.linalg.vector_norm(sketch[1::width]))
+
+
+def _close_norm(a: float, b: float, tol: float) -> bool:
+    if a == b or (math.isnan(a) and math.isnan(b)):
+        return True
+    scale = max(abs(a), abs(b))
+    return math.isfinite(scale) and abs(a - b) <= tol * scale
+
+
 class TolerantReplayAudit(ReplayAudit):
     """The ring replay audit compared within a calibrated tolerance; see the module doc."""
 
     def __init__(self, *args: Any, strikes: dict[int, list[int]],
-                 repair_window_steps: int, **kwargs: Any) -> None:
+                 repair_window_steps: int, trigger: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.trigger = trigger and self.interval > 1
+        """Watch the local gradient norms between audits (module doc)."""
+        self._norm_step = -1
+        self._norm_sq: torch.Tensor | None = None
+        self._norms: tuple[torch.Tensor, Any] | None = None
+        self._norms_read: tuple[StepRead, int] | None = None
+        self.history: collections.deque[float] = collections.deque(maxlen=TRIGGER_HISTORY)
+        """The outlier scores of the recent untriggered steps."""
+        self.triggered: list[int] = []
+        """Steps at which the trigger ran an audit."""
         self.sketch = GradientSketch(self.params, seed=derive_seed(self.seed, _SKETCH_SALT),
                                      device=self.device)
         self.tolerance: float | None = None
@@ -155,6 +232,8 @@ class TolerantReplayAudit(ReplayAudit):
         """On audit steps, sketch the bucket's local gradients (before the scaling)."""
         idx = self._seen(bucket)
         if idx is None:
+            if self.trigger and not self.due(self._backend.step):
+                self._add_norm(bucket)
             return None
         grads = bucket_gradients(bucket)
         if bucket.buffer().layout != torch.strided and len(idx) == 1:
@@ -163,6 +242,87 @@ class TolerantReplayAudit(ReplayAudit):
             if i >= 0:
                 self._own_rows[i] = self.sketch.row(i, g)
         return None
+
+    # -- the trigger ---------------------------------------------------------------------
+    def _add_norm(self, bucket: Bucket) -> None:
+        """Add the bucket's local sum of squares (float64, one read of its buffer)."""
+        step = self._backend.step
+        if step != self._norm_step:
+            self._norm_step, self._norm_sq, self._norms = step, None, None
+        buf = bucket.buffer()
+        vals = buf.coalesce().values() if buf.layout != torch.strided else buf
+        sq = torch.linalg.vector_norm(vals, dtype=torch.float64) ** 2
+        self._norm_sq = sq if self._norm_sq is None else self._norm_sq + sq
+
+    def before_last_allreduce(self) -> None:
+        super().before_last_allreduce()
+        step = self._backend.step
+        if (self.trigger and not self._observing and self._norm_step == step
+                and self._norm_sq is not None and self._norms is None):
+            word = torch.zeros(self.world, dtype=torch.float64, device=self.device)
+            word[self.rank] = self._norm_sq.sqrt()
+            self._norms = (word, dist.all_reduce(word, group=self.group, async_op=True))
+
+    def awaiting(self, step: int) -> bool:
+        return self.trigger and not self.due(step)
+
+    def _take_norms(self, step: int) -> list[float] | None:
+        """Every rank's local gradient norm of ``step`` (None: no bucket came)."""
+        if self._norms is None or self._norm_step != step:
+            return None
+        word, work = self._norms
+        self._norms = None
+        if self._norms_read is not None:
+            read, handle = self._norms_read
+            self._norms_read = None
+            return [float(v) for v in read.get(handle)]
+        work.wait()
+        return [float(v) for v in word.tolist()]
+
+    def _triggered_audit(self, step: int, norms: list[float]) -> Verdict:
+        """Audit ``step`` now: every rank recomputes its own batch and its neighbour's; the
+        ring is judged on those, and each rank's recomputed norm is compared with the one it
+        sent."""
+        self.triggered.append(step)
+        nxt = (self.rank + 1) % self.world
+        self._step_buffers = buffers_saved(self.module)
+        again = self._replay(self.rank, step, "arbitrate")
+        self._replayed = self._replay(nxt, step, "replay")
+        self._own_sketch, self._calibration = again, []
+        try:
+            words = self._gather_rows(step)
+        finally:
+            self._replayed = None
+        w, tol = self.sketch.width, self._tol()
+        own = [row[0] for row in words]
+        rep = [row[1] for row in words]
+        back = [_norm_of(own[r], w) for r in range(self.world)]
+        moved = [r for r in range(self.world)
+                 if not _close_norm(back[r], norms[r], tol)]
+        found = self.judge(step, words)
+        record: dict[str, Any] = {
+            "event": "replay_trigger", "step": step, "norms": norms, "recomputed": back,
+            "score": outlier_score(norms), "threshold": trigger_threshold(list(self.history))}
+        n = self.world
+        # a norm that did not come back on a rank whose batch reproduces on two ranks
+        passing = [r for r in moved
+                   if float(distance(rep[(r - 1) % n], own[r], w)) <= tol and not any(
+                       r in d.suspect_ranks for d in found)]
+        if passing:
+            found += self._detections(
+                step, {r: True for r in passing}, [],
+                {"mode": "tolerant", "trigger": record, "tolerance": tol, "not_back": passing},
+                head=f"the local gradient norm of rank(s) {passing} was an outlier among the "
+                "ranks' and did not come back when recomputed, while the batch reproduces on "
+                "the rank and its neighbour")
+        record["outcome"] = ("fault found" if found else
+                             "reproduced on every rank: the batch's own, no suspect")
+        self._records.append(record)
+        if found:
+            self.tainted()
+        else:
+            self.verified(step)
+        return Verdict(found, withhold=bool(found))
 
     def _own_vector(self) -> torch.Tensor:
         """This rank's own sketch, once its gradients are all seen (the audit stops watching)."""
@@ -175,6 +335,27 @@ class TolerantReplayAudit(ReplayAudit):
     def _send_replayed(self) -> None:
         self._finish_exchange()
         self._post(self._replayed)
+
+    def ask(self, step: int, read: StepRead) -> None:
+        if self.due(step):
+            super().ask(step, read)
+        elif self._norms is not None and self._norm_step == step and self._norms_read is None:
+            word, work = self._norms
+            work.wait()
+            self._norms_read = (read, read.ask(word))
+
+    def pre_step(self, step: int) -> Verdict:
+        if self.due(step):
+            return super().pre_step(step)
+        norms = self._take_norms(step)
+        if norms is None:
+            return Verdict()
+        score = outlier_score(norms)
+        if score <= trigger_threshold(list(self.history)):
+            self.history.append(score)
+            self.verified(step)
+            return Verdict()
+        return self._triggered_audit(step, norms)
 
     def _far(self) -> torch.Tensor:
         """Does the replay of this rank's batch (the previous rank's, or this rank's own with
@@ -209,7 +390,7 @@ class TolerantReplayAudit(ReplayAudit):
             raise ValueError(f"replay audit: the ranks are not at one step ({differ}); "
                              f"{STEPS_FIX}")
         own, rep = rows[:, :size], rows[:, size:2 * size]
-        if self._calibration or self.tolerance is None:
+        if self._calibration:
             calib = rows[:, 2 * size:-1].reshape(self.world, -1, size)
             self._calibrate(step, own, rep, calib)
         w, tol = self.sketch.width, self._tol()
@@ -295,7 +476,7 @@ class TolerantReplayAudit(ReplayAudit):
         return self._detections(step, named, unresolved, evidence)
 
     def _detections(self, step: int, named: dict[int, bool], unresolved: list[list[int]],
-                    evidence: dict[str, Any]) -> list[Detection]:
+                    evidence: dict[str, Any], head: str | None = None) -> list[Detection]:
         """One detection for the ranks named with a fault that came back (or a transient
         within the repair window), one for those named transient; one naming no one when
         nobody was named."""
@@ -309,7 +490,9 @@ class TolerantReplayAudit(ReplayAudit):
                     repeat.append(r)
         lasting = tuple(r for r in sorted(named) if not named[r])
         passing = tuple(r for r in sorted(named) if named[r])
-        head = f"replayed sketches differ beyond the tolerance on ring edges {evidence['bad_edges']}"
+        if head is None:
+            head = ("replayed sketches differ beyond the tolerance on ring edges "
+                    f"{evidence['bad_edges']}")
         tail = f"; the diagnosis could not decide edges {unresolved}" if unresolved else ""
         out = []
         if lasting:

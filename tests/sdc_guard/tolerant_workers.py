@@ -21,11 +21,14 @@ from tests.workers import DropMLP, batch_for, loss_fn
 def tolerant_run(rank: int, world: int, steps: int, *, threads: tuple[int, ...] = (1, 2),
                  ulps: int = 4, fault: dict[str, Any] | None = None, interval: int = 1,
                  contain: bool = True, event_log: str | None = None,
-                 mode: str = "tolerant", window: int = 1000) -> dict[str, Any]:
+                 mode: str = "tolerant", window: int = 1000,
+                 odd_batch: tuple[int, int, float] | None = None) -> dict[str, Any]:
     """Guarded training of ``DropMLP`` (dropout: the RNG streams must replay) with the
     tolerant replay audit every ``interval`` steps on the testbed: rank r at
     ``threads[r % len(threads)]`` threads, ``ulps`` of noise on every linear output (0: none),
-    and optionally ``fault`` (``injectors.Fault`` fields; armed on its rank)."""
+    and optionally ``fault`` (``injectors.Fault`` fields; armed on its rank). ``odd_batch =
+    (rank, step, value)``: that rank's batch of that step has its first input set to
+    ``value`` (a spike or a NaN the data makes, on whichever rank computes it)."""
     torch.set_num_threads(threads[rank % len(threads)])
     torch.manual_seed(0)
     model = DDP(DropMLP())
@@ -33,8 +36,9 @@ def tolerant_run(rank: int, world: int, steps: int, *, threads: tuple[int, ...] 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     cfg = GuardConfig(replay_interval=interval, replay_mode=mode, weights_interval=1,
                       skip_step_on_detection=contain, event_log=event_log,
-                      repair_window_steps=window)
-    guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for, config=cfg)
+                      repair_window_steps=window, deterministic=mode == "exact")
+    guard = SDCGuard(model, optimizer, loss_fn=loss_fn, config=cfg,
+                     batch_for=batch_for if odd_batch is None else OddBatch(*odd_batch))
     handle = arm(Fault(**fault), guard=guard) if fault and fault["rank"] == rank else None
     reports = [guard.step(s) for s in range(steps)]
     found = [d for r in reports for d in r.detections] + guard.flush()
@@ -45,6 +49,8 @@ def tolerant_run(rank: int, world: int, steps: int, *, threads: tuple[int, ...] 
         "evidence": [d.evidence.get("diagnosis") for d in found],
         "skipped": [r.step for r in reports if r.skipped],
         "tolerance": getattr(audit, "tolerance", None),
+        "triggered": list(getattr(audit, "triggered", [])),
+        "scores": list(getattr(audit, "history", [])),
         "noise_calls": noise.calls if noise else 0,
         "final": sdc_guard.fingerprint(list(model.module.parameters())),
         "injections": len(handle.records) if handle is not None else 0,
@@ -53,6 +59,25 @@ def tolerant_run(rank: int, world: int, steps: int, *, threads: tuple[int, ...] 
         handle.remove()
     guard.close()
     return out
+
+
+class OddBatch:
+    """``batch_for`` with one odd batch: (rank, step)'s first input is ``value``."""
+
+    def __init__(self, rank: int, step: int, value: float) -> None:
+        self.at, self.value = (rank, step), value
+
+    def __call__(self, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch_for(rank, step)
+        if (rank, step) == self.at:
+            x[0, 0] = self.value
+        return x, y
+
+
+def records(path: str, event: str) -> list[dict[str, Any]]:
+    """The event log's records of one kind."""
+    lines = Path(path).read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("event") == event]
 
 
 def calibration_records(path: str) -> list[dict[str, Any]]:

@@ -1,0 +1,239 @@
+"""The tolerant replay audit (``GuardConfig(replay_mode="tolerant")``) on the CPU testbed for
+nondeterminism: ranks at 1 and 2 threads and ``LinearNoise`` of up to 4 ulps on every linear
+output, with faults defined by site and bit."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from injectors.noise import LinearNoise, nudge
+from sdc_guard import GuardConfig
+from sdc_guard.checks.replay_tolerant import (
+    TRIGGER_FLOOR,
+    TRIGGER_MARGIN,
+    TRIGGER_WARMUP,
+    outlier_score,
+    trigger_threshold,
+)
+from sdc_guard.checks.sketch import (
+    CEILING,
+    FLOOR,
+    MARGIN,
+    GradientSketch,
+    calibrated_tolerance,
+    distance,
+)
+from tests.launch import run_ranks
+from tests.sdc_guard import tolerant_workers as tw
+
+# -- the sketch ---------------------------------------------------------------------------
+
+
+def _sketch(seed: int = 3) -> tuple[GradientSketch, list[torch.Tensor]]:
+    params = [torch.zeros(7, 5), torch.zeros(13), torch.zeros(1)]
+    return GradientSketch(params, seed=seed, device=torch.device("cpu")), params
+
+
+def _vector(sk: GradientSketch, grads: list[torch.Tensor], loss: float = 2.0) -> torch.Tensor:
+    return sk.of(torch.tensor(loss), [sk.row(i, g) for i, g in enumerate(grads)])
+
+
+def test_a_sketch_is_the_same_for_the_same_seed_and_its_projections_see_every_element() -> None:
+    a, params = _sketch()
+    b, _ = _sketch()
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(p.shape, generator=gen) for p in params]
+    va, vb = _vector(a, grads), _vector(b, grads)
+    assert torch.equal(va, vb) and va.dtype == torch.float64
+    assert not torch.equal(va, _vector(_sketch(seed=4)[0], grads))
+    assert va[1] == pytest.approx(float(grads[0].norm()), rel=1e-6)
+    assert distance(va, vb, a.width) == 0
+    for i, g in enumerate(grads):  # one element changed anywhere, the tail included
+        for j in range(g.numel()):
+            moved = [h.clone() for h in grads]
+            moved[i].view(-1)[j] += 1e-3 * float(g.norm())
+            assert float(distance(va, _vector(a, moved), a.width)) > 1e-5, (i, j)
+
+
+def test_distance_is_relative_per_component_and_equal_non_finite_values_agree() -> None:
+    sk, params = _sketch()
+    grads = [torch.ones(p.shape) for p in params]
+    base = _vector(sk, grads)
+    scaled = _vector(sk, [g * 1e6 for g in grads], loss=2e6)
+    assert float(distance(base * 1e6, scaled, sk.width)) < 1e-12  # scale free
+    w = sk.width
+    nan = base.clone()
+    nan[0] = math.nan
+    assert float(distance(nan, nan.clone(), w)) == 0  # a NaN loss on both sides: the data's
+    assert float(distance(nan, base, w)) == math.inf
+    inf = base.clone()
+    inf[1] = math.inf
+    assert float(distance(inf, inf.clone(), w)) == 0
+    assert float(distance(inf, base, w)) == math.inf
+    zero = _vector(sk, [torch.zeros(p.shape) for p in params])
+    assert float(distance(zero, zero.clone(), w)) == 0
+
+
+def test_the_tolerance_is_a_median_times_the_margin_between_floor_and_ceiling() -> None:
+    assert calibrated_tolerance([0.0] * 6, [0.0] * 4) == FLOOR
+    tol = calibrated_tolerance([1e-7, 2e-7, 9e-3], [3e-7, 4e-7, 5e-7])
+    assert tol == pytest.approx(MARGIN * 4e-7)  # one wild sample moves no median
+    assert calibrated_tolerance([1e-3] * 3, [1e-3]) > CEILING  # refused by the audit
+
+
+def test_the_trigger_scores_norms_in_log_scale_against_the_median() -> None:
+    assert outlier_score([1.0, 1.0, 1.0]) == 0
+    assert outlier_score([1.0, 2.0, 4.0]) == pytest.approx(math.log(2))
+    assert outlier_score([1.0, math.nan, 1.0]) == math.inf
+    assert outlier_score([0.0, 0.0]) == 0 and outlier_score([0.0, 1.0, 1.0]) == math.inf
+    assert trigger_threshold([5.0] * (TRIGGER_WARMUP - 1)) == TRIGGER_FLOOR
+    assert trigger_threshold([0.5] * TRIGGER_WARMUP) == pytest.approx(
+        max(TRIGGER_FLOOR, TRIGGER_MARGIN * 0.5))
+
+
+# -- the testbed's noise ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_linear_noise_moves_each_output_a_few_ulps_never_its_sign_and_replays_its_seed(
+        dtype: torch.dtype) -> None:
+    x = torch.randn(64, 32).to(dtype)
+    x[0, :4] = torch.tensor([0.0, -0.0, math.inf, math.nan])
+    gen = torch.Generator().manual_seed(1)
+    y = nudge(x, 4, gen)
+    itype = torch.int32 if dtype == torch.float32 else torch.int16
+    moved = (y.view(itype).to(torch.int64) - x.view(itype).to(torch.int64)).abs()
+    finite = torch.isfinite(x)
+    assert int(moved[finite].max()) <= 4 and int(moved.max()) <= 4
+    assert bool((moved[finite] > 0).any())
+    assert torch.equal(torch.signbit(y[finite]), torch.signbit(x[finite]))
+    assert y[0, 2] == math.inf and math.isnan(float(y[0, 3]))
+    again = nudge(x, 4, torch.Generator().manual_seed(1))
+    assert torch.equal(again.view(itype), y.view(itype))  # from its seed
+    assert not torch.equal(nudge(x, 4, gen).view(itype), y.view(itype))  # each call afresh
+
+
+def test_linear_noise_hooks_every_linear_and_its_gradient_flows() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    clean = model(x)
+    noise = LinearNoise(model, ulps=4, seed=0, rank=1)
+    a, b = model(x), model(x)
+    assert noise.calls == 4 and not torch.equal(a, b)
+    assert torch.allclose(a, clean, rtol=1e-5, atol=1e-6)
+    a.sum().backward()
+    assert model[0].weight.grad is not None
+    noise.remove()
+    assert torch.equal(model(x), clean)
+    with pytest.raises(ValueError, match="ulps"):
+        LinearNoise(model, ulps=0)
+
+
+# -- the configuration --------------------------------------------------------------------
+
+
+def test_tolerant_mode_needs_no_deterministic_kernels_and_exact_mode_names_it() -> None:
+    GuardConfig(replay_interval=2, replay_mode="tolerant")
+    with pytest.raises(ValueError, match="replay_mode='tolerant'"):
+        GuardConfig(replay_interval=2)
+    with pytest.raises(ValueError, match="replay_mode must be"):
+        GuardConfig(replay_interval=2, replay_mode="loose")
+    with pytest.raises(ValueError, match="replay_trigger must be True or False"):
+        GuardConfig(replay_trigger=1)  # type: ignore[arg-type]
+
+
+# -- distributed, on the testbed ----------------------------------------------------------
+
+
+def test_a_clean_run_on_the_testbed_calibrates_once_and_never_fires(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    log = str(tmp_path / "events.jsonl")
+    res = run_ranks(tw.tolerant_run, 3, 30, event_log=log, timeout=240)
+    assert all(r["detections"] == [] and r["skipped"] == [] for r in res)
+    assert len({r["final"] for r in res}) == 1  # the replicas stay equal
+    tol = res[0]["tolerance"]
+    assert FLOOR < tol < CEILING and all(r["tolerance"] == tol for r in res)
+    assert all(r["noise_calls"] > 30 * 3 * 2 for r in res)  # own step and replay, 3 layers
+    (cal,) = tw.records(log, "replay_calibration")
+    assert cal["accepted"] and cal["tolerance"] == tol and cal["step"] == 0
+    assert cal["same_rank"]["count"] == 3 * 6 and cal["cross_rank"]["count"] == 3 * 4
+    assert 0 < cal["same_rank"]["max"] < tol and 0 < cal["cross_rank"]["max"] < tol
+
+
+def test_the_exact_audit_refuses_the_testbed_where_the_tolerant_one_runs() -> None:
+    with pytest.raises(Exception, match="CPU threads"):
+        run_ranks(tw.tolerant_run, 2, 2, mode="exact", ulps=0, timeout=120)
+
+
+@pytest.mark.parametrize("site,target,bit", [("activation", "act2", 30),
+                                             ("activation", "fc2", 28),
+                                             ("gradient_before_allreduce", "fc2.weight", 29)])
+def test_a_transient_exponent_flip_is_named_transient_on_its_rank_and_contained(
+        site: str, target: str, bit: int) -> None:
+    fault = {"site": site, "rank": 1, "step": 3, "target": target, "bits": (bit,)}
+    res = run_ranks(tw.tolerant_run, 3, 6, fault=fault, timeout=240)
+    assert res[1]["injections"] == 1
+    for r in res:
+        assert r["detections"] == [("replay", 3, (1,), True)]
+        assert r["skipped"] == [3]
+    assert len({r["final"] for r in res}) == 1
+
+
+def test_a_permanent_fault_comes_back_and_is_named_lasting() -> None:
+    fault = {"site": "activation", "rank": 2, "step": 2, "target": "act2", "bits": (30,),
+             "model": "permanent", "phase": "any"}
+    res = run_ranks(tw.tolerant_run, 3, 4, fault=fault, timeout=240)
+    assert res[0]["detections"] == [("replay", 2, (2,), False), ("replay", 3, (2,), False)]
+    diagnosis = res[0]["evidence"][0]
+    assert diagnosis["rank 2"]["own_rerun_came_back"] is True
+
+
+def test_with_two_ranks_a_transient_is_named_and_a_lasting_disagreement_is_not() -> None:
+    flip = {"site": "activation", "rank": 1, "step": 3, "target": "act2", "bits": (30,)}
+    res = run_ranks(tw.tolerant_run, 2, 5, fault=flip, timeout=240)
+    assert res[0]["detections"] == [("replay", 3, (1,), True)]
+    lasting = {**flip, "model": "permanent", "phase": "any"}
+    res = run_ranks(tw.tolerant_run, 2, 5, fault=lasting, timeout=240)
+    assert res[0]["detections"] == [("replay", 3, (), False), ("replay", 4, (), False)]
+
+
+def test_a_second_transient_within_the_repair_window_is_lasting() -> None:
+    # wrong in every own step from step 2, right in every recomputation
+    fault = {"site": "activation", "rank": 0, "step": 2, "target": "act2", "bits": (30,),
+             "model": "permanent"}
+    res = run_ranks(tw.tolerant_run, 3, 4, fault=fault, window=1000, timeout=240)
+    assert res[0]["detections"] == [("replay", 2, (0,), True), ("replay", 3, (0,), False)]
+    assert "a lasting fault" in res[0]["details"][1]
+    res = run_ranks(tw.tolerant_run, 3, 4, fault=fault, window=1, timeout=240)
+    assert res[0]["detections"] == [("replay", 2, (0,), True), ("replay", 3, (0,), True)]
+
+
+def test_the_trigger_audits_a_step_between_audits_and_names_the_rank(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    log = str(tmp_path / "events.jsonl")
+    fault = {"site": "activation", "rank": 1, "step": 13, "target": "act2", "bits": (30,)}
+    res = run_ranks(tw.tolerant_run, 3, 16, fault=fault, interval=10, event_log=log,
+                    timeout=240)
+    for r in res:
+        assert r["detections"] == [("replay", 13, (1,), True)]
+        assert r["skipped"] == [13] and r["triggered"] == [13]
+    (rec,) = tw.records(log, "replay_trigger")
+    assert rec["step"] == 13 and rec["outcome"] == "fault found"
+    assert rec["score"] > rec["threshold"]
+
+
+def test_a_spike_or_nan_the_batch_makes_is_reported_with_no_suspect(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    log = str(tmp_path / "events.jsonl")
+    res = run_ranks(tw.tolerant_run, 3, 15, interval=10, odd_batch=(1, 13, 1e4),
+                    event_log=log, timeout=240)
+    assert res[0]["detections"] == [] and res[0]["skipped"] == []
+    assert res[0]["triggered"] == [13]
+    (rec,) = tw.records(log, "replay_trigger")
+    assert rec["outcome"].startswith("reproduced on every rank")
+    res = run_ranks(tw.tolerant_run, 3, 12, interval=10, odd_batch=(1, 10, math.nan),
+                    timeout=240)  # on an audit step: the sketches are NaN alike
+    assert res[0]["detections"] == [("nonfinite", 10, (), False)]
+    assert "not that hardware" in res[0]["details"][0]
