@@ -1,4 +1,5 @@
-"""Developer sessions: ``nox -s tests`` (default), ``lint``, ``attack``, ``bench``, ``inject``, ``docs``."""
+"""Developer sessions: ``nox -s tests`` (default), ``lint``, ``attack``, ``bench``, ``inject``, ``docs``,
+and the stand-alone benchmarks (``shards``, ``fsdp_bench``, ``tolerant_bench``, ...)."""
 
 from __future__ import annotations
 
@@ -77,6 +78,13 @@ def shards(session: nox.Session) -> None:
     """What sharding a campaign costs: the quick campaign whole and as 2 shards; bench/shards.json."""
     _install(session)
     session.run("python", "-m", "bench.shards", *session.posargs)
+
+
+@nox.session(default=False)
+def tolerant_bench(session: nox.Session) -> None:
+    """The tolerant replay audit on the CPU testbed, beside the exact one (``bench/TOLERANT.md``)."""
+    _install(session)
+    session.run("python", "-m", "bench.tolerant", *session.posargs)
 
 
 @nox.session(default=False)

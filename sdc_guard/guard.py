@@ -659,6 +659,17 @@ class SDCGuard:
         clean = self.clean_through
         return clean is None or clean >= d.step - 1
 
+    def saved_state(self) -> dict[str, Any]:
+        """What the checks keep in a checkpoint, by check name (a ``CheckpointManager`` saves
+        it beside the verified steps: the tolerant replay's calibrated tolerance)."""
+        return {c.name: s for c in self.checks if (s := c.saved())}
+
+    def load_saved_state(self, state: dict[str, Any]) -> None:
+        """Hand each enabled check what it kept in the restored checkpoint."""
+        for c in self.checks:
+            if isinstance(state.get(c.name), dict):
+                c.load_saved(state[c.name])
+
     def verified(self) -> tuple[int | None, dict[str, int]]:
         """``clean_through``, and each check's own (what a ``CheckpointManager`` records)."""
         return self.clean_through, {c.name: c.clean_through for c in self.checks}

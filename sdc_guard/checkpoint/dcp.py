@@ -103,6 +103,8 @@ from sdc_guard.checkpoint.manager import (
     CheckpointManager,
     _why,
     recorded_version,
+    restore_verifier,
+    verifier_state,
 )
 from sdc_guard.checkpoint.verify import optimizer_types
 from sdc_guard.collectives import gather_objects
@@ -269,7 +271,8 @@ class ShardedCheckpointManager(CheckpointManager):
                  "rng": [g[0] for g in gathered], "extra": [g[1] for g in gathered],
                  "world_size": len(gathered),
                  "guard": None if self.verifier is None and through is None else {
-                     "clean_through": through, "checks": per_check}}
+                     "clean_through": through, "checks": per_check,
+                     "state": verifier_state(self.verifier)}}
         buf = state_bytes(state)
         write_atomic(tmp / STATE, buf)
         meta = (tmp / ".metadata").read_bytes()
@@ -409,8 +412,7 @@ class ShardedCheckpointManager(CheckpointManager):
             log.warning("sdc-guard: %s was saved by %d ranks, this job has %d; RNG states not "
                         "restored", info.file, len(state["rng"]), world)
         load_extra(info, state, extra, rank=rank, world=world)
-        if self.verifier is not None:
-            self.verifier.rewind(info.step)
+        restore_verifier(self.verifier, state.get("guard"), info.step)
         if rank == 0:
             log.warning("sdc-guard: restored %s (step %d); training resumes at step %d",
                         info.file, info.step, info.step + 1)

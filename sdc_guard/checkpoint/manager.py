@@ -85,6 +85,26 @@ class Verifier(Protocol):
         ...
 
 
+def verifier_state(verifier: Verifier | None) -> dict[str, Any] | None:
+    """What ``verifier`` keeps in a checkpoint beside the steps (its optional
+    ``saved_state()``: an ``SDCGuard``'s checks' calibrations), or None."""
+    saved = getattr(verifier, "saved_state", None)
+    return saved() if callable(saved) else None
+
+
+def restore_verifier(verifier: Verifier | None, guard: Mapping[str, Any] | None,
+                     step: int) -> None:
+    """Hand ``verifier`` what it kept in the checkpoint (``load_saved_state``, when it has
+    one and the checkpoint holds any), then rewind it to ``step``."""
+    if verifier is None:
+        return
+    state = (guard or {}).get("state")
+    load = getattr(verifier, "load_saved_state", None)
+    if state and callable(load):
+        load(state)
+    verifier.rewind(step)
+
+
 @dataclass(frozen=True, slots=True)
 class CheckpointInfo:
     """One checkpoint's manifest."""
@@ -302,7 +322,8 @@ class CheckpointManager:
             "optimizers": optimizer_types(optimizer),
             "rng": rngs, "world_size": self._world(), "extra": extras,
             "guard": None if self.verifier is None and through is None else {
-                "clean_through": through, "checks": per_check},
+                "clean_through": through, "checks": per_check,
+                "state": verifier_state(self.verifier)},
         }
         fp = f"{fingerprint(state_tensors(module_of(model), optimizer, every=True)):016x}"
         version = FINGERPRINT_VERSION
@@ -490,8 +511,7 @@ class CheckpointManager:
             log.warning("sdc-guard: %s was saved by %d ranks, this job has %d; RNG states not "
                         "restored", info.file, len(rngs), self._world())
         load_extra(info, payload, extra, rank=rank, world=self._world())
-        if self.verifier is not None:
-            self.verifier.rewind(info.step)
+        restore_verifier(self.verifier, payload.get("guard"), info.step)
         if self._rank() == 0:
             log.warning("sdc-guard: restored %s (step %d); training resumes at step %d",
                         info.file, info.step, info.step + 1)

@@ -130,6 +130,13 @@ class Check:
         calibration), taken by the guard after ``pre_step`` and written to the event log."""
         return []
 
+    def saved(self) -> dict[str, Any]:
+        """What this check keeps in a checkpoint (a calibration), JSON-like; {} for nothing."""
+        return {}
+
+    def load_saved(self, state: dict[str, Any]) -> None:
+        """Take back what ``saved`` gave, from a restored checkpoint."""
+
     def post_step(self, step: int) -> list[Detection]:
         """After ``optimizer.step()`` (or after it was withheld)."""
         return []

@@ -954,7 +954,11 @@ class ReplayAudit(Check, GradientListener):
             self.tainted()
         else:
             self.verified(step)
-        return Verdict(found, withhold=bool(found))
+        return Verdict(found, withhold=bool(found) or self._withhold_anyway())
+
+    def _withhold_anyway(self) -> bool:
+        """Withhold this audit step although ``judge`` found nothing (asked once, after it)?"""
+        return False
 
     def _gathers_anyway(self) -> bool:
         """Does this audit step gather every rank's words even when every edge agrees?"""

@@ -17,16 +17,20 @@ what they do before blaming anyone:
   gathered sketches. It is logged (event ``replay_calibration``); a calibration above
   ``CEILING`` is refused (logged, and done again at the next audit), and meanwhile the
   audit compares at ``CEILING``.
-- **A three-way diagnosis before blame.** For a bad edge a -> b the audit reruns in the
-  same step, in one gather: b recomputes its own batch, a recomputes its replay of it, and
-  (with more than two ranks) the third rank b + 1 replays b's batch too. A result that did
-  not come back on its own rank was transient: the rank is named with ``transient=True``
-  (no quarantine) unless it was named transient, or repaired by the weights check, within
-  ``repair_window_steps`` (a permanent fault then). A result that comes back on its rank
-  and is contradicted by the third rank names that rank (quarantine). Anything else (the
-  reruns scatter: a batch that is numerically unstable everywhere; no third rank) names
-  no one. A rank whose two edges are both bad computed wrong twice: it is named, transient
-  when its own batch rerun comes out right.
+- **A diagnosis by reruns before blame.** For a bad edge a -> b the audit reruns b's
+  batch in the same step, in one gather: ``DIAGNOSIS_RERUNS`` times on b, on a and (with
+  more than two ranks) on the third rank b + 1 (``diagnose``). A result that recurs on a
+  rank other than the one that first computed it is one the batch can give. When both b's
+  own result and a's replay recur elsewhere, the batch sits at a knife edge of its
+  numerics (a value within a rounding of a ReLU's gate): no one is named (an event
+  record, ``replay_unstable``; the step is withheld only where the veto already stopped
+  it). When only one of them recurs elsewhere, the rank whose result recurs nowhere else
+  is named: lasting (quarantine) when it gives that result at every rerun and every other
+  rerun gives the other one, else transient (``transient=True``, no quarantine, unless
+  the rank was named transient or repaired by the weights check within
+  ``repair_window_steps``: a lasting fault then). Neither: no one is named. A rank whose
+  two edges are both bad computed two batches wrong: it is named, transient when its own
+  batch, rerun, comes out right.
 
 - **A cheap trigger between audits** (``GuardConfig.replay_trigger``, with an interval above
   1): on the other steps each rank takes its local gradient norm from its gradient
@@ -66,6 +70,8 @@ from sdc_guard.checks.sketch import (
     MARGIN,
     GradientSketch,
     calibrated_tolerance,
+    component,
+    differences,
     distance,
 )
 from sdc_guard.collectives import STEPS_FIX, PendingSum, all_gather_rows, steps_disagree
@@ -112,6 +118,9 @@ def trigger_threshold(history: Sequence[float]) -> float:
     return max(TRIGGER_FLOOR, TRIGGER_MARGIN * s[len(s) // 2])
 
 
+DIAGNOSIS_RERUNS = 2
+"""Recomputations of a disputed batch on each of its owner, its replayer and the third rank."""
+
 RERUNS = 4
 """Recomputations of the neighbour's batch on each rank at a calibration (the replay
 included): ``RERUNS * (RERUNS - 1) / 2`` same-rank and ``RERUNS`` cross-rank differences per
@@ -125,6 +134,53 @@ def _loss_sum(losses: Sequence[torch.Tensor], device: torch.device) -> torch.Ten
     if not losses:
         return torch.zeros((), dtype=torch.float64, device=device)
     return torch.stack([loss.detach().to(torch.float64).reshape(()) for loss in losses]).sum()
+
+
+def diagnose(a: int, b: int, own: torch.Tensor, replay: torch.Tensor,
+             reruns: Sequence[tuple[int, torch.Tensor]], close: Any
+             ) -> tuple[int | None, bool, str]:
+    """The verdict on one bad edge a -> b from the reruns of b's batch (``(rank, sketch)``:
+    on b, on a, and on the third rank when there is one): (the rank named or None, lasting?,
+    the verdict in words).
+
+    Which ranks' reruns give b's own result again, and which a's replay: a result that
+    recurs on a rank other than the one that first computed it is one the batch can give.
+    Both recurring elsewhere: the batch's own numerics (a knife edge), "unstable", nobody
+    named. Only a's replay recurring elsewhere: b's own result is its hardware's, named;
+    lasting when b gives it at every rerun and every other rerun gives the replay's (it comes
+    back on b alone), else transient. The mirror for a. Neither: nobody named.
+    """
+    again_own = {by for by, x in reruns if close(x, own)}
+    again_replay = {by for by, x in reruns if close(x, replay)}
+    own_elsewhere, replay_elsewhere = again_own - {b}, again_replay - {a}
+    third = {by for by, _ in reruns} - {a, b}
+    if own_elsewhere and replay_elsewhere:
+        return None, False, "unstable"
+    if replay_elsewhere:
+        lasting = bool(third) and _only(reruns, b, own, close) and _only_not(
+            reruns, b, replay, close)
+        return b, lasting, f"rank {b}'s result " + (
+            "comes back on it alone" if lasting else "did not come back elsewhere")
+    if own_elsewhere:
+        lasting = bool(third) and _only(reruns, a, replay, close) and _only_not(
+            reruns, a, own, close)
+        return a, lasting, f"rank {a}'s replay " + (
+            "comes back on it alone" if lasting else "did not come back elsewhere")
+    return None, False, "undecided"
+
+
+def _only(reruns: Sequence[tuple[int, torch.Tensor]], rank: int, result: torch.Tensor,
+          close: Any) -> bool:
+    """Does ``rank``'s every rerun come back as ``result``?"""
+    mine = [x for by, x in reruns if by == rank]
+    return bool(mine) and all(close(x, result) for x in mine)
+
+
+def _only_not(reruns: Sequence[tuple[int, torch.Tensor]], rank: int, result: torch.Tensor,
+              close: Any) -> bool:
+    """Does every other rank's every rerun come back as ``result``?"""
+    theirs = [x for by, x in reruns if by != rank]
+    return bool(theirs) and all(close(x, result) for x in theirs)
 
 
 def _norm_of(sketch: torch.Tensor, width: int) -> float:
@@ -169,6 +225,7 @@ class TolerantReplayAudit(ReplayAudit):
         self._own_sketch: torch.Tensor | None = None
         self._calibration: list[torch.Tensor] = []
         self._records: list[dict[str, Any]] = []
+        self._unstable = False
 
     # -- the tolerance -------------------------------------------------------------------
     def _tol(self) -> float:
@@ -180,6 +237,15 @@ class TolerantReplayAudit(ReplayAudit):
         if not FLOOR <= tolerance <= CEILING:
             raise ValueError(f"replay tolerance {tolerance!r} is outside [{FLOOR}, {CEILING}]")
         self.tolerance = float(tolerance)
+
+    def saved(self) -> dict[str, Any]:
+        return {} if self.tolerance is None else {"tolerance": self.tolerance}
+
+    def load_saved(self, state: dict[str, Any]) -> None:
+        """A restored checkpoint's tolerance, used from now on (the same job: the same
+        model and kernels); ``reconfigure`` calibrates anew."""
+        if isinstance(state.get("tolerance"), float):
+            self.restore_tolerance(state["tolerance"])
 
     def records(self) -> list[dict[str, Any]]:
         out, self._records = self._records, []
@@ -403,17 +469,21 @@ class TolerantReplayAudit(ReplayAudit):
 
     def judge(self, step: int, words: list[list[Any]]) -> list[Detection]:
         """The detections, if any, from every rank's own and replayed sketches (row r: rank
-        r's): the exact audit's localisation, with the three-way diagnosis (module doc)."""
+        r's): the exact audit's localisation, with the diagnosis by reruns (module doc)."""
         n, w, tol = self.world, self.sketch.width, self._tol()
         own = [row[0] for row in words]
         rep = [row[1] for row in words]
         gaps = [float(distance(rep[r], own[(r + 1) % n], w)) for r in range(n)]
         bad = [g > tol for g in gaps]
+        self._unstable = False
         if not any(bad):
             return []
         evidence: dict[str, Any] = {
             "mode": "tolerant", "tolerance": tol, "edge_distances": gaps,
             "bad_edges": [[r, (r + 1) % n] for r in range(n) if bad[r]],
+            "farthest": {str(r): component(int(differences(rep[r], own[(r + 1) % n], w)
+                                               .argmax()), w, self.names)
+                         for r in range(n) if bad[r]},
         }
         if n > 2 and all(bad):
             return [every_edge_detection(step, evidence, self.module)]
@@ -423,57 +493,57 @@ class TolerantReplayAudit(ReplayAudit):
                        if bad[a] and not bad[(a - 1) % n] and not bad[(a + 1) % n]]
         else:  # two ranks: each bad edge on its own, without a third opinion
             doubles, singles = [], [a for a in range(n) if bad[a]]
-        tasks: list[tuple[int, int]] = []  # (batch owner, recomputed by)
-        for f in doubles:
-            tasks.append((f, f))
+        tasks: list[tuple[int, int, int]] = [(f, f, 0) for f in doubles]  # (owner, by, k)
         for a in singles:
             b = (a + 1) % n
-            tasks += [(b, b), (b, a)] + ([(b, (b + 1) % n)] if n > 2 else [])
-        tasks = list(dict.fromkeys(tasks))
-        got = self._rerun(step, tasks)
+            for by in dict.fromkeys((b, a, (b + 1) % n)):
+                tasks += [(b, by, k) for k in range(DIAGNOSIS_RERUNS)]
+        got = self._rerun(step, list(dict.fromkeys(tasks)))
 
         def close(x: torch.Tensor, y: torch.Tensor) -> bool:
             return float(distance(x, y, w)) <= tol
 
         named: dict[int, bool] = {}  # rank -> transient
         verdicts: dict[str, Any] = {}
-        for f in doubles:
-            again = got[(f, f)]
-            transient = not close(again, own[f])
+        for f in doubles:  # two batches wrong on one rank: its fault
+            transient = not close(got[(f, f, 0)], own[f])
             named[f] = transient and named.get(f, True)
             verdicts[f"rank {f}"] = {"edges": [[(f - 1) % n, f], [f, (f + 1) % n]],
                                      "own_rerun_came_back": not transient}
         unresolved: list[list[int]] = []
+        unstable: list[list[int]] = []
         for a in singles:
             b = (a + 1) % n
-            o, r = own[b], rep[a]
-            b2, a2 = got[(b, b)], got[(b, a)]
-            third = got.get((b, (b + 1) % n)) if n > 2 else None
-            who: int | None
-            transient = False
-            if close(b2, r) and not close(b2, o):
-                who, transient = b, True  # b's own step did not come back: transient on b
-            elif close(a2, o) and not close(a2, r):
-                who, transient = a, True  # a's replay did not come back: transient on a
-            elif third is not None and close(third, o) and not close(third, r):
-                who = a  # a's replay came back wrong, the third rank agrees with b
-            elif third is not None and close(third, r) and not close(third, o):
-                who = b  # b's own step came back wrong, the third rank agrees with a
-            else:
-                who = None
-            verdicts[f"edge {a}"] = {
-                "edge": [a, b], "blames": who, "transient": transient,
-                "owner_rerun": float(distance(b2, o, w)),
-                "replayer_rerun": float(distance(a2, r, w)),
-                **({"arbiter": (b + 1) % n, "arbiter_to_owner": float(distance(third, o, w)),
-                    "arbiter_to_replay": float(distance(third, r, w))}
-                   if third is not None else {})}
-            if who is None:
+            reruns = [(by, x) for (owner, by, _), x in got.items() if owner == b]
+            who, lasting, verdict = diagnose(a, b, own[b], rep[a], reruns, close)
+            if verdict == "unstable":
+                unstable.append([a, b])
+            elif who is None:
                 unresolved.append([a, b])
-            else:
-                named[who] = transient and named.get(who, True)
+            verdicts[f"edge {a}"] = {"edge": [a, b], "blames": who, "verdict": verdict,
+                                     "reruns_per_rank": DIAGNOSIS_RERUNS}
+            if who is not None:
+                named[who] = (not lasting) and named.get(who, True)
         evidence["diagnosis"] = verdicts
+        if unstable:
+            evidence["unstable_edges"] = unstable
+            self._records.append({
+                "event": "replay_unstable", "step": step, "edges": unstable,
+                "detail": "a recomputation's result and the other's both recur on other ranks: "
+                "the batch's own numerics (a value at the edge of a ReLU's gate, of an "
+                "overflow) under non-deterministic kernels, no fault; the step is withheld when "
+                "the owner's veto already stopped it", "evidence": evidence})
+        if not named and not unresolved:
+            self._unstable = bool(unstable)
+            return []
         return self._detections(step, named, unresolved, evidence)
+
+    def _withhold_anyway(self) -> bool:
+        """An unstable edge alone: no detection, but a veto already put its sentinel in the
+        step's reduced gradients, so the step is withheld (on every rank: every rank judged
+        alike)."""
+        unstable, self._unstable = self._unstable, False
+        return unstable and self._veto_asked
 
     def _detections(self, step: int, named: dict[int, bool], unresolved: list[list[int]],
                     evidence: dict[str, Any], head: str | None = None) -> list[Detection]:
@@ -514,14 +584,14 @@ class TolerantReplayAudit(ReplayAudit):
                                  "did not single one out" + tail))
         return out
 
-    def _rerun(self, step: int, tasks: list[tuple[int, int]]) -> dict[tuple[int, int], Any]:
-        """Each (owner, by) task's sketch: ``by`` recomputes ``owner``'s batch of ``step``
-        (one gather for all of them)."""
+    def _rerun(self, step: int, tasks: list[tuple[int, int, int]]
+               ) -> dict[tuple[int, int, int], torch.Tensor]:
+        """Each (owner, by, k) task's sketch: ``by`` recomputes ``owner``'s batch of ``step``
+        (its k-th time; one gather for all of them)."""
         size = self.sketch.size()
         mine = torch.zeros(len(tasks) * size, dtype=torch.float64, device=self.device)
-        for k, (owner, by) in enumerate(tasks):
+        for i, (owner, by, _) in enumerate(tasks):
             if by == self.rank:
-                mine[k * size:(k + 1) * size] = self._replay(owner, step, "arbitrate")
+                mine[i * size:(i + 1) * size] = self._replay(owner, step, "arbitrate")
         rows = all_gather_rows(mine, self.group).cpu()
-        return {(owner, by): rows[by, k * size:(k + 1) * size]
-                for k, (owner, by) in enumerate(tasks)}
+        return {task: rows[task[1], i * size:(i + 1) * size] for i, task in enumerate(tasks)}

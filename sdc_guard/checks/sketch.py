@@ -114,6 +114,27 @@ class GradientSketch:
         return out
 
 
+def differences(a: torch.Tensor, b: torch.Tensor, width: int) -> torch.Tensor:
+    """Each component's difference in its own scale (``distance`` is their largest)."""
+    diff = (a - b).abs()
+    scale = torch.empty_like(diff)
+    scale[0] = torch.maximum(a[0].abs(), b[0].abs())
+    norms = torch.maximum(a[1::width].abs(), b[1::width].abs())
+    scale[1:] = norms.repeat_interleave(width)
+    rel = diff / scale
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    rel = torch.where(same, torch.zeros_like(rel), rel)
+    return torch.where(torch.isnan(rel), torch.full_like(rel, math.inf), rel)
+
+
+def component(i: int, width: int, names: Sequence[str]) -> str:
+    """What component ``i`` of a sketch vector is, in words."""
+    if i == 0:
+        return "the loss"
+    p, k = divmod(i - 1, width)
+    return f"{names[p]}'s gradient " + ("norm" if k == 0 else f"projection {k}")
+
+
 def distance(a: torch.Tensor, b: torch.Tensor, width: int) -> torch.Tensor:
     """How far apart two sketch vectors are: the largest of their components' differences,
     each in its own scale (0-d float64, on their device, no host read).
@@ -123,16 +144,7 @@ def distance(a: torch.Tensor, b: torch.Tensor, width: int) -> torch.Tensor:
     equal bit for bit, or non-finite alike (NaN and NaN, Inf and Inf of one sign: a batch
     that makes the same overflow on every rank), differ by 0; a component finite on one
     side only, or a non-zero difference with a zero scale, by Inf."""
-    diff = (a - b).abs()
-    scale = torch.empty_like(diff)
-    scale[0] = torch.maximum(a[0].abs(), b[0].abs())
-    norms = torch.maximum(a[1::width].abs(), b[1::width].abs())
-    scale[1:] = norms.repeat_interleave(width)
-    rel = diff / scale
-    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
-    rel = torch.where(same, torch.zeros_like(rel), rel)
-    rel = torch.where(torch.isnan(rel), torch.full_like(rel, math.inf), rel)
-    return rel.max()
+    return differences(a, b, width).max()
 
 
 def calibrated_tolerance(same_rank: Sequence[float], cross_rank: Sequence[float]) -> float:

@@ -16,6 +16,7 @@ from sdc_guard.checks.replay_tolerant import (
     TRIGGER_FLOOR,
     TRIGGER_MARGIN,
     TRIGGER_WARMUP,
+    diagnose,
     outlier_score,
     trigger_threshold,
 )
@@ -237,3 +238,46 @@ def test_a_spike_or_nan_the_batch_makes_is_reported_with_no_suspect(tmp_path) ->
                     timeout=240)  # on an audit step: the sketches are NaN alike
     assert res[0]["detections"] == [("nonfinite", 10, (), False)]
     assert "not that hardware" in res[0]["details"][0]
+
+
+def test_the_tolerance_is_kept_in_the_checkpoint_and_restored_without_recalibrating(
+        tmp_path) -> None:  # type: ignore[no-untyped-def]
+    log = str(tmp_path / "events.jsonl")
+    res = run_ranks(tw.checkpoint_run, 3, str(tmp_path / "ckpt"), log, timeout=240)
+    for r in res:
+        assert r["first_start_tolerance"] is None and r["first_detections"] == []
+        assert r["restarted_start_tolerance"] == r["first_tolerance"] is not None
+        assert r["restarted_tolerance"] == r["first_tolerance"]
+        assert r["restarted_detections"] == []
+    assert len(tw.records(log, "replay_calibration")) == 1  # the restarted job did not
+
+
+def _same(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return bool(torch.equal(x, y))
+
+
+X, Y, Z = torch.tensor([1.0]), torch.tensor([2.0]), torch.tensor([3.0])
+
+
+@pytest.mark.parametrize("reruns,expected", [
+    # edge 0 -> 1, third rank 2; b's own result X, a's replay Y
+    ([(1, Y), (1, Y), (0, Y), (0, Y), (2, Y), (2, Y)], (1, False)),  # b's did not come back
+    ([(1, X), (1, X), (0, Y), (0, Y), (2, Y), (2, Y)], (1, True)),   # b's, on b alone: lasting
+    ([(1, X), (1, Y), (0, Y), (0, Y), (2, Y), (2, Y)], (1, False)),  # b's, not at every rerun
+    ([(1, X), (1, X), (0, X), (0, X), (2, X), (2, X)], (0, False)),  # a's did not come back
+    ([(1, X), (1, X), (0, Y), (0, Y), (2, X), (2, X)], (0, True)),   # a's, on a alone: lasting
+    ([(1, X), (1, Y), (0, Y), (0, X), (2, Y), (2, X)], (None, False)),  # a knife edge
+    ([(1, Z), (1, Z), (0, Z), (0, Z), (2, Z), (2, Z)], (None, False)),  # neither recurs
+])
+def test_the_diagnosis_names_a_rank_only_when_one_result_recurs_on_no_other_rank(
+        reruns: list[tuple[int, torch.Tensor]], expected: tuple[int | None, bool]) -> None:
+    who, lasting, verdict = diagnose(0, 1, X, Y, reruns, _same)
+    assert (who, lasting) == expected, verdict
+    if who is None:
+        assert verdict in ("unstable", "undecided")
+
+
+def test_with_two_ranks_the_diagnosis_names_only_a_transient() -> None:
+    # no third rank: a result that comes back on its own rank alone is not enough
+    assert diagnose(0, 1, X, Y, [(1, X), (1, X), (0, Y), (0, Y)], _same)[:2] == (None, False)
+    assert diagnose(0, 1, X, Y, [(1, Y), (1, Y), (0, Y), (0, Y)], _same)[:2] == (1, False)

@@ -84,3 +84,31 @@ def calibration_records(path: str) -> list[dict[str, Any]]:
     """The event log's calibration records."""
     lines = Path(path).read_text().splitlines()
     return [r for r in map(json.loads, lines) if r.get("event") == "replay_calibration"]
+
+
+def checkpoint_run(rank: int, world: int, ckpt_dir: str, log: str) -> dict[str, Any]:
+    """A tolerant run saved after step 3, then a new guard (a restarted job) restored from
+    it: the restored audit compares at the saved tolerance without calibrating again."""
+    from sdc_guard import CheckpointManager
+
+    torch.set_num_threads((1, 2)[rank % 2])
+    out: dict[str, Any] = {}
+    for life in ("first", "restarted"):
+        torch.manual_seed(0)
+        model = DDP(DropMLP())
+        LinearNoise(model.module, seed=7, rank=rank)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ckpt = CheckpointManager(ckpt_dir, keep=2)
+        cfg = GuardConfig(replay_interval=2, replay_mode="tolerant", event_log=log)
+        guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for, config=cfg,
+                         checkpoints=ckpt)
+        audit = next(c for c in guard.checks if c.name == "replay")
+        start = 0 if life == "first" else ckpt.restore(model, optimizer)
+        out[f"{life}_start_tolerance"] = getattr(audit, "tolerance", None)
+        found = [d for s in range(start, start + 4) for d in guard.step(s).detections]
+        if life == "first":
+            ckpt.save(3, model, optimizer)
+        out[f"{life}_tolerance"] = getattr(audit, "tolerance", None)
+        out[f"{life}_detections"] = [(d.check, d.step) for d in found + guard.flush()]
+        guard.close()
+    return out
