@@ -26,7 +26,8 @@ a test that would not end before its deadline is not started (``passed: null``, 
 * the tests of ``tests/cuda`` (plain functions, called one by one, each recorded as passed or
   failed with what it found and, when it failed, the assertion or the traceback): ``values``,
   ``rng_stream``, ``kernels``, ``telemetry``, ``nccl_guard`` (``gloo_guard`` in the dry run),
-  ``checksum`` (their docstrings say what each proves).
+  ``checksum``, ``tolerant`` (their docstrings say what each proves; ``tolerant`` records the
+  device's calibrated tolerance: how far its recomputations of a batch come apart).
 
 ``targets`` sets the issue's GPU targets beside the measured figures. Results go to
 ``DIR/device_check.json`` and ``DIR/DEVICE.md`` (``device_md``) and are printed;
@@ -60,7 +61,7 @@ SCHEDULE = {"gpt2 timing": 0.34, "gpt2 counts": 0.45, "throughput": 0.57, "tests
 """Each part's deadline as a fraction of the budget from the start, in the order they run; a
 part that ends early leaves its time to the next."""
 TEST_SECONDS = {"values": 30.0, "rng_stream": 2.0, "kernels": 8.0, "telemetry": 2.0,
-                "nccl_guard": 25.0, "checksum": 125.0}
+                "nccl_guard": 25.0, "checksum": 125.0, "tolerant": 30.0}
 """About what each test takes on a GPU (the last run's times, with a margin): one that would
 end past the tests' deadline is not started."""
 
@@ -77,6 +78,9 @@ def device_tests(device: torch.device) -> dict[str, tuple[Section, float]]:
     )
     from tests.cuda.test_kernels import test_scaling_and_replay_words_equal_the_cpu as kernels
     from tests.cuda.test_telemetry import test_nvml_snapshot_reads_the_health_fields as nvml
+    from tests.cuda.test_tolerant import (
+        test_tolerant_replay_calibrates_on_the_device_and_names_a_flip as tolerant,
+    )
     from tests.cuda.test_values import test_fingerprint_and_digest_equal_the_cpu as values
 
     d = str(device)
@@ -89,9 +93,11 @@ def device_tests(device: torch.device) -> dict[str, tuple[Section, float]]:
         tests["telemetry"] = lambda rec: nvml(d, record=rec)
         tests["nccl_guard"] = lambda rec: guard(d, record=rec)
         tests["checksum"] = lambda rec: checksum(d, record=rec)
+        tests["tolerant"] = lambda rec: tolerant(d, record=rec)
     else:
         tests["gloo_guard"] = lambda rec: guard("cpu", 1, record=rec)
         tests["checksum"] = lambda rec: checksum("cpu", 1, steps=3, record=rec)
+        tests["tolerant"] = lambda rec: tolerant("cpu", 1, record=rec)
     return {k: (t, TEST_SECONDS.get(k, 0.0) if device.type == "cuda" else 0.0)
             for k, t in tests.items()}
 

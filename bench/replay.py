@@ -26,23 +26,24 @@ from bench.timing import bootstrap_interval, split_rounds
 from scenarios.run.launch import run_ranks
 from scenarios.spec.overhead import replay_only
 from sdc_guard import GuardConfig, SDCGuard, native_kernel
+from sdc_guard.checks.replay_tolerant import TolerantReplayAudit
 
 REPLAY_INTERVALS = (1, 2, 5, 10, 50)
 
 
 def _replay_rank(rank: int, world: int, rounds: int, batch: int,
                  native: bool = True, nonfinite: bool = True,
-                 allocator: dict[int, int] | None = None) -> dict[str, Any]:
+                 allocator: dict[int, int] | None = None, mode: str = "exact") -> dict[str, Any]:
     """``_measure`` with the C kernel on (``native``) or the torch path forced, under glibc's
     ``mallopt`` settings ``allocator`` (``bench.overhead.NO_TRIM``; None: as it comes)."""
     apply_allocator(allocator)
     with native_kernel(native) as native_in_use:
         return _measure(rank, world, rounds, batch, nonfinite=nonfinite,
-                        native_in_use=native_in_use)
+                        native_in_use=native_in_use, mode=mode)
 
 
 def _measure(rank: int, world: int, rounds: int, batch: int, *, nonfinite: bool,
-             native_in_use: bool) -> dict[str, Any]:
+             native_in_use: bool, mode: str = "exact") -> dict[str, Any]:
     """Step time with the replay audit at several intervals, beside replay off and the ideal.
 
     ``nonfinite``: the non-finite check runs in every configuration (replay off and the
@@ -54,12 +55,20 @@ def _measure(rank: int, world: int, rounds: int, batch: int, *, nonfinite: bool,
     synchronisation pattern as the audit. The cost per step is estimated from the
     medians of the audit (or extra) steps and of the other steps (see
     ``extra_per_step``), for the audit and the ideal alike.
+
+    ``mode="tolerant"``: the tolerant audit (``GuardConfig(replay_mode="tolerant")``, its
+    norm trigger on between audits), every configuration without deterministic mode. Each
+    model instance's audit calibrates once, at the warm-up, and every audit built after a
+    switch takes that tolerance (``restore_tolerance``): the timed audit steps are the
+    steady ones.
     """
     batch_for = functools.partial(classification_batch, batch=batch)
 
     def audit_every(k: int) -> GuardConfig:  # the audit every k steps (0: off), deterministic
         config = replay_only(max(k, 1)).config
         assert config is not None
+        if mode == "tolerant":
+            config = replace(config, replay_mode="tolerant", deterministic=False)
         return replace(config, replay_interval=k, nonfinite=nonfinite)
 
     configs = {"off": (audit_every(0), 0),
@@ -86,10 +95,19 @@ def _measure(rank: int, world: int, rounds: int, batch: int, *, nonfinite: bool,
         g.before_step.append(extra)
         guards.append(g)
 
+    learned: dict[int, float] = {}
+    """Each instance's calibrated tolerance (the tolerant mode)."""
+
     def runner(name: str, i: int) -> SDCGuard:
         config, ideal = configs[name]
         g = guards[i]
+        for c in g.checks:
+            if isinstance(c, TolerantReplayAudit) and c.tolerance is not None:
+                learned.setdefault(i, c.tolerance)
         switch(g, config)
+        for c in g.checks:
+            if isinstance(c, TolerantReplayAudit) and i in learned:
+                c.restore_tolerance(learned[i])
         extra_every[0] = ideal
         return g
 
@@ -234,13 +252,15 @@ def _measure(rank: int, world: int, rounds: int, batch: int, *, nonfinite: bool,
 
 def replay_overhead(world: int, rounds: int, batch: int, native: bool = True,
                     nonfinite: bool = True,
-                    allocator: dict[int, int] | None = None) -> dict[str, Any]:
+                    allocator: dict[int, int] | None = None,
+                    mode: str = "exact") -> dict[str, Any]:
     """The replay audit's overhead on ``world`` ranks (see ``_measure``); ``allocator``: glibc
-    ``mallopt`` settings each rank applies before it builds its models."""
+    ``mallopt`` settings each rank applies before it builds its models; ``mode``: the
+    audit's (``GuardConfig.replay_mode``)."""
     res: dict[str, Any] = run_ranks(_replay_rank, world, rounds, batch, native, nonfinite,
-                                    allocator, timeout=3600)[0]
+                                    allocator, mode, timeout=3600)[0]
     res.update({"world": world, "batch": batch, "nonfinite": nonfinite,
-                "allocator": allocator_names(allocator)})
+                "allocator": allocator_names(allocator), "mode": mode})
     return res
 
 

@@ -27,9 +27,16 @@ Parts (each one run of the three ranks, faults armed one per step at the step's 
   faults on the steps between: what the norm trigger catches (and what it misses), and how
   often it fires on the clean steps between.
 
+- **cost**: ``bench.replay``'s measurement of the audit per audit step against its ideal
+  (the same run plus one plain forward and backward of the neighbour's batch every k steps)
+  on the reference MLP (3 ranks, batches of 128, no testbed noise), for the exact and the
+  tolerant audit, one run each (``--cost-rounds`` rounds; 0 leaves it out). The tolerant
+  run's other steps carry the norm trigger: their time over replay off is its cost.
+
 Results: ``bench/tolerant.json`` and ``bench/TOLERANT.md``::
 
-    python -m bench.tolerant [--clean N] [--exponent N] [--per-bit N] [--out bench]
+    python -m bench.tolerant [--clean N] [--exponent N] [--per-bit N] [--cost-rounds N]
+                             [--out bench]
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from bench.replay import replay_overhead
 from bench.timing import cpu_name, publish
 from injectors import Fault, InjectionHandle, arm
 from injectors.noise import LinearNoise
@@ -200,7 +208,7 @@ def _part(mode: str, faults: list[dict[str, Any] | None], interval: int = 1,
             "step_s": res[0]["step_s"], "injections": sum(len(r["injections"]) for r in res)}
 
 
-def tolerant_bench(clean: int, exponent: int, per_bit: int) -> dict[str, Any]:
+def tolerant_bench(clean: int, exponent: int, per_bit: int, cost_rounds: int) -> dict[str, Any]:
     out: dict[str, Any] = {"cpu": cpu_name(), "torch": torch.__version__, "world": WORLD,
                            "threads": list(THREADS), "ulps": ULPS}
     out["clean"] = {}
@@ -240,7 +248,37 @@ def tolerant_bench(clean: int, exponent: int, per_bit: int) -> dict[str, Any]:
     calm_trig = _part("tolerant", [None] * clean, interval=TRIGGER_INTERVAL)
     out["trigger_clean"] = {"steps": clean - 1, "triggered": len(calm_trig["triggered"]),
                             "false_positives": calm_trig["detections"]}
+    if cost_rounds:
+        out["cost"] = {mode: replay_overhead(3, rounds=cost_rounds, batch=128, mode=mode)
+                       for mode in ("exact", "tolerant")}
     return out
+
+
+def _cost_md(cost: dict[str, Any]) -> list[str]:
+    """The per-audit-step ratios of both modes, side by side."""
+    ex, to = cost["exact"], cost["tolerant"]
+    lines = ["", "## Cost per audit step", "",
+             f"`bench.replay`'s measurement, one run per mode ({ex['rounds']} rounds each; "
+             f"reference MLP 512 -> 1024 -> 1024 -> 10, batches of {ex['batch']}, 3 ranks, the "
+             "non-finite check on): the audit's extra time per audit step over its ideal's "
+             "(one plain forward and backward of the neighbour's batch), median over rounds "
+             "and 90% bootstrap interval; and the other steps of interval k over replay off "
+             "(the tolerant audit's norm trigger), in ms.", "",
+             "| interval | exact: ratio | 90% | tolerant: ratio | 90% | tolerant: other steps "
+             "over off, ms | 90% |", "|---|---|---|---|---|---|---|"]
+    for k in ex["intervals"]:
+        e, t = ex["intervals"][k], to["intervals"][k]
+        lo, hi = e["per_audit_step_ratio_interval_90"]
+        tlo, thi = t["per_audit_step_ratio_interval_90"]
+        rlo, rhi = t["audit_rest_vs_off_interval_90"]
+        lines.append(f"| {k} | {e['per_audit_step_ratio']:.3f} | {lo:.3f} .. {hi:.3f} | "
+                     f"**{t['per_audit_step_ratio']:.3f}** | {tlo:.3f} .. {thi:.3f} | "
+                     f"{1e3 * t['audit_rest_vs_off_s']:.3f} | {1e3 * rlo:.3f} .. "
+                     f"{1e3 * rhi:.3f} |")
+    lines += ["", f"Replay off: {1e3 * ex['step_s_replay_off']:.2f} ms a step (exact run), "
+              f"{1e3 * to['step_s_replay_off']:.2f} ms (tolerant run); one forward and backward "
+              f"{1e3 * ex['forward_backward_s']:.2f} ms."]
+    return lines
 
 
 def _found(found: dict[str, Any]) -> str:
@@ -318,6 +356,8 @@ def markdown(res: dict[str, Any]) -> list[str]:
               "the audit at step 0 only, the faults on the steps "
               "after it, the share that the norm trigger audited (each trigger's audit "
               "named the faulty rank or nobody)."]
+    if "cost" in res:
+        lines += _cost_md(res["cost"])
     return lines
 
 
@@ -328,11 +368,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exponent", type=int, default=1200,
                     help="exponent flips per mode (1200)")
     ap.add_argument("--per-bit", type=int, default=16, help="flips per bit and site (16)")
+    ap.add_argument("--cost-rounds", type=int, default=12,
+                    help="rounds of each mode's cost run (12; 0: none)")
     ap.add_argument("--out", default="bench")
     args = ap.parse_args(argv)
-    if min(args.clean, args.exponent, args.per_bit) < 1:
-        ap.error("--clean, --exponent and --per-bit must be at least 1")
-    res = tolerant_bench(args.clean, args.exponent, args.per_bit)
+    if min(args.clean, args.exponent, args.per_bit) < 1 or args.cost_rounds < 0:
+        ap.error("--clean, --exponent and --per-bit must be at least 1, --cost-rounds at "
+                 "least 0")
+    res = tolerant_bench(args.clean, args.exponent, args.per_bit, args.cost_rounds)
     lines = markdown(res)
     publish(Path(args.out), "tolerant", res, lines)
     (Path(args.out) / "TOLERANT.md").write_text("\n".join(lines) + "\n")

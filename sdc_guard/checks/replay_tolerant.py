@@ -33,18 +33,20 @@ what they do before blaming anyone:
   batch, rerun, comes out right.
 
 - **A cheap trigger between audits** (``GuardConfig.replay_trigger``, with an interval above
-  1): on the other steps each rank takes its local gradient norm from its gradient
-  buckets before the reduction (one read of each bucket), and the ranks' norms travel in
-  one small all-reduce beside the last bucket's. A rank whose norm is an outlier among the
-  ranks' (``outlier_score`` above ``trigger_threshold``: far from the median, in log
-  scale, against the run's recent clean steps) triggers an audit of the step at once, on
-  every rank, before the optimizer step: every rank recomputes its own batch and its
+  1 and two ranks or more): on the other steps each rank takes its local gradient norm from
+  its gradient buckets before the reduction (one read of each bucket) and votes to audit
+  the step when the norm leaves its band (a factor ``exp(trigger_threshold)`` around the
+  median of its recent norms, the factor learned from how far they drift: ``drift_score``)
+  or is not finite. The vote rides the backend's veto channel (under DDP the sentinel in
+  the last bucket: no word of its own). When some rank voted, every rank audits the step
+  at once, before the optimizer step: every rank recomputes its own batch and its
   neighbour's, the ring is judged on those, and each rank's recomputed norm is compared
-  with the one it sent (a norm that did not come back while the batch reproduces on two
-  ranks was a transient fault of the rank's step). A spike the batch itself makes comes
-  back everywhere: an event record, no suspect, and the step goes on. The trigger names
-  no one by itself. It misses what does not move the norm: flips of low mantissa bits,
-  and exponent flips that shrink a value which mattered little.
+  with the one it took (a norm that did not come back while the batch reproduces on two
+  ranks was a transient fault of the rank's step). The step is withheld (the vote's
+  sentinel is in its reduced gradients). A spike the batch itself makes comes back
+  everywhere: an event record (``replay_trigger``), no suspect. The trigger names no one by
+  itself. It misses what does not move the norm: flips of low mantissa bits, and exponent
+  flips that shrink a value which mattered little.
 
 What the sketch cannot see: a difference smaller than the tolerance in every component,
 i.e. a corruption of the low mantissa bits of a value (``docs/checks/replay.md``, "Tolerant
@@ -56,11 +58,11 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from sdc_guard.checks.base import Verdict
 from sdc_guard.checks.replay import ReplayAudit, every_edge_detection, own_batch_error
@@ -85,32 +87,32 @@ TRIGGER_HISTORY = 64
 """Clean steps whose outlier scores set the trigger's threshold."""
 
 TRIGGER_MARGIN = 4.0
-"""The trigger fires above this multiple of the median outlier score of the recent clean
-steps (``trigger_threshold``)."""
+"""A rank votes above this multiple of the median drift score of its recent clean steps
+(``trigger_threshold``)."""
 
 TRIGGER_FLOOR = math.log(4.0)
-"""The least threshold: a rank's norm a factor of 4 from the ranks' median."""
+"""The least threshold: a norm a factor of 4 from the median of the rank's recent ones."""
 
 TRIGGER_WARMUP = 8
 """Clean steps of history before the threshold follows it (``TRIGGER_FLOOR`` until then)."""
 
 
-def outlier_score(norms: Sequence[float]) -> float:
-    """How far the farthest rank's local gradient norm is from the ranks' median, in log
-    scale (``|ln(n / median)|``); Inf when a norm is not finite or is zero against a non-zero
-    median."""
-    if not all(math.isfinite(n) for n in norms):
+def drift_score(norm: float, recent: Sequence[float]) -> float:
+    """How far a rank's local gradient norm is from the median of its recent ones, in log
+    scale (``|ln(norm / median)|``); Inf when the norm is not finite, or is zero, or the
+    median is, and the other is not."""
+    med = statistics.median(recent)
+    if not math.isfinite(norm):
         return math.inf
-    s = sorted(norms)
-    m = len(s) // 2
-    med = s[m] if len(s) % 2 else (s[m - 1] + s[m]) / 2
-    if med <= 0.0:
-        return 0.0 if all(n == 0.0 for n in norms) else math.inf
-    return max(abs(math.log(n / med)) if n > 0.0 else math.inf for n in norms)
+    if norm == med:
+        return 0.0
+    if norm <= 0.0 or med <= 0.0:
+        return math.inf
+    return abs(math.log(norm / med))
 
 
 def trigger_threshold(history: Sequence[float]) -> float:
-    """``TRIGGER_MARGIN`` times the median score of the recent clean steps, at least
+    """``TRIGGER_MARGIN`` times the median drift score of the recent clean steps, at least
     ``TRIGGER_FLOOR`` (only the floor before ``TRIGGER_WARMUP`` of them)."""
     if len(history) < TRIGGER_WARMUP:
         return TRIGGER_FLOOR
@@ -152,6 +154,11 @@ def diagnose(a: int, b: int, own: torch.Tensor, replay: torch.Tensor,
     """
     again_own = {by for by, x in reruns if close(x, own)}
     again_replay = {by for by, x in reruns if close(x, replay)}
+    if a == b:  # a ring of one: its own step against its own replay, rerun
+        if bool(again_own) != bool(again_replay):
+            return b, False, "the rank's " + ("step" if again_replay else "replay") + (
+                " did not come back")
+        return None, False, "unstable" if again_own else "undecided"
     own_elsewhere, replay_elsewhere = again_own - {b}, again_replay - {a}
     third = {by for by, _ in reruns} - {a, b}
     if own_elsewhere and replay_elsewhere:
@@ -201,14 +208,22 @@ class TolerantReplayAudit(ReplayAudit):
     def __init__(self, *args: Any, strikes: dict[int, list[int]],
                  repair_window_steps: int, trigger: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.trigger = trigger and self.interval > 1
-        """Watch the local gradient norms between audits (module doc)."""
+        self._contain = self.wants_veto
+        """Does the audit's own verdict travel on the veto channel (containment, 2+ ranks)?"""
+        self.trigger = trigger and self.interval > 1 and self.world > 1
+        """Watch the local gradient norms between audits (module doc); its vote rides the
+        backend's veto channel."""
+        self.wants_veto = self.wants_veto or self.trigger
         self._norm_step = -1
         self._norm_sq: torch.Tensor | None = None
-        self._norms: tuple[torch.Tensor, Any] | None = None
-        self._norms_read: tuple[StepRead, int] | None = None
-        self.history: collections.deque[float] = collections.deque(maxlen=TRIGGER_HISTORY)
-        """The outlier scores of the recent untriggered steps."""
+        self._norm: torch.Tensor | None = None
+        """This step's local gradient norm (0-d, on the device), once every bucket is seen."""
+        self._norm_read: tuple[StepRead, int] | None = None
+        self._vote: Flag | None = None
+        self.norms: collections.deque[float] = collections.deque(maxlen=TRIGGER_HISTORY)
+        """This rank's local gradient norms of the recent untriggered steps."""
+        self.scores: collections.deque[float] = collections.deque(maxlen=TRIGGER_HISTORY)
+        """Their scores (``drift_score``)."""
         self.triggered: list[int] = []
         """Steps at which the trigger ran an audit."""
         self.sketch = GradientSketch(self.params, seed=derive_seed(self.seed, _SKETCH_SALT),
@@ -226,6 +241,8 @@ class TolerantReplayAudit(ReplayAudit):
         self._calibration: list[torch.Tensor] = []
         self._records: list[dict[str, Any]] = []
         self._unstable = False
+        self._extra: list[float] = []
+        """Numbers gathered beside the sketches (a triggered audit's norm and vote)."""
 
     # -- the tolerance -------------------------------------------------------------------
     def _tol(self) -> float:
@@ -311,64 +328,93 @@ class TolerantReplayAudit(ReplayAudit):
 
     # -- the trigger ---------------------------------------------------------------------
     def _add_norm(self, bucket: Bucket) -> None:
-        """Add the bucket's local sum of squares (float64, one read of its buffer)."""
+        """Add the bucket's local sum of squares (one read of its buffer, in its own precision:
+        the trigger's threshold is a factor of several, not a rounding)."""
         step = self._backend.step
         if step != self._norm_step:
-            self._norm_step, self._norm_sq, self._norms = step, None, None
+            self._norm_step, self._norm_sq, self._norm = step, None, None
         buf = bucket.buffer()
         vals = buf.coalesce().values() if buf.layout != torch.strided else buf
-        sq = torch.linalg.vector_norm(vals, dtype=torch.float64) ** 2
+        sq = torch.linalg.vector_norm(vals).to(torch.float64) ** 2
         self._norm_sq = sq if self._norm_sq is None else self._norm_sq + sq
 
-    def before_last_allreduce(self) -> None:
-        super().before_last_allreduce()
-        step = self._backend.step
-        if (self.trigger and not self._observing and self._norm_step == step
-                and self._norm_sq is not None and self._norms is None):
-            word = torch.zeros(self.world, dtype=torch.float64, device=self.device)
-            word[self.rank] = self._norm_sq.sqrt()
-            self._norms = (word, dist.all_reduce(word, group=self.group, async_op=True))
+    def _band(self) -> tuple[float, float] | None:
+        """The norms this rank's next step may have without a vote: within a factor
+        ``exp(trigger_threshold)`` of the median of its recent norms (None: too few yet)."""
+        if len(self.norms) < TRIGGER_WARMUP:
+            return None
+        med = statistics.median(self.norms)
+        factor = math.exp(trigger_threshold(list(self.scores)))
+        return med / factor, med * factor
+
+    def _trigger_vote(self) -> Flag | None:
+        """This rank's vote to audit the step now (non-audit steps, before the last gradient
+        reduction): its local norm outside its band, or not finite. A device bool on a
+        device (no read); the norm itself is read with the step's other values."""
+        if self._norm_step != self._backend.step or self._norm_sq is None:
+            return False  # (no bucket: alike on every rank under DDP)
+        self._norm = self._norm_sq.sqrt()
+        band = self._band()
+        if band is None:
+            self._vote = False
+            return False
+        lo, hi = band
+        inside = (self._norm >= lo) & (self._norm <= hi)  # NaN: outside
+        self._vote = bool(~inside) if on_host(inside) else ~inside
+        return self._vote
 
     def awaiting(self, step: int) -> bool:
         return self.trigger and not self.due(step)
 
-    def _take_norms(self, step: int) -> list[float] | None:
-        """Every rank's local gradient norm of ``step`` (None: no bucket came)."""
-        if self._norms is None or self._norm_step != step:
-            return None
-        word, work = self._norms
-        self._norms = None
-        if self._norms_read is not None:
-            read, handle = self._norms_read
-            self._norms_read = None
-            return [float(v) for v in read.get(handle)]
-        work.wait()
-        return [float(v) for v in word.tolist()]
+    def _trigger_pre_step(self, step: int) -> Verdict:
+        """A non-audit step: an audit now when some rank voted; else the norm joins the
+        history."""
+        answer, self._answer = self._answer, None
+        norm_read, self._norm_read = self._norm_read, None
+        norm = (float(norm_read[0].get(norm_read[1])[0]) if norm_read is not None
+                else float(self._norm) if self._norm is not None else None)
+        self._norm = None
+        if answer is not None and answer.read():
+            return self._triggered_audit(step, norm, sentinel=answer.ranks() is not None)
+        if norm is not None:
+            if len(self.norms) >= TRIGGER_WARMUP:
+                self.scores.append(drift_score(norm, self.norms))
+            self.norms.append(norm)
+        self.verified(step)
+        return Verdict()
 
-    def _triggered_audit(self, step: int, norms: list[float]) -> Verdict:
+    def _triggered_audit(self, step: int, norm: float | None, *, sentinel: bool) -> Verdict:
         """Audit ``step`` now: every rank recomputes its own batch and its neighbour's; the
         ring is judged on those, and each rank's recomputed norm is compared with the one it
-        sent."""
+        took. ``sentinel``: the vote left its sentinel in the reduced gradients, so the step
+        is withheld whatever the audit finds."""
         self.triggered.append(step)
         nxt = (self.rank + 1) % self.world
         self._step_buffers = buffers_saved(self.module)
         again = self._replay(self.rank, step, "arbitrate")
         self._replayed = self._replay(nxt, step, "replay")
         self._own_sketch, self._calibration = again, []
+        vote = self._vote
+        self._extra = [math.nan if norm is None else norm,
+                       float(bool(vote)) if isinstance(vote, bool) or vote is None
+                       else float(vote.item())]
         try:
             words = self._gather_rows(step)
         finally:
-            self._replayed = None
+            self._replayed, self._extra = None, []
         w, tol = self.sketch.width, self._tol()
         own = [row[0] for row in words]
         rep = [row[1] for row in words]
+        sent = [row[2][0] for row in words]
+        votes = [r for r in range(self.world) if words[r][2][1] > 0]
         back = [_norm_of(own[r], w) for r in range(self.world)]
+        # the trigger's norm is taken in the gradients' precision: compared at the ceiling
         moved = [r for r in range(self.world)
-                 if not _close_norm(back[r], norms[r], tol)]
+                 if not _close_norm(back[r], sent[r], max(tol, CEILING))]
         found = self.judge(step, words)
         record: dict[str, Any] = {
-            "event": "replay_trigger", "step": step, "norms": norms, "recomputed": back,
-            "score": outlier_score(norms), "threshold": trigger_threshold(list(self.history))}
+            "event": "replay_trigger", "step": step, "votes": votes, "norms": sent,
+            "recomputed": back}
         n = self.world
         # a norm that did not come back on a rank whose batch reproduces on two ranks
         passing = [r for r in moved
@@ -378,9 +424,9 @@ class TolerantReplayAudit(ReplayAudit):
             found += self._detections(
                 step, {r: True for r in passing}, [],
                 {"mode": "tolerant", "trigger": record, "tolerance": tol, "not_back": passing},
-                head=f"the local gradient norm of rank(s) {passing} was an outlier among the "
-                "ranks' and did not come back when recomputed, while the batch reproduces on "
-                "the rank and its neighbour")
+                head=f"the local gradient norm of rank(s) {passing} was out of its band and "
+                "did not come back when recomputed, while the batch reproduces on the rank "
+                "and its neighbour")
         record["outcome"] = ("fault found" if found else
                              "reproduced on every rank: the batch's own, no suspect")
         self._records.append(record)
@@ -388,7 +434,7 @@ class TolerantReplayAudit(ReplayAudit):
             self.tainted()
         else:
             self.verified(step)
-        return Verdict(found, withhold=bool(found))
+        return Verdict(found, withhold=bool(found) or sentinel)
 
     def _own_vector(self) -> torch.Tensor:
         """This rank's own sketch, once its gradients are all seen (the audit stops watching)."""
@@ -405,23 +451,16 @@ class TolerantReplayAudit(ReplayAudit):
     def ask(self, step: int, read: StepRead) -> None:
         if self.due(step):
             super().ask(step, read)
-        elif self._norms is not None and self._norm_step == step and self._norms_read is None:
-            word, work = self._norms
-            work.wait()
-            self._norms_read = (read, read.ask(word))
+            return
+        if self._answer is not None:
+            self._answer.ask(read)
+        if self._norm is not None and not on_host(self._norm):
+            self._norm_read = (read, read.ask(self._norm))
 
     def pre_step(self, step: int) -> Verdict:
         if self.due(step):
             return super().pre_step(step)
-        norms = self._take_norms(step)
-        if norms is None:
-            return Verdict()
-        score = outlier_score(norms)
-        if score <= trigger_threshold(list(self.history)):
-            self.history.append(score)
-            self.verified(step)
-            return Verdict()
-        return self._triggered_audit(step, norms)
+        return self._trigger_pre_step(step)
 
     def _far(self) -> torch.Tensor:
         """Does the replay of this rank's batch (the previous rank's, or this rank's own with
@@ -430,12 +469,18 @@ class TolerantReplayAudit(ReplayAudit):
         return distance(self._own_vector(), other, self.sketch.width) > self._tol()
 
     def veto(self) -> Flag | None:
-        if not self._observing or not self._exchange:
+        if not self._observing:  # not an audit step: the trigger's vote, if it is on
+            return self._trigger_vote() if self.trigger else None
+        if not self._contain or not self._exchange:
             return None
         self._finish_exchange()
         self._veto_asked = True
         far = self._far()
         return bool(far) if on_host(far) else far
+
+    def before_last_allreduce(self) -> None:
+        if self._observing and not self._contain:  # the agreement word (no veto)
+            self._send_words()
 
     def _send_words(self) -> None:
         if not self._observing or self._replayed is None or self._pending is not None:
@@ -448,16 +493,19 @@ class TolerantReplayAudit(ReplayAudit):
         """Every rank's own and replayed sketches (row r: rank r's, on the host), gathered with
         its step and, at a calibration, its recomputations (which set the tolerance here)."""
         size = self.sketch.size()
-        mine = torch.cat([self._own_vector(), self._replayed, *self._calibration,
-                          torch.tensor([float(step)], dtype=torch.float64, device=self.device)])
+        extra = torch.tensor([*self._extra, float(step)], dtype=torch.float64,
+                             device=self.device)
+        mine = torch.cat([self._own_vector(), self._replayed, *self._calibration, extra])
         rows = all_gather_rows(mine, self.group).cpu()
         differ = steps_disagree([int(v) for v in rows[:, -1].tolist()])
         if differ is not None:
             raise ValueError(f"replay audit: the ranks are not at one step ({differ}); "
                              f"{STEPS_FIX}")
         own, rep = rows[:, :size], rows[:, size:2 * size]
+        tail = rows[:, rows.shape[1] - 1 - len(self._extra):-1]
         if self._calibration:
-            calib = rows[:, 2 * size:-1].reshape(self.world, -1, size)
+            calib = rows[:, 2 * size:rows.shape[1] - 1 - len(self._extra)].reshape(
+                self.world, -1, size)
             self._calibrate(step, own, rep, calib)
         w, tol = self.sketch.width, self._tol()
         if (self.world > 1 and all(float(distance(rep[r], own[r], w)) <= tol
@@ -465,7 +513,7 @@ class TolerantReplayAudit(ReplayAudit):
                 and any(float(distance(own[r], own[(r + 1) % self.world], w)) > tol
                         for r in range(self.world))):
             raise own_batch_error(step)
-        return [[own[r], rep[r]] for r in range(self.world)]
+        return [[own[r], rep[r], tail[r].tolist()] for r in range(self.world)]
 
     def judge(self, step: int, words: list[list[Any]]) -> list[Detection]:
         """The detections, if any, from every rank's own and replayed sketches (row r: rank

@@ -11,7 +11,14 @@ A projection of a gradient ``g`` of ``n`` elements, viewed as a ``q x c`` matrix
 (``c`` about ``sqrt(n)``; the last ``n - qc`` elements apart), is ``a' G b`` plus the
 tail's ``t' g_tail``, with ``a``, ``b`` and ``t`` standard normal: a random rank-one
 tensor, held in ``O(sqrt(n))`` numbers rather than ``n``, read in one pass (one matrix
-product). For any fixed difference ``d`` between two gradients the projection of ``d``
+product). The factors are drawn in float64; ``G b`` is taken in the gradient's own
+precision (float32 for half-precision gradients), everything after it in float64, as is
+each gradient's norm. The
+rounding of ``G b`` is deterministic for one input on one machine and far below the
+recomputation noise the tolerance is calibrated from; reading the gradient once in its
+own precision, rather than copying it to float64, is what keeps the sketch cheap.
+
+For any fixed difference ``d`` between two gradients the projection of ``d``
 has mean 0 and variance ``||d||^2``, so a difference large against the rounding noise
 shows, whatever its direction; a difference exactly orthogonal to all of them has
 probability zero.
@@ -54,12 +61,18 @@ computation during the calibration must not blind the audit."""
 
 def _factors(n: int, k: int, gen: torch.Generator) -> tuple[int, int, torch.Tensor, torch.Tensor,
                                                             torch.Tensor]:
+    """``a`` (q x k), ``b`` stored transposed (k x c: the matrix product's fast layout) and
+    ``t`` (tail x k), standard normal, float64."""
     c = max(1, math.isqrt(n))
     q = n // c
     a = torch.randn(q, k, generator=gen, dtype=torch.float64)
-    b = torch.randn(c, k, generator=gen, dtype=torch.float64)
+    b = torch.randn(c, k, generator=gen, dtype=torch.float64).t().contiguous()
     t = torch.randn(n - q * c, k, generator=gen, dtype=torch.float64)
     return q, c, a, b, t
+
+
+_FIRST_STAGE = {torch.float64: torch.float64, torch.float32: torch.float32}
+"""The dtype ``G b`` is taken in, by the gradient's (others: float32)."""
 
 
 class GradientSketch:
@@ -75,9 +88,13 @@ class GradientSketch:
         self.device = device
         gen = torch.Generator().manual_seed(seed & (2**63 - 1))
         self._factors = []
+        self._b: list[dict[torch.dtype, torch.Tensor]] = []
+        """Each parameter's ``b`` in the first stage's dtypes (float64 as drawn)."""
         for p in params:
             q, c, a, b, t = _factors(p.numel(), k, gen)
-            self._factors.append((q, c, a.to(device), b.to(device), t.to(device)))
+            self._factors.append((q, c, a.to(device), t.to(device)))
+            b = b.to(device)
+            self._b.append({torch.float64: b, torch.float32: b.to(torch.float32)})
 
     @property
     def width(self) -> int:
@@ -92,14 +109,15 @@ class GradientSketch:
         """Parameter ``i``'s gradient ``g`` as ``[norm, projections...]`` (float64)."""
         if g.layout != torch.strided:  # a sparse gradient: its dense values, same numbers
             g = g.to_dense()
-        q, c, a, b, t = self._factors[i]
-        flat = g.detach().reshape(-1).to(torch.float64)
+        q, c, a, t = self._factors[i]
+        dtype = _FIRST_STAGE.get(g.dtype, torch.float32)
+        flat = g.detach().reshape(-1).to(dtype)
         out = torch.empty(self.width, dtype=torch.float64, device=flat.device)
-        out[0] = torch.linalg.vector_norm(flat)
-        body = (flat[:q * c].view(q, c) @ b) * a
-        proj = body.sum(0)
+        out[0] = torch.linalg.vector_norm(flat, dtype=torch.float64)
+        partial = torch.mm(flat[:q * c].view(q, c), self._b[i][dtype].t())  # G b, q x k
+        proj = (partial.to(torch.float64) * a).sum(0)
         if t.shape[0]:
-            proj = proj + flat[q * c:] @ t
+            proj = proj + flat[q * c:].to(torch.float64) @ t
         out[1:] = proj
         return out
 

@@ -5,6 +5,7 @@ output, with faults defined by site and bit."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from sdc_guard.checks.replay_tolerant import (
     TRIGGER_MARGIN,
     TRIGGER_WARMUP,
     diagnose,
-    outlier_score,
+    drift_score,
     trigger_threshold,
 )
 from sdc_guard.checks.sketch import (
@@ -65,7 +66,8 @@ def test_distance_is_relative_per_component_and_equal_non_finite_values_agree() 
     grads = [torch.ones(p.shape) for p in params]
     base = _vector(sk, grads)
     scaled = _vector(sk, [g * 1e6 for g in grads], loss=2e6)
-    assert float(distance(base * 1e6, scaled, sk.width)) < 1e-12  # scale free
+    # scale free, up to the float32 rounding of the first stage (G b)
+    assert float(distance(base * 1e6, scaled, sk.width)) < 1e-6
     w = sk.width
     nan = base.clone()
     nan[0] = math.nan
@@ -86,11 +88,12 @@ def test_the_tolerance_is_a_median_times_the_margin_between_floor_and_ceiling() 
     assert calibrated_tolerance([1e-3] * 3, [1e-3]) > CEILING  # refused by the audit
 
 
-def test_the_trigger_scores_norms_in_log_scale_against_the_median() -> None:
-    assert outlier_score([1.0, 1.0, 1.0]) == 0
-    assert outlier_score([1.0, 2.0, 4.0]) == pytest.approx(math.log(2))
-    assert outlier_score([1.0, math.nan, 1.0]) == math.inf
-    assert outlier_score([0.0, 0.0]) == 0 and outlier_score([0.0, 1.0, 1.0]) == math.inf
+def test_the_trigger_scores_a_norm_in_log_scale_against_the_recent_median() -> None:
+    assert drift_score(2.0, [1.0, 2.0, 3.0]) == 0
+    assert drift_score(8.0, [1.0, 2.0, 3.0]) == pytest.approx(math.log(4))
+    assert drift_score(0.5, [1.0, 2.0, 3.0]) == pytest.approx(math.log(4))
+    assert drift_score(math.nan, [1.0]) == math.inf and drift_score(math.inf, [1.0]) == math.inf
+    assert drift_score(0.0, [0.0, 0.0]) == 0 and drift_score(0.0, [1.0]) == math.inf
     assert trigger_threshold([5.0] * (TRIGGER_WARMUP - 1)) == TRIGGER_FLOOR
     assert trigger_threshold([0.5] * TRIGGER_WARMUP) == pytest.approx(
         max(TRIGGER_FLOOR, TRIGGER_MARGIN * 0.5))
@@ -151,7 +154,7 @@ def test_tolerant_mode_needs_no_deterministic_kernels_and_exact_mode_names_it() 
 # -- distributed, on the testbed ----------------------------------------------------------
 
 
-def test_a_clean_run_on_the_testbed_calibrates_once_and_never_fires(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_clean_run_on_the_testbed_calibrates_once_and_never_fires(tmp_path: Path) -> None:
     log = str(tmp_path / "events.jsonl")
     res = run_ranks(tw.tolerant_run, 3, 30, event_log=log, timeout=240)
     assert all(r["detections"] == [] and r["skipped"] == [] for r in res)
@@ -213,7 +216,7 @@ def test_a_second_transient_within_the_repair_window_is_lasting() -> None:
     assert res[0]["detections"] == [("replay", 2, (0,), True), ("replay", 3, (0,), True)]
 
 
-def test_the_trigger_audits_a_step_between_audits_and_names_the_rank(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_trigger_audits_a_step_between_audits_and_names_the_rank(tmp_path: Path) -> None:
     log = str(tmp_path / "events.jsonl")
     fault = {"site": "activation", "rank": 1, "step": 13, "target": "act2", "bits": (30,)}
     res = run_ranks(tw.tolerant_run, 3, 16, fault=fault, interval=10, event_log=log,
@@ -222,18 +225,17 @@ def test_the_trigger_audits_a_step_between_audits_and_names_the_rank(tmp_path) -
         assert r["detections"] == [("replay", 13, (1,), True)]
         assert r["skipped"] == [13] and r["triggered"] == [13]
     (rec,) = tw.records(log, "replay_trigger")
-    assert rec["step"] == 13 and rec["outcome"] == "fault found"
-    assert rec["score"] > rec["threshold"]
+    assert rec["step"] == 13 and rec["outcome"] == "fault found" and rec["votes"] == [1]
 
 
-def test_a_spike_or_nan_the_batch_makes_is_reported_with_no_suspect(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_spike_or_nan_the_batch_makes_is_reported_with_no_suspect(tmp_path: Path) -> None:
     log = str(tmp_path / "events.jsonl")
     res = run_ranks(tw.tolerant_run, 3, 15, interval=10, odd_batch=(1, 13, 1e4),
                     event_log=log, timeout=240)
-    assert res[0]["detections"] == [] and res[0]["skipped"] == []
-    assert res[0]["triggered"] == [13]
+    for r in res:  # withheld: the vote's sentinel is in the step's reduced gradients
+        assert r["detections"] == [] and r["skipped"] == [13] and r["triggered"] == [13]
     (rec,) = tw.records(log, "replay_trigger")
-    assert rec["outcome"].startswith("reproduced on every rank")
+    assert rec["outcome"].startswith("reproduced on every rank") and rec["votes"] == [1]
     res = run_ranks(tw.tolerant_run, 3, 12, interval=10, odd_batch=(1, 10, math.nan),
                     timeout=240)  # on an audit step: the sketches are NaN alike
     assert res[0]["detections"] == [("nonfinite", 10, (), False)]
@@ -241,7 +243,7 @@ def test_a_spike_or_nan_the_batch_makes_is_reported_with_no_suspect(tmp_path) ->
 
 
 def test_the_tolerance_is_kept_in_the_checkpoint_and_restored_without_recalibrating(
-        tmp_path) -> None:  # type: ignore[no-untyped-def]
+        tmp_path: Path) -> None:
     log = str(tmp_path / "events.jsonl")
     res = run_ranks(tw.checkpoint_run, 3, str(tmp_path / "ckpt"), log, timeout=240)
     for r in res:

@@ -50,7 +50,7 @@ def tolerant_run(rank: int, world: int, steps: int, *, threads: tuple[int, ...] 
         "skipped": [r.step for r in reports if r.skipped],
         "tolerance": getattr(audit, "tolerance", None),
         "triggered": list(getattr(audit, "triggered", [])),
-        "scores": list(getattr(audit, "history", [])),
+        "scores": list(getattr(audit, "scores", [])),
         "noise_calls": noise.calls if noise else 0,
         "final": sdc_guard.fingerprint(list(model.module.parameters())),
         "injections": len(handle.records) if handle is not None else 0,
