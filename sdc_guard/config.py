@@ -103,10 +103,11 @@ class GuardConfig:
     non-deterministic kernels; ``docs/checks/replay.md``, "Tolerant mode")."""
 
     replay_trigger: bool = True
-    """Tolerant mode, with ``replay_interval`` above 1: between audits, compare the ranks' local
-    gradient norms every step (one small all-reduce of one float per rank) and audit a step
-    at once, before its optimizer step, when one rank's is an outlier
-    (``docs/checks/replay.md``, "Tolerant mode")."""
+    """Tolerant mode, with ``replay_interval`` above 1: between audits, each rank watches its
+    local gradient norm, and a norm far from its recent ones audits the step at once, before
+    its optimizer step (the vote rides the containment channel, so it needs
+    ``skip_step_on_detection=True`` and two ranks or more; ``docs/checks/replay.md``,
+    "Tolerant mode")."""
 
     checksum: bool | ChecksumConfig = False
     """Checksums of every ``nn.Linear`` product (forward, input and weight gradients), every

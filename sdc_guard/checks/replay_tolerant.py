@@ -33,7 +33,7 @@ what they do before blaming anyone:
   batch, rerun, comes out right.
 
 - **A cheap trigger between audits** (``GuardConfig.replay_trigger``, with an interval above
-  1 and two ranks or more): on the other steps each rank takes its local gradient norm from
+  1, two ranks or more and containment on): on the other steps each rank takes its local gradient norm from
   its gradient buckets before the reduction (one read of each bucket) and votes to audit
   the step when the norm leaves its band (a factor ``exp(trigger_threshold)`` around the
   median of its recent norms, the factor learned from how far they drift: ``drift_score``)
@@ -84,7 +84,7 @@ from sdc_guard.report import Detection
 from sdc_guard.scaling import Flag
 
 TRIGGER_HISTORY = 64
-"""Clean steps whose outlier scores set the trigger's threshold."""
+"""Recent clean steps whose norms (and drift scores) set a rank's band."""
 
 TRIGGER_MARGIN = 4.0
 """A rank votes above this multiple of the median drift score of its recent clean steps
@@ -210,9 +210,10 @@ class TolerantReplayAudit(ReplayAudit):
         super().__init__(*args, **kwargs)
         self._contain = self.wants_veto
         """Does the audit's own verdict travel on the veto channel (containment, 2+ ranks)?"""
-        self.trigger = trigger and self.interval > 1 and self.world > 1
+        self.trigger = trigger and self.interval > 1 and self._contain
         """Watch the local gradient norms between audits (module doc); its vote rides the
-        backend's veto channel."""
+        backend's veto channel, so it needs containment on (a vote withholds its step) and
+        two ranks or more."""
         self.wants_veto = self.wants_veto or self.trigger
         self._norm_step = -1
         self._norm_sq: torch.Tensor | None = None

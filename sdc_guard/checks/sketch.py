@@ -11,9 +11,9 @@ A projection of a gradient ``g`` of ``n`` elements, viewed as a ``q x c`` matrix
 (``c`` about ``sqrt(n)``; the last ``n - qc`` elements apart), is ``a' G b`` plus the
 tail's ``t' g_tail``, with ``a``, ``b`` and ``t`` standard normal: a random rank-one
 tensor, held in ``O(sqrt(n))`` numbers rather than ``n``, read in one pass (one matrix
-product). The factors are drawn in float64; ``G b`` is taken in the gradient's own
-precision (float32 for half-precision gradients), everything after it in float64, as is
-each gradient's norm. The
+product). The factors are drawn in float64; ``G b`` and the norms of the rows of ``G`` are
+taken in the gradient's own precision (float32 for half-precision gradients), everything
+after them in float64. The
 rounding of ``G b`` is deterministic for one input on one machine and far below the
 recomputation noise the tolerance is calibrated from; reading the gradient once in its
 own precision, rather than copying it to float64, is what keeps the sketch cheap.
@@ -113,11 +113,16 @@ class GradientSketch:
         dtype = _FIRST_STAGE.get(g.dtype, torch.float32)
         flat = g.detach().reshape(-1).to(dtype)
         out = torch.empty(self.width, dtype=torch.float64, device=flat.device)
-        out[0] = torch.linalg.vector_norm(flat, dtype=torch.float64)
-        partial = torch.mm(flat[:q * c].view(q, c), self._b[i][dtype].t())  # G b, q x k
+        body = flat[:q * c].view(q, c)
+        # the norm: each row's in the first stage's precision, their squares summed in float64
+        square = torch.linalg.vector_norm(body, dim=1).to(torch.float64).square().sum()
+        partial = torch.mm(body, self._b[i][dtype].t())  # G b, q x k
         proj = (partial.to(torch.float64) * a).sum(0)
         if t.shape[0]:
-            proj = proj + flat[q * c:].to(torch.float64) @ t
+            tail = flat[q * c:].to(torch.float64)
+            proj = proj + tail @ t
+            square = square + tail.square().sum()
+        out[0] = square.sqrt()
         out[1:] = proj
         return out
 

@@ -226,6 +226,10 @@ def test_the_trigger_audits_a_step_between_audits_and_names_the_rank(tmp_path: P
         assert r["skipped"] == [13] and r["triggered"] == [13]
     (rec,) = tw.records(log, "replay_trigger")
     assert rec["step"] == 13 and rec["outcome"] == "fault found" and rec["votes"] == [1]
+    # without containment no vote may leave its sentinel in a step that is applied
+    res = run_ranks(tw.tolerant_run, 3, 16, fault=fault, interval=10, contain=False,
+                    timeout=240)
+    assert all(r["triggered"] == [] and r["skipped"] == [] for r in res)
 
 
 def test_a_spike_or_nan_the_batch_makes_is_reported_with_no_suspect(tmp_path: Path) -> None:
