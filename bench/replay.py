@@ -26,7 +26,7 @@ from bench.timing import bootstrap_interval, split_rounds
 from scenarios.run.launch import run_ranks
 from scenarios.spec.overhead import replay_only
 from sdc_guard import GuardConfig, SDCGuard, native_kernel
-from sdc_guard.checks.replay_tolerant import TolerantReplayAudit
+from sdc_guard.internal import TolerantReplayAudit
 
 REPLAY_INTERVALS = (1, 2, 5, 10, 50)
 

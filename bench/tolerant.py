@@ -62,8 +62,7 @@ from injectors import Fault, InjectionHandle, arm
 from injectors.noise import LinearNoise
 from scenarios.run.launch import run_ranks
 from sdc_guard import GuardConfig, SDCGuard
-from sdc_guard.checks.replay_tolerant import TolerantReplayAudit
-from sdc_guard.checks.sketch import distance
+from sdc_guard.internal import TolerantReplayAudit
 
 WORLD = 3
 THREADS = (1, 2)
@@ -144,10 +143,10 @@ def _rank(rank: int, world: int, mode: str, steps: int, interval: int,
         t0 = time.perf_counter()
         report = guard.step(s)
         times.append(time.perf_counter() - t0)
-        if isinstance(audit, TolerantReplayAudit) and audit.due(s) and audit.tolerance:
-            mine, peer = audit._own_sketch, audit._peer
-            if mine is not None and world > 1:
-                gaps.append(float(distance(mine, peer, audit.sketch.width)) / audit.tolerance)
+        if isinstance(audit, TolerantReplayAudit) and audit.due(s):
+            gap = audit.gap()
+            if gap is not None:
+                gaps.append(gap)
         for d in report.detections:
             found.setdefault(d.step, []).append((d.suspect_ranks, d.transient))
     arm_step(steps)

@@ -3,7 +3,8 @@
 Not a stable API: these are the parts under the public one (the fused scaling pass,
 the non-finite flags word, the replay digest, the kernel's instruction sets, the checks
 whose wiring the checksum bench switches, the FSDP2 backend whose reduce-scatter the FSDP
-bench times apart from the guard's hooks), named here, in one place, so that
+bench times apart from the guard's hooks, the tolerant replay audit whose spread the
+tolerant bench records), named here, in one place, so that
 ``bench/`` never reaches into private modules. Users need none of it.
 """
 
@@ -17,6 +18,7 @@ from sdc_guard.checks.replay import (
     replay_term_device,
     replay_term_host,
 )
+from sdc_guard.checks.replay_tolerant import TolerantReplayAudit
 from sdc_guard.checks.sides import FUSED_DEVICES as SIDES_FUSED_DEVICES
 from sdc_guard.collectives import PendingSum, flag_rows, flag_words
 from sdc_guard.determinism import derive_seed, rng_stream
@@ -53,6 +55,7 @@ __all__ = [
     "PendingSum",
     "ReplayAudit",
     "StepRead",
+    "TolerantReplayAudit",
     "WeightsCheck",
     "active_kernel",
     "check_nonfinite",

@@ -256,6 +256,14 @@ class TolerantReplayAudit(ReplayAudit):
             raise ValueError(f"replay tolerance {tolerance!r} is outside [{FLOOR}, {CEILING}]")
         self.tolerance = float(tolerance)
 
+    def gap(self) -> float | None:
+        """How far this rank's own sketch of the last audit step was from the previous rank's
+        replay of its batch, in tolerances (None before a compared audit step): the spread
+        of clean steps, which a benchmark records."""
+        if self._own_sketch is None or self.world < 2 or not self.tolerance:
+            return None
+        return float(distance(self._own_sketch, self._peer, self.sketch.width)) / self.tolerance
+
     def saved(self) -> dict[str, Any]:
         return {} if self.tolerance is None else {"tolerance": self.tolerance}
 
