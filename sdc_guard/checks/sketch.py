@@ -33,6 +33,7 @@ recomputed, on one rank and across ranks, times ``MARGIN``.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 
 import torch
@@ -176,10 +177,6 @@ def calibrated_tolerance(same_rank: Sequence[float], cross_rank: Sequence[float]
     owner's step), at least ``FLOOR``. The medians, not the maxima: one faulty
     recomputation during the calibration moves a median little."""
     def median(xs: Sequence[float]) -> float:
-        s = sorted(xs)
-        if not s:
-            return 0.0
-        m = len(s) // 2
-        return s[m] if len(s) % 2 else (s[m - 1] + s[m]) / 2
+        return statistics.median(xs) if xs else 0.0
 
     return max(FLOOR, MARGIN * max(median(same_rank), median(cross_rank)))
