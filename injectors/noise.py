@@ -13,6 +13,15 @@ It is noise, not a fault: it stays within a few ulps of each output, and the tol
 audit must accept it (0 false positives is the target). Faults stay defined by site and
 bit (``injectors.Fault``). Reproducible: the draws come from one generator per rank seeded
 by ``(seed, rank)``, in call order.
+
+Keyed draws (``begin(key)``) make a noisy run reproducible whatever the audit does: each
+computation of a batch seeds the generator from ``(seed, rank, key, n)``, where ``n`` counts
+this rank's earlier computations of that batch. A rank's training pass is its first
+computation of its own batch, so the trajectory is the same at every replay interval and
+whatever the audit recomputes (the campaign's golden run stays its oracle, bit for bit),
+while every recomputation (the neighbour's batch on another rank, or a rerun on the same
+one) rounds differently. ``forget()`` starts the count over (a rollback: the steps trained
+again are first computations again, as on a replaced node).
 """
 
 from __future__ import annotations
@@ -57,6 +66,9 @@ class LinearNoise:
         self.ulps = ulps
         self.gen = torch.Generator().manual_seed(derive_seed(seed, rank) >> 1)
         self.calls = 0
+        self.seed = seed
+        self.rank = rank
+        self._passes: dict[int, int] = {}
         self._hooks = [m.register_forward_hook(self._hook) for m in model.modules()
                        if isinstance(m, nn.Linear)]
         if not self._hooks:
@@ -66,6 +78,17 @@ class LinearNoise:
         self.calls += 1
         noisy = nudge(out, self.ulps, self.gen)
         return out + (noisy - out).detach()  # the gradient flows as through the layer's output
+
+    def begin(self, key: int) -> None:
+        """A computation of the batch ``key`` (e.g. its fingerprint) starts: seed the draws
+        from ``(seed, rank, key, how many times this rank computed it before)``."""
+        n = self._passes.get(key, 0)
+        self._passes[key] = n + 1
+        self.gen.manual_seed(derive_seed(self.seed, self.rank, key, n) >> 1)
+
+    def forget(self) -> None:
+        """Start the per-batch counts over (the next computation of every batch is a first)."""
+        self._passes.clear()
 
     def remove(self) -> None:
         for h in self._hooks:

@@ -48,7 +48,8 @@ Quarantine (scenarios with ``[quarantine]``): ``cordoned_nodes`` are the nodes t
 ``KubeQuarantine`` cordoned on the API stand-in (or, in a dry run, would have); each rank
 ``r`` stands for node ``node-<r>``. ``cordon_correct``: they are nodes of ranks where an
 injection fired, and there are some exactly when a detection convicted a rank (an unrepaired
-detection with suspects; a first repair in place does not quarantine). ``breaker_tripped``: the circuit
+detection with suspects that is not ``transient``; a first repair in place does not
+quarantine, nor does a fault the tolerant replay audit found transient). ``breaker_tripped``: the circuit
 breaker refused a detection. ``fault_to_cordon_s``: wall seconds from the start of the first
 step an injection fired in (on the injected rank) to the first cordon.
 ``quarantine_errors``: API calls that failed for good, over all ranks. Empty without ``[quarantine]``.
@@ -110,6 +111,7 @@ def base_row(trial: TrialSpec) -> dict[str, Any]:
         "target": f.target if f else None, "state_key": f.state_key if f else None,
         "replay_interval": trial.replay_interval,
         "checksum": trial.checksum,
+        "deterministic": trial.deterministic,
         "product": f.product if f else None,
         "parallel": trial.parallel,
         "fault": [x.to_dict() for x in trial.faults] if trial.faults else (
@@ -132,8 +134,9 @@ def _quarantine(results: list[dict[str, Any]], records: list[dict[str, Any]],
     actions = [a for r in results for a in r.get("quarantine") or []]
     cordons = [a for a in actions if a["action"] == "cordon"]
     nodes = sorted({a["node"] for a in cordons})
-    repaired = {(c, s) for c, s in results[0].get("repaired", [])}
-    convicted = any(sus and (c, s) not in repaired for c, s, sus in results[0]["detections"])
+    acquitted = {(c, s) for c, s in [*results[0].get("repaired", []),
+                                     *results[0].get("transient", [])]}
+    convicted = any(sus and (c, s) not in acquitted for c, s, sus in results[0]["detections"])
     out: dict[str, Any] = {
         "cordoned_nodes": nodes,
         # Only the injected ranks' nodes, and some exactly when a detection convicted a rank.
@@ -202,6 +205,9 @@ def classify(trial: TrialSpec, golden: GoldenRun, results: list[dict[str, Any]],
     repaired_at = {(c, s) for c, s in results[0].get("repaired", [])}
     first = min((step for _, step, _ in dets), default=None)
     repaired = first is not None and all((c, s) in repaired_at for c, s, _ in dets if s == first)
+    transient_at = {(c, s) for c, s in results[0].get("transient", [])}
+    transient = first is not None and all((c, s) in transient_at for c, s, _ in dets
+                                          if s == first)
     row.update(_quarantine(results, records, first_inj, injected_ranks))
     row.update(_recovery(results, golden, records, first_inj))
     if records:  # the first firing's flipped bits and the value it hit (the per-bit tables)
@@ -226,7 +232,7 @@ def classify(trial: TrialSpec, golden: GoldenRun, results: list[dict[str, Any]],
         contained = d in skipped and (first_div is None or first_div > d)
         row.update({
             "outcome": "detected", "check": at[0][0], "checks": "+".join(c for c, _, _ in at),
-            "repaired": repaired,
+            "repaired": repaired, "transient": transient,
             "detect_step": d, "suspects": suspects,
             "blame_correct": (suspects == injected_ranks) if injected_ranks else None,
             "contained": contained,

@@ -150,6 +150,7 @@ def _tables(s: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
                      "final state bit-identical to golden"],
                     [rrow(k, g) for k, g in rec["sites"].items()] + [rrow("all", rec["all"])]))
     out += checksum_tables(s)
+    out += determinism_tables(s)
     out += [t for t in (cost_table(s), cluster_table(s), latency_table(s), lost_table(s)) if t]
     t = s["targets"]
     st = t["state_sites_detected_within_1_step_blame_correct"]
@@ -164,6 +165,45 @@ def _tables(s: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
          f"{nf['met_by']} of {nf['relevant']} ({nf['masked']} masked)"],
     ]))
     return out
+
+
+def determinism_tables(s: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The exact and the tolerant replay audit side by side (``scenarios.report.determinism``),
+    when the campaign has the ``deterministic`` axis."""
+    d = s.get("determinism")
+    if not d:
+        return []
+    ex, tol = d["modes"]["exact"], d["modes"]["tolerant"]
+
+    def rate(r: dict[str, Any]) -> str:
+        return "-" if not r["of"] else f"{_pct(r['rate'])} {_ci(r['ci95'])} of {r['of']}"
+
+    def esc(r: dict[str, Any]) -> str:
+        return "-" if not r["of"] else f"{r['count']} of {r['of']}"
+
+    fp = [[name, str(m["false_positives"]["clean_trials"]), str(m["false_positives"]["detected"]),
+           str(m["false_positives"]["not_bit_identical"]), rate(m["all"]["detected"]),
+           rate(m["all"]["right_rank"]), str(m["all"]["transient"]),
+           rate(m["top_exponent_on_audit_steps"])] for name, m in (("exact", ex),
+                                                                   ("tolerant", tol))]
+    sites = [[site, rate(g["detected"]), rate(tol["sites"][site]["detected"]),
+              rate(g["escaped"]), rate(tol["sites"][site]["escaped"])]
+             for site, g in ex["sites"].items()]
+    bits = [[site, group, esc(g["escaped"]), esc(tol["escapes_by_bits"][site][group]["escaped"])]
+            for site, groups in ex["escapes_by_bits"].items() for group, g in groups.items()
+            if g["escaped"]["of"] or tol["escapes_by_bits"][site][group]["escaped"]["of"]]
+    return [
+        ("Determinism: the exact replay audit (deterministic kernels) and the tolerant one "
+         "(kernels that are not deterministic: the testbed) on the same fault space",
+         ["mode", "clean trials", "false positives", "clean runs not bit-identical to their "
+          "golden", "detected (of trials not masked)", "right rank named", "named transient",
+          "exponent bits 27-30 at an audit step: same step, right rank"], fp),
+        ("Determinism: coverage by site (95% CI; of trials not masked)",
+         ["site", "detected, exact", "detected, tolerant", "escaped, exact",
+          "escaped, tolerant"], sites),
+        ("Determinism: escapes by bit (escaped of the trials not masked)",
+         ["site", "bits", "exact", "tolerant"], bits),
+    ]
 
 
 def checksum_tables(s: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:

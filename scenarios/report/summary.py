@@ -50,6 +50,7 @@ import pandas as pd
 from injectors import SITES
 from injectors.patterns import PATTERNS
 from scenarios.report.checksum import checksum_summary
+from scenarios.report.determinism import determinism_summary
 from scenarios.report.cost import cost_model, field_coverage
 from scenarios.report.latency import latency_distribution, step_counts
 from scenarios.report.overheads import noise_warnings, read_overhead_file, round_draws, rounds_of
@@ -460,6 +461,7 @@ def summarize(out: Path, cluster: dict[str, Any] | None = None,
         "targets": _targets(faults, fp),
         "quarantine": _quarantine(faults, clean),
         "checksum": checksum_summary(df),
+        "determinism": determinism_summary(df),
         "recovery": _recovery(faults),
         "site_order": list(SITES), "field_order": fields,
         "campaign_seconds": sum(r.get("seconds", 0.0) for r in runs) or meta.get("seconds"),

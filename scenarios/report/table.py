@@ -25,7 +25,8 @@ INTS = ("fault_rank", "fault_step", "replay_interval", "detect_step", "injection
 FLOATS = ("rel_weight_dev", "loss_diff", "seconds", "fault_to_cordon_s", "fault_to_resume_s",
           "injected_value")
 BOOLS = ("blame_correct", "contained", "same_step", "nonfinite_injected", "repaired",
-         "cordon_correct", "breaker_tripped", "final_matches_golden", "checksum")
+         "cordon_correct", "breaker_tripped", "final_matches_golden", "checksum",
+         "deterministic", "transient")
 KEYS = ("id", "scenario", "kind", "site", "field", "fault_model", "outcome", "check", "checks",
         "product", "injected_dtype", "parallel", "pattern")
 """Text columns a table groups or filters by; an empty cell reads as ``""``."""

@@ -176,6 +176,7 @@ class RankRunner:
         detections: list[tuple[str, int, tuple[int, ...]]] = []
         skipped: list[int] = []
         repaired: list[tuple[str, int]] = []
+        transient: list[tuple[str, int]] = []
         started: list[float] = []
         rolled: dict[str, Any] | None = None
         refused: list[int] = []
@@ -187,6 +188,7 @@ class RankRunner:
             nonlocal rolled
             assert recovery is not None and s.guard is not None
             recovery.disarm()
+            s.forget_noise()
             resume = recovery.checkpoints.restore(s.model, s.optimizer)
             if resume == 0:  # no usable checkpoint: from scratch, the initial state
                 s.reset()
@@ -211,11 +213,14 @@ class RankRunner:
                     detections += [(d.check, d.step, tuple(d.suspect_ranks))
                                    for d in rep.detections]
                     repaired += [(d.check, d.step) for d in rep.detections if d.repaired]
+                    transient += [(d.check, d.step) for d in rep.detections if d.transient]
                 if recovery is None:
                     if rep.detections and stop_on_detection:
                         break
                     step += 1
                     continue
+                # Transient detections too: the golden run never withheld their step, so
+                # only a rollback makes the final state comparable with it bit for bit.
                 if rolled is None and any(not d.repaired for d in rep.detections):
                     found = s.guard.flush()  # also waits for the quarantine
                     detections += [(d.check, d.step, tuple(d.suspect_ranks)) for d in found]
@@ -234,6 +239,7 @@ class RankRunner:
             if rolled is None:
                 detections += [(d.check, d.step, tuple(d.suspect_ranks)) for d in found]
                 repaired += [(d.check, d.step) for d in found if d.repaired]
+                transient += [(d.check, d.step) for d in found if d.transient]
             if recovery is not None and rolled is None and any(not d.repaired for d in found):
                 step = roll_back(steps - 1)  # detected after the last step: train again
                 continue
@@ -245,6 +251,7 @@ class RankRunner:
             "detections": detections,
             "skipped": skipped,
             "repaired": repaired,
+            "transient": transient,
             "step_started": started,
         }
         if params_too:

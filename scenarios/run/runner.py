@@ -54,7 +54,7 @@ from scenarios.spec.errors import ScenarioError
 from scenarios.spec.overhead import HEADLINE, PLAIN_DDP, all_checks, replay_only
 from scenarios.spec.paths import inside
 from scenarios.spec.scenario import Scenario
-from scenarios.spec.trials import TrialSpec, describe, plan_trials
+from scenarios.spec.trials import TrialSpec, describe, plan_trials, scenario_of
 
 LOST: Final = "lost"
 """The outcome of a trial lost twice to a kill from outside the harness."""
@@ -262,7 +262,7 @@ class CampaignRunner:
         return row
 
     def _attempt(self, t: TrialSpec) -> dict[str, Any] | None:
-        sc = self.campaign.scenario(t.scenario)
+        sc = scenario_of(self.campaign, t)
         golden = self.goldens[sc.name]
         _, pt = golden_paths(self.cache, golden.key)
         t0 = time.monotonic()
@@ -400,9 +400,12 @@ class CampaignRunner:
             meta["runs"] = list(previous.get("runs", []))
             meta["goldens"] = previous.get("goldens", {})
             write_json(self.out / "campaign.json", meta)
-        for sc in self.campaign.scenarios:
-            if any(t.scenario == sc.name for t in todo):
-                self.goldens[sc.name] = self.golden(sc)
+        runs_on: dict[str, Scenario] = {}  # in plan order: the same on every rank
+        for t in todo:
+            sc = scenario_of(self.campaign, t)
+            runs_on.setdefault(sc.name, sc)
+        for name, sc in runs_on.items():
+            self.goldens[name] = self.golden(sc)
         ov_path = self.out / "overhead.json"
         kept = _read_json(ov_path) if coordinator and ov_path.exists() else None
         reuse = kept is not None and overhead_matches(kept, self.campaign)

@@ -37,6 +37,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from injectors.noise import LinearNoise
 from scenarios.spec.models import DTYPES, build_model, scenario_loss, synthetic_batch
 from scenarios.spec.scenario import Scenario
 from scenarios.spec.seeds import seed_of
@@ -84,6 +85,15 @@ def loss_for(micro_batches: int, model: nn.Module, batch: Any) -> torch.Tensor:
     return loss if micro_batches == 1 else loss / micro_batches
 
 
+def noisy_loss_for(noise: LinearNoise, micro_batches: int, model: nn.Module,
+                   batch: Any) -> torch.Tensor:
+    """``loss_for`` on the testbed (``Scenario.noise_ulps``): the noise's draws are keyed by
+    the batch (its inputs' fingerprint), so that this rank's first computation of a batch
+    draws alike in every run and each recomputation draws anew."""
+    noise.begin(fingerprint(batch[0]))
+    return loss_for(micro_batches, model, batch)
+
+
 class Session:
     """A wrapped model (DDP or FSDP2), its optimizer and (unless ``config`` is None) an
     SDCGuard, reused by trials."""
@@ -110,7 +120,11 @@ class Session:
         self.optimizers = optimizers
         self.optimizer: Optimizers = optimizers[0] if len(optimizers) == 1 else optimizers
         self.batch_for: BatchFor = functools.partial(batch_for, scenario, device)
-        self.loss_fn: LossFn = functools.partial(loss_for, scenario.micro_batches)
+        self.noise = None if not scenario.noise_ulps else LinearNoise(
+            module, ulps=scenario.noise_ulps, seed=scenario.seed, rank=rank)
+        self.loss_fn: LossFn = (
+            functools.partial(loss_for, scenario.micro_batches) if self.noise is None
+            else functools.partial(noisy_loss_for, self.noise, scenario.micro_batches))
         self.guard = None if config is None else SDCGuard(
             self.model, self.optimizer, loss_fn=self.loss_fn, batch_for=self.batch_for,
             config=config)
@@ -148,12 +162,19 @@ class Session:
         load_state_dict(self.optimizer, copy.deepcopy(self._opt0), "Session.reset")
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
+        self.forget_noise()
         # The CPU generator directly: torch.manual_seed also queues a lazy CUDA seeding
         # that formats a stack trace on CPU-only builds (about 1 ms a call).
         seed = seed_of(self.scenario.seed, "torch", self.rank)
         torch.default_generator.manual_seed(seed)
         if self.device.type == "cuda":
             torch.cuda.manual_seed(seed)
+
+    def forget_noise(self) -> None:
+        """On the testbed: the next computation of every batch is a first again (step 0, or a
+        rollback: the steps trained again draw as they did the first time)."""
+        if self.noise is not None:
+            self.noise.forget()
 
     def plain_step(self, step: int) -> float:
         """A training step without the guard (the overhead baseline)."""

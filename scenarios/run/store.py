@@ -32,7 +32,7 @@ COLUMNS = (
     "fault", "repaired", "cordoned_nodes", "cordon_correct", "breaker_tripped", "fault_to_cordon_s",
     "quarantine_errors", "rollback_step", "wasted_steps", "fault_to_resume_s",
     "final_matches_golden", "checksum", "product", "bits", "injected_value",
-    "injected_dtype", "parallel", "saves_refused", "pattern",
+    "injected_dtype", "parallel", "saves_refused", "pattern", "deterministic", "transient",
 )
 """The columns of ``trials.csv``, in order (see reports/README.md for each one's meaning)."""
 

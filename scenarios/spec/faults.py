@@ -75,6 +75,11 @@ class FaultSpace:
     checksum: tuple[bool, ...] = ()
     """The checksum check off and/or on (``[false, true]``: each trial draws one, clean trials
     run under each); empty: as each scenario's ``[guard]`` says."""
+    deterministic: tuple[bool, ...] = ()
+    """Deterministic kernels and the exact replay audit (``true``) and/or kernels that are not
+    deterministic and the tolerant audit (``false``: the scenario's ``nondeterministic()``
+    testbed, a golden run of its own): each trial draws one, clean trials run under each;
+    empty: as each scenario says. DDP scenarios only."""
     p: float = 0.5
     """Intermittent faults: probability of firing at each step."""
     repeat: int = 1
@@ -106,6 +111,11 @@ class FaultSpace:
                 self.checksum):
             raise ScenarioError("checksum", self.checksum, "a list of distinct booleans, e.g. "
                                 "[false, true] (or leave it out)")
+        if not isinstance(self.deterministic, tuple) or any(
+                not isinstance(d, bool) for d in self.deterministic) or len(
+                set(self.deterministic)) != len(self.deterministic):
+            raise ScenarioError("deterministic", self.deterministic, "a list of distinct "
+                                "booleans, e.g. [true, false] (or leave it out)")
         need_number("p", self.p, 0.0, 1.0, lo_open=True)
         need_int("repeat", self.repeat, 1, 1000)
         need_int("trials_per_site", self.trials_per_site, 0, MAX_TRIALS)
@@ -116,13 +126,18 @@ class FaultSpace:
             raise ScenarioError("steps", [], "a non-empty list of steps in matrix mode")
 
     def check_against(self, scenario: Scenario) -> None:
-        """Refuse steps and ranks the scenario does not have, and under FSDP2 the replay
-        intervals and checksum settings its guard refuses (fields under the space's mode)."""
+        """Refuse steps and ranks the scenario does not have, and ``deterministic = false``
+        under FSDP2 (fields under the space's mode)."""
         for s in self.steps:
             if s >= scenario.steps:
                 raise ScenarioError("steps", s, f"steps in [0, {scenario.steps - 1}] "
                                     f"(scenario {scenario.name!r} trains {scenario.steps} steps)"
                                     ).under(self.mode)
+        if False in self.deterministic and scenario.sharded:
+            raise ScenarioError("deterministic", list(self.deterministic), "[true] (or leave "
+                                f"it out) for scenario {scenario.name!r}", reason="its "
+                                f"parallel = {scenario.parallel!r}: the tolerant replay audit "
+                                "runs under DDP only").under(self.mode)
         for r in self.ranks:
             if r >= scenario.world_size:
                 raise ScenarioError("ranks", r, f"ranks in [0, {scenario.world_size - 1}] "

@@ -13,6 +13,7 @@ HSDP) and, optionally, the faults to inject into it::
     backend = "auto"             # auto (nccl + cuda when available, else gloo + cpu) | gloo | nccl
     parallel = "ddp"             # ddp | fsdp (FSDP2 on a 1-D mesh) | hsdp (replicas x shards)
     mesh = [3]                   # [world_size] (ddp, fsdp; the default), [R, S] for hsdp
+    noise_ulps = 0               # > 0: kernels that are not deterministic (a testbed; DDP)
 
     [model]
     kind = "mlp"                 # mlp | cnn | cnn_bn | transformer | llama
@@ -110,6 +111,9 @@ TRAINING_CODE: Final = ("spec/models.py", "spec/sharding.py", "run/session.py",
 and train them: with the ``sdc_guard`` sources, part of ``Scenario.training_key``."""
 
 
+NOISE_ULPS: Final = 4
+"""The campaign's testbed noise (``Scenario.nondeterministic``): up to 4 ulps on every linear
+output, about what a GPU's split reductions move a float32 product by."""
 SHARDED_SITES: Final = ("weight_storage", "optimizer_state", "gradient_after_allreduce")
 """Fault sites that reach this rank's shard under FSDP2 (the others: the local, unsharded
 gradients before the reduce-scatter, activations, products)."""
@@ -295,6 +299,14 @@ class Scenario:
     """``[quarantine]``: trials quarantine suspect nodes on a loopback API stand-in."""
     recovery: RecoverySpec | None = None
     """``[recovery]``: trials roll back to a checkpoint (or repair) and train to the end."""
+    noise_ulps: int = 0
+    """The testbed for kernels that are not deterministic (``injectors.noise.LinearNoise``
+    with keyed draws): every ``nn.Linear`` output moves by ``-n..n`` ulps, drawn afresh at
+    every recomputation, while a rank's training pass stays reproducible (the golden run is
+    its oracle, bit for bit). 0: off. Above 0 the replay audit runs tolerant
+    (``replay_mode="tolerant"``) and deterministic mode is not forced on. DDP only. The
+    campaign's ``deterministic = [true, false]`` axis runs its ``false`` trials on
+    ``nondeterministic()``."""
     faults: tuple[Fault, ...] = ()
     """Explicit faults, one trial each (``[[faults]]``)."""
     space: FaultSpace | None = None
@@ -312,6 +324,11 @@ class Scenario:
         self._check_parallel()
         need_number("trial_timeout_s", self.trial_timeout_s, 1.0, 86_400.0)
         need_bool("stop_on_detection", self.stop_on_detection)
+        need_int("noise_ulps", self.noise_ulps, 0, 64)
+        if self.noise_ulps and self.sharded:
+            raise ScenarioError("noise_ulps", self.noise_ulps, "0 under parallel = "
+                                f"{self.parallel!r}", reason="the tolerant replay audit the "
+                                "noise calls for runs under DDP only")
         if not isinstance(self.guard, GuardConfig):
             raise ScenarioError("guard", self.guard, "a sdc_guard.GuardConfig")
         if (self.guard.seed, self.guard.micro_batches) != (self.seed, self.micro_batches):
@@ -489,12 +506,26 @@ class Scenario:
         """The guard's configuration for a run at ``replay_interval`` (None: the file's),
         deterministic mode on when the audit is (it needs it; our models draw no random
         numbers, so it does not change the trajectory: one golden run serves them all);
-        ``checksum`` turns the checksum check on or off (None: as ``[guard]`` says)."""
+        ``checksum`` turns the checksum check on or off (None: as ``[guard]`` says). With
+        ``noise_ulps`` the audit is the tolerant one and deterministic mode as ``[guard]``
+        says."""
         k = self.guard.replay_interval if replay_interval is None else replay_interval
-        cfg = replace(self.guard, replay_interval=k, deterministic=self.guard.deterministic or k > 0)
+        if self.noise_ulps:  # kernels that are not deterministic: the tolerant audit
+            mode = "tolerant" if k else self.guard.replay_mode
+            cfg = replace(self.guard, replay_interval=k, replay_mode=mode)
+        else:
+            cfg = replace(self.guard, replay_interval=k,
+                          deterministic=self.guard.deterministic or k > 0)
         if checksum is not None and bool(cfg.checksum) != checksum:
             cfg = replace(cfg, checksum=checksum)
         return cfg
+
+    def nondeterministic(self, ulps: int = NOISE_ULPS) -> Scenario:
+        """This scenario on the testbed for kernels that are not deterministic
+        (``noise_ulps``), under a name of its own (its golden run is another)."""
+        if self.noise_ulps:
+            return self
+        return replace(self, name=f"{self.name[:120]}-nondet", noise_ulps=ulps)
 
     def training_key(self) -> str:
         """A hash of everything that determines the fault-free trajectory (the golden run)."""
@@ -506,6 +537,8 @@ class Scenario:
         for k in ("name", "guard", "faults", "space", "trial_timeout_s", "stop_on_detection",
                   "quarantine", "recovery"):
             d.pop(k)
+        if not self.noise_ulps:  # a scenario's key as it was before the testbed came in
+            d.pop("noise_ulps")
         if self.parallel == "ddp":  # a DDP scenario's key as it was before FSDP2 came in
             d.pop("parallel")
             d.pop("mesh")

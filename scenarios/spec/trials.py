@@ -73,6 +73,9 @@ class TrialSpec:
     checksum: bool | None = None
     """The checksum check on or off in this trial (the campaign's ``checksum`` axis); None:
     as the scenario's ``[guard]`` says."""
+    deterministic: bool | None = None
+    """False: the trial runs on the scenario's ``nondeterministic()`` testbed with the tolerant
+    replay audit (the campaign's ``deterministic`` axis); None or True: as the scenario says."""
     parallel: str = "ddp"
     """Label for tables: the scenario's parallelism and mesh (``Scenario.parallel_label``:
     ddp, fsdp4, hsdp3x2, ...)."""
@@ -173,19 +176,33 @@ def _target_shapes(scenario: Scenario, site: str, rank: int | None,
 
 def _fault_trial(scenario: Scenario, space: FaultSpace, combo: tuple[Any, ...], seed: int,
                  sizes: Mapping[str, int], pattern: str = "single") -> TrialSpec | None:
-    k, site, fld, model, step, rank, checksum = combo
+    k, site, fld, model, step, rank, checksum, deterministic = combo
     if site == "optimizer_state" and step == 0:
         return None  # no optimizer state exists before the first step
     if scenario.sharded and site in SHARDED_SITES:  # the faulty rank's shards, none empty
         sizes = {n: v for n, v in _shard_sizes(scenario, site, rank).items() if v}
     fault = make_fault(scenario, site=site, field_name=fld, model=model, step=step, rank=rank,
                        seed=seed, p=space.p, sizes=sizes, pattern=pattern)
-    extra = () if checksum is None else ({"checksum": checksum},)
-    tid = _trial_id(scenario, k, fault.to_dict(), *extra)
+    tid = _trial_id(scenario, k, fault.to_dict(), *_axis_parts(checksum, deterministic))
     label = fld if pattern == "single" else (fault.field or "value")
     return TrialSpec(id=tid, scenario=scenario.name, replay_interval=k, faults=(fault,),
                      site=site, field=label, fault_model=fault.model, checksum=checksum,
-                     parallel=scenario.parallel_label, pattern=pattern)
+                     deterministic=deterministic, parallel=scenario.parallel_label,
+                     pattern=pattern)
+
+
+def _axis_parts(checksum: bool | None, deterministic: bool | None) -> tuple[Any, ...]:
+    """What the checksum and determinism axes add to a trial's id: nothing where a trial runs
+    as it would without them (so ids stay as they were)."""
+    return ((() if checksum is None else ({"checksum": checksum},))
+            + (({"deterministic": False},) if deterministic is False else ()))
+
+
+def scenario_of(campaign: CampaignSpec, trial: TrialSpec) -> Scenario:
+    """The scenario ``trial`` runs on: its campaign scenario, or that scenario's
+    ``nondeterministic()`` testbed for a ``deterministic = false`` trial."""
+    sc = campaign.scenario(trial.scenario)
+    return sc.nondeterministic() if trial.deterministic is False else sc
 
 
 @functools.lru_cache(maxsize=256)
@@ -201,10 +218,12 @@ def _space_trials(scenario: Scenario, space: FaultSpace) -> list[TrialSpec]:
     out: list[TrialSpec] = []
     if space.mode == "matrix":
         for combo in itertools.product(space.replay_intervals, space.sites, space.fields,
-                                       space.models, steps, ranks, space.checksum or (None,)):
+                                       space.models, steps, ranks, space.checksum or (None,),
+                                       space.deterministic or (None,)):
             for pattern in space.patterns:
                 for rep in range(space.repeat):
-                    key: Any = combo[:6] if combo[6] is None else combo
+                    key: Any = (combo[:6] + (() if combo[6] is None else (combo[6],))
+                                + (() if combo[7] is None else ({"deterministic": combo[7]},)))
                     seed = (seed_of(space.seed, scenario.name, key, rep) if pattern == "single"
                             else seed_of(space.seed, scenario.name, key, rep, pattern))
                     t = _fault_trial(scenario, space, combo, seed, sizes[combo[1]], pattern)
@@ -225,7 +244,9 @@ def _space_trials(scenario: Scenario, space: FaultSpace) -> list[TrialSpec]:
                      rng.choice(space.models), rng.choice(site_steps), rng.choice(ranks),
                      # a stream of its own: the other draws stay as they were without the axis
                      random.Random(f"{seed}/checksum").choice(space.checksum)
-                     if space.checksum else None)
+                     if space.checksum else None,
+                     random.Random(f"{seed}/deterministic").choice(space.deterministic)
+                     if space.deterministic else None)
             # a stream of its own too: without the axis every draw is as it was
             pattern = (random.Random(f"{seed}/pattern").choice(space.patterns)
                        if space.patterns != ("single",) else "single")
@@ -245,12 +266,13 @@ def _explicit_trials(scenario: Scenario) -> list[TrialSpec]:
 
 
 def clean_trials(scenario: Scenario, intervals: tuple[int, ...], count: int,
-                 checksum: tuple[bool, ...] = ()) -> list[TrialSpec]:
-    return [TrialSpec(id=_trial_id(scenario, k, "clean", i,
-                                   *(() if c is None else ({"checksum": c},))),
-                      scenario=scenario.name, replay_interval=k, checksum=c,
+                 checksum: tuple[bool, ...] = (),
+                 deterministic: tuple[bool, ...] = ()) -> list[TrialSpec]:
+    return [TrialSpec(id=_trial_id(scenario, k, "clean", i, *_axis_parts(c, d)),
+                      scenario=scenario.name, replay_interval=k, checksum=c, deterministic=d,
                       parallel=scenario.parallel_label)
-            for k in intervals for c in (checksum or (None,)) for i in range(count)]
+            for k in intervals for c in (checksum or (None,)) for d in (deterministic or (None,))
+            for i in range(count)]
 
 
 def _interleave(faults: list[TrialSpec], clean: list[TrialSpec]) -> list[TrialSpec]:
@@ -281,13 +303,13 @@ def count_trials(campaign: CampaignSpec) -> dict[str, int]:
             intervals = 1
         else:
             intervals = len(space.replay_intervals)
-            checksum = max(1, len(space.checksum))
+            axes = max(1, len(space.checksum)) * max(1, len(space.deterministic))
             ranks = len(space.ranks) or scenario.world_size
             steps = len(space.steps) or scenario.steps - 1
             if space.mode == "matrix":
                 parts[f"{scenario.name}: [matrix]"] = (
                     intervals * len(space.sites) * len(space.fields) * len(space.models) * steps
-                    * ranks * checksum * space.repeat * len(space.patterns))
+                    * ranks * axes * space.repeat * len(space.patterns))
             else:
                 parts[f"{scenario.name}: [sample]"] = sum(
                     space.trials_per_site or leveugle_sample_size(
@@ -295,7 +317,7 @@ def count_trials(campaign: CampaignSpec) -> dict[str, int]:
                         * ranks * len(space.models) * intervals, space.margin,
                         space.confidence)
                     for site in space.sites)
-            intervals *= checksum
+            intervals *= axes
         parts[f"{scenario.name}: clean_trials"] = intervals * campaign.clean_trials
     return parts
 
@@ -331,7 +353,8 @@ def plan_trials(campaign: CampaignSpec) -> list[TrialSpec]:
             faults = _explicit_trials(scenario)
             intervals = (scenario.guard.replay_interval,)
         clean = clean_trials(scenario, intervals, campaign.clean_trials,
-                             space.checksum if space is not None else ())
+                             space.checksum if space is not None else (),
+                             space.deterministic if space is not None else ())
         trials += _interleave(faults, clean)
     ids = [t.id for t in trials]
     if len(set(ids)) != len(ids):  # two combinations drew the very same fault: run it once
