@@ -50,8 +50,8 @@ import pandas as pd
 from injectors import SITES
 from injectors.patterns import PATTERNS
 from scenarios.report.checksum import checksum_summary
-from scenarios.report.determinism import determinism_summary
 from scenarios.report.cost import cost_model, field_coverage
+from scenarios.report.determinism import determinism_summary
 from scenarios.report.latency import latency_distribution, step_counts
 from scenarios.report.overheads import noise_warnings, read_overhead_file, round_draws, rounds_of
 from scenarios.report.overheads import used as overheads_used
