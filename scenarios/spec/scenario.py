@@ -304,7 +304,7 @@ class Scenario:
     with keyed draws): every ``nn.Linear`` output moves by ``-n..n`` ulps, drawn afresh at
     every recomputation, while a rank's training pass stays reproducible (the golden run is
     its oracle, bit for bit). 0: off. Above 0 the replay audit runs tolerant
-    (``replay_mode="tolerant"``) and deterministic mode is not forced on. DDP only. The
+    (``replay_mode="tolerant"``) and deterministic mode is off. DDP only. The
     campaign's ``deterministic = [true, false]`` axis runs its ``false`` trials on
     ``nondeterministic()``."""
     faults: tuple[Fault, ...] = ()
@@ -507,12 +507,12 @@ class Scenario:
         deterministic mode on when the audit is (it needs it; our models draw no random
         numbers, so it does not change the trajectory: one golden run serves them all);
         ``checksum`` turns the checksum check on or off (None: as ``[guard]`` says). With
-        ``noise_ulps`` the audit is the tolerant one and deterministic mode as ``[guard]``
-        says."""
+        ``noise_ulps`` the audit is the tolerant one and deterministic mode off (the testbed
+        stands for kernels that are not deterministic)."""
         k = self.guard.replay_interval if replay_interval is None else replay_interval
         if self.noise_ulps:  # kernels that are not deterministic: the tolerant audit
             mode = "tolerant" if k else self.guard.replay_mode
-            cfg = replace(self.guard, replay_interval=k, replay_mode=mode)
+            cfg = replace(self.guard, replay_interval=k, replay_mode=mode, deterministic=False)
         else:
             cfg = replace(self.guard, replay_interval=k,
                           deterministic=self.guard.deterministic or k > 0)
@@ -525,7 +525,9 @@ class Scenario:
         (``noise_ulps``), under a name of its own (its golden run is another)."""
         if self.noise_ulps:
             return self
-        return replace(self, name=f"{self.name[:120]}-nondet", noise_ulps=ulps)
+        guard = replace(self.guard, deterministic=False, replay_mode=(
+            "tolerant" if self.guard.replay_interval else self.guard.replay_mode))
+        return replace(self, name=f"{self.name[:120]}-nondet", noise_ulps=ulps, guard=guard)
 
     def training_key(self) -> str:
         """A hash of everything that determines the fault-free trajectory (the golden run)."""

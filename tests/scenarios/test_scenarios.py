@@ -29,7 +29,13 @@ from scenarios.spec.campaign import CampaignSpec, load_campaign
 from scenarios.spec.errors import ScenarioError
 from scenarios.spec.faults import FaultSpace
 from scenarios.spec.scenario import load_scenario, scenario_from_dict
-from scenarios.spec.trials import TrialSpec, leveugle_sample_size, plan_trials
+from scenarios.spec.trials import (
+    TrialSpec,
+    count_trials,
+    leveugle_sample_size,
+    plan_trials,
+    scenario_of,
+)
 from tests.launch import scaled
 
 CONFIGS = Path(__file__).resolve().parents[2] / "scenarios" / "configs"
@@ -68,6 +74,11 @@ def test_every_shipped_config_loads() -> None:
             camp = load_campaign(p)
             assert {s.model.kind for s in camp.scenarios} == {"mlp", "transformer", "cnn_bn"}
             assert camp.space.sites == ("linear_product",)  # type: ignore[union-attr]
+        elif p.name == "tolerant.toml":  # the exact and the tolerant audit, side by side
+            camp = load_campaign(p)
+            assert camp.space is not None and camp.space.deterministic == (True, False)
+            assert all(not s.sharded and s.guard.replay_interval for s in camp.scenarios)
+            assert "any" in camp.space.fields and 0 not in camp.space.replay_intervals
         elif p.name == "field.toml":
             # at most 15 (pattern, site, dtype) cells by default; --full: the cross product
             camp = load_campaign(p)
@@ -487,6 +498,54 @@ def test_checksum_axis_and_linear_product_site() -> None:
     assert len([t for t in b if not t.faults]) == 2 * len([t for t in a if not t.faults])
     with pytest.raises(ScenarioError, match="checksum"):
         FaultSpace(mode="sample", checksum=(True, True))
+
+
+def test_determinism_axis_plans_the_same_faults_on_the_testbed() -> None:
+    sc = _mlp(guard={"replay_interval": 2})
+    plain = CampaignSpec(name="c", scenarios=(sc,), clean_trials=2, space=FaultSpace(
+        mode="sample", sites=("activation",), trials_per_site=30, seed=5,
+        replay_intervals=(1, 2)))
+    axis = CampaignSpec(name="c", scenarios=(sc,), clean_trials=2, space=FaultSpace(
+        mode="sample", sites=("activation",), trials_per_site=30, seed=5,
+        replay_intervals=(1, 2), deterministic=(True, False)))
+    a, b = plan_trials(plain), plan_trials(axis)
+    fa, fb = [t for t in a if t.faults], [t for t in b if t.faults]
+    # drawn on a stream of its own: every fault as without the axis; a `true` trial is the
+    # very trial the plan without the axis runs (same id: a campaign keeps its ids)
+    assert [t.faults for t in fa] == [t.faults for t in fb]
+    assert {t.deterministic for t in fa} == {None} and {t.deterministic for t in fb} == {
+        True, False}
+    same = {t.id for t in fa}
+    assert {t.id for t in fb if t.deterministic} <= same
+    assert not {t.id for t in fb if t.deterministic is False} & same
+    assert len([t for t in b if not t.faults]) == 2 * len([t for t in a if not t.faults])
+    assert len(b) == sum(count_trials(axis).values())
+    # a `false` trial runs on the testbed: its own name and golden key, the tolerant audit
+    bed = scenario_of(axis, next(t for t in fb if t.deterministic is False))
+    assert (bed.name, bed.noise_ulps) == ("m-nondet", 4)
+    assert bed.training_key() != sc.training_key()
+    assert bed.nondeterministic() is bed
+    assert scenario_of(axis, next(t for t in fb if t.deterministic)) is sc
+    cfg = bed.guard_config(2)
+    assert (cfg.replay_mode, cfg.deterministic, cfg.replay_interval) == ("tolerant", False, 2)
+    assert sc.guard_config(2).deterministic and sc.guard_config(2).replay_mode == "exact"
+    assert bed.guard_config(0).replay_interval == 0
+
+
+@pytest.mark.parametrize(("build", "field"), [
+    (lambda: FaultSpace(mode="sample", deterministic=(False, False)), "deterministic"),
+    (lambda: FaultSpace(mode="sample", deterministic=(0, 1)), "deterministic"),  # type: ignore[arg-type]
+    (lambda: scenario_from_dict({"noise_ulps": 65}, name="m"), "noise_ulps"),
+    (lambda: scenario_from_dict({"noise_ulps": 4, "world_size": 4, "parallel": "fsdp",
+                                 "model": {"kind": "mlp"}}, name="m"), "noise_ulps"),
+    (lambda: scenario_from_dict({"world_size": 4, "parallel": "fsdp", "sample": {
+        "deterministic": [True, False], "sites": ["activation"]}}, name="m"),
+     "sample.deterministic"),
+])
+def test_determinism_axis_refuses_what_cannot_run(build: Any, field: str) -> None:
+    with pytest.raises(ScenarioError) as e:
+        build()
+    assert e.value.field == field, e.value
 
 
 def test_muon_state_keys_follow_the_parameter(tmp_path: Path) -> None:

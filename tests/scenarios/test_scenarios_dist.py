@@ -471,3 +471,56 @@ value = inf
     assert (tmp_path / "one" / "report.html").exists()
     got, want = rows(tmp_path / "two"), rows(tmp_path / "one")
     assert got == want and len(got) == 4
+
+
+def test_determinism_axis_runs_the_tolerant_audit_on_a_testbed_with_its_own_golden(
+        tmp_path: Path) -> None:
+    """``deterministic = false`` trials run on the scenario's noise testbed: its golden run is
+    another trajectory, clean trials reproduce it bit for bit at every replay interval (the
+    keyed draws keep the training pass apart from the audit's recomputations, which the
+    calibration and the audits still see round differently), a flip is caught by the tolerant
+    audit and named transient (no cordon), and the rollback ends bit-identical to that golden
+    run; the report puts both modes side by side."""
+    from scenarios.report.summary import summarize
+    from scenarios.spec.campaign import CampaignSpec
+    from scenarios.spec.faults import FaultSpace
+    from scenarios.spec.trials import scenario_of
+
+    sc = scenario_from_dict({"world_size": 3, "steps": 8, "batch": 16,
+                             "trial_timeout_s": scaled(60), "model": {"kind": "mlp", "width": 16},
+                             "guard": {"replay_interval": 1}, "quarantine": {"max_nodes": 1},
+                             "recovery": {"checkpoint_every": 2, "keep": 2}}, name="tiny")
+    camp = CampaignSpec(name="det", scenarios=(sc,), clean_trials=1, overhead=None,
+                        space=FaultSpace(mode="sample", sites=("activation",), fields=("exponent",),
+                                         replay_intervals=(1, 2), trials_per_site=4, seed=2,
+                                         deterministic=(True, False)))
+    bed = sc.nondeterministic()
+    executor = PoolExecutor()
+    runner = CampaignRunner(camp, tmp_path, executor, progress=False)
+    try:
+        runner.run()
+        exact, noisy = runner.goldens["tiny"], runner.goldens["tiny-nondet"]
+        assert exact.key != noisy.key and noisy.ranks_agree and not noisy.detections
+        assert exact.state_fps[0] != noisy.state_fps[0]  # the noise is in the trajectory
+        for k in (1, 2):
+            row = runner.trial(TrialSpec(id=f"c{k}", scenario="tiny", replay_interval=k,
+                                         deterministic=False))
+            assert row is not None and row["outcome"] == "masked", row
+        flip = TrialSpec(id="f", scenario="tiny", replay_interval=1, deterministic=False,
+                         faults=(Fault(site="activation", rank=1, step=3, target="net.4",
+                                       bits=(27,)),),
+                         site="activation", field="custom", fault_model="transient")
+        assert scenario_of(camp, flip) == bed
+        row = runner.trial(flip)
+        assert row is not None and row["outcome"] == "detected", row
+        assert (row["check"], row["suspects"], row["transient"]) == ("replay", [1], True), row
+        assert row["contained"] and row["same_step"] and row["deterministic"] is False
+        assert row["cordoned_nodes"] == [] and row["cordon_correct"] is True
+        assert row["final_matches_golden"] is True and row["rollback_step"] is not None
+    finally:
+        executor.close()
+    d = summarize(tmp_path)["determinism"]
+    assert set(d["modes"]) == {"exact", "tolerant"}
+    for mode in d["modes"].values():
+        fp = mode["false_positives"]
+        assert fp["clean_trials"] == 2 and fp["detected"] == 0 and fp["not_bit_identical"] == 0

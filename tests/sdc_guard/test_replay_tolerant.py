@@ -138,6 +138,35 @@ def test_linear_noise_hooks_every_linear_and_its_gradient_flows() -> None:
         LinearNoise(model, ulps=0)
 
 
+def test_linear_noise_keyed_draws_repeat_a_first_computation_and_vary_every_other() -> None:
+    """``begin(key)``: the n-th computation of a batch on a rank draws alike in every run (a
+    training pass is reproducible), the next one differently (a recomputation rounds anew);
+    another rank draws otherwise; ``forget()`` makes the next computation a first again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+
+    def run(noise: LinearNoise, key: int) -> torch.Tensor:
+        noise.begin(key)
+        out: torch.Tensor = model(x).detach()
+        return out
+
+    noise = LinearNoise(model, ulps=4, seed=0, rank=1)
+    first = run(noise, 7)
+    model(x)  # unkeyed draws in between change nothing of the next keyed one
+    second, other = run(noise, 7), run(noise, 8)
+    assert not torch.equal(first, second) and not torch.equal(first, other)
+    noise.forget()
+    assert torch.equal(run(noise, 7), first)
+    noise.remove()
+    elsewhere = LinearNoise(model, ulps=4, seed=0, rank=2)
+    assert not torch.equal(run(elsewhere, 7), first)
+    elsewhere.remove()
+    again = LinearNoise(model, ulps=4, seed=0, rank=1)  # another run, the same rank
+    assert torch.equal(run(again, 7), first)
+    again.remove()
+
+
 # -- the configuration --------------------------------------------------------------------
 
 
