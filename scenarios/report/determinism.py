@@ -12,7 +12,8 @@ For each mode: false positives (clean trials with a detection; ``not_bit_identic
 trials that did not reproduce their golden run, which would be a harness bug), coverage by
 site (detected of the trials that changed the run), the exponent flips the tolerant audit is
 built for (bits 27-30 of a float32 activation or local gradient, injected at an audit step,
-transient: detected in that step and the right rank named), and what escapes by bit.
+transient, not masked: detected in that step and the right rank named), and what escapes by
+bit.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def determinism_summary(df: pd.DataFrame) -> dict[str, Any] | None:
         bits = bits_all[f.index]
         flips = f[f["site"].isin(AUDITED_SITES) & (f["injected_dtype"] == "float32")
                   & (f["fault_model"] == "transient") & bits.isin(list(TOP_EXPONENT)).fillna(False)
-                  & _on_audit_step(f)]
+                  & _on_audit_step(f) & (f["outcome"] != "masked")]
         caught = flips[(flips["outcome"] == "detected") & flips["same_step"].fillna(False)
                        & flips["blame_correct"].fillna(False)]
         by_bit: dict[str, Any] = {}
@@ -94,8 +95,9 @@ def determinism_summary(df: pd.DataFrame) -> dict[str, Any] | None:
             "sites": {s: _coverage(f[f["site"] == s]) for s in sites},
             "top_exponent_on_audit_steps": {
                 "definition": "transient flips of float32 bits 27-30 at activation or "
-                              "gradient_before_allreduce, injected at an audit step: "
-                              "detected in that step, the right rank named",
+                              "gradient_before_allreduce, injected at an audit step, that "
+                              "changed the run (not masked): detected in that step, the "
+                              "right rank named",
                 **_rate(len(caught), len(flips))},
             "escapes_by_bits": by_bit,
         }

@@ -197,7 +197,7 @@ def determinism_tables(s: dict[str, Any]) -> list[tuple[str, list[str], list[lis
          "(kernels that are not deterministic: the testbed) on the same fault space",
          ["mode", "clean trials", "false positives", "clean runs not bit-identical to their "
           "golden", "detected (of trials not masked)", "right rank named", "named transient",
-          "exponent bits 27-30 at an audit step: same step, right rank"], fp),
+          "exponent bits 27-30 at an audit step (not masked): same step, right rank"], fp),
         ("Determinism: coverage by site (95% CI; of trials not masked)",
          ["site", "detected, exact", "detected, tolerant", "escaped, exact",
           "escaped, tolerant"], sites),
