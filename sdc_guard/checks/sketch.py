@@ -38,6 +38,8 @@ from collections.abc import Sequence
 
 import torch
 
+from sdc_guard.fingerprints.native import active_kernel
+
 PROJECTIONS = 4
 """Random projections per parameter: a difference escapes all of them together only when
 it is small against the tolerance in each of four independent directions."""
@@ -107,10 +109,22 @@ class GradientSketch:
         return 1 + len(self._factors) * self.width
 
     def row(self, i: int, g: torch.Tensor) -> torch.Tensor:
-        """Parameter ``i``'s gradient ``g`` as ``[norm, projections...]`` (float64)."""
+        """Parameter ``i``'s gradient ``g`` as ``[norm, projections...]`` (float64).
+
+        A contiguous float32 gradient on the CPU takes the C kernel's one read
+        (``sdc_sketch``) where it is built; elsewhere torch computes the same numbers, up to
+        the order of its float32 sums."""
         if g.layout != torch.strided:  # a sparse gradient: its dense values, same numbers
             g = g.to_dense()
         q, c, a, t = self._factors[i]
+        if g.dtype == torch.float32 and g.device.type == "cpu" and g.is_contiguous():
+            kernel = active_kernel()
+            if kernel is not None:
+                out = torch.empty(self.width, dtype=torch.float64)
+                b = self._b[i][torch.float32]
+                kernel.sketch_at(g.data_ptr(), q, c, g.numel() - q * c, b.data_ptr(),
+                                 a.data_ptr(), t.data_ptr(), self.k, out.data_ptr())
+                return out
         dtype = _FIRST_STAGE.get(g.dtype, torch.float32)
         flat = g.detach().reshape(-1).to(dtype)
         out = torch.empty(self.width, dtype=torch.float64, device=flat.device)

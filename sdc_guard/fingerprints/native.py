@@ -38,7 +38,9 @@ which rounds once where a multiply then an add round twice: within the same boun
 
 The sources are split by owner (``kernel/common.h`` lists them): ``fingerprint.c`` (the
 fingerprint's and the replay digest's word sums), ``scaling.c`` (the comm hook's scaling
-pass), ``checksum.c`` (the checksum check's passes), ``threads.c``. An entry point with a
+pass), ``checksum.c`` (the checksum check's passes), ``sketch.c`` (the tolerant replay
+audit's gradient sketch, ``sdc_sketch``: a float32 gradient's norm and projections in one
+read), ``threads.c``. An entry point with a
 long list of arguments takes a pointer to an argument struct declared in ``common.h`` and
 mirrored here field for field (``CsColsArgs``, ``CsRowsArgs``, ``CsFwdArgs``,
 ``CsBwdArgs``): built with keyword arguments, and for the checksum's hooks built once per
@@ -323,6 +325,10 @@ class NativeKernel:
         check_rows.argtypes = [P, N, P, C, C]
         check_rows.restype = C
         self._check_rows = check_rows
+        sketch = self._lib.sdc_sketch
+        sketch.argtypes = [P, N, N, N, P, P, P, C, C, P]
+        sketch.restype = C
+        self._sketch = sketch
         isa = self._lib.sdc_isa
         isa.argtypes = [ctypes.c_int]
         isa.restype = ctypes.c_int
@@ -473,6 +479,17 @@ class NativeKernel:
                              "offset, without overlapping")
         return bool(bad)
 
+    def sketch_at(self, address: int, q: int, c: int, tail: int, b: int, a: int, t: int,
+                  k: int, out: int) -> None:
+        """``sdc_sketch``: the tolerant replay's sketch of ``q * c + tail`` float32 at
+        ``address`` (``sdc_guard.checks.sketch``): ``out`` (``1 + k`` float64) gets the norm
+        and the ``k`` projections with ``b`` (``k x c`` float32), ``a`` (``q x k`` float64) and
+        ``t`` (``tail x k`` float64), in one read. The caller guarantees the memory (live,
+        contiguous CPU tensors of those sizes)."""
+        threads = max(1, min(torch.get_num_threads(), (q * c) // _PER_THREAD))
+        if self._sketch(address, q, c, tail, b, a, t, k, threads, out) != 0:
+            raise ValueError(f"sdc_sketch refused q={q}, c={c}, tail={tail}, k={k}")
+
     # -- the checksum check's passes (checksum.c) ----------------------------------------
     # The caller guarantees the memory: every address is a live float32 CPU tensor's, of
     # the sizes given.
@@ -599,7 +616,9 @@ def _compiler() -> str | None:
     return None
 
 
-_FLAGS = ("-O3", "-fPIC", "-shared", "-pthread")
+_FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-fno-math-errno")
+"""``-fno-math-errno``: a square root is one instruction, no call into libm (which the
+library does not link)."""
 
 THREADS_ENV = "SDC_GUARD_THREADS"
 """``pthreads`` builds the kernel with threads of its own even where torch's OpenMP pool is

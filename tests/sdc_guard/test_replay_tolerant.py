@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from injectors.noise import LinearNoise, nudge
-from sdc_guard import GuardConfig
+from sdc_guard import GuardConfig, native_kernel
 from sdc_guard.checks.replay_tolerant import (
     TRIGGER_FLOOR,
     TRIGGER_MARGIN,
@@ -59,6 +59,41 @@ def test_a_sketch_is_the_same_for_the_same_seed_and_its_projections_see_every_el
             moved = [h.clone() for h in grads]
             moved[i].view(-1)[j] += 1e-3 * float(g.norm())
             assert float(distance(va, _vector(a, moved), a.width)) > 1e-5, (i, j)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_c_kernel_sketches_as_torch_does_in_one_read(threads: int) -> None:
+    """``sdc_sketch`` (one read of a float32 CPU gradient) and the torch path give the same
+    numbers up to the order of their float32 sums: far below any tolerance (at least
+    ``FLOOR``), with and without a tail, on one thread or split over two; a gradient that is
+    not contiguous, or not float32, takes the torch path; a non-finite gradient sketches
+    non-finite on both."""
+    shapes = [(1024, 600), (600,), (10, 1024), (10,), (3,), (7, 13), (1,), (257, 33)]
+    params = [torch.empty(s) for s in shapes]
+    sk = GradientSketch(params, seed=3, device=torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    grads[-1][3, 5] = math.nan
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with native_kernel(True) as on:
+            if not on:
+                pytest.skip("no C compiler: the C kernel cannot be built here")
+            fast = [sk.row(i, g) for i, g in enumerate(grads)]
+            strided = sk.row(2, grads[2].t().contiguous().t())
+            half = sk.row(1, grads[1].to(torch.bfloat16))
+        with native_kernel(False):
+            slow = [sk.row(i, g) for i, g in enumerate(grads)]
+            half_torch = sk.row(1, grads[1].to(torch.bfloat16))
+    finally:
+        torch.set_num_threads(before)
+    for i, (f, t) in enumerate(zip(fast[:-1], slow[:-1], strict=True)):
+        assert float((f - t).abs().max()) <= 1e-6 * float(t[0]), (i, f, t)
+        assert not torch.equal(f, torch.zeros_like(f))
+    assert torch.isnan(fast[-1]).all() and torch.isnan(slow[-1]).all()
+    assert float((strided - slow[2]).abs().max()) <= 1e-6 * float(slow[2][0])
+    assert torch.equal(half, half_torch)  # not float32: torch's path either way
 
 
 def test_distance_is_relative_per_component_and_equal_non_finite_values_agree() -> None:
