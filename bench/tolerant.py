@@ -27,7 +27,10 @@ Parts (each one run of the three ranks, faults armed one per step at the step's 
   faults on the steps between: what the norm trigger catches (and what it misses), and how
   often it fires on the clean steps between.
 
-- **cost**: ``bench.replay``'s measurement of the audit per audit step against its ideal
+- **cost**: first a side-by-side run (``side_by_side``: replay off, the ideal, the exact and
+  the tolerant audit alternated block by block on one model per rank, in one run: the
+  ratios the target is read from), then ``bench.replay``'s measurement of the audit per
+  audit step against its ideal
   (the same run plus one plain forward and backward of the neighbour's batch every k steps)
   on the reference MLP (3 ranks, batches of 128, no testbed noise), for the exact and the
   tolerant audit, one run each (``--cost-rounds`` rounds; 0 leaves it out). The tolerant
@@ -36,10 +39,10 @@ Parts (each one run of the three ranks, faults armed one per step at the step's 
 Results: ``bench/tolerant.json`` and ``bench/TOLERANT.md``::
 
     python -m bench.tolerant [--clean N] [--exponent N] [--per-bit N] [--cost-rounds N]
-                             [--only-cost] [--out bench]
+                             [--only-cost | --only-side-by-side] [--out bench]
 
 ``--only-cost`` measures the cost part alone and amends ``OUT/tolerant.json`` (and the
-table) of an earlier full run.
+table) of an earlier full run; ``--only-side-by-side`` its side-by-side run alone.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +61,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bench.replay import replay_overhead
-from bench.timing import cpu_name, publish
+from bench.timing import bootstrap_interval, cpu_name, publish
 from injectors import Fault, InjectionHandle, arm
 from injectors.noise import LinearNoise
 from scenarios.run.launch import run_ranks
@@ -256,16 +260,161 @@ def tolerant_bench(clean: int, exponent: int, per_bit: int, cost_rounds: int) ->
     return out
 
 
+SIDE_INTERVAL = 4
+"""The side-by-side run's tolerant configuration with the trigger on (interval > 1)."""
+
+
+def _side_rank(rank: int, world: int, rounds: int, block: int) -> dict[str, Any]:
+    """One rank of ``side_by_side``: per configuration and round, each timed step's (step,
+    seconds)."""
+    import functools
+
+    import torch.distributed as dist
+
+    from bench.reference import classification_batch, cross_entropy_loss, guarded_ddp, switch
+    from bench.reference import reference_mlp as ref_mlp
+    from scenarios.spec.overhead import replay_only
+
+    batch_for = functools.partial(classification_batch, batch=128)
+    base = replay_only(1).config
+    assert base is not None
+    exact = base
+    tolerant = replace(base, replay_mode="tolerant", deterministic=False)
+    configs = {"off": (replace(tolerant, replay_interval=0), 0), "ideal": (
+        replace(tolerant, replay_interval=0), 1), "exact": (exact, 0), "tolerant": (tolerant, 0),
+        f"tolerant {SIDE_INTERVAL}": (replace(tolerant, replay_interval=SIDE_INTERVAL), 0)}
+    model = guarded_ddp(ref_mlp())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = SDCGuard(model, opt, loss_fn=cross_entropy_loss, batch_for=batch_for,
+                     config=tolerant)
+    module = model.module
+    params = [p for p in module.parameters() if p.requires_grad]
+    ideal = [0]
+
+    def extra(step: int) -> None:  # the ideal: one plain forward and backward more
+        if ideal[0]:
+            loss = cross_entropy_loss(module, batch_for((rank + 1) % world, step))
+            torch.autograd.grad(loss, params)
+
+    guard.before_step.append(extra)
+    guard.step(0)  # calibrates; every tolerant configuration after a switch takes it
+    tol = next(c.tolerance for c in guard.checks if isinstance(c, TolerantReplayAudit))
+    assert tol is not None
+    names = list(configs)
+    times: dict[str, list[list[tuple[int, float]]]] = {n: [] for n in names}
+    step = 1
+    for rnd in range(rounds + 1):  # round 0 warms up
+        order = names[rnd % len(names):] + names[:rnd % len(names)]
+        for name in order:
+            config, ideal[0] = configs[name]
+            switch(guard, config)
+            for c in guard.checks:
+                if isinstance(c, TolerantReplayAudit):
+                    c.restore_tolerance(tol)
+            first = step + (-step) % SIDE_INTERVAL  # every block starts at an audit step
+            while step < first:  # (the same count of audit steps in each)
+                guard.step(step)
+                step += 1
+            dist.barrier()
+            got = []
+            for _ in range(block):
+                t0 = time.perf_counter()
+                guard.step(step)
+                got.append((step, time.perf_counter() - t0))
+                step += 1
+            if rnd:
+                times[name].append(got)
+    return {"times": times}
+
+
+def side_by_side(rounds: int, block: int = 16) -> dict[str, Any]:
+    """The exact and the tolerant audit (every step, and every ``SIDE_INTERVAL`` steps with the
+    trigger between) beside replay off and the ideal (one plain forward and backward more
+    each step), on one guarded model of each rank, alternated block by block in rotated
+    order within one run: each mode's extra time per audit step over the ideal's extra,
+    median over the pooled rounds, with a 90% bootstrap interval over the rounds. The
+    deterministic setting stays on once the exact audit ran (process-wide; on the CPU it
+    changes none of this model's kernels)."""
+    res = run_ranks(_side_rank, WORLD, rounds, block, timeout=1800)[0]["times"]
+
+    def med(pool: dict[str, list[float]], name: str) -> float:
+        return statistics.median(pool[name])
+
+    def pooled(rounds_of: dict[str, list[list[tuple[int, float]]]], name: str,
+               audit: bool | None = None) -> list[list[float]]:
+        return [[t for s, t in got if audit is None or (s % SIDE_INTERVAL == 0) == audit]
+                for got in rounds_of[name]]
+
+    k = f"tolerant {SIDE_INTERVAL}"
+    samples = {"off": pooled(res, "off"), "ideal": pooled(res, "ideal"),
+               "exact": pooled(res, "exact"), "tolerant": pooled(res, "tolerant"),
+               "k audit": pooled(res, k, True), "k other": pooled(res, k, False)}
+
+    def ratio(pool: dict[str, list[float]], name: str) -> float:
+        return (med(pool, name) - med(pool, "off")) / (med(pool, "ideal") - med(pool, "off"))
+
+    def extra_ms(pool: dict[str, list[float]], name: str) -> float:
+        return 1e3 * (med(pool, name) - med(pool, "off"))
+
+    whole = {n: [x for r in v for x in r] for n, v in samples.items()}
+    out: dict[str, Any] = {"rounds": rounds, "block": block, "interval": SIDE_INTERVAL,
+                           "step_ms": {n: 1e3 * statistics.median(v) for n, v in whole.items()}}
+    for name in ("exact", "tolerant", "k audit"):
+        out[name] = {"ratio_to_ideal": ratio(whole, name),
+                     "ratio_interval_90": bootstrap_interval(
+                         samples, lambda p, n=name: ratio(p, n)),
+                     "extra_ms": extra_ms(whole, name)}
+    out["k other"] = {"extra_ms": extra_ms(whole, "k other"),
+                      "extra_ms_interval_90": bootstrap_interval(
+                          samples, lambda p: extra_ms(p, "k other"))}
+    return out
+
+
 def cost(rounds: int) -> dict[str, Any]:
-    """The cost part: ``bench.replay``'s run for each mode."""
-    return {mode: replay_overhead(3, rounds=rounds, batch=128, mode=mode)
-            for mode in ("exact", "tolerant")}
+    """The cost part: the side-by-side run, and ``bench.replay``'s run for each mode (every
+    interval)."""
+    out: dict[str, Any] = {"side_by_side": side_by_side(rounds + 4)}
+    out.update({mode: replay_overhead(3, rounds=rounds, batch=128, mode=mode)
+                for mode in ("exact", "tolerant")})
+    return out
+
+
+def _side_md(sb: dict[str, Any]) -> list[str]:
+    """The side-by-side run's table."""
+    k = sb["interval"]
+
+    def row(name: str, label: str) -> str:
+        r = sb[name]
+        lo, hi = r["ratio_interval_90"]
+        return f"| {label} | {r['extra_ms']:.2f} | **{r['ratio_to_ideal']:.3f}** | {lo:.3f} .. {hi:.3f} |"
+
+    lo, hi = sb["k other"]["extra_ms_interval_90"]
+    return ["", "### Side by side in one run", "",
+            f"One guarded model per rank (3 ranks, reference MLP, batches of 128), its "
+            f"configurations alternated in blocks of {sb['block']} steps in rotated order, "
+            f"{sb['rounds']} rounds: replay off ({sb['step_ms']['off']:.2f} ms a step), the "
+            f"ideal (one plain forward and backward of the neighbour's batch more each step: "
+            f"{sb['step_ms']['ideal'] - sb['step_ms']['off']:.2f} ms), the exact audit and the "
+            f"tolerant one every step, and the tolerant one every {k} steps with the trigger "
+            "between. Extra time per audit step over replay off, and its ratio to the ideal's "
+            "extra (median of the pooled steps; 90% bootstrap interval over the rounds). The "
+            "target: at most 1.15x.", "",
+            "| audit | extra per audit step, ms | ratio to the ideal | 90% |", "|---|---|---|---|",
+            row("exact", "exact, every step"), row("tolerant", "tolerant, every step"),
+            row("k audit", f"tolerant, every {k} steps (its audit steps)"), "",
+            f"The tolerant audit's other steps at interval {k} (the trigger's norm and vote): "
+            f"{sb['k other']['extra_ms']:+.2f} ms over replay off (90%: {lo:+.2f} .. "
+            f"{hi:+.2f})."]
 
 
 def _cost_md(cost: dict[str, Any]) -> list[str]:
     """The per-audit-step ratios of both modes, side by side."""
     ex, to = cost["exact"], cost["tolerant"]
-    lines = ["", "## Cost per audit step", "",
+    lines = ["", "## Cost per audit step"]
+    if "side_by_side" in cost:
+        lines += _side_md(cost["side_by_side"])
+        lines += ["", "### Every interval, one run per mode"]
+    lines += ["",
              f"`bench.replay`'s measurement, one run per mode ({ex['rounds']} rounds each; "
              f"reference MLP 512 -> 1024 -> 1024 -> 10, batches of {ex['batch']}, 3 ranks, the "
              "non-finite check on): the audit's extra time per audit step over its ideal's "
@@ -287,10 +436,10 @@ def _cost_md(cost: dict[str, Any]) -> list[str]:
               f"{1e3 * to['step_s_replay_off']:.2f} ms (tolerant run); one forward and backward "
               f"{1e3 * ex['forward_backward_s']:.2f} ms. What the tolerant audit adds to the "
               "exact one's work per audit step: the sketches of its own and of the replayed "
-              "gradients (each parameter's norm and four projections: two reads of every "
-              "gradient, and a few small operations per parameter) in place of the C kernel's "
-              "digests. Its other steps carry the trigger: one norm per bucket and a vote on "
-              "the veto channel."]
+              "gradients (each parameter's norm and four projections; on float32 CPU "
+              "gradients one read each in the C kernel, sdc_sketch) in place of the C "
+              "kernel's digests, which the exact audit takes in its scaling pass. Its other "
+              "steps carry the trigger: one norm per bucket and a vote on the veto channel."]
     return lines
 
 
@@ -386,12 +535,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="rounds of each mode's cost run (12; 0: none)")
     ap.add_argument("--only-cost", action="store_true",
                     help="the cost part alone, amending OUT/tolerant.json")
+    ap.add_argument("--only-side-by-side", action="store_true",
+                    help="the cost part's side-by-side run alone, amending OUT/tolerant.json")
     ap.add_argument("--out", default="bench")
     args = ap.parse_args(argv)
     if min(args.clean, args.exponent, args.per_bit) < 1 or args.cost_rounds < 0:
         ap.error("--clean, --exponent and --per-bit must be at least 1, --cost-rounds at "
                  "least 0")
-    if args.only_cost:
+    if args.only_cost or args.only_side_by_side:
         path = Path(args.out) / "tolerant.json"
         try:
             res = json.loads(path.read_text())
@@ -401,7 +552,10 @@ def main(argv: list[str] | None = None) -> int:
         if res.get("cpu") != cpu_name():
             ap.error(f"--only-cost: {path} was measured on {res.get('cpu')}, this is "
                      f"{cpu_name()}: run the whole benchmark here")
-        res["cost"] = cost(args.cost_rounds or 12)
+        if args.only_side_by_side:
+            res["cost"]["side_by_side"] = side_by_side((args.cost_rounds or 12) + 4)
+        else:
+            res["cost"] = cost(args.cost_rounds or 12)
     else:
         res = tolerant_bench(args.clean, args.exponent, args.per_bit, args.cost_rounds)
     lines = markdown(res)

@@ -15,8 +15,11 @@ product). The factors are drawn in float64; ``G b`` and the norms of the rows of
 taken in the gradient's own precision (float32 for half-precision gradients), everything
 after them in float64. The
 rounding of ``G b`` is deterministic for one input on one machine and far below the
-recomputation noise the tolerance is calibrated from; reading the gradient once in its
-own precision, rather than copying it to float64, is what keeps the sketch cheap.
+recomputation noise the tolerance is calibrated from; reading the gradient in its own
+precision, rather than copying it to float64, is what keeps the sketch cheap. A float32
+gradient on the CPU is read once by the C kernel (``sdc_sketch``: each row's sum of squares
+and products with ``b`` in one pass); torch's path reads it twice (the rows' norms, ``G b``)
+and agrees with it up to the order of the float32 sums.
 
 For any fixed difference ``d`` between two gradients the projection of ``d``
 has mean 0 and variance ``||d||^2``, so a difference large against the rounding noise
