@@ -542,17 +542,23 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.clean, args.exponent, args.per_bit) < 1 or args.cost_rounds < 0:
         ap.error("--clean, --exponent and --per-bit must be at least 1, --cost-rounds at "
                  "least 0")
+    if args.only_cost and args.only_side_by_side:
+        ap.error("--only-cost measures the side-by-side run too: give one of the two")
     if args.only_cost or args.only_side_by_side:
+        flag = "--only-cost" if args.only_cost else "--only-side-by-side"
         path = Path(args.out) / "tolerant.json"
         try:
             res = json.loads(path.read_text())
         except (OSError, ValueError) as e:
-            ap.error(f"--only-cost amends a full run's {path}, which cannot be read ({e}); run "
-                     "without --only-cost first")
+            ap.error(f"{flag} amends a full run's {path}, which cannot be read ({e}); run "
+                     f"without {flag} first")
         if res.get("cpu") != cpu_name():
-            ap.error(f"--only-cost: {path} was measured on {res.get('cpu')}, this is "
+            ap.error(f"{flag}: {path} was measured on {res.get('cpu')}, this is "
                      f"{cpu_name()}: run the whole benchmark here")
         if args.only_side_by_side:
+            if not isinstance(res.get("cost"), dict):
+                ap.error(f"{flag} amends the cost part of {path}, which has none: run with "
+                         "--only-cost first")
             res["cost"]["side_by_side"] = side_by_side((args.cost_rounds or 12) + 4)
         else:
             res["cost"] = cost(args.cost_rounds or 12)

@@ -82,6 +82,9 @@ class LinearNoise:
     def begin(self, key: int) -> None:
         """A computation of the batch ``key`` (e.g. its fingerprint) starts: seed the draws
         from ``(seed, rank, key, how many times this rank computed it before)``."""
+        if isinstance(key, bool) or not isinstance(key, int):
+            raise TypeError(f"LinearNoise.begin(key): key must be an int that names the batch "
+                            f"(e.g. sdc_guard.fingerprint of its inputs), got {key!r}.")
         n = self._passes.get(key, 0)
         self._passes[key] = n + 1
         self.gen.manual_seed(derive_seed(self.seed, self.rank, key, n) >> 1)

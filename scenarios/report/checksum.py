@@ -28,7 +28,8 @@ FINITE_SITES = ("activation", "activation_grad", "linear_product")
 """The sites whose faults only the replay audit and (at linear layers) the checksum see."""
 
 
-def _rate(k: int, n: int) -> dict[str, Any]:
+def rate(k: int, n: int) -> dict[str, Any]:
+    """``k`` of ``n``: the count, the rate and its 95% Wilson interval."""
     return {"count": k, "of": n, "rate": k / n if n else None, "ci95": wilson(k, n)}
 
 
@@ -37,19 +38,20 @@ def _outcomes(g: pd.DataFrame) -> dict[str, Any]:
     det = relevant[relevant["outcome"] == "detected"]
     return {
         "trials": len(g), "masked": int((g["outcome"] == "masked").sum()),
-        "detected": _rate(len(det), len(relevant)),
-        "escaped": _rate(int((relevant["outcome"] == "escaped").sum()), len(relevant)),
+        "detected": rate(len(det), len(relevant)),
+        "escaped": rate(int((relevant["outcome"] == "escaped").sum()), len(relevant)),
         "by_checksum": int((det["checks"].str.split("+").map(lambda c: "checksum" in c)).sum()),
     }
 
 
-def _first_bit(df: pd.DataFrame) -> pd.Series:
+def first_bit(df: pd.DataFrame) -> pd.Series:
+    """Each row's flipped bit when the first firing flipped exactly one (else None)."""
     return json_list(df["bits"]).map(lambda b: b[0] if len(b) == 1 else None)
 
 
 def _above_bound(lp: pd.DataFrame) -> pd.DataFrame:
     """Exponent flips of a non-zero normal float32 entry (module doc)."""
-    bit = _first_bit(lp)
+    bit = first_bit(lp)
     value = lp["injected_value"].astype("Float64").abs()
     return lp[(lp["field"] == "exponent") & bit.isin(list(FLOAT32_EXPONENT)).fillna(False)
               & (value >= 2.0 ** -126).fillna(False)]
@@ -74,24 +76,24 @@ def checksum_summary(df: pd.DataFrame) -> dict[str, Any] | None:
     lp_on = f_on[f_on["site"] == "linear_product"]
     lp_off = f_off[f_off["site"] == "linear_product"]
     f32 = lp_on[lp_on["injected_dtype"] == "float32"]
-    bits_on, bits_off = _first_bit(lp_on), _first_bit(lp_off)
+    bits_on, bits_off = first_bit(lp_on), first_bit(lp_off)
     out["linear_product_bits"] = {
         str(b): {"on": _outcomes(lp_on[bits_on == b]), "off": _outcomes(lp_off[bits_off == b])}
         for b in sorted({int(x) for x in pd.concat([bits_on, bits_off]).dropna()})}
     above = _above_bound(f32)
     det = above[above["outcome"] == "detected"]
-    top = above[_first_bit(above).isin(list(TOP_EXPONENT)).fillna(False)]
+    top = above[first_bit(above).isin(list(TOP_EXPONENT)).fillna(False)]
     top_ok = top[(top["outcome"] == "detected") & top["same_step"].fillna(False)
                  & top["contained"].fillna(False) & top["blame_correct"].fillna(False)]
     out["above_bound"] = {
         "definition": "linear_product faults, checksum on: an exponent bit flipped in a "
                       "non-zero normal float32 entry",
         **_outcomes(above),
-        "same_step_contained_right_rank": _rate(
+        "same_step_contained_right_rank": rate(
             int((det["same_step"].fillna(False) & det["contained"].fillna(False)
                  & det["blame_correct"].fillna(False)).sum()), len(above)),
         "top_exponent_bits": {"bits": list(TOP_EXPONENT),
-                              "same_step_contained_right_rank": _rate(len(top_ok), len(top))},
+                              "same_step_contained_right_rank": rate(len(top_ok), len(top))},
     }
     by_k: dict[str, Any] = {}
     finite = faults[faults["site"].isin(FINITE_SITES)

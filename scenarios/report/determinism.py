@@ -22,8 +22,7 @@ from typing import Any, Final
 
 import pandas as pd
 
-from scenarios.report.stats import wilson
-from scenarios.report.table import json_list
+from scenarios.report.checksum import first_bit, rate
 
 MODES: Final = (("exact", True), ("tolerant", False))
 """The report's name of each mode, and its ``deterministic`` value."""
@@ -36,22 +35,14 @@ BIT_GROUPS: Final = (("mantissa 0-7", range(0, 8)), ("mantissa 8-15", range(8, 1
 """float32 bits grouped for the escape table (each group's trials pooled)."""
 
 
-def _rate(k: int, n: int) -> dict[str, Any]:
-    return {"count": k, "of": n, "rate": k / n if n else None, "ci95": wilson(k, n)}
-
-
 def _coverage(g: pd.DataFrame) -> dict[str, Any]:
     relevant = g[g["outcome"] != "masked"]
     det = relevant[relevant["outcome"] == "detected"]
     return {"trials": len(g), "masked": int((g["outcome"] == "masked").sum()),
-            "detected": _rate(len(det), len(relevant)),
-            "escaped": _rate(int((relevant["outcome"] == "escaped").sum()), len(relevant)),
-            "right_rank": _rate(int(det["blame_correct"].fillna(False).sum()), len(det)),
+            "detected": rate(len(det), len(relevant)),
+            "escaped": rate(int((relevant["outcome"] == "escaped").sum()), len(relevant)),
+            "right_rank": rate(int(det["blame_correct"].fillna(False).sum()), len(det)),
             "transient": int(det["transient"].fillna(False).sum())}
-
-
-def _first_bit(df: pd.DataFrame) -> pd.Series:
-    return json_list(df["bits"]).map(lambda b: b[0] if len(b) == 1 else None)
 
 
 def _on_audit_step(df: pd.DataFrame) -> pd.Series:
@@ -70,7 +61,7 @@ def determinism_summary(df: pd.DataFrame) -> dict[str, Any] | None:
     faults, clean = df[df["kind"] == "fault"], df[df["kind"] == "clean"]
     sites = [s for s in faults["site"].unique() if s]
     out: dict[str, Any] = {"modes": {}}
-    bits_all = _first_bit(faults)
+    bits_all = first_bit(faults)
     for name, value in MODES:
         f = faults[mode_of[faults.index] == value]
         c = clean[mode_of[clean.index] == value]
@@ -98,7 +89,7 @@ def determinism_summary(df: pd.DataFrame) -> dict[str, Any] | None:
                               "gradient_before_allreduce, injected at an audit step, that "
                               "changed the run (not masked): detected in that step, the "
                               "right rank named",
-                **_rate(len(caught), len(flips))},
+                **rate(len(caught), len(flips))},
             "escapes_by_bits": by_bit,
         }
     return out

@@ -199,6 +199,8 @@ def test_linear_noise_keyed_draws_repeat_a_first_computation_and_vary_every_othe
     elsewhere.remove()
     again = LinearNoise(model, ulps=4, seed=0, rank=1)  # another run, the same rank
     assert torch.equal(run(again, 7), first)
+    with pytest.raises(TypeError, match="key must be an int"):
+        again.begin("batch 7")  # type: ignore[arg-type]
     again.remove()
 
 
