@@ -105,6 +105,13 @@ class CampaignSpec:
         for s in self.scenarios:
             if self.space is not None and self.space_for(s) is self.space:
                 self.space.check_against(s)
+            space = self.space_for(s)
+            if space is not None and False in space.deterministic and (
+                    s.nondeterministic().name in names and s.noise_ulps == 0):
+                raise ScenarioError("scenarios", names, "scenario names that are not another's "
+                                    "testbed name", reason=f"the deterministic axis runs "
+                                    f"{s.name!r}'s false trials as {s.nondeterministic().name!r}, "
+                                    "a scenario of the campaign's own: rename it")
         if self.overhead is not None and self.overhead_scenario().parallel != "ddp":
             raise ScenarioError("overhead.scenario", self.overhead_scenario().name,
                                 "a scenario with parallel = 'ddp' (name one, or set "

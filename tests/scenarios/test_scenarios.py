@@ -8,6 +8,7 @@ import random
 import statistics
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -530,6 +531,9 @@ def test_determinism_axis_plans_the_same_faults_on_the_testbed() -> None:
     assert (cfg.replay_mode, cfg.deterministic, cfg.replay_interval) == ("tolerant", False, 2)
     assert sc.guard_config(2).deterministic and sc.guard_config(2).replay_mode == "exact"
     assert bed.guard_config(0).replay_interval == 0
+    twin = replace(sc, name="m-nondet")  # a scenario named as the other's testbed
+    with pytest.raises(ScenarioError, match="testbed name"):
+        CampaignSpec(name="c", scenarios=(sc, twin), space=axis.space)
 
 
 @pytest.mark.parametrize(("build", "field"), [
