@@ -33,15 +33,20 @@ def rate(k: int, n: int) -> dict[str, Any]:
     return {"count": k, "of": n, "rate": k / n if n else None, "ci95": wilson(k, n)}
 
 
-def _outcomes(g: pd.DataFrame) -> dict[str, Any]:
+def coverage(g: pd.DataFrame) -> dict[str, Any]:
+    """Trials, masked, and the detected and escaped rates of the trials not masked."""
     relevant = g[g["outcome"] != "masked"]
-    det = relevant[relevant["outcome"] == "detected"]
     return {
         "trials": len(g), "masked": int((g["outcome"] == "masked").sum()),
-        "detected": rate(len(det), len(relevant)),
+        "detected": rate(int((relevant["outcome"] == "detected").sum()), len(relevant)),
         "escaped": rate(int((relevant["outcome"] == "escaped").sum()), len(relevant)),
-        "by_checksum": int((det["checks"].str.split("+").map(lambda c: "checksum" in c)).sum()),
     }
+
+
+def _outcomes(g: pd.DataFrame) -> dict[str, Any]:
+    det = g[g["outcome"] == "detected"]
+    return {**coverage(g), "by_checksum": int(
+        (det["checks"].str.split("+").map(lambda c: "checksum" in c)).sum())}
 
 
 def first_bit(df: pd.DataFrame) -> pd.Series:

@@ -22,7 +22,7 @@ from typing import Any, Final
 
 import pandas as pd
 
-from scenarios.report.checksum import first_bit, rate
+from scenarios.report.checksum import coverage, first_bit, rate
 
 MODES: Final = (("exact", True), ("tolerant", False))
 """The report's name of each mode, and its ``deterministic`` value."""
@@ -36,11 +36,9 @@ BIT_GROUPS: Final = (("mantissa 0-7", range(0, 8)), ("mantissa 8-15", range(8, 1
 
 
 def _coverage(g: pd.DataFrame) -> dict[str, Any]:
-    relevant = g[g["outcome"] != "masked"]
-    det = relevant[relevant["outcome"] == "detected"]
-    return {"trials": len(g), "masked": int((g["outcome"] == "masked").sum()),
-            "detected": rate(len(det), len(relevant)),
-            "escaped": rate(int((relevant["outcome"] == "escaped").sum()), len(relevant)),
+    """``coverage``, and of the detections: the right rank named, named transient."""
+    det = g[g["outcome"] == "detected"]
+    return {**coverage(g),
             "right_rank": rate(int(det["blame_correct"].fillna(False).sum()), len(det)),
             "transient": int(det["transient"].fillna(False).sum())}
 
