@@ -126,18 +126,13 @@ class FaultSpace:
             raise ScenarioError("steps", [], "a non-empty list of steps in matrix mode")
 
     def check_against(self, scenario: Scenario) -> None:
-        """Refuse steps and ranks the scenario does not have, and ``deterministic = false``
-        under FSDP2 (fields under the space's mode)."""
+        """Refuse steps and ranks the scenario does not have (fields under the space's
+        mode)."""
         for s in self.steps:
             if s >= scenario.steps:
                 raise ScenarioError("steps", s, f"steps in [0, {scenario.steps - 1}] "
                                     f"(scenario {scenario.name!r} trains {scenario.steps} steps)"
                                     ).under(self.mode)
-        if False in self.deterministic and scenario.sharded:
-            raise ScenarioError("deterministic", list(self.deterministic), "[true] (or leave "
-                                f"it out) for scenario {scenario.name!r}", reason="its "
-                                f"parallel = {scenario.parallel!r}: the tolerant replay audit "
-                                "runs under DDP only").under(self.mode)
         for r in self.ranks:
             if r >= scenario.world_size:
                 raise ScenarioError("ranks", r, f"ranks in [0, {scenario.world_size - 1}] "

@@ -75,10 +75,15 @@ def build_checks(
             raise ValueError("GuardConfig.replay_interval needs batch_for.")
         scale = grad_scaler.scale if grad_scaler is not None else None
         if backend.layout.sharded and config.replay_mode == "tolerant":
-            raise ValueError("GuardConfig(replay_mode='tolerant') is not available under FSDP2 "
-                             "yet: use replay_mode='exact' with deterministic=True there, or "
-                             "replay_interval=0.")
-        if backend.layout.sharded:  # the FSDP2 root, recomputed through the FSDP backend
+            from sdc_guard.checks.replay_fsdp import FSDPTolerantReplayAudit
+
+            checks.append(FSDPTolerantReplayAudit(
+                model, interval=config.replay_interval, loss_fn=loss_fn, batch_for=batch_for,
+                backend=cast(Any, backend), seed=config.seed,
+                micro_batch_count=config.micro_batches, group=group, scale=scale,
+                contain=config.skip_step_on_detection, strikes=strikes,
+                repair_window_steps=config.repair_window_steps, trigger=config.replay_trigger))
+        elif backend.layout.sharded:  # the FSDP2 root, recomputed through the FSDP backend
             from sdc_guard.checks.replay_fsdp import FSDPReplayAudit
 
             checks.append(FSDPReplayAudit(

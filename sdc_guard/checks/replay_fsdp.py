@@ -34,6 +34,18 @@ fault in any micro-batch changes that sum.
 as under DDP; because the recomputation is collective, every rank recomputes b's batch
 with it (each rank's result but t's is left unused).
 
+**Tolerant mode** (``GuardConfig(replay_mode="tolerant")``, ``FSDPTolerantReplayAudit``): the
+tolerant audit of ``replay_tolerant`` (a float64 sketch within a calibrated tolerance, the
+diagnosis by reruns, the trigger between audits) with the sketch taken per chunk: each
+``fully_shard`` module's local gradient buffer is one gradient of the sketch (its norm and
+projections), so both sides sketch the same buffers whichever order the reduce-scatters
+run in. The diagnosis's reruns are collective too, which makes them cheaper than under
+DDP: one recomputation of b's batch, on every rank at once, gives b's, a's and the third
+rank's result of it together (each rank's on its own hardware), so ``DIAGNOSIS_RERUNS``
+recomputations of it give every rerun the diagnosis asks for. The trigger's norm is
+taken from the chunks before their reduce-scatters, and its vote rides the step's last
+one, as the audit's veto does.
+
 Blind spots are those of the DDP audit (transient faults on steps not audited), and the
 reduce-scatter itself and HSDP's all-reduce are outside what this check compares (the
 non-finite check and, under HSDP, the weights vote see the reduced shards).
@@ -58,6 +70,8 @@ from sdc_guard.checks.replay import (
     _same_buffer,
     add_words,
 )
+from sdc_guard.checks.replay_tolerant import TolerantReplayAudit, _loss_sum
+from sdc_guard.collectives import all_gather_rows
 from sdc_guard.determinism import buffers_saved, buffers_set, module_state_kept, rng_stream
 from sdc_guard.fingerprints.digest import host_concat_digest, tensors_digest
 from sdc_guard.hostread import on_host
@@ -132,6 +146,16 @@ class FSDPReplayAudit(ReplayAudit):
             self._add_own(chunk_word(bucket.buffer(), bucket.index(), self.device))
         return None
 
+    def _replay_start(self) -> None:
+        """Before a recomputation: nothing of its chunks seen yet."""
+        self._replay_grad = None
+
+    def _replay_result(self, losses: list[torch.Tensor]) -> Any:
+        """What a recomputation reports, once its chunks are seen: the loss and gradient
+        words (the tolerant audit: a sketch)."""
+        grad = self._replay_grad
+        return _loss_word(losses), grad if grad is not None else 0
+
     def _check_complete(self, step: int) -> None:
         """Nothing to refuse: FSDP2 reduce-scatters every module whose parameters got
         gradients, in the step and in the recomputation alike."""
@@ -156,17 +180,18 @@ class FSDPReplayAudit(ReplayAudit):
         self._observing = True
         if not self._buffers_checked:
             self._check_buffers()
-        if self.wants_veto:
+        if self._exchanges:
             self._send_replayed()
 
-    def _replay(self, rank: int, step: int, phase: str) -> tuple[Word, Word]:
-        """(loss word, gradient word) of ``rank``'s micro-batches of ``step``, recomputed by
-        every rank together (collective: each rank passes the owner it replays)."""
+    def _replay(self, rank: int, step: int, phase: str) -> Any:
+        """What ``rank``'s micro-batches of ``step`` give here (``_replay_result``: the loss and
+        gradient words), recomputed by every rank together (collective: each rank passes the
+        owner it replays)."""
         self.phase = phase
         buffers = buffers_saved(self.module)
         kept = [p.grad for p in self.params]  # an arbitration runs after the step's backward
         losses: list[torch.Tensor] = []
-        self._replay_grad = None
+        self._replay_start()
         try:
             buffers_set(self.module, self._step_buffers)
             batches = fetch_micro_batches(self.batch_for, rank, step, self.micro)
@@ -195,8 +220,7 @@ class FSDPReplayAudit(ReplayAudit):
             for p, g in zip(self.params, kept, strict=True):
                 p.grad = g
             self.phase = "train"
-        grad = self._replay_grad
-        return _loss_word(losses), grad if grad is not None else 0
+        return self._replay_result(losses)
 
     def _arbiter_replay(self, owner: int, arbiter: int, step: int) -> tuple[Word, Word] | None:
         """Every rank recomputes ``owner``'s batch (the forward communicates); the arbiter's
@@ -223,3 +247,54 @@ class FSDPReplayAudit(ReplayAudit):
             "apart with its own batches, so no other rank can recompute the owner's step. "
             "Compute them from the parameters, keep them fixed during training, or set "
             "replay_interval=0.")
+
+
+class FSDPTolerantReplayAudit(TolerantReplayAudit, FSDPReplayAudit):
+    """The tolerant replay audit of a ``fully_shard`` model (FSDP or HSDP): the sketch per
+    chunk, the reruns collective; see the module doc."""
+
+    def __init__(self, model: nn.Module, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        qualified = {id(m): name for name, m in model.named_modules()}
+        self.names = [qualified.get(id(m)) or "the root module" for m in self._fsdp.modules]
+        """Each chunk's module, by ``ShardChunk.index``: what the sketch's rows are of."""
+        self._replay_rows: list[torch.Tensor | None] = []
+
+    def _sketched(self) -> list[int]:
+        """One gradient per ``fully_shard`` module: its reduce-scatter buffer."""
+        return self._fsdp.chunk_sizes()
+
+    def local(self, bucket: Bucket) -> None:
+        """A chunk's sketch row: the own step's on audit steps, the recomputation's inside
+        one; on the other steps its share of the trigger's norm."""
+        if self._replaying:
+            self._replay_rows[bucket.index()] = self.sketch.row(
+                bucket.index(), bucket.buffer().reshape(-1))
+        elif self._observing:
+            self._buckets += 1
+            self._own_rows[bucket.index()] = self.sketch.row(
+                bucket.index(), bucket.buffer().reshape(-1))
+        elif self.trigger and not self.due(self._backend.step):
+            self._add_norm(bucket)
+        return None
+
+    def _replay_start(self) -> None:
+        self._replay_rows = [None] * self.sketch.count
+
+    def _replay_result(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        rows, self._replay_rows = self._replay_rows, []
+        return self.sketch.of(_loss_sum(losses, self.device), rows)
+
+    def _rerun(self, step: int, tasks: list[tuple[int, int, int]]
+               ) -> dict[tuple[int, int, int], torch.Tensor]:
+        """Each (owner, by, k) task's sketch. A recomputation is collective, so each rank
+        recomputes ``owner``'s batch in every one of them: the k-th recomputation of it gives
+        every rank's k-th result at once (one gather for all)."""
+        runs = list(dict.fromkeys((owner, k) for owner, _, k in tasks))
+        size = self.sketch.size()
+        mine = (torch.cat([self._replay(owner, step, "arbitrate") for owner, _ in runs])
+                if runs else torch.zeros(0, dtype=torch.float64, device=self.device))
+        rows = all_gather_rows(mine, self.group).cpu()
+        at = {run: i * size for i, run in enumerate(runs)}
+        return {(owner, by, k): rows[by, at[owner, k]:at[owner, k] + size]
+                for owner, by, k in tasks}

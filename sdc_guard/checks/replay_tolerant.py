@@ -227,7 +227,7 @@ class TolerantReplayAudit(ReplayAudit):
         """Their scores (``drift_score``)."""
         self.triggered: list[int] = []
         """Steps at which the trigger ran an audit."""
-        self.sketch = GradientSketch(self.params, seed=derive_seed(self.seed, _SKETCH_SALT),
+        self.sketch = GradientSketch(self._sketched(), seed=derive_seed(self.seed, _SKETCH_SALT),
                                      device=self.device)
         self.tolerance: float | None = None
         """The calibrated tolerance (None until a calibration is accepted)."""
@@ -244,6 +244,10 @@ class TolerantReplayAudit(ReplayAudit):
         self._unstable = False
         self._extra: list[float] = []
         """Numbers gathered beside the sketches (a triggered audit's norm and vote)."""
+
+    def _sketched(self) -> list[int]:
+        """The element counts of the gradients the sketch holds: each parameter's."""
+        return [p.numel() for p in self.params]
 
     # -- the tolerance -------------------------------------------------------------------
     def _tol(self) -> float:
@@ -306,7 +310,7 @@ class TolerantReplayAudit(ReplayAudit):
 
     # -- the step's sketches -------------------------------------------------------------
     def begin_step(self, step: int) -> None:
-        self._own_rows = [None] * len(self.params)
+        self._own_rows = [None] * self.sketch.count
         self._own_sketch = None
         self._calibration = []
         super().begin_step(step)

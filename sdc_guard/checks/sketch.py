@@ -82,13 +82,14 @@ _FIRST_STAGE = {torch.float64: torch.float64, torch.float32: torch.float32}
 
 
 class GradientSketch:
-    """Each parameter's gradient as its norm and ``PROJECTIONS`` random projections, in float64.
+    """Each gradient as its norm and ``PROJECTIONS`` random projections, in float64.
 
-    ``row(i, g)`` sketches parameter ``i``'s gradient ``g``; ``of(loss, rows)`` lays the
-    loss and every parameter's row end to end: the vector the audit compares. A parameter
-    without a gradient sketches as zeros, as a gradient of zeros does."""
+    ``sizes``: the element count of each gradient sketched (a parameter's, or under FSDP2 a
+    ``fully_shard`` module's local gradient buffer). ``row(i, g)`` sketches gradient ``i``;
+    ``of(loss, rows)`` lays the loss and every gradient's row end to end: the vector the
+    audit compares. A gradient not computed sketches as zeros, as a gradient of zeros does."""
 
-    def __init__(self, params: Sequence[torch.Tensor], *, seed: int, device: torch.device,
+    def __init__(self, sizes: Sequence[int], *, seed: int, device: torch.device,
                  k: int = PROJECTIONS) -> None:
         self.k = k
         self.device = device
@@ -96,11 +97,16 @@ class GradientSketch:
         self._factors = []
         self._b: list[dict[torch.dtype, torch.Tensor]] = []
         """Each parameter's ``b`` in the first stage's dtypes (float64 as drawn)."""
-        for p in params:
-            q, c, a, b, t = _factors(p.numel(), k, gen)
+        for n in sizes:
+            q, c, a, b, t = _factors(int(n), k, gen)
             self._factors.append((q, c, a.to(device), t.to(device)))
             b = b.to(device)
             self._b.append({torch.float64: b, torch.float32: b.to(torch.float32)})
+
+    @property
+    def count(self) -> int:
+        """Gradients sketched."""
+        return len(self._factors)
 
     @property
     def width(self) -> int:
@@ -112,7 +118,7 @@ class GradientSketch:
         return 1 + len(self._factors) * self.width
 
     def row(self, i: int, g: torch.Tensor) -> torch.Tensor:
-        """Parameter ``i``'s gradient ``g`` as ``[norm, projections...]`` (float64).
+        """Gradient ``i``, ``g``, as ``[norm, projections...]`` (float64).
 
         A contiguous float32 gradient on the CPU takes the C kernel's one read
         (``sdc_sketch``) where it is built; elsewhere torch computes the same numbers, up to
@@ -120,6 +126,9 @@ class GradientSketch:
         if g.layout != torch.strided:  # a sparse gradient: its dense values, same numbers
             g = g.to_dense()
         q, c, a, t = self._factors[i]
+        if g.numel() != q * c + t.shape[0]:
+            raise ValueError(f"GradientSketch.row({i}): a gradient of {g.numel()} elements, "
+                             f"where the sketch was built for {q * c + t.shape[0]}")
         if g.dtype == torch.float32 and g.device.type == "cpu" and g.is_contiguous():
             kernel = active_kernel()
             if kernel is not None:
@@ -145,7 +154,7 @@ class GradientSketch:
         return out
 
     def of(self, loss: torch.Tensor, rows: Sequence[torch.Tensor | None]) -> torch.Tensor:
-        """The sketch vector: the loss, then each parameter's row (None: zeros)."""
+        """The sketch vector: the loss, then each gradient's row (None: zeros)."""
         out = torch.zeros(self.size(), dtype=torch.float64, device=self.device)
         out[0] = loss.detach().to(torch.float64)
         w = self.width

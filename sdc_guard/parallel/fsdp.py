@@ -103,13 +103,9 @@ class ShardChunk:
 
     def _columns(self, param: torch.Tensor) -> tuple[int, int] | None:
         """Where ``param``'s part lies in each row: (offset, length), or None when it is not
-        one of this module's. FSDP2 pads dim 0 to a multiple of the shard ranks and gives
-        each rank one slice of it, the parameters side by side in each row."""
+        one of this module's (``row_lengths``)."""
         offset, found = 0, None
-        for p in self.parameters():
-            shape = tuple(p.shape)  # (the global shape: indexing a DTensor communicates)
-            rows = -(-shape[0] // self._shards) if shape else 1
-            length = rows * math.prod(shape[1:])
+        for p, length in row_lengths(self._module, self._shards):
             if p is param:
                 found = (offset, length)
             offset += length
@@ -146,6 +142,19 @@ def _own_parameters(module: torch.nn.Module) -> Iterator[torch.Tensor]:
     for p in module.parameters():
         if id(p) not in inner:
             yield p
+
+
+def row_lengths(module: torch.nn.Module, shards: int) -> list[tuple[torch.Tensor, int]]:
+    """Each parameter ``fully_shard(module)`` manages, with the length of its part in each row
+    of the module's reduce-scatter buffer (``[shards, -1]``): FSDP2 pads dim 0 to a multiple
+    of the shard ranks and gives each rank one slice of it, the parameters side by side in
+    each row."""
+    out = []
+    for p in _own_parameters(module):
+        shape = tuple(p.shape)  # (the global shape: indexing a DTensor communicates)
+        rows = -(-shape[0] // shards) if shape else 1
+        out.append((p, rows * math.prod(shape[1:])))
+    return out
 
 
 class _ReduceScatter:
@@ -248,6 +257,17 @@ class FSDPBackend:
         """The modules this step has reduced so far, in order."""
         self._carried: _Carried | None = None
         """The veto riding this step's last reduce-scatter (``_carry``), if it does."""
+
+    @property
+    def shards(self) -> int:
+        """The ranks each module's parameters are sharded over (the mesh's last dimension)."""
+        return int(self.mesh.size(self.mesh.ndim - 1))
+
+    def chunk_sizes(self) -> list[int]:
+        """The element count of each module's reduce-scatter buffer (``ShardChunk.buffer``),
+        by ``ShardChunk.index`` (0 for a module that owns no parameters)."""
+        n = self.shards
+        return [n * sum(length for _, length in row_lengths(m, n)) for m in self.modules]
 
     # -- the Backend protocol --------------------------------------------------------------
     def subscribe(self, listener: GradientListener) -> None:

@@ -80,6 +80,10 @@ def test_every_shipped_config_loads() -> None:
             assert camp.space is not None and camp.space.deterministic == (True, False)
             assert all(not s.sharded and s.guard.replay_interval for s in camp.scenarios)
             assert "any" in camp.space.fields and 0 not in camp.space.replay_intervals
+        elif p.name == "tolerant_fsdp.toml":  # the same, under FSDP2 and HSDP
+            camp = load_campaign(p)
+            assert camp.space is not None and camp.space.deterministic == (True, False)
+            assert [s.parallel_label for s in camp.scenarios] == ["fsdp4", "hsdp2x2"]
         elif p.name == "field.toml":
             # at most 15 (pattern, site, dtype) cells by default; --full: the cross product
             camp = load_campaign(p)
@@ -536,15 +540,20 @@ def test_determinism_axis_plans_the_same_faults_on_the_testbed() -> None:
         CampaignSpec(name="c", scenarios=(sc, twin), space=axis.space)
 
 
+def test_an_fsdp2_scenario_takes_the_determinism_axis_on_its_testbed() -> None:
+    sc = scenario_from_dict({"world_size": 4, "parallel": "fsdp", "guard": {"replay_interval": 2},
+                             "sample": {"deterministic": [True, False],
+                                        "sites": ["activation"]}}, name="f")
+    bed = sc.nondeterministic()
+    assert (bed.name, bed.noise_ulps, bed.parallel) == ("f-nondet", 4, "fsdp")
+    cfg = bed.guard_config(2)
+    assert (cfg.replay_mode, cfg.deterministic) == ("tolerant", False)
+
+
 @pytest.mark.parametrize(("build", "field"), [
     (lambda: FaultSpace(mode="sample", deterministic=(False, False)), "deterministic"),
     (lambda: FaultSpace(mode="sample", deterministic=(0, 1)), "deterministic"),  # type: ignore[arg-type]
     (lambda: scenario_from_dict({"noise_ulps": 65}, name="m"), "noise_ulps"),
-    (lambda: scenario_from_dict({"noise_ulps": 4, "world_size": 4, "parallel": "fsdp",
-                                 "model": {"kind": "mlp"}}, name="m"), "noise_ulps"),
-    (lambda: scenario_from_dict({"world_size": 4, "parallel": "fsdp", "sample": {
-        "deterministic": [True, False], "sites": ["activation"]}}, name="m"),
-     "sample.deterministic"),
 ])
 def test_determinism_axis_refuses_what_cannot_run(build: Any, field: str) -> None:
     with pytest.raises(ScenarioError) as e:

@@ -473,20 +473,22 @@ value = inf
     assert got == want and len(got) == 4
 
 
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_determinism_axis_runs_the_tolerant_audit_on_a_testbed_with_its_own_golden(
-        tmp_path: Path) -> None:
+        tmp_path: Path, parallel: str) -> None:
     """``deterministic = false`` trials run on the scenario's noise testbed: its golden run is
     another trajectory, clean trials reproduce it bit for bit at every replay interval (the
     keyed draws keep the training pass apart from the audit's recomputations, which the
     calibration and the audits still see round differently), a flip is caught by the tolerant
     audit and named transient (no cordon), and the rollback ends bit-identical to that golden
-    run; the report puts both modes side by side."""
+    run; the report puts both modes side by side. Under DDP and under FSDP2 (the collective
+    recomputation, the sketch per module, a rollback through DCP)."""
     from scenarios.report.summary import summarize
     from scenarios.spec.campaign import CampaignSpec
     from scenarios.spec.faults import FaultSpace
     from scenarios.spec.trials import scenario_of
 
-    sc = scenario_from_dict({"world_size": 3, "steps": 8, "batch": 16,
+    sc = scenario_from_dict({"world_size": 3, "steps": 8, "batch": 16, "parallel": parallel,
                              "trial_timeout_s": scaled(60), "model": {"kind": "mlp", "width": 16},
                              "guard": {"replay_interval": 1}, "quarantine": {"max_nodes": 1},
                              "recovery": {"checkpoint_every": 2, "keep": 2}}, name="tiny")

@@ -19,13 +19,13 @@ from sdc_guard import GuardConfig, SDCGuard
 from tests.sdc_guard.fsdp_workers import batch_for, collectives_issued, local_state, mesh_for
 
 
-def build(shape: tuple[int, ...]) -> nn.Module:
-    """An MLP 8-16-16-4 with dropout after each hidden layer; each hidden Linear
+def build(shape: tuple[int, ...], act: type[nn.Module] = nn.ReLU) -> nn.Module:
+    """An MLP 8-16-16-4 with ``act`` and dropout after each hidden layer; each hidden Linear
     ``fully_shard``-ed, then the root (which owns the last Linear)."""
     mesh = mesh_for(shape)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.25), nn.Linear(16, 16),
-                          nn.ReLU(), nn.Dropout(0.25), nn.Linear(16, 4))
+    model = nn.Sequential(nn.Linear(8, 16), act(), nn.Dropout(0.25), nn.Linear(16, 16),
+                          act(), nn.Dropout(0.25), nn.Linear(16, 4))
     for i in (0, 3):
         fully_shard(model[i], mesh=mesh)
     fully_shard(model, mesh=mesh)

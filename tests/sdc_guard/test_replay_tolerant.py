@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ from tests.sdc_guard import tolerant_workers as tw
 
 def _sketch(seed: int = 3) -> tuple[GradientSketch, list[torch.Tensor]]:
     params = [torch.zeros(7, 5), torch.zeros(13), torch.zeros(1)]
-    return GradientSketch(params, seed=seed, device=torch.device("cpu")), params
+    return GradientSketch([p.numel() for p in params], seed=seed, device=torch.device("cpu")), params
 
 
 def _vector(sk: GradientSketch, grads: list[torch.Tensor], loss: float = 2.0) -> torch.Tensor:
@@ -61,6 +62,14 @@ def test_a_sketch_is_the_same_for_the_same_seed_and_its_projections_see_every_el
             assert float(distance(va, _vector(a, moved), a.width)) > 1e-5, (i, j)
 
 
+def test_a_gradient_of_another_size_than_the_sketch_was_built_for_is_refused() -> None:
+    sk, _ = _sketch()
+    with pytest.raises(ValueError, match=r"row\(1\): a gradient of 12 elements, where the "
+                       "sketch was built for 13"):
+        sk.row(1, torch.zeros(12))
+    assert sk.count == 3 and sk.size() == 1 + 3 * sk.width
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_c_kernel_sketches_as_torch_does_in_one_read(threads: int) -> None:
     """``sdc_sketch`` (one read of a float32 CPU gradient) and the torch path give the same
@@ -70,7 +79,7 @@ def test_the_c_kernel_sketches_as_torch_does_in_one_read(threads: int) -> None:
     non-finite on both."""
     shapes = [(1024, 600), (600,), (10, 1024), (10,), (3,), (7, 13), (1,), (257, 33)]
     params = [torch.empty(s) for s in shapes]
-    sk = GradientSketch(params, seed=3, device=torch.device("cpu"))
+    sk = GradientSketch([p.numel() for p in params], seed=3, device=torch.device("cpu"))
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(s, generator=gen) for s in shapes]
     grads[-1][3, 5] = math.nan
@@ -326,6 +335,80 @@ def test_the_tolerance_is_kept_in_the_checkpoint_and_restored_without_recalibrat
 
 def _same(x: torch.Tensor, y: torch.Tensor) -> bool:
     return bool(torch.equal(x, y))
+
+
+# -- under FSDP2 and HSDP, on the testbed -------------------------------------------------
+
+
+def _act(rank: int, step: int, *bits: int, **more: Any) -> dict[str, Any]:
+    """A flip of ``bits`` in the second GELU's output (``replay_fsdp_workers.build``)."""
+    return {"site": "activation", "rank": rank, "step": step, "target": "4", "bits": bits,
+            **more}
+
+
+@pytest.mark.parametrize(("shape", "micro"), [((3,), 1), ((2, 2), 2)])
+def test_under_fsdp2_a_clean_run_calibrates_once_and_never_fires(
+        tmp_path: Path, shape: tuple[int, ...], micro: int) -> None:
+    log = str(tmp_path / "events.jsonl")
+    world = math.prod(shape)
+    res = run_ranks(tw.fsdp_run, world, shape, 12, micro=micro, event_log=log, timeout=240)
+    tol = res[0]["tolerance"]
+    for r in res:
+        assert r["detections"] == [] and r["skipped"] == [] and r["alike"]
+        assert r["tolerance"] == tol
+        assert r["noise_calls"] >= 12 * 3 * 2 * micro  # own step and replay, 3 layers
+    assert FLOOR < tol < CEILING
+    (cal,) = tw.records(log, "replay_calibration")
+    assert cal["accepted"] and cal["step"] == 0
+    assert 0 < cal["same_rank"]["max"] < tol and 0 < cal["cross_rank"]["max"] < tol
+
+
+@pytest.mark.parametrize(("shape", "micro", "fault"), [
+    ((3,), 1, _act(1, 3, 28)),  # finite: the value shrinks
+    ((3,), 1, {"site": "gradient_before_allreduce", "rank": 1, "step": 3,
+               "target": "3.weight", "bits": (29,)}),
+    ((2,), 1, _act(1, 3, 29)),
+    ((2, 2), 2, _act(2, 3, 30)),  # (overflows: the non-finite check names it too)
+])
+def test_under_fsdp2_a_transient_flip_is_named_transient_and_contained(
+        shape: tuple[int, ...], micro: int, fault: dict[str, Any]) -> None:
+    res = run_ranks(tw.fsdp_run, math.prod(shape), shape, 5, micro=micro, fault=fault,
+                    timeout=240)
+    target = fault["rank"]
+    assert res[target]["injections"] == micro
+    for r in res:
+        assert r["detections"][0] == ("replay", 3, (target,), True)
+        assert r["skipped"] == [3] and r["alike"]
+        edge = r["evidence"][0]["diagnosis"][f"edge {(target - 1) % len(res)}"]
+        assert edge["blames"] == target and "did not come back" in edge["verdict"]
+
+
+def test_under_fsdp2_a_permanent_fault_is_lasting_and_without_containment_nothing_is_held(
+        ) -> None:
+    fault = _act(2, 2, 30, model="permanent", phase="any")
+    res = run_ranks(tw.fsdp_run, 3, (3,), 4, fault=fault, timeout=240)
+    assert [d for d in res[0]["detections"] if d[0] == "replay"] == [
+        ("replay", 2, (2,), False), ("replay", 3, (2,), False)]
+    assert res[0]["evidence"][0]["diagnosis"]["rank 2"]["own_rerun_came_back"] is True
+    res = run_ranks(tw.fsdp_run, 3, (3,), 5, fault=_act(1, 3, 29), contain=False, timeout=240)
+    assert all(r["detections"] == [("replay", 3, (1,), True)] and r["skipped"] == []
+               for r in res)
+
+
+def test_under_fsdp2_the_trigger_audits_a_step_and_a_spike_the_batch_makes_names_no_one(
+        tmp_path: Path) -> None:
+    log = str(tmp_path / "events.jsonl")  # (bits 30, 29 of 2^-63 < |x| < 1: up 2^64)
+    res = run_ranks(tw.fsdp_run, 3, (3,), 16, interval=10, fault=_act(1, 13, 30, 29),
+                    event_log=log, timeout=240)
+    for r in res:
+        assert r["detections"] == [("replay", 13, (1,), True)]
+        assert r["skipped"] == [13] and r["triggered"] == [13] and r["alike"]
+    (rec,) = tw.records(log, "replay_trigger")
+    assert rec["outcome"] == "fault found" and rec["votes"] == [1]
+    res = run_ranks(tw.fsdp_run, 3, (3,), 15, interval=10, odd_batch=(1, 13, 1e4),
+                    timeout=240)
+    for r in res:  # withheld: the vote's sentinel rode the step's last reduce-scatter
+        assert r["detections"] == [] and r["skipped"] == [13] and r["triggered"] == [13]
 
 
 X, Y, Z = torch.tensor([1.0]), torch.tensor([2.0]), torch.tensor([3.0])

@@ -76,16 +76,23 @@ def smooth_mlp() -> DropMLP:
 
 
 class OddBatch:
-    """``batch_for`` with one odd batch: (rank, step)'s first input is ``value``."""
+    """``batch_for`` with one odd batch: (rank, step)'s first input is ``value`` (with
+    ``micro`` above 1: the first micro-batch's, of the FSDP tests' batches)."""
 
-    def __init__(self, rank: int, step: int, value: float) -> None:
-        self.at, self.value = (rank, step), value
+    def __init__(self, rank: int, step: int, value: float, micro: int = 0) -> None:
+        self.at, self.value, self.micro = (rank, step), value, micro
 
-    def __call__(self, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = batch_for(rank, step)
+    def __call__(self, rank: int, step: int) -> Any:
+        if self.micro:
+            from tests.sdc_guard import replay_fsdp_workers as rfw
+
+            batches = rfw.micro_batches(self.micro)(rank, step)
+            first = batches[0] if isinstance(batches, list) else batches
+        else:
+            batches = first = batch_for(rank, step)
         if (rank, step) == self.at:
-            x[0, 0] = self.value
-        return x, y
+            first[0][0, 0] = self.value
+        return batches
 
 
 def records(path: str, event: str) -> list[dict[str, Any]]:
@@ -124,4 +131,50 @@ def checkpoint_run(rank: int, world: int, ckpt_dir: str, log: str) -> dict[str, 
         out[f"{life}_tolerance"] = getattr(audit, "tolerance", None)
         out[f"{life}_detections"] = [(d.check, d.step) for d in found + guard.flush()]
         guard.close()
+    return out
+
+
+def fsdp_run(rank: int, world: int, shape: tuple[int, ...], steps: int, *,
+             threads: tuple[int, ...] = (1, 2), ulps: int = 4,
+             fault: dict[str, Any] | None = None, interval: int = 1, micro: int = 1,
+             contain: bool = True, event_log: str | None = None,
+             odd_batch: tuple[int, int, float] | None = None) -> dict[str, Any]:
+    """``tolerant_run`` under FSDP2 (``shape``: a 1-D mesh) or HSDP (a 2-D one): the FSDP
+    tests' MLP with GELU and dropout (``replay_fsdp_workers.build``), ``micro``
+    micro-batches, on the testbed. Returns what ``tolerant_run`` does, and whether the ranks
+    holding each shard hold it alike at the end."""
+    import torch.distributed as dist
+
+    from tests.sdc_guard import replay_fsdp_workers as rfw
+    from tests.sdc_guard.fsdp_workers import local_state
+
+    torch.set_num_threads(threads[rank % len(threads)])
+    model = rfw.build(shape, act=nn.GELU)
+    noise = LinearNoise(model, ulps=ulps, seed=7, rank=rank) if ulps else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = GuardConfig(replay_interval=interval, replay_mode="tolerant", micro_batches=micro,
+                      skip_step_on_detection=contain, event_log=event_log)
+    feed = rfw.micro_batches(micro) if odd_batch is None else OddBatch(*odd_batch, micro)
+    guard = SDCGuard(model, optimizer, loss_fn=rfw.loss_fn, config=cfg, batch_for=feed)
+    handle = arm(Fault(**fault), guard=guard) if fault and fault["rank"] == rank else None
+    reports = [guard.step(s) for s in range(steps)]
+    found = [d for r in reports for d in r.detections] + guard.flush()
+    audit = next(c for c in guard.checks if c.name == "replay")
+    mine = [t.reshape(-1).tolist() for t in local_state(model, optimizer)]
+    rows: list[Any] = [None] * world
+    dist.all_gather_object(rows, mine)
+    out = {
+        "detections": [(d.check, d.step, d.suspect_ranks, d.transient) for d in found],
+        "details": [d.detail for d in found],
+        "evidence": [d.evidence for d in found],
+        "skipped": [r.step for r in reports if r.skipped],
+        "tolerance": getattr(audit, "tolerance", None),
+        "triggered": list(getattr(audit, "triggered", [])),
+        "noise_calls": noise.calls if noise else 0,
+        "alike": all(rows[r] == rows[s[0]] for s in guard.backend.layout.sets for r in s),
+        "injections": len(handle.records) if handle is not None else 0,
+    }
+    if handle is not None:
+        handle.remove()
+    guard.close()
     return out
