@@ -618,17 +618,26 @@ class SDCGuard:
         step found changed, where it names a rank that computes with them
         (``_vote_weights_now``)."""
         named = self._explained.get(d.step)
-        if named is None or d.check == "weights" or not d.suspect_ranks:
+        if named is None or d.check == "weights":
             return d
+        before = set(d.suspect_ranks)
+        if not before and d.evidence.get("reproduced_by"):
+            # a recomputation gathers the same weight shards: a changed shard made it
+            # non-finite too, which looked like the batch's own
+            before = {int(r) for r in d.evidence["reproduced_by"]}
         layout = self.backend.layout
         rows = {r for n in named for r in layout.computes_with(n)}
-        if not rows & set(d.suspect_ranks) or set(d.suspect_ranks) == set(named):
+        if not rows & before or set(d.suspect_ranks) == set(named):
             return d
+        why = (f"narrowed from rank(s) {list(d.suspect_ranks)} to {list(named)}"
+               if d.suspect_ranks else
+               f"rank(s) {list(named)} named: the recomputations of the batches of rank(s) "
+               f"{sorted(before)} gathered the same weights")
         return dataclasses.replace(
             d, suspect_ranks=named,
-            detail=f"{d.detail}; narrowed from rank(s) {list(d.suspect_ranks)} to {list(named)}: "
-            f"the weights vote of step {d.step} found their weight shards changed, which the "
-            f"ranks of their shard groups {sorted(rows)} computed with",
+            detail=f"{d.detail}; {why}: the weights vote of step {d.step} found their weight "
+            f"shards changed, which the ranks of their shard groups {sorted(rows)} computed "
+            "with",
             evidence={**d.evidence, "suspects_before": list(d.suspect_ranks),
                       "explained_by": "weights"})
 

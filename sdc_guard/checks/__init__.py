@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sdc_guard.checks.base import Check, Verdict
 from sdc_guard.checks.checksum import ChecksumCheck
-from sdc_guard.checks.nonfinite import NeighbourRecompute, NonFiniteCheck
+from sdc_guard.checks.nonfinite import NeighbourRecompute, NonFiniteCheck, ShardedRecompute
 from sdc_guard.checks.replay import ReplayAudit
 from sdc_guard.checks.replay_tolerant import TolerantReplayAudit
 from sdc_guard.checks.weightpass import WeightPass
@@ -61,12 +61,17 @@ def build_checks(
     strikes: dict[int, list[int]] = {}  # repairs and transient faults per rank: one window
     checks: list[Check] = []
     if config.nonfinite:
-        # (under sharding a recomputation is collective: not on the ranks that flag alone)
-        recompute = None if batch_for is None or backend.layout.sharded else NeighbourRecompute(
-            cast(DistributedDataParallel, model).module, loss_fn=loss_fn, batch_for=batch_for,
-            micro_batches=config.micro_batches,
-            seed=config.seed if config.deterministic or config.replay_interval else None,
-            device=device, group=group)
+        streams = config.seed if config.deterministic or config.replay_interval else None
+        recompute: NeighbourRecompute | ShardedRecompute | None = None
+        if batch_for is not None and backend.layout.sharded:  # collective, through FSDP2
+            recompute = ShardedRecompute(cast(Any, backend), loss_fn=loss_fn,
+                                         batch_for=batch_for,
+                                         micro_batches=config.micro_batches, seed=streams)
+        elif batch_for is not None:
+            recompute = NeighbourRecompute(
+                cast(DistributedDataParallel, model).module, loss_fn=loss_fn,
+                batch_for=batch_for, micro_batches=config.micro_batches, seed=streams,
+                device=device, group=group)
         checks.append(NonFiniteCheck(
             backend, device=device, group=group, expect_overflow=grad_scaler is not None,
             exchange_interval=config.nonfinite_exchange_interval, recompute=recompute))

@@ -37,7 +37,10 @@ Suspects:
   its own, no collective) and adds a third flag, "my recomputation of the next rank's
   batch was non-finite too". A NaN that the batch or the model's numerics produce (a bad
   sample, an overflow) comes back on other hardware: reported without a suspect, so no
-  healthy node is quarantined for it; one that does not come back names its rank;
+  healthy node is quarantined for it; one that does not come back names its rank. Under
+  FSDP2 and HSDP no rank can recompute alone: on a step whose containment answer says
+  some rank's gradients were non-finite (alike on every rank), every rank recomputes its
+  neighbour's batch at once through the sharded model (``ShardedRecompute``);
 * if the reduced result is non-finite on some rank while every local gradient
   was finite, the fault is in the reduction or the link: a detection that names
   the ranks that saw it (a single rank's bad result is its own; all ranks alike
@@ -54,7 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -71,6 +74,9 @@ from sdc_guard.parallel.base import Backend, Containment, GradientListener
 from sdc_guard.report import Detection
 from sdc_guard.scaling import Flag, check_nonfinite, host_words
 from sdc_guard.types import BatchFor, LossFn, fetch_micro_batches, recomputed_loss
+
+if TYPE_CHECKING:
+    from sdc_guard.parallel.fsdp import FSDPBackend
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +123,44 @@ class NeighbourRecompute:
         return False
 
 
+class ShardedRecompute:
+    """``NeighbourRecompute`` under FSDP2 and HSDP, where no rank holds the whole model: every
+    rank recomputes its ring neighbour's micro-batches at once, through the sharded model
+    (``FSDPBackend.recompute``: the forward all-gathers, nothing is reduced, the sharded
+    gradients are put back), and says whether the loss or any module's local gradients came
+    out non-finite. Collective: asked only where every rank asks it (the step's containment
+    answer, alike on every rank, says some rank's gradients were non-finite)."""
+
+    def __init__(self, backend: FSDPBackend, *, loss_fn: LossFn, batch_for: BatchFor,
+                 micro_batches: int, seed: int | None) -> None:
+        self.backend, self.loss_fn, self.batch_for = backend, loss_fn, batch_for
+        self.micro, self.seed = micro_batches, seed
+
+    def nonfinite(self, rank: int, step: int) -> bool:
+        model = self.backend.model
+        seen = _NonFiniteSeen()
+        buffers = buffers_saved(model)
+        self.backend.subscribe(seen)
+        try:
+            batches = fetch_micro_batches(self.batch_for, rank, step, self.micro)
+            losses = self.backend.recompute(batches, self.loss_fn, owner=rank, step=step,
+                                            seed=self.seed)
+        finally:
+            self.backend.unsubscribe(seen)
+            buffers_set(model, buffers)
+        return seen.bad or not all(bool(torch.isfinite(loss).all()) for loss in losses)
+
+
+class _NonFiniteSeen(GradientListener):
+    """Did a recomputation's local gradients (each module's buffer) hold a NaN/Inf?"""
+
+    def __init__(self) -> None:
+        self.bad = False
+
+    def local(self, bucket: Any) -> None:
+        self.bad = self.bad or bool(check_nonfinite(bucket.buffer()))
+
+
 class NonFiniteCheck(Check, GradientListener):
     """NaN/Inf in the local and the reduced gradients, every step; see the module doc."""
 
@@ -133,7 +177,7 @@ class NonFiniteCheck(Check, GradientListener):
         group: dist.ProcessGroup | None = None,
         expect_overflow: bool = False,
         exchange_interval: int = 1,
-        recompute: NeighbourRecompute | None = None,
+        recompute: NeighbourRecompute | ShardedRecompute | None = None,
     ) -> None:
         self.device = device
         self.group = group
@@ -263,15 +307,20 @@ class NonFiniteCheck(Check, GradientListener):
         each with its own). Withholds this rank's step when its reduced gradients are
         non-finite (not with a ``GradScaler``, which must see the overflow and skips itself)."""
         local, reduced = self.host_flags()
+        everywhere = False
+        if self.sharded:  # some rank's local or reduced gradients: every rank withholds
+            answer, self._answer = self._answer, None
+            everywhere = answer is not None and answer.read()
+        # Recompute where every rank does: under DDP the all-reduce gave every rank the NaN,
+        # under FSDP2 the containment answer told every rank (the recomputation is collective).
+        asked = everywhere if self.sharded else reduced
         reproduced = False
-        if reduced and not self.expect_overflow and self.recompute is not None and self.world > 1:
+        if asked and not self.expect_overflow and self.recompute is not None and self.world > 1:
             reproduced = self._recompute((self.rank + 1) % self.world, step)
         found = self._deferred.collect(self)  # the word sent at the end of the previous window
         self._deferred.add(step, (local, reduced, reproduced))
         here = reduced and not self.expect_overflow
-        if self.sharded:  # some rank's local or reduced gradients: every rank withholds
-            answer, self._answer = self._answer, None
-            everywhere = answer is not None and answer.read()
+        if self.sharded:
             # A reduced shard's flag that came after the veto travelled (the step's last
             # reduction carried it: ``veto_early``) holds this rank's step alone, as under DDP.
             return Verdict(found, withhold=everywhere or here, alone=not everywhere)
@@ -286,6 +335,8 @@ class NonFiniteCheck(Check, GradientListener):
         try:
             return self.recompute.nonfinite(rank, step)
         except Exception as e:  # a diagnostic, not the training's own work
+            if self.sharded:  # collective: the other ranks may be inside it; stop here
+                raise
             log.warning("sdc-guard: recomputing rank %d's batch of step %d failed (%s: %s); "
                         "its non-finite gradients, if any, stay unexplained", rank, step,
                         type(e).__name__, e)

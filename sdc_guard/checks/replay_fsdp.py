@@ -53,7 +53,6 @@ non-finite check and, under HSDP, the weights vote see the reduced shards).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -72,11 +71,11 @@ from sdc_guard.checks.replay import (
 )
 from sdc_guard.checks.replay_tolerant import TolerantReplayAudit, _loss_sum
 from sdc_guard.collectives import all_gather_rows
-from sdc_guard.determinism import buffers_saved, buffers_set, module_state_kept, rng_stream
+from sdc_guard.determinism import buffers_saved, buffers_set
 from sdc_guard.fingerprints.digest import host_concat_digest, tensors_digest
 from sdc_guard.hostread import on_host
 from sdc_guard.parallel.base import Bucket
-from sdc_guard.types import BatchFor, LossFn, fetch_micro_batches, recomputed_loss
+from sdc_guard.types import BatchFor, LossFn, fetch_micro_batches
 
 if TYPE_CHECKING:
     from sdc_guard.parallel.fsdp import FSDPBackend
@@ -127,7 +126,7 @@ class FSDPReplayAudit(ReplayAudit):
         _refuse_sync_batchnorm(model)
         self._fsdp = backend
         self.params = list(model.parameters())
-        """The sharded parameters (``DTensor``): their gradients are put back after a replay."""
+        """The sharded parameters (``DTensor``)."""
         self._replaying = False
         """Inside a recomputation: the chunks the backend shows are the replay's."""
         self._replay_grad: Word | None = None
@@ -189,36 +188,21 @@ class FSDPReplayAudit(ReplayAudit):
         owner it replays)."""
         self.phase = phase
         buffers = buffers_saved(self.module)
-        kept = [p.grad for p in self.params]  # an arbitration runs after the step's backward
-        losses: list[torch.Tensor] = []
         self._replay_start()
         try:
             buffers_set(self.module, self._step_buffers)
             batches = fetch_micro_batches(self.batch_for, rank, step, self.micro)
             if not _probed(self.batch_for):
                 self._probe(batches, rank, step)
-            for p in self.params:
-                p.grad = None
             self._replaying = True
-            last = len(batches) - 1
-            with self._fsdp.recomputing(), module_state_kept(self.module):
-                for i, mb in enumerate(batches):
-                    sync = contextlib.nullcontext() if i == last else self._fsdp.no_sync()
-                    with sync:
-                        with rng_stream(self.seed, rank, step, i, self.device):
-                            loss = recomputed_loss(self.loss_fn, self.module, mb)
-                        losses.append(loss.detach())
-                        scaled = self.scale(loss) if self.scale is not None else loss
-                        torch.autograd.backward(scaled)
-                    del loss, scaled
+            losses = self._fsdp.recompute(batches, self.loss_fn, owner=rank, step=step,
+                                          seed=self.seed, scale=self.scale)
         finally:
             self._replaying = False
             if not self._buffers_checked:
                 self._changed = [q for m, n, q, value in buffers if q in self._watched
                                  and not _same_buffer(m._buffers.get(n), value)]
             buffers_set(self.module, buffers)
-            for p, g in zip(self.params, kept, strict=True):
-                p.grad = g
             self.phase = "train"
         return self._replay_result(losses)
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -54,9 +54,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from sdc_guard.collectives import PendingSum, words_on
+from sdc_guard.determinism import module_state_kept, rng_stream
 from sdc_guard.parallel.base import GradientListener, Layout
 from sdc_guard.parallel.ddp import SentinelAnswer, WordAnswer, sentinel_values
 from sdc_guard.scaling import Flag, check_nonfinite, check_row_sums, row_sums
+from sdc_guard.types import LossFn, recomputed_loss
 
 _REDUCE_SCATTER: Any = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 """FSDP2's own default collective (``reduce_scatter_single`` where torch has it)."""
@@ -327,6 +329,43 @@ class FSDPBackend:
         finally:
             self.quiet = False
             root.set_requires_all_reduce(True)
+
+    def recompute(self, batches: Sequence[Any], loss_fn: LossFn, *, owner: int, step: int,
+                  seed: int | None,
+                  scale: Callable[[torch.Tensor], torch.Tensor] | None = None
+                  ) -> list[torch.Tensor]:
+        """``owner``'s micro-batches of ``step`` through the model, forward and backward, inside
+        ``recomputing``: the listeners see each module's local gradients, nothing is reduced,
+        and the sharded gradients are put back as they were afterwards (a check may recompute
+        after the step's backward), as are the module's Python attributes
+        (``module_state_kept``; buffers are the caller's). Each micro-batch draws the owner's
+        random stream (``seed`` None: the current one), those before the last without
+        gradient sync, as the guard's step runs them; ``scale`` is the loss scaling (a
+        ``GradScaler``'s). Collective: every rank calls it at once, each with the owner it
+        recomputes. Returns the losses, detached."""
+        params = list(self.model.parameters())
+        device = params[0].device if params else torch.device("cpu")
+        kept = [p.grad for p in params]
+        losses: list[torch.Tensor] = []
+        try:
+            for p in params:
+                p.grad = None
+            last = len(batches) - 1
+            with self.recomputing(), module_state_kept(self.model):
+                for i, mb in enumerate(batches):
+                    sync = contextlib.nullcontext() if i == last else self.no_sync()
+                    draws = (rng_stream(seed, owner, step, i, device) if seed is not None
+                             else contextlib.nullcontext())
+                    with sync:
+                        with draws:
+                            loss = recomputed_loss(loss_fn, self.model, mb)
+                        losses.append(loss.detach())
+                        torch.autograd.backward(scale(loss) if scale is not None else loss)
+                    del loss
+        finally:
+            for p, g in zip(params, kept, strict=True):
+                p.grad = g
+        return losses
 
     # -- events ------------------------------------------------------------------------------
     def _local(self, chunk: ShardChunk) -> None:
