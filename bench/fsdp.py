@@ -43,6 +43,7 @@ The checksum's budget is set under DDP over launches of new rank processes
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import time
@@ -311,13 +312,26 @@ AUDIT_EVERY = 4
 """The replay audit's interval in the per-audit measurement (``audit``)."""
 
 
+AUDIT_ARMS = {
+    "replay": GuardConfig(nonfinite=False, weights_interval=0, replay_interval=AUDIT_EVERY,
+                          deterministic=True),
+    "tolerant": GuardConfig(nonfinite=False, weights_interval=0, replay_interval=AUDIT_EVERY,
+                            replay_mode="tolerant", replay_trigger=False),
+    "ideal": GuardConfig(nonfinite=False, weights_interval=0, deterministic=True),
+}
+"""The audit run's configurations: the exact audit, the tolerant one (its trigger off: the
+trigger's norm is taken on the other steps, which the extra per audit step is measured
+against) and the ideal (the guard with its checks off, plus the recomputation)."""
+
+
 def _audit_rank(rank: int, world: int, rounds: int, block: int,
                 batch: int) -> dict[str, list[tuple[bool, float]]]:
     """Each step's time and whether it audits, for the replay audit every ``AUDIT_EVERY``
-    steps and for its ideal: the guard with its checks off plus what an audit cannot avoid,
-    the neighbour's micro-batch forward and backward through the sharded model with nothing
-    reduced (the backend's ``recomputing``, as the audit runs it), at the start of every
-    ``AUDIT_EVERY``-th step. Blocks of ``block`` steps alternate, a barrier around each step."""
+    steps, exact and tolerant, and for their ideal: the guard with its checks off plus what
+    an audit cannot avoid, the neighbour's micro-batch forward and backward through the
+    sharded model with nothing reduced (the backend's ``recomputing``, as the audit runs it),
+    at the start of every ``AUDIT_EVERY``-th step. Blocks of ``block`` steps rotate, a
+    barrier around each step (the tolerant audit calibrates in the warm-up)."""
     torch.set_num_threads(1)
     neighbour = (rank + 1) % world
 
@@ -325,10 +339,7 @@ def _audit_rank(rank: int, world: int, rounds: int, block: int,
         return synthetic_batch("llama", SEED, r, step, 0, batch=batch)
 
     guards: dict[str, Any] = {}
-    for name, cfg in (("replay", GuardConfig(nonfinite=False, weights_interval=0,
-                                             replay_interval=AUDIT_EVERY, deterministic=True)),
-                      ("ideal", GuardConfig(nonfinite=False, weights_interval=0,
-                                            deterministic=True))):
+    for name, cfg in AUDIT_ARMS.items():
         model = shard_model(build_model("llama", width=64, depth=2, seed=SEED),
                             parallel="fsdp", mesh_shape=(world,))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -352,7 +363,7 @@ def _audit_rank(rank: int, world: int, rounds: int, block: int,
             step += 1
     names = list(guards)
     for r in range(rounds):
-        for name in names[r % 2:] + names[:r % 2]:
+        for name in names[r % len(names):] + names[:r % len(names)]:
             for _ in range(block):
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -370,18 +381,28 @@ def _audit_extra(samples: list[tuple[bool, float]]) -> float:
 
 
 def audit(rounds: int, block: int, batch: int) -> dict[str, Any]:
-    """The replay audit's extra time per audit step over its ideal's (rank 0's clock): the
-    ratio of medians and a 90% bootstrap interval over the rounds."""
+    """The replay audit's extra time per audit step over its ideal's (rank 0's clock), exact
+    and tolerant, and the tolerant's over the exact's: ratios of medians and 90% bootstrap
+    intervals over the rounds."""
     got = run_ranks(_audit_rank, 2, rounds, block, batch, timeout=3600)[0]
+    by_round = {n: split_rounds(v, rounds) for n, v in got.items()}
 
-    def ratio(pooled: dict[str, list[tuple[bool, float]]]) -> float:
-        return _audit_extra(pooled["replay"]) / _audit_extra(pooled["ideal"])
+    def ratio_of(mode: str, base: str) -> tuple[float, list[float]]:
+        def ratio(pooled: dict[str, list[tuple[bool, float]]]) -> float:
+            return _audit_extra(pooled[mode]) / _audit_extra(pooled[base])
 
-    low, high = bootstrap_interval({n: split_rounds(v, rounds) for n, v in got.items()}, ratio)
+        return ratio(got), list(bootstrap_interval(by_round, ratio))
+
+    exact, exact_ci = ratio_of("replay", "ideal")
+    tolerant, tolerant_ci = ratio_of("tolerant", "ideal")
+    over, over_ci = ratio_of("tolerant", "replay")
     return {"every": AUDIT_EVERY, "rounds": rounds, "block": block,
             "replay_extra_ms": _audit_extra(got["replay"]) * 1e3,
             "ideal_extra_ms": _audit_extra(got["ideal"]) * 1e3,
-            "ratio": ratio(got), "interval": [low, high]}
+            "ratio": exact, "interval": exact_ci,
+            "tolerant_extra_ms": _audit_extra(got["tolerant"]) * 1e3,
+            "tolerant_ratio": tolerant, "tolerant_interval": tolerant_ci,
+            "tolerant_over_exact": over, "tolerant_over_exact_interval": over_ci}
 
 
 def _verdict_rank(rank: int, world: int, shape: tuple[int, ...], rounds: int,
@@ -600,20 +621,7 @@ def markdown(res: dict[str, Any]) -> list[str]:
               f"{pct(w['share_of_plain_step'])} of the plain step (90%: "
               f"{pct(w['interval'][0])} .. {pct(w['interval'][1])}): gloo's round trip "
               "between two processes on this host."]
-    a = res["audit"]
-    lines += ["", "## The replay audit, per audit step", "",
-              f"A third two-rank run, {a['rounds']} rounds of blocks of {a['block']} steps, "
-              f"alternated, a barrier around each step: the replay audit every {a['every']} "
-              "steps (its other checks off), and its ideal: the guard with its checks off "
-              "plus what an audit cannot avoid, the neighbour's micro-batch forward and "
-              "backward through the sharded model with nothing reduced, at the start of "
-              f"every {a['every']}th step. Each one's extra time of an audit step over its "
-              "other steps (medians, rank 0's clock), and the ratio with its 90% bootstrap "
-              "interval over the rounds (the DDP budget: 1.15x).", "",
-              "| replay audit step's extra (ms) | ideal's extra (ms) | ratio | 90% interval |",
-              "|---:|---:|---:|---|",
-              f"| {a['replay_extra_ms']:.2f} | {a['ideal_extra_ms']:.2f} | "
-              f"**{a['ratio']:.2f}x** | {a['interval'][0]:.2f}x .. {a['interval'][1]:.2f}x |"]
+    lines += audit_md(res["audit"])
     lines += ["", "## The weights check's verdict, per step", "",
               "Two more runs, the weights check alone, voting every step: its own time per "
               "step (its post_step; at rest its veto, asked in the next step's backward "
@@ -636,6 +644,32 @@ def markdown(res: dict[str, Any]) -> list[str]:
                      f"{v['own_interval'][1]:.2f}x |")
     if "checksum_launches" in res:
         lines += checksum_launches_md(res["checksum_launches"])
+    return lines
+
+
+def audit_md(a: dict[str, Any]) -> list[str]:
+    """``audit``'s section of FSDP.md (a run before the tolerant arm has the exact row only)."""
+    lines = ["", "## The replay audit, per audit step", "",
+             f"A third two-rank run, {a['rounds']} rounds of blocks of {a['block']} steps, "
+             f"rotated, a barrier around each step: the replay audit every {a['every']} "
+             "steps (its other checks off), exact (deterministic kernels) and tolerant "
+             "(`replay_mode=\"tolerant\"`, its trigger off), and their ideal: the guard with "
+             "its checks off plus what an audit cannot avoid, the neighbour's micro-batch "
+             "forward and backward through the sharded model with nothing reduced, at the "
+             f"start of every {a['every']}th step. Each one's extra time of an audit step over "
+             "its other steps (medians, rank 0's clock), and the ratio with its 90% "
+             "bootstrap interval over the rounds (the DDP budget: 1.15x).", "",
+             "| audit | audit step's extra (ms) | ideal's extra (ms) | ratio | 90% interval |",
+             "|---|---:|---:|---:|---|",
+             f"| exact | {a['replay_extra_ms']:.2f} | {a['ideal_extra_ms']:.2f} | "
+             f"**{a['ratio']:.2f}x** | {a['interval'][0]:.2f}x .. {a['interval'][1]:.2f}x |"]
+    if "tolerant_ratio" in a:
+        lo, hi = a["tolerant_interval"]
+        olo, ohi = a["tolerant_over_exact_interval"]
+        lines += [f"| tolerant | {a['tolerant_extra_ms']:.2f} | {a['ideal_extra_ms']:.2f} | "
+                  f"**{a['tolerant_ratio']:.2f}x** | {lo:.2f}x .. {hi:.2f}x |", "",
+                  f"The tolerant audit's extra over the exact one's: "
+                  f"**{a['tolerant_over_exact']:.2f}x** (90%: {olo:.2f}x .. {ohi:.2f}x)."]
     return lines
 
 
@@ -677,8 +711,28 @@ def main(argv: list[str] | None = None) -> int:
                     help="rounds of the checksum's launches, all together (default 200)")
     ap.add_argument("--launches", type=int, default=10,
                     help="launches the checksum's rounds are split over (default 10)")
+    ap.add_argument("--only-audit", action="store_true",
+                    help="the replay audit's run alone, amending OUT/fsdp.json")
     ap.add_argument("--out", default="bench")
     args = ap.parse_args(argv)
+    if args.only_audit:
+        if args.audit_rounds < 1:
+            ap.error(f"--audit-rounds must be at least 1; got {args.audit_rounds}")
+        path = Path(args.out) / "fsdp.json"
+        try:
+            res = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            ap.error(f"--only-audit amends a full run's {path}, which cannot be read ({e}); "
+                     "run without --only-audit first")
+        machine = str(res.get("machine", ""))
+        if not machine.startswith(cpu_name()):
+            ap.error(f"--only-audit: {path} was measured on {machine or 'an unnamed CPU'}, "
+                     f"this is {cpu_name()}: run the whole benchmark here")
+        res["audit"] = audit(args.audit_rounds, 2 * AUDIT_EVERY, int(res.get("batch", 16)))
+        lines = markdown(res)
+        publish(Path(args.out), "fsdp", res, lines)
+        (Path(args.out) / "FSDP.md").write_text("\n".join(lines) + "\n")
+        return 0
     if min(args.rounds, args.block, args.batch) < 1 or args.direct_steps < 10:
         ap.error(f"--rounds, --block and --batch must be at least 1 and --direct-steps at "
                  f"least 10 (its intervals resample blocks of 10 steps); got --rounds "
