@@ -537,15 +537,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="the cost part alone, amending OUT/tolerant.json")
     ap.add_argument("--only-side-by-side", action="store_true",
                     help="the cost part's side-by-side run alone, amending OUT/tolerant.json")
+    ap.add_argument("--keep-cost", action="store_true",
+                    help="every part but the cost, keeping OUT/tolerant.json's cost part")
     ap.add_argument("--out", default="bench")
     args = ap.parse_args(argv)
     if min(args.clean, args.exponent, args.per_bit) < 1 or args.cost_rounds < 0:
         ap.error("--clean, --exponent and --per-bit must be at least 1, --cost-rounds at "
                  "least 0")
-    if args.only_cost and args.only_side_by_side:
-        ap.error("--only-cost measures the side-by-side run too: give one of the two")
-    if args.only_cost or args.only_side_by_side:
-        flag = "--only-cost" if args.only_cost else "--only-side-by-side"
+    if sum((args.only_cost, args.only_side_by_side, args.keep_cost)) > 1:
+        ap.error("--only-cost, --only-side-by-side and --keep-cost each amend another part: "
+                 "give one of them")
+    if args.only_cost or args.only_side_by_side or args.keep_cost:
+        flag = ("--only-cost" if args.only_cost else "--only-side-by-side"
+                if args.only_side_by_side else "--keep-cost")
         path = Path(args.out) / "tolerant.json"
         try:
             res = json.loads(path.read_text())
@@ -555,7 +559,13 @@ def main(argv: list[str] | None = None) -> int:
         if res.get("cpu") != cpu_name():
             ap.error(f"{flag}: {path} was measured on {res.get('cpu')}, this is "
                      f"{cpu_name()}: run the whole benchmark here")
-        if args.only_side_by_side:
+        if args.keep_cost:
+            if not isinstance(res.get("cost"), dict):
+                ap.error(f"{flag} keeps the cost part of {path}, which has none: run without "
+                         f"{flag}")
+            kept = {k: res[k] for k in ("cost", "cost_note") if k in res}
+            res = {**tolerant_bench(args.clean, args.exponent, args.per_bit, 0), **kept}
+        elif args.only_side_by_side:
             if not isinstance(res.get("cost"), dict):
                 ap.error(f"{flag} amends the cost part of {path}, which has none: run with "
                          "--only-cost first")

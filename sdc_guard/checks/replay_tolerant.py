@@ -16,7 +16,15 @@ what they do before blaming anyone:
   differences (``calibrated_tolerance``). Every rank computes the same number from the same
   gathered sketches. It is logged (event ``replay_calibration``); a calibration above
   ``CEILING`` is refused (logged, and done again at the next audit), and meanwhile the
-  audit compares at ``CEILING``.
+  audit compares at ``CEILING``. **Then it rolls**: the recomputations at the start see
+  one batch per rank, and the noise of a recomputation changes as training goes on (a
+  gradient that becomes a sum of cancelling terms carries more noise relative to its
+  norm), so every ``ROLLING_AUDITS`` clean audits the ranks gather the median of their
+  own edge's distances over those audits (the owner's step against its neighbour's
+  replay: the quantity each audit compares) and the tolerance becomes ``MARGIN`` times
+  the lower median of those medians (one float per rank, no recomputation; logged with
+  ``"kind": "rolling"``). The lower median: a rank whose own distances a lasting fault
+  inflates cannot raise it.
 - **A diagnosis by reruns before blame.** For a bad edge a -> b the audit reruns b's
   batch in the same step, in one gather: ``DIAGNOSIS_RERUNS`` times on b, on a and (with
   more than two ranks) on the third rank b + 1 (``diagnose``). A result that recurs on a
@@ -127,6 +135,9 @@ RERUNS = 4
 """Recomputations of the neighbour's batch on each rank at a calibration (the replay
 included): ``RERUNS * (RERUNS - 1) / 2`` same-rank and ``RERUNS`` cross-rank differences per
 rank."""
+
+ROLLING_AUDITS = 32
+"""Clean audits between the tolerance's rolling updates (``TolerantReplayAudit._roll``)."""
 
 _SKETCH_SALT = 0x5EC7
 """Separates the sketch's projections from the other streams drawn from the seed."""
@@ -241,6 +252,12 @@ class TolerantReplayAudit(ReplayAudit):
         self._own_sketch: torch.Tensor | None = None
         self._calibration: list[torch.Tensor] = []
         self._records: list[dict[str, Any]] = []
+        self._distance: torch.Tensor | None = None
+        """This audit step's own edge distance (``_far``), while the step is judged."""
+        self._recent: list[torch.Tensor] = []
+        """The own edge's distances of the clean audits since the last rolling update."""
+        self._clean_audits = 0
+        """Clean audits since then (alike on every rank: the verdicts are collective)."""
         self._unstable = False
         self._extra: list[float] = []
         """Numbers gathered beside the sketches (a triggered audit's norm and vote)."""
@@ -471,15 +488,61 @@ class TolerantReplayAudit(ReplayAudit):
             self._norm_read = (read, read.ask(self._norm))
 
     def pre_step(self, step: int) -> Verdict:
-        if self.due(step):
-            return super().pre_step(step)
-        return self._trigger_pre_step(step)
+        if not self.due(step):
+            return self._trigger_pre_step(step)
+        calibrated = self.tolerance is not None
+        try:
+            verdict = super().pre_step(step)
+        finally:
+            dist_now, self._distance = self._distance, None
+        if (calibrated and self.world > 1 and not verdict.detections
+                and not verdict.withhold):  # a clean audit (alike on every rank)
+            if dist_now is not None:
+                self._recent.append(dist_now)
+            self._clean_audits += 1
+            if self._clean_audits >= ROLLING_AUDITS:
+                self._roll(step)
+        return verdict
+
+    def _roll(self, step: int) -> None:
+        """The tolerance's rolling update (module doc): every rank's median edge distance over
+        its recent clean audits, gathered; ``MARGIN`` times their lower median, between
+        ``FLOOR`` and ``CEILING`` (above it: refused, logged). Collective."""
+        recent, self._recent, self._clean_audits = self._recent, [], 0
+        med = (torch.stack(recent).to(torch.float64).median() if recent
+               else torch.tensor(math.nan, dtype=torch.float64, device=self.device))
+        mine = torch.stack([med.reshape(()), torch.tensor(float(step), dtype=torch.float64,
+                                                          device=med.device)])
+        rows = all_gather_rows(mine, self.group).cpu()
+        differ = steps_disagree([int(v) for v in rows[:, 1].tolist()])
+        if differ is not None:
+            raise ValueError(f"replay audit: the ranks are not at one step ({differ}); "
+                             f"{STEPS_FIX}")
+        medians = [float(v) for v in rows[:, 0].tolist()]
+        seen = sorted(v for v in medians if math.isfinite(v))
+        if not seen:
+            return
+        tol = max(FLOOR, MARGIN * seen[(len(seen) - 1) // 2])
+        accepted = tol <= CEILING
+        before = self.tolerance
+        if accepted:
+            self.tolerance = tol
+        self._records.append({
+            "event": "replay_calibration", "kind": "rolling", "step": step, "tolerance": tol,
+            "accepted": accepted, "before": before, "margin": MARGIN, "floor": FLOOR,
+            "ceiling": CEILING, "audits": ROLLING_AUDITS, "rank_medians": medians,
+            "detail": ("tolerance rolled: MARGIN times the lower median of the ranks' median "
+                       "edge distances over their recent clean audits" if accepted else
+                       "rolling update refused: the recent distances are above the ceiling "
+                       "(the tolerance stays)")})
 
     def _far(self) -> torch.Tensor:
         """Does the replay of this rank's batch (the previous rank's, or this rank's own with
-        one rank) differ from its own step by more than the tolerance? (0-d bool)"""
+        one rank) differ from its own step by more than the tolerance? (0-d bool; the
+        distance is kept for the rolling update)"""
         other = self._peer if self.world > 1 else self._replayed
-        return distance(self._own_vector(), other, self.sketch.width) > self._tol()
+        self._distance = distance(self._own_vector(), other, self.sketch.width)
+        return self._distance > self._tol()
 
     def veto(self) -> Flag | None:
         if not self._observing:  # not an audit step: the trigger's vote, if it is on

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.timing import cpu_name
 from bench.tolerant import SIDE_INTERVAL, _side_md, side_by_side
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,9 +39,14 @@ def test_the_amending_flags_refuse_what_they_cannot_amend(tmp_path: Path) -> Non
                               cwd=ROOT)
 
     both = run("--only-cost", "--only-side-by-side")
-    assert both.returncode == 2 and "give one of the two" in both.stderr
+    assert both.returncode == 2 and "give one of them" in both.stderr
+    both = run("--keep-cost", "--only-cost")
+    assert both.returncode == 2 and "give one of them" in both.stderr
     missing = run("--only-side-by-side")
     assert missing.returncode == 2 and "--only-side-by-side amends" in missing.stderr
     (tmp_path / "tolerant.json").write_text(json.dumps({"cpu": "another CPU"}))
     other = run("--only-side-by-side")
     assert other.returncode == 2 and "was measured on another CPU" in other.stderr
+    (tmp_path / "tolerant.json").write_text(json.dumps({"cpu": cpu_name()}))
+    uncosted = run("--keep-cost")
+    assert uncosted.returncode == 2 and "keeps the cost part" in uncosted.stderr
