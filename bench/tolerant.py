@@ -467,8 +467,9 @@ def markdown(res: dict[str, Any]) -> list[str]:
         "thread counts). How it runs: the module doc of `bench/tolerant.py`.", "",
         "## False positives", "",
         f"GELU model: {c['audits']} clean steps, each audited: **{c['false_positives']} "
-        f"detections**. Calibrated tolerance {c['tolerance']:.3g} (relative, per component). "
-        f"Each rank's own sketch against the replay of its batch, in units of the tolerance, "
+        f"detections**. Tolerance at the end {c['tolerance']:.3g} (relative, per component; "
+        "calibrated at the first audit, rolled every 32 clean audits). Each rank's own "
+        "sketch against the replay of its batch, in units of the tolerance of its step, "
         f"over the {c['gaps']['n']} comparisons: median {c['gaps']['median']:.3f}, 99th "
         f"percentile {c['gaps']['p99']:.3f}, largest {c['gaps']['max']:.3f}.", "",
         f"ReLU model: {r['audits']} clean steps: **{r['false_positives']} detections** "

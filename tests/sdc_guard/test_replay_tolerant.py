@@ -15,6 +15,7 @@ from torch import nn
 from injectors.noise import LinearNoise, nudge
 from sdc_guard import GuardConfig, native_kernel
 from sdc_guard.checks.replay_tolerant import (
+    ROLLING_AUDITS,
     TRIGGER_FLOOR,
     TRIGGER_MARGIN,
     TRIGGER_WARMUP,
@@ -229,18 +230,35 @@ def test_tolerant_mode_needs_no_deterministic_kernels_and_exact_mode_names_it() 
 # -- distributed, on the testbed ----------------------------------------------------------
 
 
-def test_a_clean_run_on_the_testbed_calibrates_once_and_never_fires(tmp_path: Path) -> None:
+def test_a_clean_run_on_the_testbed_calibrates_then_rolls_and_never_fires(
+        tmp_path: Path) -> None:
     log = str(tmp_path / "events.jsonl")
-    res = run_ranks(tw.tolerant_run, 3, 30, event_log=log, timeout=240)
+    steps = ROLLING_AUDITS + 3
+    res = run_ranks(tw.tolerant_run, 3, steps, event_log=log, timeout=240)
     assert all(r["detections"] == [] and r["skipped"] == [] for r in res)
     assert len({r["final"] for r in res}) == 1  # the replicas stay equal
     tol = res[0]["tolerance"]
     assert FLOOR < tol < CEILING and all(r["tolerance"] == tol for r in res)
-    assert all(r["noise_calls"] > 30 * 3 * 2 for r in res)  # own step and replay, 3 layers
-    (cal,) = tw.records(log, "replay_calibration")
-    assert cal["accepted"] and cal["tolerance"] == tol and cal["step"] == 0
+    assert all(r["noise_calls"] > steps * 3 * 2 for r in res)  # own step and replay, 3 layers
+    cal, rolled = tw.records(log, "replay_calibration")
+    assert cal["accepted"] and cal["step"] == 0 and "kind" not in cal
     assert cal["same_rank"]["count"] == 3 * 6 and cal["cross_rank"]["count"] == 3 * 4
-    assert 0 < cal["same_rank"]["max"] < tol and 0 < cal["cross_rank"]["max"] < tol
+    first = cal["tolerance"]
+    assert 0 < cal["same_rank"]["max"] < first and 0 < cal["cross_rank"]["max"] < first
+    # the 32nd clean audit after the calibration: the ranks' median edge distances
+    assert rolled["kind"] == "rolling" and rolled["step"] == ROLLING_AUDITS
+    assert rolled["accepted"] and rolled["before"] == first and rolled["tolerance"] == tol
+    medians = rolled["rank_medians"]
+    assert len(medians) == 3 and tol == max(FLOOR, MARGIN * sorted(medians)[1])
+    assert all(0 < m < first for m in medians)  # the audits stayed within the tolerance
+
+
+def test_after_the_tolerance_rolled_a_flip_is_still_named() -> None:
+    fault = {"site": "activation", "rank": 1, "step": ROLLING_AUDITS + 2, "target": "act2",
+             "bits": (28,)}
+    res = run_ranks(tw.tolerant_run, 3, ROLLING_AUDITS + 3, fault=fault, timeout=240)
+    for r in res:
+        assert r["detections"] == [("replay", ROLLING_AUDITS + 2, (1,), True)]
 
 
 def test_the_exact_audit_refuses_the_testbed_where_the_tolerant_one_runs() -> None:
