@@ -25,6 +25,7 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -186,3 +187,29 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                     p.kill()
                     p.join(timeout=5.0)
         return [out[r] for r in range(world_size)]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 for a store that processes of their own open (``MASTER_PORT``),
+    free when asked, drawn below the kernel's ephemeral range: a port the kernel hands out
+    (binding port 0) is in that range, where every outgoing connection of the suite's gloo
+    ranks also takes its local port, and one of them may take it before the store binds."""
+    import random
+    import socket
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    draw = random.Random()
+    for _ in range(200):
+        port = draw.randrange(10_000, max(10_001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # (every draw taken: the kernel's choice)
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -40,7 +39,7 @@ import pytest
 
 from kube_standin import StandInAPIServer
 from sdc_guard import EXIT_CONVICTED, EXIT_QUARANTINED
-from tests.launch import scaled
+from tests.launch import free_port, scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ("README.md", "docs/usage.md", "docs/recovery.md", "docs/fsdp.md")
@@ -100,12 +99,6 @@ class Run:
         return None if m is None else m.group(1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(snippet: Snippet, where: Path, world: int, *, faults: dict[str, Any] | None = None,
            kubeconfig: Path | None = None) -> list[Run]:
     """``snippet`` as a script on ``world`` ranks in ``where``; each rank's exit and output."""
@@ -114,7 +107,7 @@ def launch(snippet: Snippet, where: Path, world: int, *, faults: dict[str, Any] 
     script = where / "snippet.py"
     script.write_text(f"from tests.docs.harness import *  # noqa: F403\n{setup}"
                       f"# -- {snippet.id} --\n{snippet.code}# --\nfinish(globals())\n")
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
@@ -133,6 +126,8 @@ def launch(snippet: Snippet, where: Path, world: int, *, faults: dict[str, Any] 
         for p in procs:
             if p.poll() is None:
                 p.kill()
+            if p.stdout is not None and not p.stdout.closed:
+                p.communicate()  # reaped and its pipe closed: nothing left for the next test
     return [Run(p.returncode, out) for p, out in zip(procs, outs, strict=True)]
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,22 +18,16 @@ import pytest
 
 from kube_standin import StandInAPIServer
 from sdc_guard import EXIT_CONVICTED, EXIT_QUARANTINED
-from tests.launch import scaled
+from tests.launch import free_port, scaled
 
 pytestmark = pytest.mark.timeout(360)  # scaled by conftest
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(kubeconfig: Path | None, *extra: str,
          nodes: tuple[str, ...] = ("gpu-0", "gpu-1", "gpu-2")) -> list[tuple[int, str]]:
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(3):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",

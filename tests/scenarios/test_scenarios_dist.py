@@ -19,7 +19,7 @@ from scenarios.run.runner import CampaignRunner, PoolExecutor
 from scenarios.spec.campaign import campaign_for_scenario, load_campaign
 from scenarios.spec.scenario import scenario_from_dict
 from scenarios.spec.trials import Chaos, TrialSpec, plan_trials
-from tests.launch import scaled
+from tests.launch import free_port, scaled
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -397,14 +397,6 @@ def test_three_shards_merged_equal_the_unsharded_campaign(
     assert code == 2 and "same campaign" in err, err
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_torchrun_on_two_nodes_reports_what_one_launcher_reports(tmp_path: Path) -> None:
     """``torchrun`` ranks run one scenario: one launcher of 4 ranks finds each fault with the
     right check, step and rank and writes the report; two launchers with ``--nnodes 2`` on
@@ -440,7 +432,7 @@ value = inf
                           str(tmp_path / "one")], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=scaled(250))
     assert one.returncode == 0, one.stderr[-3000:]
-    port = _free_port()
+    port = free_port()
     nodes = [subprocess.Popen([*run, "--nnodes", "2", "--node-rank", str(n),
                                "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                                "--master-port", str(port), *args, "--out",
