@@ -608,7 +608,7 @@ class SDCGuard:
         assert self._weights_now is not None
         found = self._weights_now.vote_now(step)
         named = tuple(sorted({r for d in found for r in d.suspect_ranks}))
-        if named:
+        if found:  # (named may be empty: shards changed, no majority to name a holder)
             self._explained = {s: n for s, n in self._explained.items() if s > step - 1000}
             self._explained[step] = named
         return found
@@ -621,10 +621,22 @@ class SDCGuard:
         if named is None or d.check == "weights":
             return d
         before = set(d.suspect_ranks)
-        if not before and d.evidence.get("reproduced_by"):
-            # a recomputation gathers the same weight shards: a changed shard made it
-            # non-finite too, which looked like the batch's own
-            before = {int(r) for r in d.evidence["reproduced_by"]}
+        # a recomputation gathers weight shards too: where the vote found them changed, a
+        # recomputation that came out non-finite was not the batch's doing
+        reproduced = {int(r) for r in d.evidence.get("reproduced_by", {})}
+        if not named:  # changed, but no majority names a holder: the owners stay suspects
+            if not reproduced:
+                return d
+            suspects = tuple(sorted(before | reproduced))
+            return dataclasses.replace(
+                d, suspect_ranks=suspects,
+                detail=f"{d.detail}; but the weights vote of step {d.step} found weight "
+                "shards changed, which the recomputations gathered too: rank(s) "
+                f"{sorted(reproduced)} stay suspects",
+                evidence={**d.evidence, "suspects_before": list(d.suspect_ranks),
+                          "explained_by": "weights"})
+        if not before:
+            before = reproduced
         layout = self.backend.layout
         rows = {r for n in named for r in layout.computes_with(n)}
         if not rows & before or set(d.suspect_ranks) == set(named):

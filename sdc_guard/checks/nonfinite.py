@@ -39,8 +39,10 @@ Suspects:
   sample, an overflow) comes back on other hardware: reported without a suspect, so no
   healthy node is quarantined for it; one that does not come back names its rank. Under
   FSDP2 and HSDP no rank can recompute alone: on a step whose containment answer says
-  some rank's gradients were non-finite (alike on every rank), every rank recomputes its
-  neighbour's batch at once through the sharded model (``ShardedRecompute``);
+  some rank's gradients were non-finite (alike on every rank), every rank recomputes
+  another's batch at once through the sharded model (``ShardedRecompute``): its ring
+  neighbour's, or under HSDP that of the rank holding its shards in the next replica, whose
+  parameters come from another copy of every shard (``_partner``);
 * if the reduced result is non-finite on some rank while every local gradient
   was finite, the fault is in the reduction or the link: a detection that names
   the ranks that saw it (a single rank's bad result is its own; all ranks alike
@@ -316,7 +318,7 @@ class NonFiniteCheck(Check, GradientListener):
         asked = everywhere if self.sharded else reduced
         reproduced = False
         if asked and not self.expect_overflow and self.recompute is not None and self.world > 1:
-            reproduced = self._recompute((self.rank + 1) % self.world, step)
+            reproduced = self._recompute(self._recomputed_here(), step)
         found = self._deferred.collect(self)  # the word sent at the end of the previous window
         self._deferred.add(step, (local, reduced, reproduced))
         here = reduced and not self.expect_overflow
@@ -355,10 +357,30 @@ class NonFiniteCheck(Check, GradientListener):
         self._deferred.rewind()
         super().rewind(step)
 
+    def _partner(self, owner: int) -> int:
+        """The rank that recomputes ``owner``'s batch: the previous rank of the ring, or under
+        HSDP the rank that holds the owner's shards in the previous replica. A recomputation
+        gathers weight shards as the step did; a rank of the owner's shard group gathers the
+        same ones, and a changed shard would make its recomputation non-finite too, while
+        the other replica's rank gathers another copy of every shard. (Pure FSDP has one
+        copy: there the weights vote names a changed shard at once and the guard narrows
+        the detection to its rank, ``SDCGuard._narrowed``.)"""
+        if self.sharded and self.layout.replicas >= 2:
+            held = self.layout.sets[self.layout.part_of(owner)]
+            return held[(held.index(owner) - 1) % len(held)]
+        return (owner - 1) % self.world
+
+    def _recomputed_here(self) -> int:
+        """The owner whose batch this rank recomputes (``_partner`` of it is this rank)."""
+        if self.sharded and self.layout.replicas >= 2:
+            held = self.layout.sets[self.layout.part_of(self.rank)]
+            return held[(held.index(self.rank) + 1) % len(held)]
+        return (self.rank + 1) % self.world
+
     def judge(self, step: int, rows: list[list[int]]) -> list[Detection]:
         """The detection, if any, from every rank's ``[local, reduced, reproduced]`` flags (row
-        r: rank r; ``reproduced``: rank r's recomputation of rank r + 1's batch was
-        non-finite)."""
+        r: rank r; ``reproduced``: rank r's recomputation of another rank's batch, that of
+        the rank it is ``_partner`` of, was non-finite)."""
         n = len(rows)
         local = tuple(r for r, row in enumerate(rows) if row[0])
         reduced = tuple(r for r, row in enumerate(rows) if row[1])
@@ -369,7 +391,7 @@ class NonFiniteCheck(Check, GradientListener):
                                     else withheld}
         if local and not self.expect_overflow:
             # rank r's batch, recomputed by rank r - 1 (a third flag of that rank's row)
-            again = {r: (r - 1) % n for r in local if n > 1 and rows[(r - 1) % n][2]}
+            again = {r: self._partner(r) for r in local if n > 1 and rows[self._partner(r)][2]}
             suspects = tuple(r for r in local if r not in again)
             detail = f"non-finite local gradients on rank(s) {list(local)} before the all-reduce"
             if again:

@@ -153,6 +153,17 @@ def test_a_nan_written_into_a_shard_at_rest_is_named_though_it_hides_the_carried
         assert res["detections"][:2] == [("weights", 4, (1,), False), ("nonfinite", 5, (1,), False)]
 
 
+def test_with_two_replicas_a_nan_shard_keeps_its_shard_group_suspect() -> None:
+    """HSDP 2x2: a NaN written into rank 3's weight shard makes the gradients of its shard
+    group (ranks 2 and 3) non-finite. The non-finite check's recomputation of each owner's
+    batch runs on the rank holding its shards in the other replica (another copy of every
+    shard): it comes out finite, so neither owner is cleared as the batch's doing, and the
+    two-replica vote, which has no majority, cannot narrow it: ranks 2 and 3 are named."""
+    for res in run_ranks(w.faults, 4, (2, 2), "at_rest_nan", 3, 3):
+        assert ("nonfinite", 3, (2, 3), False) in res["detections"]
+        assert ("weights", 3, (), False) in res["detections"]
+
+
 @pytest.mark.parametrize(("site", "replay", "first"), [("at_rest", 1, "replay"),
                                                      ("at_rest_nan", 0, "nonfinite")])
 def test_hsdp_weight_shard_fault_is_pinned_to_its_rank_not_its_shard_group(

@@ -430,18 +430,20 @@ def test_under_fsdp2_the_trigger_audits_a_step_and_a_spike_the_batch_makes_names
 
 
 
-@pytest.mark.parametrize(("shape", "micro", "step"), [((3,), 1, 10), ((2, 2), 2, 13)])
+@pytest.mark.parametrize(("shape", "micro", "step", "by"), [((3,), 1, 10, 0),
+                                                          ((2, 2), 2, 13, 3)])
 def test_under_fsdp2_a_nan_the_batch_makes_is_reported_with_no_suspect(
-        shape: tuple[int, ...], micro: int, step: int) -> None:
-    """On an audit step (10) or between audits (13): every rank recomputes its neighbour's
-    batch through the sharded model (the non-finite check's collective recomputation), and
-    the NaN comes back on rank 0, which recomputed rank 1's batch: no one is named."""
+        shape: tuple[int, ...], micro: int, step: int, by: int) -> None:
+    """On an audit step (10) or between audits (13): every rank recomputes another's batch
+    through the sharded model (the non-finite check's collective recomputation), and the NaN
+    comes back on the rank that recomputed rank 1's: its ring neighbour 0 under FSDP, under
+    HSDP 2x2 rank 3, which holds rank 1's shards in the other replica. No one is named."""
     res = run_ranks(tw.fsdp_run, math.prod(shape), shape, step + 2, micro=micro,
                     interval=10, odd_batch=(1, step, math.nan), timeout=240)
     for r in res:
         assert r["detections"] == [("nonfinite", step, (), False)]
         assert "not that hardware" in r["details"][0] and r["skipped"] == [step]
-        assert r["evidence"][0]["reproduced_by"] == {"1": 0}
+        assert r["evidence"][0]["reproduced_by"] == {"1": by}
 
 
 X, Y, Z = torch.tensor([1.0]), torch.tensor([2.0]), torch.tensor([3.0])
