@@ -125,8 +125,6 @@ class FSDPReplayAudit(ReplayAudit):
                          device=next(model.parameters()).device)
         _refuse_sync_batchnorm(model)
         self._fsdp = backend
-        self.params = list(model.parameters())
-        """The sharded parameters (``DTensor``)."""
         self._replaying = False
         """Inside a recomputation: the chunks the backend shows are the replay's."""
         self._replay_grad: Word | None = None
