@@ -21,6 +21,7 @@ non-finite check applies to a bucket's reduced result.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -264,4 +265,104 @@ class RowPlans:
         known = self._plans.get(index)
         if known is None or known[0] != key:
             known = self._plans[index] = (key, RowPlan.of(buf, requests))
+        return known[1]
+
+
+class Sketcher(Protocol):
+    """What the scaling pass needs of a gradient sketch (``sdc_guard.checks.sketch``)."""
+
+    k: int
+
+    def row(self, i: int, g: torch.Tensor) -> torch.Tensor:
+        """Gradient ``i``'s sketch row, ``1 + k`` float64, in a read of its own."""
+        ...
+
+    def c_block(self, i: int, g: torch.Tensor) -> tuple[int, int, int, int, int, int] | None:
+        """``(q, c, tail, b, a, t)`` of gradient ``i`` for the C kernel (``sdc_sketch``), or
+        None where it cannot read ``g``."""
+        ...
+
+
+class SketchRequest:
+    """Gradients of one local bucket whose sketch rows a listener wants, of the values as
+    they were before the scaling pass (``GradientListener.sketches``): ``items`` holds
+    (the gradient's index in ``sketch``, its view into the bucket's buffer). The pass fills
+    ``rows`` (index -> row) in its own read where it can (``SketchPlan``); elsewhere
+    ``compute`` reads them first."""
+
+    def __init__(self, sketch: Sketcher, items: list[tuple[int, torch.Tensor]]) -> None:
+        self.sketch = sketch
+        self.items = items
+        self.rows: dict[int, torch.Tensor] = {}
+
+    def compute(self) -> None:
+        """The rows, in a read of their own (before anything scales the bucket)."""
+        self.rows = {i: self.sketch.row(i, g) for i, g in self.items}
+
+
+class SketchPlan:
+    """The scaling pass that sketches a request's gradients in its read (``sdc_scale_sketch``),
+    for one bucket's buffer and one request's layout: checked once and kept with its blocks
+    in the C call's form (``SketchPlans``)."""
+
+    def __init__(self, buf: torch.Tensor, request: SketchRequest,
+                 blocks: list[tuple[int, int, int, int, int, int, int]],
+                 order: list[int]) -> None:
+        kernel = active_kernel()
+        assert kernel is not None
+        self.kernel = kernel
+        self.buf = buf
+        """Kept alive: the key of ``SketchPlans`` holds its id."""
+        self.sketch = request.sketch
+        self.base, self.n, self.k = buf.data_ptr(), buf.numel(), request.sketch.k
+        self.blocks = kernel.sketch_blocks(blocks)
+        self.order = order
+        """The index in the sketch of each block, in the blocks' order."""
+
+    @classmethod
+    def of(cls, buf: torch.Tensor, request: SketchRequest) -> SketchPlan | None:
+        """The plan, or None where the kernel cannot take the pass: it needs contiguous
+        float32 CPU memory for the buffer and every gradient, each inside the buffer, none
+        overlapping another."""
+        if not host_words(buf) or active_kernel() is None:
+            return None
+        base, end = buf.data_ptr(), buf.data_ptr() + 4 * buf.numel()
+        found = []
+        for i, g in request.items:
+            block = request.sketch.c_block(i, g)
+            if (block is None or not host_words(g) or (g.data_ptr() - base) % 4
+                    or not base <= g.data_ptr() <= end - 4 * g.numel()):
+                return None
+            found.append(((g.data_ptr() - base) // 4, g.numel(), block, i))
+        found.sort()
+        at = 0
+        for off, numel, _, _ in found:
+            if off < at:
+                return None
+            at = off + numel
+        return cls(buf, request, [(off, *block) for off, _, block, _ in found],
+                   [i for *_, i in found])
+
+    def scale(self, scale: float, request: SketchRequest) -> bool:
+        """The pass: the buffer scaled, ``request.rows`` written; whether any was NaN or Inf."""
+        out = torch.empty(len(self.order), 1 + self.k, dtype=torch.float64)
+        bad = self.kernel.scale_sketch_at(self.base, self.n, scale, self.blocks, self.k,
+                                          out.data_ptr())
+        request.rows = dict(zip(self.order, out.unbind(0), strict=True))
+        return bad
+
+
+class SketchPlans:
+    """The ``SketchPlan`` of each bucket (by its index), found again while the buffer, the
+    sketch and the gradients' places in the buffer are those it was made for."""
+
+    def __init__(self) -> None:
+        self._plans: dict[int, tuple[tuple[int, ...], SketchPlan | None]] = {}
+
+    def get(self, index: int, buf: torch.Tensor, request: SketchRequest) -> SketchPlan | None:
+        key = (id(buf), buf.data_ptr(), buf.numel(), id(request.sketch),
+               *(v for i, g in request.items for v in (i, g.data_ptr(), g.numel())))
+        known = self._plans.get(index)
+        if known is None or known[0] != key:
+            known = self._plans[index] = (key, SketchPlan.of(buf, request))
         return known[1]

@@ -89,7 +89,7 @@ from sdc_guard.determinism import buffers_saved, derive_seed
 from sdc_guard.hostread import StepRead, on_host
 from sdc_guard.parallel.base import Bucket, bucket_gradients
 from sdc_guard.report import Detection
-from sdc_guard.scaling import Flag
+from sdc_guard.scaling import Flag, SketchRequest
 
 TRIGGER_HISTORY = 64
 """Recent clean steps whose norms (and drift scores) set a rank's band."""
@@ -249,6 +249,8 @@ class TolerantReplayAudit(ReplayAudit):
         self._exchanges = self.world > 1  # the agreement without a veto compares the edge too
         self._peer = torch.zeros(self.sketch.size(), dtype=torch.float64, device=self.device)
         self._own_rows: list[torch.Tensor | None] = []
+        self._request: SketchRequest | None = None
+        """The local bucket's gradients to sketch, from ``local`` to ``after_scaling``."""
         self._own_sketch: torch.Tensor | None = None
         self._calibration: list[torch.Tensor] = []
         self._records: list[dict[str, Any]] = []
@@ -342,7 +344,9 @@ class TolerantReplayAudit(ReplayAudit):
         return self.sketch.of(_loss_sum(losses, self.device), rows)
 
     def local(self, bucket: Bucket) -> None:
-        """On audit steps, sketch the bucket's local gradients (before the scaling)."""
+        """On audit steps, the bucket's local gradients to sketch (before the scaling): asked
+        of the scaling pass (``sketches``), which takes them in its read where it can."""
+        self._request = None
         idx = self._seen(bucket)
         if idx is None:
             if self.trigger and not self.due(self._backend.step):
@@ -351,10 +355,19 @@ class TolerantReplayAudit(ReplayAudit):
         grads = bucket_gradients(bucket)
         if bucket.buffer().layout != torch.strided and len(idx) == 1:
             grads = [bucket.buffer()]  # DDP gives a sparse gradient a bucket of its own
-        for i, g in zip(idx, grads, strict=True):
-            if i >= 0:
-                self._own_rows[i] = self.sketch.row(i, g)
+        self._request = SketchRequest(
+            self.sketch, [(i, g) for i, g in zip(idx, grads, strict=True) if i >= 0])
         return None
+
+    def sketches(self, bucket: Bucket) -> SketchRequest | None:
+        return self._request
+
+    def after_scaling(self, bucket: Bucket, flag: Flag | None,
+                      digest: int | torch.Tensor | None) -> None:
+        request, self._request = self._request, None
+        if request is not None:
+            for i, row in request.rows.items():
+                self._own_rows[i] = row
 
     # -- the trigger ---------------------------------------------------------------------
     def _add_norm(self, bucket: Bucket) -> None:

@@ -117,6 +117,20 @@ class GradientSketch:
         """Length of the sketch vector (``of``)."""
         return 1 + len(self._factors) * self.width
 
+    def c_block(self, i: int, g: torch.Tensor) -> tuple[int, int, int, int, int, int] | None:
+        """``(q, c, tail, b, a, t)`` (the factors' addresses) for the C kernel to sketch
+        gradient ``i``, ``g``, where it can (contiguous float32 on the CPU, the kernel
+        built), else None. ``ValueError`` for a gradient of another size."""
+        q, c, a, t = self._factors[i]
+        if g.numel() != q * c + t.shape[0]:
+            raise ValueError(f"GradientSketch.row({i}): a gradient of {g.numel()} elements, "
+                             f"where the sketch was built for {q * c + t.shape[0]}")
+        if not (g.layout == torch.strided and g.dtype == torch.float32
+                and g.device.type == "cpu" and g.is_contiguous()) or active_kernel() is None:
+            return None
+        return (q, c, g.numel() - q * c, self._b[i][torch.float32].data_ptr(), a.data_ptr(),
+                t.data_ptr())
+
     def row(self, i: int, g: torch.Tensor) -> torch.Tensor:
         """Gradient ``i``, ``g``, as ``[norm, projections...]`` (float64).
 
@@ -125,18 +139,13 @@ class GradientSketch:
         the order of its float32 sums."""
         if g.layout != torch.strided:  # a sparse gradient: its dense values, same numbers
             g = g.to_dense()
+        block = self.c_block(i, g)
+        kernel = active_kernel()
+        if block is not None and kernel is not None:
+            out = torch.empty(self.width, dtype=torch.float64)
+            kernel.sketch_at(g.data_ptr(), *block[:3], *block[3:], self.k, out.data_ptr())
+            return out
         q, c, a, t = self._factors[i]
-        if g.numel() != q * c + t.shape[0]:
-            raise ValueError(f"GradientSketch.row({i}): a gradient of {g.numel()} elements, "
-                             f"where the sketch was built for {q * c + t.shape[0]}")
-        if g.dtype == torch.float32 and g.device.type == "cpu" and g.is_contiguous():
-            kernel = active_kernel()
-            if kernel is not None:
-                out = torch.empty(self.width, dtype=torch.float64)
-                b = self._b[i][torch.float32]
-                kernel.sketch_at(g.data_ptr(), q, c, g.numel() - q * c, b.data_ptr(),
-                                 a.data_ptr(), t.data_ptr(), self.k, out.data_ptr())
-                return out
         dtype = _FIRST_STAGE.get(g.dtype, torch.float32)
         flat = g.detach().reshape(-1).to(dtype)
         out = torch.empty(self.width, dtype=torch.float64, device=flat.device)

@@ -329,6 +329,10 @@ class NativeKernel:
         sketch.argtypes = [P, N, N, N, P, P, P, C, C, P]
         sketch.restype = C
         self._sketch = sketch
+        scale_sketch = self._lib.sdc_scale_sketch
+        scale_sketch.argtypes = [P, N, ctypes.c_float, P, C, C, P, C]
+        scale_sketch.restype = C
+        self._scale_sketch = scale_sketch
         isa = self._lib.sdc_isa
         isa.argtypes = [ctypes.c_int]
         isa.restype = ctypes.c_int
@@ -489,6 +493,30 @@ class NativeKernel:
         threads = max(1, min(torch.get_num_threads(), (q * c) // _PER_THREAD))
         if self._sketch(address, q, c, tail, b, a, t, k, threads, out) != 0:
             raise ValueError(f"sdc_sketch refused q={q}, c={c}, tail={tail}, k={k}")
+
+    @staticmethod
+    def sketch_blocks(blocks: list[tuple[int, int, int, int, int, int, int]]) -> Any:
+        """``scale_sketch_at``'s blocks in the C call's form (kept by a caller that repeats
+        it): (offset in floats, q, c, tail, address of b, of a, of t) each."""
+        return ((ctypes.c_int64 * (7 * len(blocks)))(*(v for b in blocks for v in b)),
+                len(blocks))
+
+    def scale_sketch_at(self, address: int, n: int, scale: float, blocks: Any, k: int,
+                        out: int) -> bool:
+        """``sdc_scale_sketch``: the ``n`` float32 at ``address`` multiplied by ``scale`` in
+        place (the bits of torch's ``mul_``), and in the same read the sketch
+        (``sketch_at``'s numbers) of each block of ``blocks`` (``sketch_blocks``: in
+        increasing offset, not overlapping, inside), block ``i``'s ``1 + k`` float64 at
+        ``out + 8 (1 + k) i``. Whether any float was NaN or Inf.
+
+        The caller guarantees the memory: ``n`` writable float32 of a live CPU tensor, the
+        factors and the output live CPU tensors of the sizes given."""
+        threads = max(1, min(torch.get_num_threads(), n // _PER_THREAD))
+        bad = self._scale_sketch(address, n, scale, blocks[0], blocks[1], k, out, threads)
+        if bad < 0:
+            raise ValueError("sdc_scale_sketch: blocks must lie inside the buffer, in increasing "
+                             "offset, without overlapping, with their factors")
+        return bool(bad)
 
     # -- the checksum check's passes (checksum.c) ----------------------------------------
     # The caller guarantees the memory: every address is a live float32 CPU tensor's, of

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from sdc_guard.hostread import StepRead
-    from sdc_guard.scaling import Flag, RowSums, Spans
+    from sdc_guard.scaling import Flag, RowSums, SketchRequest, Spans
 
 
 @dataclass(frozen=True)
@@ -125,9 +125,10 @@ class GradientListener:
     """The events a check can subscribe to (``Backend.subscribe``). Every method is optional.
 
     The backend calls these and nothing else; a listener never calls back into the backend.
-    Per bucket, in this order: ``local``, ``row_sums``, (the backend's scaling pass),
-    ``after_scaling``; on the step's last bucket ``before_last_allreduce`` and ``veto``;
-    then ``vetoed`` with the step's containment answer; after the reduction, ``reduced``.
+    Per bucket, in this order: ``local``, ``row_sums``, ``sketches``, (the backend's scaling
+    pass), ``after_scaling``; on the step's last bucket ``before_last_allreduce`` and
+    ``veto``; then ``vetoed`` with the step's containment answer; after the reduction,
+    ``reduced``.
     """
 
     wants_flag: bool = False
@@ -142,6 +143,12 @@ class GradientListener:
         """Matrices in the local bucket (2-D views into its buffer) whose float32 row sums,
         before the scaling, the pass should write into the tensors given with them (ready
         in ``after_scaling``)."""
+        return None
+
+    def sketches(self, bucket: Any) -> SketchRequest | None:
+        """Gradients in the local bucket whose sketch rows (the tolerant replay's), of the
+        values before the scaling, the pass should take in its read where it can; the rows
+        are in the request in ``after_scaling``."""
         return None
 
     def after_scaling(self, bucket: Any, flag: Flag | None,

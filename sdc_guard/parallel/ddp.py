@@ -50,6 +50,7 @@ from sdc_guard.parallel.base import Containment, GradientListener, Layout
 from sdc_guard.scaling import (
     Flag,
     RowPlans,
+    SketchPlans,
     can_fuse_digest,
     check_nonfinite,
     row_sums,
@@ -231,6 +232,9 @@ class GuardCommHook:
         self.fused_row_sums = 0
         """How many buckets' row sums the scaling pass has taken (``row_sums``)."""
         self._row_plans = RowPlans()
+        self.fused_sketches = 0
+        """How many buckets' sketch rows the scaling pass has taken (``sketches``)."""
+        self._sketch_plans = SketchPlans()
         self.step = -1
         """The step being computed (set by ``begin_step``; fault injectors read it)."""
         self._answer_due = False
@@ -344,6 +348,13 @@ class GuardCommHook:
                 if rows and ours and fused is None else None)
         if rows and plan is None:
             row_sums(rows)  # a read of their own, before anything scales them
+        requests = [r for r in (lst.sketches(bucket) for lst in self.listeners) if r is not None]
+        sketching = (self._sketch_plans.get(bucket.index(), buf, requests[0])
+                     if len(requests) == 1 and ours and fused is None and plan is None
+                     else None)
+        for request in requests:
+            if sketching is None:
+                request.compute()  # a read of their own, before anything scales them
         scale = 1.0 / self.world_size
         flag: Flag | None = None
         fused_spans = None if fused is None else wants[fused]
@@ -354,6 +365,10 @@ class GuardCommHook:
         elif fused is not None and fused_spans is not None:
             digests[fused], found = scale_digest_spans(buf, fused_spans.spans, scale)
             self.fused_digests += 1
+            flag = found if flag_wanted else None
+        elif sketching is not None:
+            found = sketching.scale(scale, requests[0])
+            self.fused_sketches += 1
             flag = found if flag_wanted else None
         elif not ours:  # the user's hook owns the scaling
             flag = check_nonfinite(buf) if flag_wanted else None

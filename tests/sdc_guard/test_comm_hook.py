@@ -13,11 +13,12 @@ from hypothesis import strategies as st
 
 import sdc_guard.scaling as sc
 from sdc_guard.checks.nonfinite import NonFiniteCheck
+from sdc_guard.checks.sketch import GradientSketch
 from sdc_guard.fingerprints.digest import host_spans_digest
-from sdc_guard.fingerprints.native import native_enabled
+from sdc_guard.fingerprints.native import active_kernel, native_enabled
 from sdc_guard.parallel import BucketListener, GuardCommHook
 from sdc_guard.parallel.ddp import SentinelAnswer, sentinel_values
-from sdc_guard.scaling import Flag
+from sdc_guard.scaling import Flag, SketchRequest
 
 SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, -3.4e38, 65504.0,
             1e-8, 7.0]
@@ -97,6 +98,9 @@ class _Bucket:
 
     def buffer(self) -> torch.Tensor:
         return self._buf
+
+    def index(self) -> int:
+        return 0
 
 
 @dataclass
@@ -188,6 +192,106 @@ def test_spans_the_pass_cannot_fuse_are_digested_before_the_scaling(one_rank: No
     b = buf.clone()
     user._local(_Bucket(b))  # type: ignore[arg-type]
     assert user.fused_digests == 0 and torch.equal(b, buf) and listener.got[0][0] is False
+
+
+class _Sketching(BucketListener):
+    """Asks for the sketch rows of some views into the bucket (``sketches``)."""
+
+    def __init__(self, sketch: GradientSketch, items: list[tuple[int, torch.Tensor]]) -> None:
+        self.sketch, self.items = sketch, items
+        self.wants_flag = True
+        self.got: list[tuple[Flag | None, dict[int, torch.Tensor]]] = []
+        self._request: SketchRequest | None = None
+
+    def sketches(self, bucket: Any) -> SketchRequest | None:
+        self._request = SketchRequest(self.sketch, self.items)
+        return self._request
+
+    def after_scaling(self, bucket: Any, flag: Flag | None,
+                      digest: int | torch.Tensor | None) -> None:
+        assert self._request is not None
+        self.got.append((flag, self._request.rows))
+
+
+@pytest.mark.parametrize("bad", [None, "nan", "inf between"])
+def test_the_scaling_pass_takes_a_listeners_sketch_rows(one_rank: None, bad: str | None) -> None:
+    """The tolerant replay's own sketch rides the pass (``sdc_scale_sketch``): the rows of the
+    gradients as they were, bit for bit those of a read of their own (``GradientSketch.row``),
+    whatever the order asked in; the buffer scaled with ``mul_``'s bits, the floats between
+    the gradients too; the flag exact, a NaN or Inf inside a gradient or between two."""
+    if not native_enabled():
+        pytest.skip("no C kernel here: the rows are read apart, not fused")
+    sizes = [3000, 7, 33 * 17 + 5, 1]
+    sketch = GradientSketch(sizes, seed=5, device=torch.device("cpu"))
+    buf = torch.randn(sum(sizes) + 3 * len(sizes) + 2, generator=torch.Generator().manual_seed(2))
+    views, at = [], 1
+    for n in sizes:
+        views.append(buf[at:at + n])
+        at += n + 3
+    if bad == "nan":
+        views[2][40] = float("nan")
+    elif bad == "inf between":
+        buf[0] = float("inf")
+    want = [sketch.row(i, v) for i, v in enumerate(views)]
+    want_buf = buf.clone().mul_(0.25)
+    hook = GuardCommHook()
+    hook.world_size = 4
+    listener = _Sketching(sketch, list(enumerate(views))[::-1])
+    hook.subscribe(listener)
+    for n in (1, 2):  # the plan is made once and found again
+        if n == 2:
+            buf.copy_(want_buf * 4)
+        hook._local(_Bucket(buf))  # type: ignore[arg-type]
+        flag, rows = listener.got[-1]
+        assert hook.fused_sketches == n and flag is (bad is not None)
+        assert sorted(rows) == [0, 1, 2, 3]
+        for i, row in rows.items():
+            assert torch.equal(row.view(torch.int64), want[i].view(torch.int64))
+        assert torch.equal(buf.view(torch.int32), want_buf.view(torch.int32))
+    # a user's comm hook owns the scaling: the rows are read apart, the buffer left alone
+    user = GuardCommHook(inner_hook=lambda state, bucket: None)  # type: ignore[arg-type, return-value]
+    other = _Sketching(sketch, list(enumerate(views)))
+    user.subscribe(other)
+    before = buf.clone()
+    user._local(_Bucket(buf))  # type: ignore[arg-type]
+    assert user.fused_sketches == 0 and torch.equal(buf.view(torch.int32), before.view(torch.int32))
+    assert all(torch.equal(other.got[0][1][i].view(torch.int64), sketch.row(i, v).view(torch.int64))
+               for i, v in enumerate(views))
+
+
+def test_a_sketch_the_pass_cannot_take_is_read_before_the_scaling(one_rank: None) -> None:
+    """Overlapping gradients, or one that is not float32, are not fused: the rows come from
+    a read of their own, of the values before the scaling; the kernel itself refuses blocks
+    that overlap or leave the buffer, writing nothing."""
+    if not native_enabled():
+        pytest.skip("no C kernel here")
+    sketch = GradientSketch([100, 100], seed=1, device=torch.device("cpu"))
+    buf = torch.randn(150, generator=torch.Generator().manual_seed(3))
+    items = [(0, buf[:100]), (1, buf[50:150])]  # overlapping
+    want = {i: sketch.row(i, v) for i, v in items}
+    hook = GuardCommHook()
+    hook.world_size = 2
+    listener = _Sketching(sketch, items)
+    hook.subscribe(listener)
+    before = buf.clone()
+    hook._local(_Bucket(buf))  # type: ignore[arg-type]
+    assert hook.fused_sketches == 0 and listener.got[0][0] is False
+    assert all(torch.equal(listener.got[0][1][i], want[i]) for i in want)
+    assert torch.equal(buf, before * 0.5)
+    assert sc.SketchPlan.of(buf, SketchRequest(sketch, items)) is None
+    half = buf.to(torch.bfloat16)
+    assert sc.SketchPlan.of(half, SketchRequest(sketch, [(0, half[:100])])) is None
+    kernel = active_kernel()
+    assert kernel is not None
+    out = torch.zeros(2, 1 + sketch.k, dtype=torch.float64)
+    block = sketch.c_block(0, buf[:100])
+    assert block is not None
+    for blocks in ([(0, *block), (50, *block)], [(60, *block)]):
+        kept = buf.clone()
+        with pytest.raises(ValueError, match="inside the buffer, in increasing offset"):
+            kernel.scale_sketch_at(buf.data_ptr(), buf.numel(), 0.5,
+                                   kernel.sketch_blocks(blocks), sketch.k, out.data_ptr())
+        assert torch.equal(buf, kept) and not bool(out.any())
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -240,6 +240,8 @@ def test_a_clean_run_on_the_testbed_calibrates_then_rolls_and_never_fires(
     tol = res[0]["tolerance"]
     assert FLOOR < tol < CEILING and all(r["tolerance"] == tol for r in res)
     assert all(r["noise_calls"] > steps * 3 * 2 for r in res)  # own step and replay, 3 layers
+    # the own sketch rides the scaling pass: every audit step, every bucket
+    assert all(r["fused_sketches"] >= steps or not r["native"] for r in res)
     cal, rolled = tw.records(log, "replay_calibration")
     assert cal["accepted"] and cal["step"] == 0 and "kind" not in cal
     assert cal["same_rank"]["count"] == 3 * 6 and cal["cross_rank"]["count"] == 3 * 4

@@ -57,6 +57,7 @@ def tolerant_run(rank: int, world: int, steps: int, *, threads: tuple[int, ...] 
         "triggered": list(getattr(audit, "triggered", [])),
         "scores": list(getattr(audit, "scores", [])),
         "noise_calls": noise.calls if noise else 0,
+        "fused_sketches": guard.backend.fused_sketches, "native": sdc_guard.native_enabled(),
         "final": sdc_guard.fingerprint(list(model.module.parameters())),
         "injections": len(handle.records) if handle is not None else 0,
     }
