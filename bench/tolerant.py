@@ -301,7 +301,7 @@ def _side_rank(rank: int, world: int, rounds: int, block: int) -> dict[str, Any]
     tol = next(c.tolerance for c in guard.checks if isinstance(c, TolerantReplayAudit))
     assert tol is not None
     names = list(configs)
-    times: dict[str, list[list[tuple[int, float]]]] = {n: [] for n in names}
+    times: dict[str, list[list[tuple[int, float, float]]]] = {n: [] for n in names}
     step = 1
     for rnd in range(rounds + 1):  # round 0 warms up
         order = names[rnd % len(names):] + names[:rnd % len(names)]
@@ -318,9 +318,9 @@ def _side_rank(rank: int, world: int, rounds: int, block: int) -> dict[str, Any]
             dist.barrier()
             got = []
             for _ in range(block):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 guard.step(step)
-                got.append((step, time.perf_counter() - t0))
+                got.append((step, time.perf_counter() - t0, time.process_time() - c0))
                 step += 1
             if rnd:
                 times[name].append(got)
@@ -335,20 +335,24 @@ def side_by_side(rounds: int, block: int = 16) -> dict[str, Any]:
     median over the pooled rounds, with a 90% bootstrap interval over the rounds. The
     deterministic setting stays on once the exact audit ran (process-wide; on the CPU it
     changes none of this model's kernels)."""
-    res = run_ranks(_side_rank, WORLD, rounds, block, timeout=1800)[0]["times"]
+    ranks = [r["times"] for r in run_ranks(_side_rank, WORLD, rounds, block, timeout=1800)]
 
     def med(pool: dict[str, list[float]], name: str) -> float:
         return statistics.median(pool[name])
 
-    def pooled(rounds_of: dict[str, list[list[tuple[int, float]]]], name: str,
-               audit: bool | None = None) -> list[list[float]]:
-        return [[t for s, t in got if audit is None or (s % SIDE_INTERVAL == 0) == audit]
+    def pooled(rounds_of: dict[str, list[list[tuple[int, float, float]]]], name: str,
+               audit: bool | None = None, col: int = 1) -> list[list[float]]:
+        return [[t[col] for t in got if audit is None or (t[0] % SIDE_INTERVAL == 0) == audit]
                 for got in rounds_of[name]]
 
     k = f"tolerant {SIDE_INTERVAL}"
-    samples = {"off": pooled(res, "off"), "ideal": pooled(res, "ideal"),
-               "exact": pooled(res, "exact"), "tolerant": pooled(res, "tolerant"),
-               "k audit": pooled(res, k, True), "k other": pooled(res, k, False)}
+    parts = {"off": ("off", None), "ideal": ("ideal", None), "exact": ("exact", None),
+             "tolerant": ("tolerant", None), "k audit": (k, True), "k other": (k, False)}
+    res = ranks[0]
+    samples = {n: pooled(res, name, audit) for n, (name, audit) in parts.items()}
+    cpu = {n: [r for times in ranks for r in pooled(times, name, audit, col=2)]
+           for n, (name, audit) in parts.items()}
+    """Every rank's CPU time per step (a round of each rank a sample of the bootstrap)."""
 
     def ratio(pool: dict[str, list[float]], name: str) -> float:
         return (med(pool, name) - med(pool, "off")) / (med(pool, "ideal") - med(pool, "off"))
@@ -359,11 +363,16 @@ def side_by_side(rounds: int, block: int = 16) -> dict[str, Any]:
     whole = {n: [x for r in v for x in r] for n, v in samples.items()}
     out: dict[str, Any] = {"rounds": rounds, "block": block, "interval": SIDE_INTERVAL,
                            "step_ms": {n: 1e3 * statistics.median(v) for n, v in whole.items()}}
+    cpu_whole = {n: [x for r in v for x in r] for n, v in cpu.items()}
+    out["cpu_ms"] = {n: 1e3 * statistics.median(v) for n, v in cpu_whole.items()}
     for name in ("exact", "tolerant", "k audit"):
         out[name] = {"ratio_to_ideal": ratio(whole, name),
                      "ratio_interval_90": bootstrap_interval(
                          samples, lambda p, n=name: ratio(p, n)),
-                     "extra_ms": extra_ms(whole, name)}
+                     "extra_ms": extra_ms(whole, name),
+                     "cpu_ratio_to_ideal": ratio(cpu_whole, name),
+                     "cpu_ratio_interval_90": bootstrap_interval(
+                         cpu, lambda p, n=name: ratio(p, n))}
     out["k other"] = {"extra_ms": extra_ms(whole, "k other"),
                       "extra_ms_interval_90": bootstrap_interval(
                           samples, lambda p: extra_ms(p, "k other"))}
@@ -386,9 +395,15 @@ def _side_md(sb: dict[str, Any]) -> list[str]:
     def row(name: str, label: str) -> str:
         r = sb[name]
         lo, hi = r["ratio_interval_90"]
-        return f"| {label} | {r['extra_ms']:.2f} | **{r['ratio_to_ideal']:.3f}** | {lo:.3f} .. {hi:.3f} |"
+        line = (f"| {label} | {r['extra_ms']:.2f} | **{r['ratio_to_ideal']:.3f}** | "
+                f"{lo:.3f} .. {hi:.3f} |")
+        if "cpu_ratio_to_ideal" in r:
+            clo, chi = r["cpu_ratio_interval_90"]
+            line += f" {r['cpu_ratio_to_ideal']:.3f} | {clo:.3f} .. {chi:.3f} |"
+        return line
 
     lo, hi = sb["k other"]["extra_ms_interval_90"]
+    cpu = "cpu_ms" in sb
     return ["", "### Side by side in one run", "",
             f"One guarded model per rank (3 ranks, reference MLP, batches of 128), its "
             f"configurations alternated in blocks of {sb['block']} steps in rotated order, "
@@ -398,8 +413,13 @@ def _side_md(sb: dict[str, Any]) -> list[str]:
             f"tolerant one every step, and the tolerant one every {k} steps with the trigger "
             "between. Extra time per audit step over replay off, and its ratio to the ideal's "
             "extra (median of the pooled steps; 90% bootstrap interval over the rounds). The "
-            "target: at most 1.15x.", "",
-            "| audit | extra per audit step, ms | ratio to the ideal | 90% |", "|---|---|---|---|",
+            "target: at most 1.15x." + (
+                " Beside it the same ratio of CPU time (every rank's own, per step: what the "
+                "audit costs a rank in work, without the waiting that three ranks sharing two "
+                "cores add to the wall time)." if cpu else ""), "",
+            "| audit | extra per audit step, ms | ratio to the ideal | 90% |"
+            + (" CPU time: ratio | 90% |" if cpu else ""),
+            "|---|---|---|---|" + ("---|---|" if cpu else ""),
             row("exact", "exact, every step"), row("tolerant", "tolerant, every step"),
             row("k audit", f"tolerant, every {k} steps (its audit steps)"), "",
             f"The tolerant audit's other steps at interval {k} (the trigger's norm and vote): "
@@ -437,9 +457,10 @@ def _cost_md(cost: dict[str, Any]) -> list[str]:
               f"{1e3 * ex['forward_backward_s']:.2f} ms. What the tolerant audit adds to the "
               "exact one's work per audit step: the sketches of its own and of the replayed "
               "gradients (each parameter's norm and four projections; on float32 CPU "
-              "gradients one read each in the C kernel, sdc_sketch) in place of the C "
-              "kernel's digests, which the exact audit takes in its scaling pass. Its other "
-              "steps carry the trigger: one norm per bucket and a vote on the veto channel."]
+              "gradients one read each in the C kernel: the own one in the comm hook's "
+              "scaling pass, sdc_scale_sketch, the replayed one after the recomputation, "
+              "sdc_sketch) in place of the C kernel's digests. Its other steps carry the "
+              "trigger: one norm per bucket and a vote on the veto channel."]
     return lines
 
 

@@ -28,8 +28,15 @@ def test_the_side_by_side_run_times_every_configuration_in_one_run() -> None:
         r = res[name]
         lo, hi = r["ratio_interval_90"]
         assert not math.isnan(r["ratio_to_ideal"]) and lo <= hi
+        clo, chi = r["cpu_ratio_interval_90"]
+        assert not math.isnan(r["cpu_ratio_to_ideal"]) and clo <= chi
+    assert all(v > 0 for v in res["cpu_ms"].values())
     lines = "\n".join(_side_md(res))
     assert "| tolerant, every step |" in lines and f"every {SIDE_INTERVAL} steps" in lines
+    assert "CPU time: ratio" in lines
+    old = {k: {kk: vv for kk, vv in v.items() if not kk.startswith("cpu_")}
+           if isinstance(v, dict) else v for k, v in res.items() if k != "cpu_ms"}
+    assert "CPU time" not in "\n".join(_side_md(old))  # a run before CPU times were kept
 
 
 def test_the_amending_flags_refuse_what_they_cannot_amend(tmp_path: Path) -> None:
