@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -54,15 +55,16 @@ TOLERANT = GuardConfig(nonfinite=True, weights_interval=1, replay_interval=1,
 
 
 def _soak_rank(rank: int, world: int, shape: tuple[int, ...], steps: int,
-               tolerant: bool = False) -> dict[str, Any]:
+               tolerant: bool = False, bf16: bool = False) -> dict[str, Any]:
     torch.set_num_threads(1 + rank % 2 if tolerant else 1)
     parallel = "fsdp" if len(shape) == 1 else "hsdp"
     model = shard_model(build_model("llama", width=64, depth=2, seed=0), parallel=parallel,
-                        mesh_shape=shape, mixed_precision=not tolerant)
+                        mesh_shape=shape, mixed_precision=not tolerant or bf16)
     if tolerant:
         from injectors.noise import LinearNoise
 
-        LinearNoise(model, ulps=4, seed=0, rank=rank)
+        LinearNoise(model, ulps=4, seed=0, rank=rank,
+                    where="accumulator" if bf16 else "output")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def batch_for(r: int, step: int) -> Any:
@@ -82,24 +84,38 @@ def _soak_rank(rank: int, world: int, shape: tuple[int, ...], steps: int,
             refused.append(what)
     detections: list[dict[str, Any]] = []
     skipped = 0
+    audit = next((c for c in guard.checks if c.name == "replay"), None)
+    distances: list[float] = []
+    """The tolerant audit's own-edge distance at each audit step (its spread)."""
     t0 = time.perf_counter()
     for step in range(steps):
         report = guard.step(step)
         skipped += report.skipped
         detections += [d.to_json() for d in report.detections]
+        gap = getattr(audit, "gap", lambda: None)()
+        if gap is not None:
+            distances.append(gap * audit.tolerance)  # type: ignore[union-attr]
     detections += [d.to_json() for d in guard.flush()]
-    audit = next((c for c in guard.checks if c.name == "replay"), None)
     return {"checks": [c.name for c in guard.checks], "refused": refused,
             "detections": detections, "skipped": skipped,
-            "tolerance": getattr(audit, "tolerance", None),
+            "tolerance": getattr(audit, "tolerance", None), "distances": distances,
             "seconds": time.perf_counter() - t0}
 
 
-def soak(steps: int, tolerant: bool = False) -> dict[str, Any]:
+def spread(distances: list[float]) -> dict[str, float] | None:
+    """Median, 99th percentile and largest of the audits' distances (None: none)."""
+    if not distances:
+        return None
+    xs = sorted(distances)
+    return {"median": statistics.median(xs), "p99": xs[min(len(xs) - 1, (99 * len(xs)) // 100)],
+            "max": xs[-1]}
+
+
+def soak(steps: int, tolerant: bool = False, bf16: bool = False) -> dict[str, Any]:
     runs = []
     for shape in ((2,), (2, 2)):
         world = math.prod(shape)
-        out = run_ranks(_soak_rank, world, shape, steps, tolerant, timeout=24 * 3600)
+        out = run_ranks(_soak_rank, world, shape, steps, tolerant, bf16, timeout=24 * 3600)
         first = out[0]
         runs.append({"mesh": list(shape), "ranks": world, "steps": steps,
                      "rank_steps": world * steps, "checks": first["checks"],
@@ -107,10 +123,17 @@ def soak(steps: int, tolerant: bool = False) -> dict[str, Any]:
                      "false_positives": sum(len(o["detections"]) for o in out),
                      "withheld_steps": first["skipped"],
                      "detections": first["detections"][:20],
-                     **({"audits": steps, "tolerance": first["tolerance"]} if tolerant else {}),
+                     **({"audits": steps, "tolerance": first["tolerance"],
+                         "distances": spread([x for o in out for x in o["distances"]])}
+                        if tolerant else {}),
                      "seconds": max(o["seconds"] for o in out)})
     model = "llama (2 blocks, width 64), bf16 mixed precision, AdamW"
-    if tolerant:
+    if tolerant and bf16:
+        model = ("llama (2 blocks, width 64), bf16 mixed precision, AdamW; the testbed: ranks "
+                 "at 1 and 2 threads, every linear product moved by up to 4 float32 ulps in "
+                 "its float32 accumulator before its rounding to bfloat16 (LinearNoise "
+                 "where='accumulator'); the tolerant replay audit at every step")
+    elif tolerant:
         model = ("llama (2 blocks, width 64), float32, AdamW; the testbed: ranks at 1 and 2 "
                  "threads, up to 4 ulps of noise on every linear output; the tolerant replay "
                  "audit at every step")
@@ -125,14 +148,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="steps per mesh (2 + 4 ranks: 6 rank-steps each)")
     ap.add_argument("--tolerant", action="store_true",
                     help="the tolerant replay audit on the noise testbed (soak_tolerant.json)")
+    ap.add_argument("--bf16", action="store_true",
+                    help="with --tolerant: bf16 mixed precision, the noise in the float32 "
+                         "accumulator (soak_tolerant_bf16.json)")
     ap.add_argument("--out", default="bench")
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps must be at least 1; got {args.steps}")
-    res = soak(args.steps, args.tolerant)
+    if args.bf16 and not args.tolerant:
+        ap.error("--bf16 is the tolerant audit's bfloat16 testbed: give --tolerant with it")
+    res = soak(args.steps, args.tolerant, args.bf16)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "soak_tolerant.json" if args.tolerant else "soak.json"
+    name = ("soak_tolerant_bf16.json" if args.bf16 else
+            "soak_tolerant.json" if args.tolerant else "soak.json")
     (out / name).write_text(json.dumps(res, indent=1) + "\n")
     for r in res["runs"]:
         print(f"mesh {r['mesh']}: {r['rank_steps']} rank-steps, checks {r['checks']} "

@@ -9,6 +9,16 @@ element moves by a random whole number of units in the last place, from ``-ulps`
 rank or another, never rounds alike). Ranks at different thread counts (1 and 2) add the
 CPU's own difference: torch's kernels split their reductions by thread.
 
+In half precision the output's own ulps are far coarser than what a GPU's reduction order
+changes: its products accumulate in float32 and round once to bfloat16 or float16, so a
+reordered sum moves the accumulator by a few float32 ulps and changes the rounded output
+only where the accumulator lay near a rounding boundary (then by one ulp). ``where =
+"accumulator"`` imitates that: a half-precision output is taken again in float32 from the
+layer's input and weight, moved by up to ``ulps`` float32 ulps, and rounded to the output's
+dtype (a float32 output is moved as with ``"output"``: its rounding is the accumulator's).
+``"output"`` (the default) moves every output element by up to ``ulps`` of its own dtype
+(in bfloat16 4 ulps are 1.6% of each element, beyond what any reduction order does).
+
 It is noise, not a fault: it stays within a few ulps of each output, and the tolerant
 audit must accept it (0 false positives is the target). Faults stay defined by site and
 bit (``injectors.Fault``). Reproducible: the draws come from one generator per rank seeded
@@ -29,6 +39,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sdc_guard.determinism import derive_seed
@@ -56,14 +67,35 @@ def nudge(out: torch.Tensor, ulps: int, gen: torch.Generator) -> torch.Tensor:
     return moved.view(out.dtype)
 
 
+WHERE = ("output", "accumulator")
+"""Where ``LinearNoise`` moves a product (module doc)."""
+
+
+def _in_float32(module: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The linear layer's product of ``x`` summed in float32, of the operands the half
+    precision ``dtype`` kernel multiplies (under autocast: ``x``, the weight and the bias
+    rounded to ``dtype`` first), before its rounding to ``dtype``."""
+    def operand(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(dtype).float()
+
+    with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+        bias = None if module.bias is None else operand(module.bias)
+        return F.linear(operand(x), operand(module.weight), bias)
+
+
 class LinearNoise:
     """Random ``-ulps..ulps`` ulp noise on every ``nn.Linear`` output of ``model``; see the
     module doc. ``remove()`` takes the hooks off."""
 
-    def __init__(self, model: nn.Module, *, ulps: int = 4, seed: int = 0, rank: int = 0) -> None:
+    def __init__(self, model: nn.Module, *, ulps: int = 4, seed: int = 0, rank: int = 0,
+                 where: str = "output") -> None:
         if isinstance(ulps, bool) or not isinstance(ulps, int) or not 0 < ulps <= 64:
             raise ValueError(f"LinearNoise(ulps=...) must be an int in 1..64, got {ulps!r}.")
+        if where not in WHERE:
+            raise ValueError(f"LinearNoise(where=...) must be one of {', '.join(WHERE)}, got "
+                             f"{where!r}.")
         self.ulps = ulps
+        self.where = where
         self.gen = torch.Generator().manual_seed(derive_seed(seed, rank) >> 1)
         self.calls = 0
         self.seed = seed
@@ -76,7 +108,11 @@ class LinearNoise:
 
     def _hook(self, module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        noisy = nudge(out, self.ulps, self.gen)
+        if self.where == "accumulator" and out.dtype in (torch.bfloat16, torch.float16):
+            noisy = nudge(_in_float32(module, args[0], out.dtype), self.ulps,
+                          self.gen).to(out.dtype)
+        else:
+            noisy = nudge(out, self.ulps, self.gen)
         return out + (noisy - out).detach()  # the gradient flows as through the layer's output
 
     def begin(self, key: int) -> None:

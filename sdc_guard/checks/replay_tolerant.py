@@ -71,11 +71,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 from sdc_guard.checks.base import Verdict
 from sdc_guard.checks.replay import ReplayAudit, every_edge_detection, own_batch_error
 from sdc_guard.checks.sketch import (
     CEILING,
+    CEILING_HALF,
     FLOOR,
     MARGIN,
     GradientSketch,
@@ -137,10 +140,38 @@ included): ``RERUNS * (RERUNS - 1) / 2`` same-rank and ``RERUNS`` cross-rank dif
 rank."""
 
 ROLLING_AUDITS = 32
-"""Clean audits between the tolerance's rolling updates (``TolerantReplayAudit._roll``)."""
+"""Clean audits between the tolerance's rolling updates (``TolerantReplayAudit._roll``); in
+half precision, audits of any outcome."""
+
+TAIL = 2.0
+"""In half precision the rolled tolerance is at least this multiple of the lower median of
+the ranks' largest edge distances over their recent audits: half-precision roundings
+cascade, and their distances have a long tail (the largest of 32 many times their median),
+which a multiple of the median alone does not cover."""
 
 _SKETCH_SALT = 0x5EC7
 """Separates the sketch's projections from the other streams drawn from the seed."""
+
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+class HalfOutputs(TorchFunctionMode):
+    """Watches a computation for torch functions that return a bfloat16 or float16 tensor
+    (``seen``): a model under ``torch.autocast``, with half-precision parameters, or under
+    FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` computes its products so.
+    Changes nothing it sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if (not self.seen and isinstance(out, torch.Tensor) and out.dtype in _HALF):
+            self.seen = True
+        return out
 
 
 def _loss_sum(losses: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -261,6 +292,15 @@ class TolerantReplayAudit(ReplayAudit):
         self._clean_audits = 0
         """Clean audits since then (alike on every rank: the verdicts are collective)."""
         self._unstable = False
+        self._tail = 0.0
+        """In half precision: the largest lower median of the ranks' largest edge distances
+        seen in a calibration or a rolling window (alike on every rank)."""
+        self.half = False
+        """Do the model's products run in half precision (bfloat16, float16)? Found at the
+        calibration's first recomputation (``half_precision_products``). Their roundings
+        reach the sketch at a far larger scale, in a long tail: the ceiling is then
+        ``CEILING_HALF``, and the rolling update takes every audit and the tail
+        (``TAIL``)."""
         self._extra: list[float] = []
         """Numbers gathered beside the sketches (a triggered audit's norm and vote)."""
 
@@ -270,14 +310,17 @@ class TolerantReplayAudit(ReplayAudit):
 
     # -- the tolerance -------------------------------------------------------------------
     def _tol(self) -> float:
-        return CEILING if self.tolerance is None else self.tolerance
+        return self._ceiling() if self.tolerance is None else self.tolerance
 
-    def restore_tolerance(self, tolerance: float) -> None:
+    def restore_tolerance(self, tolerance: float, *, half: bool = False) -> None:
         """Take a tolerance calibrated earlier in the run (a checkpoint's) instead of
-        calibrating at the next audit."""
-        if not FLOOR <= tolerance <= CEILING:
-            raise ValueError(f"replay tolerance {tolerance!r} is outside [{FLOOR}, {CEILING}]")
+        calibrating at the next audit; ``half``: calibrated for products in half precision
+        (its ceiling ``CEILING_HALF``)."""
+        ceiling = CEILING_HALF if half else CEILING
+        if not FLOOR <= tolerance <= ceiling:
+            raise ValueError(f"replay tolerance {tolerance!r} is outside [{FLOOR}, {ceiling}]")
         self.tolerance = float(tolerance)
+        self.half = bool(half)
 
     def gap(self) -> float | None:
         """How far this rank's own sketch of the last audit step was from the previous rank's
@@ -288,13 +331,18 @@ class TolerantReplayAudit(ReplayAudit):
         return float(distance(self._own_sketch, self._peer, self.sketch.width)) / self.tolerance
 
     def saved(self) -> dict[str, Any]:
-        return {} if self.tolerance is None else {"tolerance": self.tolerance}
+        if self.tolerance is None:
+            return {}
+        return {"tolerance": self.tolerance, **({"half": True, "tail": self._tail}
+                                                 if self.half else {})}
 
     def load_saved(self, state: dict[str, Any]) -> None:
         """A restored checkpoint's tolerance, used from now on (the same job: the same
         model and kernels); ``reconfigure`` calibrates anew."""
         if isinstance(state.get("tolerance"), float):
-            self.restore_tolerance(state["tolerance"])
+            self.restore_tolerance(state["tolerance"], half=state.get("half") is True)
+            if self.half and isinstance(state.get("tail"), float):
+                self._tail = state["tail"]
 
     def records(self) -> list[dict[str, Any]]:
         out, self._records = self._records, []
@@ -315,17 +363,23 @@ class TolerantReplayAudit(ReplayAudit):
             same += [float(distance(x, y, w)) for x, y in itertools.combinations(runs, 2)]
             cross += [float(distance(x, owner, w)) for x in runs]
         tol = calibrated_tolerance(same, cross)
-        accepted = tol <= CEILING
-        if accepted:
-            self.tolerance = tol
+        ceiling = self._ceiling()
+        accepted = tol <= ceiling
+        if accepted:  # in half precision: the ceiling until the first rolling update
+            self.tolerance = ceiling if self.half else tol
         self._records.append({
             "event": "replay_calibration", "step": step, "tolerance": tol,
-            "accepted": accepted, "margin": MARGIN, "floor": FLOOR, "ceiling": CEILING,
+            "accepted": accepted, "margin": MARGIN, "floor": FLOOR, "ceiling": ceiling,
             "same_rank": {"count": len(same), "max": max(same, default=0.0)},
             "cross_rank": {"count": len(cross), "max": max(cross, default=0.0)},
             "detail": ("tolerance calibrated" if accepted else
                        "calibration refused: recomputations differ by more than the ceiling "
                        "(calibrated again at the next audit)")})
+        if self.half:
+            self._records[-1].update(half_precision=True, detail=(
+                "half precision: the calibrated tolerance does not show the tail of the "
+                "roundings' cascade; the audit compares at the ceiling until its first rolling "
+                "update" if accepted else self._records[-1]["detail"]))
 
     # -- the step's sketches -------------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -335,8 +389,11 @@ class TolerantReplayAudit(ReplayAudit):
         super().begin_step(step)
         if self.tolerance is None:
             nxt = (self.rank + 1) % self.world
-            self._calibration = [self._replay(nxt, step, "calibrate")
-                                 for _ in range(RERUNS - 1)]
+            with HalfOutputs() as watch:
+                first = self._replay(nxt, step, "calibrate")
+            self._calibration = [first, *(self._replay(nxt, step, "calibrate")
+                                          for _ in range(RERUNS - 2))]
+            self._set_half(watch.seen)
 
     def _words_of(self, losses: Sequence[torch.Tensor],
                   grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
@@ -508,8 +565,8 @@ class TolerantReplayAudit(ReplayAudit):
             verdict = super().pre_step(step)
         finally:
             dist_now, self._distance = self._distance, None
-        if (calibrated and self.world > 1 and not verdict.detections
-                and not verdict.withhold):  # a clean audit (alike on every rank)
+        clean = not verdict.detections and not verdict.withhold  # alike on every rank
+        if calibrated and self.world > 1 and clean:
             if dist_now is not None:
                 self._recent.append(dist_now)
             self._clean_audits += 1
@@ -522,32 +579,63 @@ class TolerantReplayAudit(ReplayAudit):
         its recent clean audits, gathered; ``MARGIN`` times their lower median, between
         ``FLOOR`` and ``CEILING`` (above it: refused, logged). Collective."""
         recent, self._recent, self._clean_audits = self._recent, [], 0
-        med = (torch.stack(recent).to(torch.float64).median() if recent
-               else torch.tensor(math.nan, dtype=torch.float64, device=self.device))
-        mine = torch.stack([med.reshape(()), torch.tensor(float(step), dtype=torch.float64,
-                                                          device=med.device)])
+        nan = torch.tensor(math.nan, dtype=torch.float64, device=self.device)
+        kept = torch.stack(recent).to(torch.float64).reshape(-1) if recent else None
+        med = kept.median() if kept is not None else nan
+        top = kept[torch.isfinite(kept)].max() if kept is not None and bool(
+            torch.isfinite(kept).any()) else nan
+        mine = torch.stack([med.reshape(()), top.reshape(()),
+                            torch.tensor(float(step), dtype=torch.float64, device=med.device)])
         rows = all_gather_rows(mine, self.group).cpu()
-        differ = steps_disagree([int(v) for v in rows[:, 1].tolist()])
+        differ = steps_disagree([int(v) for v in rows[:, 2].tolist()])
         if differ is not None:
             raise ValueError(f"replay audit: the ranks are not at one step ({differ}); "
                              f"{STEPS_FIX}")
         medians = [float(v) for v in rows[:, 0].tolist()]
+        maxima = [float(v) for v in rows[:, 1].tolist()]
         seen = sorted(v for v in medians if math.isfinite(v))
         if not seen:
             return
         tol = max(FLOOR, MARGIN * seen[(len(seen) - 1) // 2])
-        accepted = tol <= CEILING
+        tops = sorted(v for v in maxima if math.isfinite(v))
+        if self.half and tops:
+            self._tail = max(self._tail, tops[len(tops) // 2 if len(tops) > 2 else 0])
+            tol = max(tol, TAIL * self._tail)
+        ceiling = self._ceiling()
+        accepted = tol <= ceiling
         before = self.tolerance
         if accepted:
             self.tolerance = tol
-        self._records.append({
+        record = {
             "event": "replay_calibration", "kind": "rolling", "step": step, "tolerance": tol,
             "accepted": accepted, "before": before, "margin": MARGIN, "floor": FLOOR,
-            "ceiling": CEILING, "audits": ROLLING_AUDITS, "rank_medians": medians,
+            "ceiling": ceiling, "audits": ROLLING_AUDITS, "rank_medians": medians,
             "detail": ("tolerance rolled: MARGIN times the lower median of the ranks' median "
                        "edge distances over their recent clean audits" if accepted else
                        "rolling update refused: the recent distances are above the ceiling "
-                       "(the tolerance stays)")})
+                       "(the tolerance stays)")}
+        if self.half:
+            record.update(half_precision=True, tail=TAIL, tail_seen=self._tail,
+                          rank_maxima=maxima, detail=(
+                "tolerance rolled (half precision): the larger of MARGIN times the lower "
+                "median of the ranks' median edge distances over their recent audits and TAIL "
+                "times the largest lower median of their largest seen in any such window"
+                if accepted else
+                record["detail"]))
+        self._records.append(record)
+
+    def _set_half(self, seen: bool) -> None:
+        """``half`` from what the calibration's recomputation produced, alike on every rank (a
+        small all-reduce, once per calibration)."""
+        flag = torch.tensor([int(seen)], dtype=torch.int64, device=self.device)
+        if self.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        self.half = bool(int(flag.item()))
+
+    def _ceiling(self) -> float:
+        """The largest tolerance accepted: ``CEILING``, or ``CEILING_HALF`` where the model's
+        products run in half precision (``half``)."""
+        return CEILING_HALF if self.half else CEILING
 
     def _far(self) -> torch.Tensor:
         """Does the replay of this rank's batch (the previous rank's, or this rank's own with

@@ -64,6 +64,13 @@ threshold Megatron-LM's rerun machine uses for non-deterministic attention backw
 A calibration above it is refused and done again at the next audit: a faulty
 computation during the calibration must not blind the audit."""
 
+CEILING_HALF = 2.0**-5
+"""The ceiling where the model's products run in bfloat16 or float16: four bfloat16 ulps of a
+component's scale (``2**-7`` each at the bottom of a binade). A recomputation rounds each
+half-precision product anew, a rounding moves its element by up to ``2**-8`` of it, and the
+moves cascade through the layers: the sketch then differs by far more than the float32
+ceiling allows (``docs/checks/replay.md``, "In half precision")."""
+
 
 def _factors(n: int, k: int, gen: torch.Generator) -> tuple[int, int, torch.Tensor, torch.Tensor,
                                                             torch.Tensor]:

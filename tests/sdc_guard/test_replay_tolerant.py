@@ -16,15 +16,19 @@ from injectors.noise import LinearNoise, nudge
 from sdc_guard import GuardConfig, native_kernel
 from sdc_guard.checks.replay_tolerant import (
     ROLLING_AUDITS,
+    TAIL,
     TRIGGER_FLOOR,
     TRIGGER_MARGIN,
     TRIGGER_WARMUP,
+    HalfOutputs,
+    TolerantReplayAudit,
     diagnose,
     drift_score,
     trigger_threshold,
 )
 from sdc_guard.checks.sketch import (
     CEILING,
+    CEILING_HALF,
     FLOOR,
     MARGIN,
     GradientSketch,
@@ -183,6 +187,61 @@ def test_linear_noise_hooks_every_linear_and_its_gradient_flows() -> None:
         LinearNoise(model, ulps=0)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_linear_noise_in_the_accumulator_rounds_a_half_product_once(autocast: bool) -> None:
+    """``where="accumulator"``: a bfloat16 product is taken again in float32, moved by a few
+    float32 ulps and rounded once, as a GPU's reordered sum rounds: each output is the
+    rounding of a float32 value within 4 float32 ulps of the float32 product, so at most a
+    few outputs move, each by one bfloat16 ulp (``"output"`` moves nearly every one by up to
+    4); the gradient flows; a float32 model is moved as with ``"output"``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8))
+    x = torch.randn(32, 64)
+    if not autocast:
+        model = model.to(torch.bfloat16)
+        x = x.to(torch.bfloat16)
+
+    def run() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return model[0](x)
+
+    clean = run()
+    assert clean.dtype == torch.bfloat16
+    def operand(t: torch.Tensor) -> torch.Tensor:  # what the bfloat16 kernel multiplies
+        return t.detach().to(torch.bfloat16).float()
+
+    exact = nn.functional.linear(operand(x), operand(model[0].weight), operand(model[0].bias))
+    noise = LinearNoise(model, ulps=4, seed=0, rank=1, where="accumulator")
+    moved = run()
+    assert noise.calls == 1
+    steps = (moved.view(torch.int16).int() - exact.to(torch.bfloat16).view(torch.int16).int())
+    assert int(steps.abs().max()) <= 1  # at most one bfloat16 ulp from the product's rounding
+    assert int((steps != 0).sum()) < exact.numel() // 100
+    ulp = torch.finfo(torch.float32).eps * exact.abs()
+    gap = (moved.float() - exact).abs()
+    assert bool((gap <= moved.float().abs() * 2.0**-8 + 4 * ulp).all())
+    noise.remove()
+    everywhere = LinearNoise(model, ulps=4, seed=0, rank=1)
+    loud = run()
+    assert int((loud.view(torch.int16) != clean.view(torch.int16)).sum()) > clean.numel() // 2
+    everywhere.remove()
+    noise = LinearNoise(model, ulps=4, seed=0, rank=1, where="accumulator")
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        model(x).float().sum().backward()
+    assert model[0].weight.grad is not None and bool(model[0].weight.grad.abs().sum() > 0)
+    noise.remove()
+    flat = nn.Linear(4, 3)
+    xs = torch.randn(5, 4)
+    a = LinearNoise(flat, ulps=4, seed=3, rank=0, where="accumulator")
+    got = flat(xs)
+    a.remove()
+    b = LinearNoise(flat, ulps=4, seed=3, rank=0)
+    assert torch.equal(got, flat(xs))  # float32: the same draws, the same outputs
+    b.remove()
+    with pytest.raises(ValueError, match=r"where=\.\.\.\) must be one of output, accumulator"):
+        LinearNoise(flat, where="input")
+
+
 def test_linear_noise_keyed_draws_repeat_a_first_computation_and_vary_every_other() -> None:
     """``begin(key)``: the n-th computation of a batch on a rank draws alike in every run (a
     training pass is reproducible), the next one differently (a recomputation rounds anew);
@@ -261,6 +320,75 @@ def test_after_the_tolerance_rolled_a_flip_is_still_named() -> None:
     res = run_ranks(tw.tolerant_run, 3, ROLLING_AUDITS + 3, fault=fault, timeout=240)
     for r in res:
         assert r["detections"] == [("replay", ROLLING_AUDITS + 2, (1,), True)]
+
+
+def test_half_outputs_sees_a_model_computing_in_half_precision_and_changes_nothing() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    with HalfOutputs() as watch:
+        plain = model(x)
+    assert not watch.seen
+    assert torch.equal(plain, model(x))
+    with HalfOutputs() as watch, torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x)
+    assert watch.seen  # autocast's products
+    half = model.to(torch.float16)
+    with HalfOutputs() as watch:
+        half(x.to(torch.float16))
+    assert watch.seen  # half-precision parameters
+
+
+def test_in_half_precision_the_tolerance_starts_at_its_ceiling_then_rolls_on_the_tail(
+        tmp_path: Path) -> None:
+    """bfloat16 mixed precision on the testbed (``LinearNoise(where="accumulator")``): the
+    calibration finds the products in half precision and compares at ``CEILING_HALF`` until
+    the first rolling update, which takes every audit and the tail of their distances (``TAIL``
+    times the ranks' lower median of their largest); no audit fires on the clean run, and an
+    exponent flip of an activation after the roll is named on its rank."""
+    log = str(tmp_path / "events.jsonl")
+    steps = ROLLING_AUDITS + 4
+    fault = {"site": "activation", "rank": 2, "step": steps - 1, "target": "act2",
+             "bits": (14,)}
+    res = run_ranks(tw.tolerant_run, 3, steps, bf16=True, where="accumulator", fault=fault,
+                    event_log=log, timeout=300)
+    for r in res:
+        assert r["detections"] == [("replay", steps - 1, (2,), True)], r["details"]
+        assert r["injections"] == (1 if r is res[2] else 0)
+    cal, rolled = tw.records(log, "replay_calibration")
+    assert cal["half_precision"] and cal["accepted"] and cal["ceiling"] == CEILING_HALF
+    assert "compares at the ceiling" in cal["detail"] and cal["tolerance"] < CEILING_HALF
+    assert rolled["kind"] == "rolling" and rolled["half_precision"] and rolled["accepted"]
+    assert rolled["before"] == CEILING_HALF and rolled["step"] == ROLLING_AUDITS
+    maxima = sorted(rolled["rank_maxima"])
+    assert rolled["tail_seen"] == maxima[1] and rolled["tail"] == TAIL
+    assert rolled["tolerance"] == max(FLOOR, MARGIN * sorted(rolled["rank_medians"])[1],
+                                      TAIL * maxima[1])
+    assert all(r["tolerance"] == rolled["tolerance"] for r in res)
+    # float32 on the same testbed: products in float32, the float32 ceiling
+    res = run_ranks(tw.tolerant_run, 2, 2, event_log=str(tmp_path / "f32.jsonl"), timeout=120)
+    (cal,) = tw.records(str(tmp_path / "f32.jsonl"), "replay_calibration")
+    assert cal["ceiling"] == CEILING and "half_precision" not in cal
+
+
+def test_a_half_precision_tolerance_is_saved_and_restored_with_its_ceiling() -> None:
+    sk = object.__new__(TolerantReplayAudit)
+    sk.tolerance, sk.half, sk._tail = None, False, 0.0
+    with pytest.raises(ValueError, match="outside"):
+        sk.restore_tolerance(4 * CEILING)
+    sk.restore_tolerance(4 * CEILING, half=True)
+    assert sk.tolerance == 4 * CEILING and sk.half
+    with pytest.raises(ValueError, match="outside"):
+        sk.restore_tolerance(2 * CEILING_HALF, half=True)
+    sk._tail = 1e-3
+    state = sk.saved()
+    assert state == {"tolerance": 4 * CEILING, "half": True, "tail": 1e-3}
+    other = object.__new__(TolerantReplayAudit)
+    other.tolerance, other.half, other._tail = None, False, 0.0
+    other.load_saved(state)
+    assert (other.tolerance, other.half, other._tail) == (4 * CEILING, True, 1e-3)
+    other.load_saved({"tolerance": CEILING / 2})
+    assert not other.half
 
 
 def test_the_exact_audit_refuses_the_testbed_where_the_tolerant_one_runs() -> None:

@@ -28,21 +28,25 @@ def tolerant_run(rank: int, world: int, steps: int, *, threads: tuple[int, ...] 
                  ulps: int = 4, fault: dict[str, Any] | None = None, interval: int = 1,
                  contain: bool = True, event_log: str | None = None,
                  mode: str = "tolerant", window: int = 1000,
-                 odd_batch: tuple[int, int, float] | None = None) -> dict[str, Any]:
+                 odd_batch: tuple[int, int, float] | None = None, bf16: bool = False,
+                 where: str = "output") -> dict[str, Any]:
     """Guarded training of ``DropMLP`` (dropout: the RNG streams must replay) with the
     tolerant replay audit every ``interval`` steps on the testbed: rank r at
     ``threads[r % len(threads)]`` threads, ``ulps`` of noise on every linear output (0: none),
     and optionally ``fault`` (``injectors.Fault`` fields; armed on its rank). ``odd_batch =
     (rank, step, value)``: that rank's batch of that step has its first input set to
-    ``value`` (a spike or a NaN the data makes, on whichever rank computes it)."""
+    ``value`` (a spike or a NaN the data makes, on whichever rank computes it). ``bf16``:
+    bfloat16 mixed precision (``torch.autocast``), the noise moved ``where`` it says
+    (``LinearNoise``)."""
     torch.set_num_threads(threads[rank % len(threads)])
     model = DDP(smooth_mlp())
-    noise = LinearNoise(model.module, ulps=ulps, seed=7, rank=rank) if ulps else None
+    noise = (LinearNoise(model.module, ulps=ulps, seed=7, rank=rank, where=where) if ulps
+             else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     cfg = GuardConfig(replay_interval=interval, replay_mode=mode, weights_interval=1,
                       skip_step_on_detection=contain, event_log=event_log,
                       repair_window_steps=window, deterministic=mode == "exact")
-    guard = SDCGuard(model, optimizer, loss_fn=loss_fn, config=cfg,
+    guard = SDCGuard(model, optimizer, loss_fn=autocast_loss if bf16 else loss_fn, config=cfg,
                      batch_for=batch_for if odd_batch is None else OddBatch(*odd_batch))
     handle = arm(Fault(**fault), guard=guard) if fault and fault["rank"] == rank else None
     reports = [guard.step(s) for s in range(steps)]
@@ -65,6 +69,14 @@ def tolerant_run(rank: int, world: int, steps: int, *, threads: tuple[int, ...] 
         handle.remove()
     guard.close()
     return out
+
+
+def autocast_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``loss_fn`` under bfloat16 mixed precision (``torch.autocast``; the loss in float32)."""
+    x, y = batch
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    return nn.functional.cross_entropy(out.float(), y)
 
 
 def smooth_mlp() -> DropMLP:
