@@ -78,9 +78,10 @@ def _in_float32(module: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> torch
     def operand(t: torch.Tensor) -> torch.Tensor:
         return t.detach().to(dtype).float()
 
+    weight, bias = module.weight, module.bias
+    assert isinstance(weight, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-        bias = None if module.bias is None else operand(module.bias)
-        return F.linear(operand(x), operand(module.weight), bias)
+        return F.linear(operand(x), operand(weight), None if bias is None else operand(bias))
 
 
 class LinearNoise:

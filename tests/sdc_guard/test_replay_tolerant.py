@@ -201,16 +201,21 @@ def test_linear_noise_in_the_accumulator_rounds_a_half_product_once(autocast: bo
         model = model.to(torch.bfloat16)
         x = x.to(torch.bfloat16)
 
+    first = model[0]
+    assert isinstance(first, nn.Linear)
+
     def run() -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            return model[0](x)
+            out: torch.Tensor = first(x)
+        return out
 
     clean = run()
     assert clean.dtype == torch.bfloat16
+
     def operand(t: torch.Tensor) -> torch.Tensor:  # what the bfloat16 kernel multiplies
         return t.detach().to(torch.bfloat16).float()
 
-    exact = nn.functional.linear(operand(x), operand(model[0].weight), operand(model[0].bias))
+    exact = nn.functional.linear(operand(x), operand(first.weight), operand(first.bias))
     noise = LinearNoise(model, ulps=4, seed=0, rank=1, where="accumulator")
     moved = run()
     assert noise.calls == 1
@@ -228,7 +233,7 @@ def test_linear_noise_in_the_accumulator_rounds_a_half_product_once(autocast: bo
     noise = LinearNoise(model, ulps=4, seed=0, rank=1, where="accumulator")
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         model(x).float().sum().backward()
-    assert model[0].weight.grad is not None and bool(model[0].weight.grad.abs().sum() > 0)
+    assert first.weight.grad is not None and bool(first.weight.grad.abs().sum() > 0)
     noise.remove()
     flat = nn.Linear(4, 3)
     xs = torch.randn(5, 4)
