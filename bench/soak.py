@@ -14,7 +14,11 @@ of up to 4 ulps on every linear output), beside the non-finite and weights check
 checksum would take the testbed's noise, which it adds after each product, for a fault), in
 float32 as the campaign's testbed runs (4 bfloat16 ulps on every output, 1.6% each, is far
 more than a GPU's reduction order changes a bfloat16 result, and beyond the tolerance's
-ceiling); writes ``bench/soak_tolerant.json``.
+ceiling); writes ``bench/soak_tolerant.json``. ``--tolerant --bf16``: the same in bfloat16
+mixed precision, each linear product moved in its float32 accumulator before its rounding
+(``LinearNoise(where="accumulator")``, as a GPU's reduction order moves it); writes
+``bench/soak_tolerant_bf16.json``, with the audits' distances (median, 99th percentile,
+largest) beside the false positives.
 """
 
 from __future__ import annotations

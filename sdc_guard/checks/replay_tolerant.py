@@ -25,6 +25,17 @@ what they do before blaming anyone:
   the lower median of those medians (one float per rank, no recomputation; logged with
   ``"kind": "rolling"``). The lower median: a rank whose own distances a lasting fault
   inflates cannot raise it.
+- **In half precision** (the calibration's first recomputation produced bfloat16 or float16
+  tensors: ``HalfOutputs``; under ``torch.autocast``, half-precision parameters, FSDP2's
+  bfloat16 ``MixedPrecisionPolicy``) a recomputation rounds every product anew, a rounding
+  moves its element by up to ``2**-8``, and the moves cascade through the layers: the
+  distances run far above the float32 ceiling, with a long tail (on the testbed the
+  largest of a run is tens of times the median). The ceiling is then ``CEILING_HALF``;
+  the audit compares at it until its first rolling update (the calibration at one step
+  does not show the tail), and each rolling update takes at least ``TAIL`` times the
+  largest tail seen so far (per window: the upper median of the ranks' largest clean
+  distances, the lower one with two ranks). The tolerance then sits a few percent of each
+  component's scale: exponent flips that blow a value up are seen, finer changes are not.
 - **A diagnosis by reruns before blame.** For a bad edge a -> b the audit reruns b's
   batch in the same step, in one gather: ``DIAGNOSIS_RERUNS`` times on b, on a and (with
   more than two ranks) on the third rank b + 1 (``diagnose``). A result that recurs on a
@@ -140,14 +151,14 @@ included): ``RERUNS * (RERUNS - 1) / 2`` same-rank and ``RERUNS`` cross-rank dif
 rank."""
 
 ROLLING_AUDITS = 32
-"""Clean audits between the tolerance's rolling updates (``TolerantReplayAudit._roll``); in
-half precision, audits of any outcome."""
+"""Clean audits between the tolerance's rolling updates (``TolerantReplayAudit._roll``)."""
 
-TAIL = 2.0
-"""In half precision the rolled tolerance is at least this multiple of the lower median of
-the ranks' largest edge distances over their recent audits: half-precision roundings
-cascade, and their distances have a long tail (the largest of 32 many times their median),
-which a multiple of the median alone does not cover."""
+TAIL = 4.0
+"""In half precision the rolled tolerance is at least this multiple of the largest tail seen
+(per window of clean audits, the upper median of the ranks' largest edge distances; the
+lower one with two ranks): half-precision roundings cascade, and their distances have a
+long tail (the largest of a run tens of times their median), which a multiple of the
+median alone does not cover."""
 
 _SKETCH_SALT = 0x5EC7
 """Separates the sketch's projections from the other streams drawn from the seed."""
@@ -299,8 +310,8 @@ class TolerantReplayAudit(ReplayAudit):
         """Do the model's products run in half precision (bfloat16, float16)? Found at the
         calibration's first recomputation (``half_precision_products``). Their roundings
         reach the sketch at a far larger scale, in a long tail: the ceiling is then
-        ``CEILING_HALF``, and the rolling update takes every audit and the tail
-        (``TAIL``)."""
+        ``CEILING_HALF``, the audit compares at it until the first rolling update, and every
+        rolling update covers the tail (``TAIL``)."""
         self._extra: list[float] = []
         """Numbers gathered beside the sketches (a triggered audit's norm and vote)."""
 
@@ -575,15 +586,16 @@ class TolerantReplayAudit(ReplayAudit):
         return verdict
 
     def _roll(self, step: int) -> None:
-        """The tolerance's rolling update (module doc): every rank's median edge distance over
-        its recent clean audits, gathered; ``MARGIN`` times their lower median, between
-        ``FLOOR`` and ``CEILING`` (above it: refused, logged). Collective."""
+        """The tolerance's rolling update (module doc): every rank's median and largest edge
+        distance over its recent clean audits, gathered; ``MARGIN`` times the lower median of
+        the medians (in half precision at least ``TAIL`` times the tail seen), between
+        ``FLOOR`` and the ceiling (above it: refused, logged). Collective."""
         recent, self._recent, self._clean_audits = self._recent, [], 0
         nan = torch.tensor(math.nan, dtype=torch.float64, device=self.device)
         kept = torch.stack(recent).to(torch.float64).reshape(-1) if recent else None
         med = kept.median() if kept is not None else nan
-        top = kept[torch.isfinite(kept)].max() if kept is not None and bool(
-            torch.isfinite(kept).any()) else nan
+        top = (torch.where(torch.isfinite(kept), kept, torch.full_like(kept, -math.inf)).max()
+               if kept is not None else nan)  # no finite distance: -inf, left out below
         mine = torch.stack([med.reshape(()), top.reshape(()),
                             torch.tensor(float(step), dtype=torch.float64, device=med.device)])
         rows = all_gather_rows(mine, self.group).cpu()
@@ -618,8 +630,8 @@ class TolerantReplayAudit(ReplayAudit):
             record.update(half_precision=True, tail=TAIL, tail_seen=self._tail,
                           rank_maxima=maxima, detail=(
                 "tolerance rolled (half precision): the larger of MARGIN times the lower "
-                "median of the ranks' median edge distances over their recent audits and TAIL "
-                "times the largest lower median of their largest seen in any such window"
+                "median of the ranks' median edge distances over their recent clean audits and "
+                "TAIL times the largest median of their largest seen in any such window"
                 if accepted else
                 record["detail"]))
         self._records.append(record)

@@ -348,8 +348,8 @@ def test_in_half_precision_the_tolerance_starts_at_its_ceiling_then_rolls_on_the
         tmp_path: Path) -> None:
     """bfloat16 mixed precision on the testbed (``LinearNoise(where="accumulator")``): the
     calibration finds the products in half precision and compares at ``CEILING_HALF`` until
-    the first rolling update, which takes every audit and the tail of their distances (``TAIL``
-    times the ranks' lower median of their largest); no audit fires on the clean run, and an
+    the first rolling update, which covers the tail of the clean distances (``TAIL`` times the
+    ranks' median of their largest); no audit fires on the clean run, and an
     exponent flip of an activation after the roll is named on its rank."""
     log = str(tmp_path / "events.jsonl")
     steps = ROLLING_AUDITS + 4
