@@ -58,12 +58,21 @@ TOLERANT = GuardConfig(nonfinite=True, weights_interval=1, replay_interval=1,
 """``--tolerant``: the tolerant audit at every step, the non-finite and weights checks."""
 
 
+def _autocast_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """``scenario_loss`` under ``torch.autocast`` in bfloat16 (DDP's mixed precision)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss: torch.Tensor = scenario_loss(model, batch)
+    return loss
+
+
 def _soak_rank(rank: int, world: int, shape: tuple[int, ...], steps: int,
-               tolerant: bool = False, bf16: bool = False) -> dict[str, Any]:
+               tolerant: bool = False, bf16: bool = False,
+               parallel: str | None = None) -> dict[str, Any]:
     torch.set_num_threads(1 + rank % 2 if tolerant else 1)
-    parallel = "fsdp" if len(shape) == 1 else "hsdp"
+    parallel = parallel or ("fsdp" if len(shape) == 1 else "hsdp")
     model = shard_model(build_model("llama", width=64, depth=2, seed=0), parallel=parallel,
-                        mesh_shape=shape, mixed_precision=not tolerant or bf16)
+                        mesh_shape=shape,
+                        mixed_precision=(not tolerant or bf16) and parallel != "ddp")
     if tolerant:
         from injectors.noise import LinearNoise
 
@@ -77,7 +86,8 @@ def _soak_rank(rank: int, world: int, shape: tuple[int, ...], steps: int,
     refused: list[str] = []
     while True:
         try:
-            guard = SDCGuard(model, opt, loss_fn=scenario_loss, batch_for=batch_for,
+            loss = _autocast_loss if parallel == "ddp" and bf16 else scenario_loss
+            guard = SDCGuard(model, opt, loss_fn=loss, batch_for=batch_for,
                              config=TOLERANT if tolerant else _config(refused))
             break
         except ValueError as e:  # a check that does not guard sharded models yet
@@ -117,11 +127,15 @@ def spread(distances: list[float]) -> dict[str, float] | None:
 
 def soak(steps: int, tolerant: bool = False, bf16: bool = False) -> dict[str, Any]:
     runs = []
-    for shape in ((2,), (2, 2)):
+    meshes: list[tuple[str, tuple[int, ...]]] = [("fsdp", (2,)), ("hsdp", (2, 2))]
+    if bf16:
+        meshes.append(("ddp", (3,)))  # torch.autocast, as DDP trains in bfloat16
+    for parallel, shape in meshes:
         world = math.prod(shape)
-        out = run_ranks(_soak_rank, world, shape, steps, tolerant, bf16, timeout=24 * 3600)
+        out = run_ranks(_soak_rank, world, shape, steps, tolerant, bf16, parallel,
+                        timeout=24 * 3600)
         first = out[0]
-        runs.append({"mesh": list(shape), "ranks": world, "steps": steps,
+        runs.append({"parallel": parallel, "mesh": list(shape), "ranks": world, "steps": steps,
                      "rank_steps": world * steps, "checks": first["checks"],
                      "refused": first["refused"],
                      "false_positives": sum(len(o["detections"]) for o in out),
@@ -133,7 +147,8 @@ def soak(steps: int, tolerant: bool = False, bf16: bool = False) -> dict[str, An
                      "seconds": max(o["seconds"] for o in out)})
     model = "llama (2 blocks, width 64), bf16 mixed precision, AdamW"
     if tolerant and bf16:
-        model = ("llama (2 blocks, width 64), bf16 mixed precision, AdamW; the testbed: ranks "
+        model = ("llama (2 blocks, width 64), bf16 mixed precision (FSDP2's MixedPrecisionPolicy; "
+                 "under DDP torch.autocast), AdamW; the testbed: ranks "
                  "at 1 and 2 threads, every linear product moved by up to 4 float32 ulps in "
                  "its float32 accumulator before its rounding to bfloat16 (LinearNoise "
                  "where='accumulator'); the tolerant replay audit at every step")
@@ -168,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             "soak_tolerant.json" if args.tolerant else "soak.json")
     (out / name).write_text(json.dumps(res, indent=1) + "\n")
     for r in res["runs"]:
-        print(f"mesh {r['mesh']}: {r['rank_steps']} rank-steps, checks {r['checks']} "
+        print(f"{r.get('parallel', '')} mesh {r['mesh']}: {r['rank_steps']} rank-steps, checks {r['checks']} "
               f"(refused under sharding: {r['refused'] or 'none'}), "
               f"false positives {r['false_positives']}, {r['seconds']:.0f} s")
     print(f"total: {res['rank_steps']} rank-steps, {res['false_positives']} false positives")

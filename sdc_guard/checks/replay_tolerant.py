@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import math
 import statistics
 from collections.abc import Sequence
@@ -104,6 +105,8 @@ from sdc_guard.hostread import StepRead, on_host
 from sdc_guard.parallel.base import Bucket, bucket_gradients
 from sdc_guard.report import Detection
 from sdc_guard.scaling import Flag, SketchRequest
+
+_log = logging.getLogger(__name__)
 
 TRIGGER_HISTORY = 64
 """Recent clean steps whose norms (and drift scores) set a rank's band."""
@@ -303,12 +306,14 @@ class TolerantReplayAudit(ReplayAudit):
         self._clean_audits = 0
         """Clean audits since then (alike on every rank: the verdicts are collective)."""
         self._unstable = False
+        self._warned = False
         self._tail = 0.0
-        """In half precision: the largest lower median of the ranks' largest edge distances
-        seen in a calibration or a rolling window (alike on every rank)."""
+        """In half precision: the largest tail seen in a rolling window (the upper median of
+        the ranks' largest clean edge distances; the lower one with two ranks), alike on
+        every rank."""
         self.half = False
         """Do the model's products run in half precision (bfloat16, float16)? Found at the
-        calibration's first recomputation (``half_precision_products``). Their roundings
+        calibration's first recomputation (``HalfOutputs``). Their roundings
         reach the sketch at a far larger scale, in a long tail: the ceiling is then
         ``CEILING_HALF``, the audit compares at it until the first rolling update, and every
         rolling update covers the tail (``TAIL``)."""
@@ -386,6 +391,8 @@ class TolerantReplayAudit(ReplayAudit):
             "detail": ("tolerance calibrated" if accepted else
                        "calibration refused: recomputations differ by more than the ceiling "
                        "(calibrated again at the next audit)")})
+        if not accepted:
+            self._warn_noisy(tol, ceiling)
         if self.half:
             self._records[-1].update(half_precision=True, detail=(
                 "half precision: the calibrated tolerance does not show the tail of the "
@@ -635,6 +642,22 @@ class TolerantReplayAudit(ReplayAudit):
                 if accepted else
                 record["detail"]))
         self._records.append(record)
+        if not accepted:
+            self._warn_noisy(tol, ceiling)
+
+    def _warn_noisy(self, tol: float, ceiling: float) -> None:
+        """One WARNING per audit (on rank 0) when the recomputations differ by more than the
+        ceiling: the audit then compares below their noise and its detections may be the
+        kernels' roundings."""
+        if self._warned or self.rank != 0:
+            return
+        self._warned = True
+        _log.warning(
+            "replay audit (tolerant): recomputations of a batch differ by %.3g of a "
+            "component's scale, above the ceiling %.3g%s; the audit compares below their "
+            "noise and may name healthy ranks. Use deterministic kernels with "
+            "replay_mode='exact', or replay_interval=0 (docs/checks/replay.md, Tolerant "
+            "mode).", tol, ceiling, " (products in half precision)" if self.half else "")
 
     def _set_half(self, seen: bool) -> None:
         """``half`` from what the calibration's recomputation produced, alike on every rank (a

@@ -396,6 +396,24 @@ def test_a_half_precision_tolerance_is_saved_and_restored_with_its_ceiling() -> 
     assert not other.half
 
 
+def test_recomputations_noisier_than_the_ceiling_warn_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    audit = object.__new__(TolerantReplayAudit)
+    audit.rank, audit.half, audit._warned = 0, True, False
+    with caplog.at_level("WARNING", logger="sdc_guard.checks.replay_tolerant"):
+        audit._warn_noisy(0.08, CEILING_HALF)
+        audit._warn_noisy(0.09, CEILING_HALF)
+    (record,) = caplog.records
+    assert "differ by 0.08" in record.getMessage() and "half precision" in record.getMessage()
+    assert "replay_mode='exact', or replay_interval=0" in record.getMessage()
+    caplog.clear()
+    elsewhere = object.__new__(TolerantReplayAudit)
+    elsewhere.rank, elsewhere.half, elsewhere._warned = 1, False, False
+    with caplog.at_level("WARNING", logger="sdc_guard.checks.replay_tolerant"):
+        elsewhere._warn_noisy(0.08, CEILING)
+    assert not caplog.records  # rank 0 speaks for the job
+
+
 def test_the_exact_audit_refuses_the_testbed_where_the_tolerant_one_runs() -> None:
     with pytest.raises(Exception, match="CPU threads"):
         run_ranks(tw.tolerant_run, 2, 2, mode="exact", ulps=0, timeout=120)
