@@ -61,7 +61,7 @@ SCHEDULE = {"gpt2 timing": 0.34, "gpt2 counts": 0.45, "throughput": 0.57, "tests
 """Each part's deadline as a fraction of the budget from the start, in the order they run; a
 part that ends early leaves its time to the next."""
 TEST_SECONDS = {"values": 30.0, "rng_stream": 2.0, "kernels": 8.0, "telemetry": 2.0,
-                "nccl_guard": 25.0, "checksum": 125.0, "tolerant": 30.0}
+                "nccl_guard": 25.0, "checksum": 125.0, "tolerant": 30.0, "tolerant_bf16": 30.0}
 """About what each test takes on a GPU (the last run's times, with a margin): one that would
 end past the tests' deadline is not started."""
 
@@ -81,6 +81,9 @@ def device_tests(device: torch.device) -> dict[str, tuple[Section, float]]:
     from tests.cuda.test_tolerant import (
         test_tolerant_replay_calibrates_on_the_device_and_names_a_flip as tolerant,
     )
+    from tests.cuda.test_tolerant import (
+        test_tolerant_replay_in_bfloat16_finds_half_precision_and_names_a_flip as tolerant_bf16,
+    )
     from tests.cuda.test_values import test_fingerprint_and_digest_equal_the_cpu as values
 
     d = str(device)
@@ -94,10 +97,12 @@ def device_tests(device: torch.device) -> dict[str, tuple[Section, float]]:
         tests["nccl_guard"] = lambda rec: guard(d, record=rec)
         tests["checksum"] = lambda rec: checksum(d, record=rec)
         tests["tolerant"] = lambda rec: tolerant(d, record=rec)
+        tests["tolerant_bf16"] = lambda rec: tolerant_bf16(d, record=rec)
     else:
         tests["gloo_guard"] = lambda rec: guard("cpu", 1, record=rec)
         tests["checksum"] = lambda rec: checksum("cpu", 1, steps=3, record=rec)
         tests["tolerant"] = lambda rec: tolerant("cpu", 1, record=rec)
+        tests["tolerant_bf16"] = lambda rec: tolerant_bf16("cpu", 1, record=rec)
     return {k: (t, TEST_SECONDS.get(k, 0.0) if device.type == "cuda" else 0.0)
             for k, t in tests.items()}
 
