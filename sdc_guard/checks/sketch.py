@@ -150,7 +150,7 @@ class GradientSketch:
         kernel = active_kernel()
         if block is not None and kernel is not None:
             out = torch.empty(self.width, dtype=torch.float64)
-            kernel.sketch_at(g.data_ptr(), *block[:3], *block[3:], self.k, out.data_ptr())
+            kernel.sketch_at(g.data_ptr(), *block, self.k, out.data_ptr())
             return out
         q, c, a, t = self._factors[i]
         dtype = _FIRST_STAGE.get(g.dtype, torch.float32)
