@@ -84,9 +84,9 @@ def _soak_rank(rank: int, world: int, shape: tuple[int, ...], steps: int,
         return synthetic_batch("llama", 0, r, step, 0, batch=4)
 
     refused: list[str] = []
+    loss = _autocast_loss if parallel == "ddp" and bf16 else scenario_loss
     while True:
         try:
-            loss = _autocast_loss if parallel == "ddp" and bf16 else scenario_loss
             guard = SDCGuard(model, opt, loss_fn=loss, batch_for=batch_for,
                              config=TOLERANT if tolerant else _config(refused))
             break

@@ -314,6 +314,7 @@ class SketchPlan:
         self.buf = buf
         """Kept alive: the key of ``SketchPlans`` holds its id."""
         self.sketch = request.sketch
+        """Kept alive too: its id and its factors' addresses are in the key and the blocks."""
         self.base, self.n, self.k = buf.data_ptr(), buf.numel(), request.sketch.k
         self.blocks = kernel.sketch_blocks(blocks)
         self.order = order

@@ -352,8 +352,8 @@ class GuardCommHook:
         sketching = (self._sketch_plans.get(bucket.index(), buf, requests[0])
                      if len(requests) == 1 and ours and fused is None and plan is None
                      else None)
-        for request in requests:
-            if sketching is None:
+        if sketching is None:
+            for request in requests:
                 request.compute()  # a read of their own, before anything scales them
         scale = 1.0 / self.world_size
         flag: Flag | None = None
