@@ -163,6 +163,12 @@ lower one with two ranks): half-precision roundings cascade, and their distances
 long tail (the largest of a run tens of times their median), which a multiple of the
 median alone does not cover."""
 
+HALF_WINDOWS = 4
+"""In half precision the tolerance leaves the ceiling at the rolling update that closes this
+many windows of clean audits (``ROLLING_AUDITS`` each), not before: the tail of the
+roundings' distances grows as training goes on, and one window at the start of a run does
+not show it."""
+
 _SKETCH_SALT = 0x5EC7
 """Separates the sketch's projections from the other streams drawn from the seed."""
 
@@ -191,6 +197,8 @@ class HalfOutputs(TorchFunctionMode):
 def _loss_sum(losses: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     if not losses:
         return torch.zeros((), dtype=torch.float64, device=device)
+    if len(losses) == 1:
+        return losses[0].detach().to(torch.float64).reshape(())
     return torch.stack([loss.detach().to(torch.float64).reshape(()) for loss in losses]).sum()
 
 
@@ -307,6 +315,8 @@ class TolerantReplayAudit(ReplayAudit):
         """Clean audits since then (alike on every rank: the verdicts are collective)."""
         self._unstable = False
         self._warned = False
+        self._windows = 0
+        """Rolling windows closed since the last calibration (alike on every rank)."""
         self._tail = 0.0
         """In half precision: the largest tail seen in a rolling window (the upper median of
         the ranks' largest clean edge distances; the lower one with two ranks), alike on
@@ -319,6 +329,14 @@ class TolerantReplayAudit(ReplayAudit):
         rolling update covers the tail (``TAIL``)."""
         self._extra: list[float] = []
         """Numbers gathered beside the sketches (a triggered audit's norm and vote)."""
+        self._step_groups: dict[int, list[int]] = {}
+        """This audit step's local buckets seen: bucket index -> its audited parameters."""
+        self._groups: tuple[tuple[int, ...], ...] | None = None
+        """The parameters of each bucket of the last audit step whose buckets were seen (alike
+        on every rank: DDP's buckets are); in half precision the audit compares per bucket
+        (``_apart``)."""
+        self._group_of: torch.Tensor | None = None
+        """Each parameter's group, for ``_grouped`` (None: compare per parameter)."""
 
     def _sketched(self) -> list[int]:
         """The element counts of the gradients the sketch holds: each parameter's."""
@@ -337,6 +355,8 @@ class TolerantReplayAudit(ReplayAudit):
             raise ValueError(f"replay tolerance {tolerance!r} is outside [{FLOOR}, {ceiling}]")
         self.tolerance = float(tolerance)
         self.half = bool(half)
+        # below the half ceiling: rolled after the tail was measured (HALF_WINDOWS)
+        self._windows = HALF_WINDOWS if self.half and tolerance < ceiling else 0
 
     def gap(self) -> float | None:
         """How far this rank's own sketch of the last audit step was from the previous rank's
@@ -344,7 +364,7 @@ class TolerantReplayAudit(ReplayAudit):
         of clean steps, which a benchmark records."""
         if self._own_sketch is None or self.world < 2 or not self.tolerance:
             return None
-        return float(distance(self._own_sketch, self._peer, self.sketch.width)) / self.tolerance
+        return float(self._apart(self._own_sketch, self._peer)) / self.tolerance
 
     def saved(self) -> dict[str, Any]:
         if self.tolerance is None:
@@ -370,19 +390,20 @@ class TolerantReplayAudit(ReplayAudit):
     def _calibrate(self, step: int, own: torch.Tensor, rep: torch.Tensor,
                    calib: torch.Tensor) -> None:
         """Set the tolerance from every rank's recomputations of its neighbour's batch."""
-        n, w = self.world, self.sketch.width
+        n = self.world
         same: list[float] = []
         cross: list[float] = []
         for r in range(n):
             runs = [rep[r], *calib[r]]
             owner = own[(r + 1) % n]
-            same += [float(distance(x, y, w)) for x, y in itertools.combinations(runs, 2)]
-            cross += [float(distance(x, owner, w)) for x in runs]
+            same += [float(self._apart(x, y)) for x, y in itertools.combinations(runs, 2)]
+            cross += [float(self._apart(x, owner)) for x in runs]
         tol = calibrated_tolerance(same, cross)
         ceiling = self._ceiling()
         accepted = tol <= ceiling
         if accepted:  # in half precision: the ceiling until the first rolling update
             self.tolerance = ceiling if self.half else tol
+            self._windows = 0
         self._records.append({
             "event": "replay_calibration", "step": step, "tolerance": tol,
             "accepted": accepted, "margin": MARGIN, "floor": FLOOR, "ceiling": ceiling,
@@ -402,6 +423,7 @@ class TolerantReplayAudit(ReplayAudit):
     # -- the step's sketches -------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         self._own_rows = [None] * self.sketch.count
+        self._step_groups = {}
         self._own_sketch = None
         self._calibration = []
         super().begin_step(step)
@@ -427,6 +449,7 @@ class TolerantReplayAudit(ReplayAudit):
             if self.trigger and not self.due(self._backend.step):
                 self._add_norm(bucket)
             return None
+        self._step_groups[bucket.index()] = [i for i in idx if i >= 0]
         grads = bucket_gradients(bucket)
         if bucket.buffer().layout != torch.strided and len(idx) == 1:
             grads = [bucket.buffer()]  # DDP gives a sparse gradient a bucket of its own
@@ -536,7 +559,7 @@ class TolerantReplayAudit(ReplayAudit):
         n = self.world
         # a norm that did not come back on a rank whose batch reproduces on two ranks
         passing = [r for r in moved
-                   if float(distance(rep[(r - 1) % n], own[r], w)) <= tol and not any(
+                   if float(self._apart(rep[(r - 1) % n], own[r])) <= tol and not any(
                        r in d.suspect_ranks for d in found)]
         if passing:
             found += self._detections(
@@ -579,6 +602,7 @@ class TolerantReplayAudit(ReplayAudit):
         if not self.due(step):
             return self._trigger_pre_step(step)
         calibrated = self.tolerance is not None
+        self._settle_groups()
         try:
             verdict = super().pre_step(step)
         finally:
@@ -620,10 +644,12 @@ class TolerantReplayAudit(ReplayAudit):
         if self.half and tops:
             self._tail = max(self._tail, tops[len(tops) // 2 if len(tops) > 2 else 0])
             tol = max(tol, TAIL * self._tail)
+        self._windows += 1
         ceiling = self._ceiling()
         accepted = tol <= ceiling
+        early = self.half and self._windows < HALF_WINDOWS
         before = self.tolerance
-        if accepted:
+        if accepted and not early:
             self.tolerance = tol
         record = {
             "event": "replay_calibration", "kind": "rolling", "step": step, "tolerance": tol,
@@ -635,12 +661,17 @@ class TolerantReplayAudit(ReplayAudit):
                        "(the tolerance stays)")}
         if self.half:
             record.update(half_precision=True, tail=TAIL, tail_seen=self._tail,
-                          rank_maxima=maxima, detail=(
+                          rank_maxima=maxima, windows=self._windows, detail=(
+                f"half precision: the tail is measured over {HALF_WINDOWS} windows of clean "
+                f"audits before the tolerance leaves the ceiling (window {self._windows}); "
+                "the audit compares at the ceiling" if early and accepted else
                 "tolerance rolled (half precision): the larger of MARGIN times the lower "
                 "median of the ranks' median edge distances over their recent clean audits and "
                 "TAIL times the largest median of their largest seen in any such window"
                 if accepted else
                 record["detail"]))
+            if early:
+                record["accepted"] = False
         self._records.append(record)
         if not accepted:
             self._warn_noisy(tol, ceiling)
@@ -672,12 +703,76 @@ class TolerantReplayAudit(ReplayAudit):
         products run in half precision (``half``)."""
         return CEILING_HALF if self.half else CEILING
 
+    def _settle_groups(self) -> None:
+        """This audit step's buckets as the comparison's groups, once every one is seen (the
+        last bucket's veto, or ``pre_step``); a parameter in none of them (not in a bucket
+        this step) makes a group of its own. Kept for the steps that see no bucket (a
+        triggered audit's)."""
+        if not self._step_groups:
+            return
+        groups = [tuple(v) for _, v in sorted(self._step_groups.items()) if v]
+        seen = {i for g in groups for i in g}
+        groups += [(i,) for i in range(self.sketch.count) if i not in seen]
+        found = tuple(groups)
+        if found != self._groups:
+            self._groups = found
+            owner = torch.empty(self.sketch.count, dtype=torch.int64)
+            for g, members in enumerate(found):
+                owner[list(members)] = g
+            self._group_of = owner.to(self.device)
+
+    def _grouped(self, v: torch.Tensor) -> torch.Tensor:
+        """A sketch vector per group of parameters (``_groups``): the loss, then per group the
+        norm of its gradients together and the sums of their projections (each parameter's
+        projections are drawn independently: their sum is a projection of the group's
+        gradients end to end). A NaN stays in its group (``index_add_``, in a fixed order:
+        the same numbers on every rank)."""
+        assert self._groups is not None and self._group_of is not None
+        w = self.sketch.width
+        rows = v[1:].reshape(-1, w)
+        parts = torch.cat([rows[:, :1].square(), rows[:, 1:]], 1)
+        acc = torch.zeros(len(self._groups), w, dtype=v.dtype, device=v.device)
+        acc.index_add_(0, self._group_of.to(v.device), parts)
+        acc[:, 0] = acc[:, 0].sqrt()
+        return torch.cat([v[:1], acc.reshape(-1)])
+
+    def _per_group(self) -> bool:
+        """Compare per bucket rather than per parameter? In half precision under DDP, where
+        the buckets are known: a small parameter's gradient (a norm's weight, a bias) carries
+        the roundings of the products it passes through at a far larger share of its own
+        norm than a bucket's gradients do of theirs, and per parameter the audit misfires
+        (``docs/checks/replay.md``, "In half precision")."""
+        return self.half and self._groups is not None
+
+    def _apart(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``distance`` of two sketch vectors as the audit compares them: per parameter, or
+        per bucket (``_per_group``)."""
+        if self._per_group():
+            return distance(self._grouped(a), self._grouped(b), self.sketch.width)
+        return distance(a, b, self.sketch.width)
+
+    def _component(self, a: torch.Tensor, b: torch.Tensor) -> str:
+        """Where two sketch vectors differ most, in words (a parameter's, or a bucket's
+        component)."""
+        w = self.sketch.width
+        if not self._per_group():
+            return component(int(differences(a, b, w).argmax()), w, self.names)
+        assert self._groups is not None
+        i = int(differences(self._grouped(a), self._grouped(b), w).argmax())
+        if i == 0:
+            return "the loss"
+        g, k = divmod(i - 1, w)
+        members = [self.names[j] for j in self._groups[g]]
+        what = "norm" if k == 0 else f"projection {k}"
+        return f"the gradients of bucket {g} ({', '.join(members[:3])}" + (
+            f" and {len(members) - 3} more" if len(members) > 3 else "") + f")' {what}"
+
     def _far(self) -> torch.Tensor:
         """Does the replay of this rank's batch (the previous rank's, or this rank's own with
         one rank) differ from its own step by more than the tolerance? (0-d bool; the
         distance is kept for the rolling update)"""
         other = self._peer if self.world > 1 else self._replayed
-        self._distance = distance(self._own_vector(), other, self.sketch.width)
+        self._distance = self._apart(self._own_vector(), other)
         return self._distance > self._tol()
 
     def veto(self) -> Flag | None:
@@ -687,6 +782,7 @@ class TolerantReplayAudit(ReplayAudit):
             return None
         self._finish_exchange()
         self._veto_asked = True
+        self._settle_groups()
         far = self._far()
         return bool(far) if on_host(far) else far
 
@@ -719,10 +815,10 @@ class TolerantReplayAudit(ReplayAudit):
             calib = rows[:, 2 * size:rows.shape[1] - 1 - len(self._extra)].reshape(
                 self.world, -1, size)
             self._calibrate(step, own, rep, calib)
-        w, tol = self.sketch.width, self._tol()
-        if (self.world > 1 and all(float(distance(rep[r], own[r], w)) <= tol
+        tol = self._tol()
+        if (self.world > 1 and all(float(self._apart(rep[r], own[r])) <= tol
                                    for r in range(self.world))
-                and any(float(distance(own[r], own[(r + 1) % self.world], w)) > tol
+                and any(float(self._apart(own[r], own[(r + 1) % self.world])) > tol
                         for r in range(self.world))):
             raise own_batch_error(step)
         return [[own[r], rep[r], tail[r].tolist()] for r in range(self.world)]
@@ -730,10 +826,10 @@ class TolerantReplayAudit(ReplayAudit):
     def judge(self, step: int, words: list[list[Any]]) -> list[Detection]:
         """The detections, if any, from every rank's own and replayed sketches (row r: rank
         r's): the exact audit's localisation, with the diagnosis by reruns (module doc)."""
-        n, w, tol = self.world, self.sketch.width, self._tol()
+        n, tol = self.world, self._tol()
         own = [row[0] for row in words]
         rep = [row[1] for row in words]
-        gaps = [float(distance(rep[r], own[(r + 1) % n], w)) for r in range(n)]
+        gaps = [float(self._apart(rep[r], own[(r + 1) % n])) for r in range(n)]
         bad = [g > tol for g in gaps]
         self._unstable = False
         if not any(bad):
@@ -741,8 +837,7 @@ class TolerantReplayAudit(ReplayAudit):
         evidence: dict[str, Any] = {
             "mode": "tolerant", "tolerance": tol, "edge_distances": gaps,
             "bad_edges": [[r, (r + 1) % n] for r in range(n) if bad[r]],
-            "farthest": {str(r): component(int(differences(rep[r], own[(r + 1) % n], w)
-                                               .argmax()), w, self.names)
+            "farthest": {str(r): self._component(rep[r], own[(r + 1) % n])
                          for r in range(n) if bad[r]},
         }
         if n > 2 and all(bad):
@@ -761,7 +856,7 @@ class TolerantReplayAudit(ReplayAudit):
         got = self._rerun(step, list(dict.fromkeys(tasks)))
 
         def close(x: torch.Tensor, y: torch.Tensor) -> bool:
-            return float(distance(x, y, w)) <= tol
+            return float(self._apart(x, y)) <= tol
 
         named: dict[int, bool] = {}  # rank -> transient
         verdicts: dict[str, Any] = {}

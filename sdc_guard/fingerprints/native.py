@@ -333,6 +333,10 @@ class NativeKernel:
         scale_sketch.argtypes = [P, N, ctypes.c_float, P, C, C, P, C]
         scale_sketch.restype = C
         self._scale_sketch = scale_sketch
+        sketch_distance = self._lib.sdc_sketch_distance
+        sketch_distance.argtypes = [P, P, N, C]
+        sketch_distance.restype = ctypes.c_double
+        self._sketch_distance = sketch_distance
         isa = self._lib.sdc_isa
         isa.argtypes = [ctypes.c_int]
         isa.restype = ctypes.c_int
@@ -493,6 +497,16 @@ class NativeKernel:
         threads = max(1, min(torch.get_num_threads(), (q * c) // _PER_THREAD))
         if self._sketch(address, q, c, tail, b, a, t, k, threads, out) != 0:
             raise ValueError(f"sdc_sketch refused q={q}, c={c}, tail={tail}, k={k}")
+
+    def sketch_distance_at(self, a: int, b: int, n: int, width: int) -> float:
+        """``sdc_sketch_distance``: ``sdc_guard.checks.sketch.distance`` of the two sketch
+        vectors of ``n`` float64 at ``a`` and ``b`` (the loss, then ``width`` numbers per
+        gradient), the same number. The caller guarantees the memory (live, contiguous
+        float64 CPU tensors of ``n``)."""
+        far = float(self._sketch_distance(a, b, n, width))
+        if far < 0:
+            raise ValueError(f"sdc_sketch_distance refused n={n}, width={width}")
+        return far
 
     @staticmethod
     def sketch_blocks(blocks: list[tuple[int, int, int, int, int, int, int]]) -> Any:

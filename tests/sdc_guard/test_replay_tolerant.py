@@ -15,6 +15,7 @@ from torch import nn
 from injectors.noise import LinearNoise, nudge
 from sdc_guard import GuardConfig, native_kernel
 from sdc_guard.checks.replay_tolerant import (
+    HALF_WINDOWS,
     ROLLING_AUDITS,
     TAIL,
     TRIGGER_FLOOR,
@@ -128,6 +129,35 @@ def test_distance_is_relative_per_component_and_equal_non_finite_values_agree() 
     assert float(distance(inf, base, w)) == math.inf
     zero = _vector(sk, [torch.zeros(p.shape) for p in params])
     assert float(distance(zero, zero.clone(), w)) == 0
+
+
+def test_the_c_kernel_measures_the_distance_as_torch_does_to_the_bit() -> None:
+    """``sdc_sketch_distance`` and torch's operations give the same number for every pair of
+    sketch vectors: signed zeros, NaN, infinities, subnormals and zero norms included; a
+    vector that is not contiguous float64 takes torch's path."""
+    import random
+
+    from sdc_guard.checks.sketch import differences
+
+    w, rng = 5, random.Random(1)
+    odd = [0.0, -0.0, 1.0, -1.0, math.nan, math.inf, -math.inf, 5e-324, 1e-300, 1e300, 3.0]
+    pairs = []
+    for _ in range(3000):
+        n = 1 + w * rng.randint(0, 4)
+        a = [rng.choice(odd) if rng.random() < 0.3 else rng.gauss(0, 1) for _ in range(n)]
+        b = [rng.choice(odd) if r < 0.3 else x * (1 + rng.gauss(0, 1e-6)) if r < 0.6 else x
+             for x, r in ((x, rng.random()) for x in a)]
+        pairs.append((torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)))
+    with native_kernel(True) as on:
+        if not on:
+            pytest.skip("no C compiler: the C kernel cannot be built here")
+        fast = [float(distance(a, b, w)) for a, b in pairs]
+        wide = torch.stack([pairs[0][0]] * 2, 1)  # column 0: a strided view
+        strided = float(distance(wide[:, 0], pairs[0][1], w))
+    slow = [float(differences(a, b, w).max()) for a, b in pairs]
+    assert [str(x) for x in fast] == [str(x) for x in slow]
+    assert {math.inf, 0.0} <= set(fast) and any(0 < x < math.inf for x in fast)
+    assert strided == slow[0]
 
 
 def test_the_tolerance_is_a_median_times_the_margin_between_floor_and_ceiling() -> None:
@@ -346,13 +376,14 @@ def test_half_outputs_sees_a_model_computing_in_half_precision_and_changes_nothi
 
 def test_in_half_precision_the_tolerance_starts_at_its_ceiling_then_rolls_on_the_tail(
         tmp_path: Path) -> None:
-    """bfloat16 mixed precision on the testbed (``LinearNoise(where="accumulator")``): the
-    calibration finds the products in half precision and compares at ``CEILING_HALF`` until
-    the first rolling update, which covers the tail of the clean distances (``TAIL`` times the
-    ranks' median of their largest); no audit fires on the clean run, and an
-    exponent flip of an activation after the roll is named on its rank."""
+    """bfloat16 mixed precision under DDP on the testbed (``LinearNoise(where="accumulator")``):
+    the calibration finds the products in half precision and the audit compares at
+    ``CEILING_HALF`` until the rolling update that closes ``HALF_WINDOWS`` windows, which
+    covers the tail of the clean distances (``TAIL`` times the largest of the windows'
+    medians of the ranks' largest); no audit fires on the clean run, and an exponent flip of
+    an activation after the roll is named on its rank."""
     log = str(tmp_path / "events.jsonl")
-    steps = ROLLING_AUDITS + 4
+    steps = HALF_WINDOWS * ROLLING_AUDITS + 4
     fault = {"site": "activation", "rank": 2, "step": steps - 1, "target": "act2",
              "bits": (14,)}
     res = run_ranks(tw.tolerant_run, 3, steps, bf16=True, where="accumulator", fault=fault,
@@ -360,15 +391,20 @@ def test_in_half_precision_the_tolerance_starts_at_its_ceiling_then_rolls_on_the
     for r in res:
         assert r["detections"] == [("replay", steps - 1, (2,), True)], r["details"]
         assert r["injections"] == (1 if r is res[2] else 0)
-    cal, rolled = tw.records(log, "replay_calibration")
+    cal, *early, rolled = tw.records(log, "replay_calibration")
     assert cal["half_precision"] and cal["accepted"] and cal["ceiling"] == CEILING_HALF
     assert "compares at the ceiling" in cal["detail"] and cal["tolerance"] < CEILING_HALF
+    assert len(early) == HALF_WINDOWS - 1
+    for i, kept in enumerate(early, 1):  # the tail still measured: the ceiling stays
+        assert kept["kind"] == "rolling" and not kept["accepted"] and kept["windows"] == i
+        assert kept["before"] == CEILING_HALF and kept["step"] == i * ROLLING_AUDITS
+        assert "before the tolerance leaves the ceiling" in kept["detail"]
     assert rolled["kind"] == "rolling" and rolled["half_precision"] and rolled["accepted"]
-    assert rolled["before"] == CEILING_HALF and rolled["step"] == ROLLING_AUDITS
-    maxima = sorted(rolled["rank_maxima"])
-    assert rolled["tail_seen"] == maxima[1] and rolled["tail"] == TAIL
+    assert rolled["before"] == CEILING_HALF and rolled["step"] == HALF_WINDOWS * ROLLING_AUDITS
+    tail = max(sorted(r["rank_maxima"])[1] for r in [*early, rolled])
+    assert rolled["tail_seen"] == tail and rolled["tail"] == TAIL
     assert rolled["tolerance"] == max(FLOOR, MARGIN * sorted(rolled["rank_medians"])[1],
-                                      TAIL * maxima[1])
+                                      TAIL * tail)
     assert all(r["tolerance"] == rolled["tolerance"] for r in res)
     # float32 on the same testbed: products in float32, the float32 ceiling
     res = run_ranks(tw.tolerant_run, 2, 2, event_log=str(tmp_path / "f32.jsonl"), timeout=120)
@@ -392,8 +428,44 @@ def test_a_half_precision_tolerance_is_saved_and_restored_with_its_ceiling() -> 
     other.tolerance, other.half, other._tail = None, False, 0.0
     other.load_saved(state)
     assert (other.tolerance, other.half, other._tail) == (4 * CEILING, True, 1e-3)
+    assert other._windows == HALF_WINDOWS  # rolled below the ceiling: the tail was measured
     other.load_saved({"tolerance": CEILING / 2})
     assert not other.half
+
+
+def test_in_half_precision_ddp_compares_per_bucket() -> None:
+    """Per bucket (``_grouped``): the loss, then per bucket the norm of its gradients together
+    and the sums of their projections; a NaN stays in its bucket. Only in half precision,
+    once the buckets are known."""
+    sk, params = _sketch()
+    audit = object.__new__(TolerantReplayAudit)
+    audit.sketch, audit.device, audit.half, audit.names = sk, torch.device("cpu"), False, [
+        "w", "b", "c"]
+    audit._groups, audit._group_of, audit._step_groups = None, None, {1: [2], 0: [1, 0]}
+    gen = torch.Generator().manual_seed(2)
+    grads = [torch.randn(p.shape, generator=gen) for p in params]
+    v = _vector(sk, grads)
+    assert not audit._per_group()
+    audit._settle_groups()
+    assert audit._groups == ((1, 0), (2,)) and not audit._per_group()
+    audit.half = True
+    assert audit._per_group()
+    w = sk.width
+    got = audit._grouped(v)
+    rows = v[1:].reshape(3, w)
+    assert got.shape == (1 + 2 * w,) and got[0] == v[0]
+    assert torch.allclose(got[1], rows[:2, 0].square().sum().sqrt(), rtol=1e-15)
+    assert torch.allclose(got[2:1 + w], rows[:2, 1:].sum(0), rtol=1e-15)
+    assert torch.equal(got[1 + w:], rows[2])
+    nan = v.clone()
+    nan[1 + 2 * w + 1] = math.nan  # parameter 2's first projection
+    assert torch.isnan(audit._grouped(nan)[1 + w:]).any()
+    assert not torch.isnan(audit._grouped(nan)[:1 + w]).any()
+    # a change of parameter 0's projection shows in its bucket's component
+    moved = v.clone()
+    moved[2] += 0.5 * float(rows[:2, 0].square().sum().sqrt())
+    assert float(audit._apart(v, moved)) > 0.1
+    assert audit._component(v, moved).startswith("the gradients of bucket 0 (b, w)'")
 
 
 def test_recomputations_noisier_than_the_ceiling_warn_once(

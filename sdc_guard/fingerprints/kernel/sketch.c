@@ -17,6 +17,11 @@
 
 #define SK_MAXK 8
 
+/* Floats ahead of the one read whose cache line is asked for (4 KiB, as the word loops). */
+#ifndef SK_PREFETCH
+#define SK_PREFETCH 1024
+#endif
+
 typedef struct {
   float* g; const float* b; const double* a;
   int64_t c, lo, hi; int k; float scale;
@@ -42,6 +47,7 @@ static inline __attribute__((always_inline)) void sk_rows_k(sk_job_t* j, const i
     memset(sq, 0, sizeof sq);
     memset(d, 0, sizeof d);
     for (int64_t i = 0; i < body; i += CS_LANES) {
+      if (SK_PREFETCH) __builtin_prefetch(x + i + SK_PREFETCH, store, 1);
       for (int h = 0; h < 2; ++h) {
         cs_v8 xv = cs_load(x + i + 8 * h);
         sq[h] += xv * xv;
@@ -189,4 +195,28 @@ int sdc_scale_sketch(float* x, int64_t n, float scale, const int64_t* seg, int m
     bad |= (int)w[2];
   }
   return bad;
+}
+
+/* The largest difference between two sketch vectors a and b (n float64: the loss, then per
+   gradient its norm and width - 1 projections), each component in its own scale: the
+   loss's relative to the larger of the two losses, a gradient's components relative to the
+   larger of its two norms (sdc_guard.checks.sketch.distance, the same IEEE operations in
+   the same order, so the same number). Equal components, and NaN against NaN, differ by 0;
+   a NaN quotient (0/0, Inf/Inf, a NaN scale) by Inf. -1 on bad arguments. */
+static double sk_max(double x, double y) {  /* torch.maximum: NaN if either is */
+  return (x != x || y != y) ? x + y : (x > y ? x : y);
+}
+
+double sdc_sketch_distance(const double* a, const double* b, int64_t n, int width) {
+  if (!a || !b || n < 1 || width < 1 || (n - 1) % width) return -1.0;
+  double far = 0.0;
+  double scale = sk_max(__builtin_fabs(a[0]), __builtin_fabs(b[0]));
+  for (int64_t i = 0; i < n; ++i) {
+    if (i && (i - 1) % width == 0) scale = sk_max(__builtin_fabs(a[i]), __builtin_fabs(b[i]));
+    if (a[i] == b[i] || (a[i] != a[i] && b[i] != b[i])) continue;
+    double rel = __builtin_fabs(a[i] - b[i]) / scale;
+    if (rel != rel) rel = __builtin_inf();
+    if (rel > far) far = rel;
+  }
+  return far;
 }
