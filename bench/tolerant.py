@@ -28,9 +28,9 @@ Parts (each one run of the three ranks, faults armed one per step at the step's 
   often it fires on the clean steps between.
 
 - **cost**: first a side-by-side run (``side_by_side``: replay off, the ideal, the exact and
-  the tolerant audit alternated block by block on one model per rank, in one run: the
-  ratios the target is read from), then ``bench.replay``'s measurement of the audit per
-  audit step against its ideal
+  the tolerant audit alternated block by block on one model per rank, with the guard's
+  default checks, its rounds over ``LAUNCHES`` launches pooled: the ratios the target is read
+  from), then ``bench.replay``'s measurement of the audit per audit step against its ideal
   (the same run plus one plain forward and backward of the neighbour's batch every k steps)
   on the reference MLP (3 ranks, batches of 128, no testbed noise), for the exact and the
   tolerant audit, one run each (``--cost-rounds`` rounds; 0 leaves it out). The tolerant
@@ -274,10 +274,10 @@ def _side_rank(rank: int, world: int, rounds: int, block: int) -> dict[str, Any]
 
     from bench.reference import classification_batch, cross_entropy_loss, guarded_ddp, switch
     from bench.reference import reference_mlp as ref_mlp
-    from scenarios.spec.overhead import replay_only
+    from scenarios.spec.overhead import all_checks
 
     batch_for = functools.partial(classification_batch, batch=128)
-    base = replay_only(1).config
+    base = all_checks(1).config
     assert base is not None
     exact = base
     tolerant = replace(base, replay_mode="tolerant", deterministic=False)
@@ -330,7 +330,13 @@ def _side_rank(rank: int, world: int, rounds: int, block: int) -> dict[str, Any]
     return {"times": times}
 
 
-def side_by_side(rounds: int, block: int = 16) -> dict[str, Any]:
+LAUNCHES = 4
+"""The side-by-side run's rounds are split over this many launches of the ranks, pooled: what
+a launch fixes (where its memory lies, which core each rank starts on) moves one
+configuration's time against another's by more than the rounds of one launch vary."""
+
+
+def side_by_side(rounds: int, block: int = 16, launches: int = LAUNCHES) -> dict[str, Any]:
     """The exact and the tolerant audit (every step, and every ``SIDE_INTERVAL`` steps: the
     tolerant one with the trigger between) beside replay off and the ideal (one plain forward
     and backward more each step, and every ``SIDE_INTERVAL`` steps for the audits at that
@@ -339,7 +345,17 @@ def side_by_side(rounds: int, block: int = 16) -> dict[str, Any]:
     over the pooled rounds, with a 90% bootstrap interval over the rounds. The deterministic
     setting stays on once the exact audit ran (process-wide; on the CPU it changes none of
     this model's kernels)."""
-    ranks = [r["times"] for r in run_ranks(_side_rank, WORLD, rounds, block, timeout=1800)]
+    launches = max(1, min(launches, rounds))
+    per = [rounds // launches + (i < rounds % launches) for i in range(launches)]
+    ranks: list[dict[str, list[list[tuple[int, float, float]]]]] = []
+    for n in per:  # rank r of every launch pools into ranks[r]
+        got = [r["times"] for r in run_ranks(_side_rank, WORLD, n, block, timeout=1800)]
+        if not ranks:
+            ranks = got
+        else:
+            for mine, more in zip(ranks, got, strict=True):
+                for name in mine:
+                    mine[name] += more[name]
 
     def med(pool: dict[str, list[float]], name: str) -> float:
         return statistics.median(pool[name])
@@ -367,7 +383,8 @@ def side_by_side(rounds: int, block: int = 16) -> dict[str, Any]:
         return 1e3 * (med(pool, name) - med(pool, "off"))
 
     whole = {n: [x for r in v for x in r] for n, v in samples.items()}
-    out: dict[str, Any] = {"rounds": rounds, "block": block, "interval": SIDE_INTERVAL,
+    out: dict[str, Any] = {"rounds": rounds, "launches": launches, "block": block,
+                           "interval": SIDE_INTERVAL,
                            "step_ms": {n: 1e3 * statistics.median(v) for n, v in whole.items()}}
     cpu_whole = {n: [x for r in v for x in r] for n, v in cpu.items()}
     out["cpu_ms"] = {n: 1e3 * statistics.median(v) for n, v in cpu_whole.items()}
@@ -410,10 +427,13 @@ def _side_md(sb: dict[str, Any]) -> list[str]:
 
     lo, hi = sb["k other"]["extra_ms_interval_90"]
     cpu = "cpu_ms" in sb
-    return ["", "### Side by side in one run", "",
-            f"One guarded model per rank (3 ranks, reference MLP, batches of 128), its "
-            f"configurations alternated in blocks of {sb['block']} steps in rotated order, "
-            f"{sb['rounds']} rounds: replay off ({sb['step_ms']['off']:.2f} ms a step), the "
+    return ["", "### Side by side", "",
+            f"One guarded model per rank (3 ranks, reference MLP, batches of 128; the "
+            f"guard's default checks, non-finite and weights every step, in every "
+            f"configuration), its configurations alternated in blocks of {sb['block']} "
+            "steps in rotated order, "
+            f"{sb['rounds']} rounds over {sb.get('launches', 1)} launches of the ranks, "
+            f"pooled: replay off ({sb['step_ms']['off']:.2f} ms a step), the "
             f"ideal (one plain forward and backward of the neighbour's batch more each step: "
             f"{sb['step_ms']['ideal'] - sb['step_ms']['off']:.2f} ms), the exact audit and the "
             f"tolerant one every step, and every {k} steps (the tolerant one with the trigger "

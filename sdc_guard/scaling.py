@@ -354,16 +354,20 @@ class SketchPlan:
 
 
 class SketchPlans:
-    """The ``SketchPlan`` of each bucket (by its index), found again while the buffer, the
-    sketch and the gradients' places in the buffer are those it was made for."""
+    """The ``SketchPlan`` of each bucket and sketch (by the bucket's index and the sketch's
+    id: a listener that asks for two sketches on alternate steps keeps both plans), found
+    again while the buffer, the sketch and the gradients' places in the buffer are those it
+    was made for."""
 
     def __init__(self) -> None:
-        self._plans: dict[int, tuple[tuple[int, ...], SketchPlan | None]] = {}
+        self._plans: dict[tuple[int, int], tuple[tuple[int, ...], SketchPlan | None]] = {}
 
     def get(self, index: int, buf: torch.Tensor, request: SketchRequest) -> SketchPlan | None:
         key = (id(buf), buf.data_ptr(), buf.numel(), id(request.sketch),
                *(v for i, g in request.items for v in (i, g.data_ptr(), g.numel())))
-        known = self._plans.get(index)
+        known = self._plans.get((index, id(request.sketch)))
         if known is None or known[0] != key:
-            known = self._plans[index] = (key, SketchPlan.of(buf, request))
+            if len(self._plans) >= 64:  # (sketches of listeners gone: a plan keeps them alive)
+                self._plans.clear()
+            known = self._plans[index, id(request.sketch)] = (key, SketchPlan.of(buf, request))
         return known[1]

@@ -31,11 +31,15 @@ what they do before blaming anyone:
   moves its element by up to ``2**-8``, and the moves cascade through the layers: the
   distances run far above the float32 ceiling, with a long tail (on the testbed the
   largest of a run is tens of times the median). The ceiling is then ``CEILING_HALF``;
-  the audit compares at it until its first rolling update (the calibration at one step
-  does not show the tail), and each rolling update takes at least ``TAIL`` times the
+  the audit compares at it until the rolling update that closes ``HALF_WINDOWS`` windows
+  (the calibration at one step does not show the tail, nor does one window at the start
+  of a run), and from then on each rolling update takes at least ``TAIL`` times the
   largest tail seen so far (per window: the upper median of the ranks' largest clean
-  distances, the lower one with two ranks). The tolerance then sits a few percent of each
-  component's scale: exponent flips that blow a value up are seen, finer changes are not.
+  distances, the lower one with two ranks). Under DDP the audit then compares per bucket
+  (``_grouped``: a small parameter's gradient carries the roundings at a far larger share
+  of its own norm; under FSDP2 the sketch is per module already). The tolerance then sits
+  a few percent of each component's scale: exponent flips that blow a value up are seen,
+  finer changes are not.
 - **A diagnosis by reruns before blame.** For a bad edge a -> b the audit reruns b's
   batch in the same step, in one gather: ``DIAGNOSIS_RERUNS`` times on b, on a and (with
   more than two ranks) on the third rank b + 1 (``diagnose``). A result that recurs on a
@@ -93,6 +97,7 @@ from sdc_guard.checks.sketch import (
     CEILING_HALF,
     FLOOR,
     MARGIN,
+    BucketNorms,
     GradientSketch,
     calibrated_tolerance,
     component,
@@ -303,7 +308,9 @@ class TolerantReplayAudit(ReplayAudit):
         self._peer = torch.zeros(self.sketch.size(), dtype=torch.float64, device=self.device)
         self._own_rows: list[torch.Tensor | None] = []
         self._request: SketchRequest | None = None
-        """The local bucket's gradients to sketch, from ``local`` to ``after_scaling``."""
+        """The local bucket's gradients to sketch (or, for the trigger, its norm), from
+        ``local`` to ``after_scaling``."""
+        self._norms = BucketNorms()
         self._own_sketch: torch.Tensor | None = None
         self._calibration: list[torch.Tensor] = []
         self._records: list[dict[str, Any]] = []
@@ -325,8 +332,9 @@ class TolerantReplayAudit(ReplayAudit):
         """Do the model's products run in half precision (bfloat16, float16)? Found at the
         calibration's first recomputation (``HalfOutputs``). Their roundings
         reach the sketch at a far larger scale, in a long tail: the ceiling is then
-        ``CEILING_HALF``, the audit compares at it until the first rolling update, and every
-        rolling update covers the tail (``TAIL``)."""
+        ``CEILING_HALF``, the audit compares at it until the tail is measured
+        (``HALF_WINDOWS``), every rolling update covers the tail (``TAIL``), and under DDP
+        the audit compares per bucket (``_per_group``)."""
         self._extra: list[float] = []
         """Numbers gathered beside the sketches (a triggered audit's norm and vote)."""
         self._step_groups: dict[int, list[int]] = {}
@@ -401,7 +409,7 @@ class TolerantReplayAudit(ReplayAudit):
         tol = calibrated_tolerance(same, cross)
         ceiling = self._ceiling()
         accepted = tol <= ceiling
-        if accepted:  # in half precision: the ceiling until the first rolling update
+        if accepted:  # in half precision: the ceiling until the tail is measured
             self.tolerance = ceiling if self.half else tol
             self._windows = 0
         self._records.append({
@@ -417,8 +425,9 @@ class TolerantReplayAudit(ReplayAudit):
         if self.half:
             self._records[-1].update(half_precision=True, detail=(
                 "half precision: the calibrated tolerance does not show the tail of the "
-                "roundings' cascade; the audit compares at the ceiling until its first rolling "
-                "update" if accepted else self._records[-1]["detail"]))
+                "roundings' cascade; the audit compares at the ceiling until the rolling "
+                f"update that closes {HALF_WINDOWS} windows of clean audits" if accepted
+                else self._records[-1]["detail"]))
 
     # -- the step's sketches -------------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -446,8 +455,8 @@ class TolerantReplayAudit(ReplayAudit):
         self._request = None
         idx = self._seen(bucket)
         if idx is None:
-            if self.trigger and not self.due(self._backend.step):
-                self._add_norm(bucket)
+            if self.trigger and not self.due(self._backend.step):  # the norm rides the pass
+                self._request = SketchRequest(self._norms, [(bucket.index(), bucket.buffer())])
             return None
         self._step_groups[bucket.index()] = [i for i in idx if i >= 0]
         grads = bucket_gradients(bucket)
@@ -463,20 +472,26 @@ class TolerantReplayAudit(ReplayAudit):
     def after_scaling(self, bucket: Bucket, flag: Flag | None,
                       digest: int | torch.Tensor | None) -> None:
         request, self._request = self._request, None
-        if request is not None:
-            for i, row in request.rows.items():
-                self._own_rows[i] = row
+        if request is None:
+            return
+        if request.sketch is self._norms:
+            for row in request.rows.values():
+                self._add_norm_sq(row[0].square())
+            return
+        for i, row in request.rows.items():
+            self._own_rows[i] = row
 
     # -- the trigger ---------------------------------------------------------------------
     def _add_norm(self, bucket: Bucket) -> None:
         """Add the bucket's local sum of squares (one read of its buffer, in its own precision:
         the trigger's threshold is a factor of several, not a rounding)."""
+        self._add_norm_sq(self._norms.row(bucket.index(), bucket.buffer())[0].square())
+
+    def _add_norm_sq(self, sq: torch.Tensor) -> None:
+        """Add a bucket's local sum of squares to this step's (0-d float64)."""
         step = self._backend.step
         if step != self._norm_step:
             self._norm_step, self._norm_sq, self._norm = step, None, None
-        buf = bucket.buffer()
-        vals = buf.coalesce().values() if buf.layout != torch.strided else buf
-        sq = torch.linalg.vector_norm(vals).to(torch.float64) ** 2
         self._norm_sq = sq if self._norm_sq is None else self._norm_sq + sq
 
     def _band(self) -> tuple[float, float] | None:

@@ -185,6 +185,44 @@ class GradientSketch:
         return torch.cat(parts)
 
 
+class BucketNorms:
+    """A gradient bucket's L2 norm as a sketch row ``[norm, 0]`` (one projection, on zeros),
+    so that the comm hook's scaling pass takes it in its own read of the bucket
+    (``sdc_guard.scaling.Sketcher``, ``sdc_scale_sketch``) rather than a read of its own:
+    the tolerant audit's trigger between audits. The norm's float32 partial sums are the
+    C kernel's on the CPU and torch's elsewhere: the trigger's threshold is a factor of
+    several, not a rounding."""
+
+    k = 1
+
+    def __init__(self) -> None:
+        self._zeros: dict[int, tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def c_block(self, i: int, g: torch.Tensor) -> tuple[int, int, int, int, int, int] | None:
+        """``(q, c, tail, b, a, t)`` for the C kernel, of zero factors of ``g``'s size (None
+        where the kernel cannot read ``g``: not contiguous float32 on the CPU, or not built)."""
+        if not (g.layout == torch.strided and g.dtype == torch.float32
+                and g.device.type == "cpu" and g.is_contiguous()) or active_kernel() is None:
+            return None
+        n = g.numel()
+        known = self._zeros.get(n)
+        if known is None:  # kept while this lives: a scaling plan holds their addresses
+            c = max(1, math.isqrt(n))
+            q = n // c
+            known = self._zeros[n] = (q, c, torch.zeros(c, dtype=torch.float32),
+                                      torch.zeros(q, dtype=torch.float64),
+                                      torch.zeros(n - q * c, dtype=torch.float64))
+        q, c, b, a, t = known
+        return (q, c, n - q * c, b.data_ptr(), a.data_ptr(), t.data_ptr())
+
+    def row(self, i: int, g: torch.Tensor) -> torch.Tensor:
+        """``[norm, 0]`` of ``g`` (float64, on its device), in a read of its own; a sparse
+        bucket's from its values."""
+        vals = g.coalesce().values() if g.layout != torch.strided else g
+        norm = torch.linalg.vector_norm(vals).to(torch.float64).reshape(1)
+        return torch.cat([norm, torch.zeros_like(norm)])
+
+
 def differences(a: torch.Tensor, b: torch.Tensor, width: int) -> torch.Tensor:
     """Each component's difference in its own scale (``distance`` is their largest)."""
     diff = (a - b).abs()

@@ -19,12 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.timeout(300)
 def test_the_side_by_side_run_times_every_configuration_in_one_run() -> None:
-    res = side_by_side(1, block=2 * SIDE_INTERVAL)
-    assert set(res["step_ms"]) == {"off", "ideal", "exact", "tolerant", "k audit", "k other"}
+    res = side_by_side(2, block=2 * SIDE_INTERVAL, launches=2)  # a round in each, pooled
+    assert set(res["step_ms"]) == {"off", "ideal", "exact", "tolerant", "k audit", "k other",
+                                   "exact k audit", "ideal k"}
+    assert res["launches"] == 2 and res["rounds"] == 2
     assert all(v > 0 for v in res["step_ms"].values())
     # On a loaded machine an extra can come out negative and a ratio of two such anything:
     # numbers of either sign, each with its interval around the headline.
-    for name in ("exact", "tolerant", "k audit"):
+    for name in ("exact", "tolerant", "exact k audit", "k audit"):
         r = res[name]
         lo, hi = r["ratio_interval_90"]
         assert not math.isnan(r["ratio_to_ideal"]) and lo <= hi
@@ -33,6 +35,8 @@ def test_the_side_by_side_run_times_every_configuration_in_one_run() -> None:
     assert all(v > 0 for v in res["cpu_ms"].values())
     lines = "\n".join(_side_md(res))
     assert "| tolerant, every step |" in lines and f"every {SIDE_INTERVAL} steps" in lines
+    assert f"| exact, every {SIDE_INTERVAL} steps (its audit steps) |" in lines
+    assert "2 rounds over 2 launches" in lines
     assert "CPU time: ratio" in lines
     old = {k: {kk: vv for kk, vv in v.items() if not kk.startswith("cpu_")}
            if isinstance(v, dict) else v for k, v in res.items() if k != "cpu_ms"}

@@ -111,6 +111,37 @@ def test_the_c_kernel_sketches_as_torch_does_in_one_read(threads: int) -> None:
     assert torch.equal(half, half_torch)  # not float32: torch's path either way
 
 
+def test_bucket_norms_come_from_the_scaling_pass_or_a_read_of_their_own() -> None:
+    """The trigger's bucket norm (``BucketNorms``): the scaling pass takes it in its read
+    (``sdc_scale_sketch`` on zero factors), the same norm as torch's up to its float32 sums;
+    a sparse bucket's from its values; a bucket the kernel cannot read takes torch's."""
+    from sdc_guard.checks.sketch import BucketNorms
+    from sdc_guard.scaling import SketchPlan, SketchRequest
+
+    norms = BucketNorms()
+    gen = torch.Generator().manual_seed(5)
+    buf = torch.randn(100_003, generator=gen)
+    want = float(torch.linalg.vector_norm(buf.double()))
+    own = norms.row(0, buf)
+    assert own.dtype == torch.float64 and own[1] == 0
+    assert float(own[0]) == pytest.approx(want, rel=1e-6)
+    sparse = torch.sparse_coo_tensor(torch.tensor([[1, 5]]), torch.tensor([3.0, 4.0]), (10,),
+                                     check_invariants=True)
+    assert float(norms.row(0, sparse)[0]) == 5.0
+    assert norms.c_block(0, buf.to(torch.bfloat16)) is None
+    with native_kernel(True) as on:
+        if not on:
+            pytest.skip("no C compiler: the C kernel cannot be built here")
+        request = SketchRequest(norms, [(0, buf)])
+        plan = SketchPlan.of(buf, request)
+        assert plan is not None
+        before = buf.clone()
+        assert plan.scale(0.5, request) is False
+        assert torch.equal(buf, before * 0.5)
+        assert float(request.rows[0][0]) == pytest.approx(want, rel=1e-6)
+        assert float(request.rows[0][1]) == 0
+
+
 def test_distance_is_relative_per_component_and_equal_non_finite_values_agree() -> None:
     sk, params = _sketch()
     grads = [torch.ones(p.shape) for p in params]
@@ -542,6 +573,9 @@ def test_the_trigger_audits_a_step_between_audits_and_names_the_rank(tmp_path: P
     for r in res:
         assert r["detections"] == [("replay", 13, (1,), True)]
         assert r["skipped"] == [13] and r["triggered"] == [13]
+        # every step's bucket took the sketching scaling pass: the own sketch on the audit
+        # steps, the trigger's norm (BucketNorms) on the others
+        assert r["fused_sketches"] == 16 or not r["native"]
     (rec,) = tw.records(log, "replay_trigger")
     assert rec["step"] == 13 and rec["outcome"] == "fault found" and rec["votes"] == [1]
     # without containment no vote may leave its sentinel in a step that is applied
