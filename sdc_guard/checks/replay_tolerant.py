@@ -343,8 +343,8 @@ class TolerantReplayAudit(ReplayAudit):
         """The parameters of each bucket of the last audit step whose buckets were seen (alike
         on every rank: DDP's buckets are); in half precision the audit compares per bucket
         (``_apart``)."""
-        self._group_of: torch.Tensor | None = None
-        """Each parameter's group, for ``_grouped`` (None: compare per parameter)."""
+        self._group_of: dict[torch.device, torch.Tensor] = {}
+        """Each parameter's group, for ``_grouped``, on each device it was asked on."""
 
     def _sketched(self) -> list[int]:
         """The element counts of the gradients the sketch holds: each parameter's."""
@@ -734,20 +734,23 @@ class TolerantReplayAudit(ReplayAudit):
             owner = torch.empty(self.sketch.count, dtype=torch.int64)
             for g, members in enumerate(found):
                 owner[list(members)] = g
-            self._group_of = owner.to(self.device)
+            self._group_of = {owner.device: owner}
 
     def _grouped(self, v: torch.Tensor) -> torch.Tensor:
         """A sketch vector per group of parameters (``_groups``): the loss, then per group the
         norm of its gradients together and the sums of their projections (each parameter's
         projections are drawn independently: their sum is a projection of the group's
-        gradients end to end). A NaN stays in its group (``index_add_``, in a fixed order:
-        the same numbers on every rank)."""
-        assert self._groups is not None and self._group_of is not None
+        gradients end to end). A NaN stays in its group. The verdicts' vectors are on the
+        host, where ``index_add_`` adds in a fixed order: the same numbers on every rank."""
+        assert self._groups is not None
         w = self.sketch.width
         rows = v[1:].reshape(-1, w)
         parts = torch.cat([rows[:, :1].square(), rows[:, 1:]], 1)
         acc = torch.zeros(len(self._groups), w, dtype=v.dtype, device=v.device)
-        acc.index_add_(0, self._group_of.to(v.device), parts)
+        owner = self._group_of.get(v.device)
+        if owner is None:
+            owner = self._group_of[v.device] = next(iter(self._group_of.values())).to(v.device)
+        acc.index_add_(0, owner, parts)
         acc[:, 0] = acc[:, 0].sqrt()
         return torch.cat([v[:1], acc.reshape(-1)])
 
@@ -778,9 +781,9 @@ class TolerantReplayAudit(ReplayAudit):
             return "the loss"
         g, k = divmod(i - 1, w)
         members = [self.names[j] for j in self._groups[g]]
-        what = "norm" if k == 0 else f"projection {k}"
-        return f"the gradients of bucket {g} ({', '.join(members[:3])}" + (
-            f" and {len(members) - 3} more" if len(members) > 3 else "") + f")' {what}"
+        return f"bucket {g}'s gradients ({', '.join(members[:3])}" + (
+            f" and {len(members) - 3} more" if len(members) > 3 else "") + "): " + (
+            "norm" if k == 0 else f"projection {k}")
 
     def _far(self) -> torch.Tensor:
         """Does the replay of this rank's batch (the previous rank's, or this rank's own with

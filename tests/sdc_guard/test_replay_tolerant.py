@@ -472,7 +472,7 @@ def test_in_half_precision_ddp_compares_per_bucket() -> None:
     audit = object.__new__(TolerantReplayAudit)
     audit.sketch, audit.device, audit.half, audit.names = sk, torch.device("cpu"), False, [
         "w", "b", "c"]
-    audit._groups, audit._group_of, audit._step_groups = None, None, {1: [2], 0: [1, 0]}
+    audit._groups, audit._group_of, audit._step_groups = None, {}, {1: [2], 0: [1, 0]}
     gen = torch.Generator().manual_seed(2)
     grads = [torch.randn(p.shape, generator=gen) for p in params]
     v = _vector(sk, grads)
@@ -496,7 +496,7 @@ def test_in_half_precision_ddp_compares_per_bucket() -> None:
     moved = v.clone()
     moved[2] += 0.5 * float(rows[:2, 0].square().sum().sqrt())
     assert float(audit._apart(v, moved)) > 0.1
-    assert audit._component(v, moved).startswith("the gradients of bucket 0 (b, w)'")
+    assert audit._component(v, moved) == "bucket 0's gradients (b, w): projection 1"
 
 
 def test_recomputations_noisier_than_the_ceiling_warn_once(
