@@ -40,7 +40,7 @@ The sources are split by owner (``kernel/common.h`` lists them): ``fingerprint.c
 fingerprint's and the replay digest's word sums), ``scaling.c`` (the comm hook's scaling
 pass), ``checksum.c`` (the checksum check's passes), ``sketch.c`` (the tolerant replay
 audit's gradient sketch, ``sdc_sketch``: a float32 gradient's norm and projections in one
-read), ``threads.c``. An entry point with a
+read; ``sdc_sketch_distance``: two sketches' distance), ``threads.c``. An entry point with a
 long list of arguments takes a pointer to an argument struct declared in ``common.h`` and
 mirrored here field for field (``CsColsArgs``, ``CsRowsArgs``, ``CsFwdArgs``,
 ``CsBwdArgs``): built with keyword arguments, and for the checksum's hooks built once per

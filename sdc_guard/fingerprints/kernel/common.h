@@ -10,7 +10,8 @@
      checksum.c     the checksum check's float32 passes and its hooks' calls (sdc_cs_*),
                     and the weights check's pass that takes the checksum's weight sums
                     (sdc_fp_wsum)
-     sketch.c       the tolerant replay audit's gradient sketch in one read (sdc_sketch)
+     sketch.c       the tolerant replay audit's gradient sketch in one read (sdc_sketch,
+                    sdc_scale_sketch) and two sketches' distance (sdc_sketch_distance)
 
    An entry point with a long list of arguments takes a pointer to one of the argument
    structs below; sdc_guard/fingerprints/native.py mirrors each as a ctypes.Structure, field
@@ -127,6 +128,9 @@ int sdc_scale_rows(float* x, int64_t n, float scale, const int64_t* seg, int m, 
 int sdc_check_rows(const float* x, int64_t n, const int64_t* seg, int m, int threads);
 int sdc_sketch(const float* g, int64_t q, int64_t c, int64_t tail, const float* b,
                const double* a, const double* t, int k, int threads, double* out);
+int sdc_scale_sketch(float* x, int64_t n, float scale, const int64_t* seg, int m, int k,
+                     double* out, int threads);
+double sdc_sketch_distance(const double* a, const double* b, int64_t n, int width);
 
 /* sdc_cs_cols: over A (rows x cols, row stride ld), s_p (+)= u_p^T A for p < k and
    b_p (+)= a_p^T |A| for p < ka (a NULL u_p or a_p is a vector of ones); bit p of acc_mask
