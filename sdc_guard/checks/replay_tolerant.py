@@ -722,8 +722,8 @@ class TolerantReplayAudit(ReplayAudit):
         """This audit step's buckets as the comparison's groups, once every one is seen (the
         last bucket's veto, or ``pre_step``); a parameter in none of them (not in a bucket
         this step) makes a group of its own. Kept for the steps that see no bucket (a
-        triggered audit's)."""
-        if not self._step_groups:
+        triggered audit's). Only in half precision, where the audit compares per bucket."""
+        if not self.half or not self._step_groups:
             return
         groups = [tuple(v) for _, v in sorted(self._step_groups.items()) if v]
         seen = {i for g in groups for i in g}

@@ -478,9 +478,10 @@ def test_in_half_precision_ddp_compares_per_bucket() -> None:
     v = _vector(sk, grads)
     assert not audit._per_group()
     audit._settle_groups()
-    assert audit._groups == ((1, 0), (2,)) and not audit._per_group()
+    assert audit._groups is None and not audit._per_group()  # float32: per parameter
     audit.half = True
-    assert audit._per_group()
+    audit._settle_groups()
+    assert audit._groups == ((1, 0), (2,)) and audit._per_group()
     w = sk.width
     got = audit._grouped(v)
     rows = v[1:].reshape(3, w)
