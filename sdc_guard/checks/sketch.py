@@ -88,6 +88,12 @@ _FIRST_STAGE = {torch.float64: torch.float64, torch.float32: torch.float32}
 """The dtype ``G b`` is taken in, by the gradient's (others: float32)."""
 
 
+def _kernel_reads(g: torch.Tensor) -> bool:
+    """Can the C kernel sketch ``g`` (contiguous float32 on the CPU, the kernel built)?"""
+    return (g.layout == torch.strided and g.dtype == torch.float32 and g.device.type == "cpu"
+            and g.is_contiguous() and active_kernel() is not None)
+
+
 class GradientSketch:
     """Each gradient as its norm and ``PROJECTIONS`` random projections, in float64.
 
@@ -132,8 +138,7 @@ class GradientSketch:
         if g.numel() != q * c + t.shape[0]:
             raise ValueError(f"GradientSketch.row({i}): a gradient of {g.numel()} elements, "
                              f"where the sketch was built for {q * c + t.shape[0]}")
-        if not (g.layout == torch.strided and g.dtype == torch.float32
-                and g.device.type == "cpu" and g.is_contiguous()) or active_kernel() is None:
+        if not _kernel_reads(g):
             return None
         return (q, c, g.numel() - q * c, self._b[i][torch.float32].data_ptr(), a.data_ptr(),
                 t.data_ptr())
@@ -201,8 +206,7 @@ class BucketNorms:
     def c_block(self, i: int, g: torch.Tensor) -> tuple[int, int, int, int, int, int] | None:
         """``(q, c, tail, b, a, t)`` for the C kernel, of zero factors of ``g``'s size (None
         where the kernel cannot read ``g``: not contiguous float32 on the CPU, or not built)."""
-        if not (g.layout == torch.strided and g.dtype == torch.float32
-                and g.device.type == "cpu" and g.is_contiguous()) or active_kernel() is None:
+        if not _kernel_reads(g):
             return None
         n = g.numel()
         known = self._zeros.get(n)
