@@ -380,12 +380,26 @@ def _audit_extra(samples: list[tuple[bool, float]]) -> float:
             - statistics.median(t for a, t in samples if not a))
 
 
-def audit(rounds: int, block: int, batch: int) -> dict[str, Any]:
+AUDIT_LAUNCHES = 4
+"""The audit run's rounds are split over this many launches of the ranks, pooled (as
+``bench.tolerant``'s side-by-side run): one launch's layout moved the ratio by more than its
+own interval between runs."""
+
+
+def audit(rounds: int, block: int, batch: int,
+          launches: int = AUDIT_LAUNCHES) -> dict[str, Any]:
     """The replay audit's extra time per audit step over its ideal's (rank 0's clock), exact
-    and tolerant, and the tolerant's over the exact's: ratios of medians and 90% bootstrap
-    intervals over the rounds."""
-    got = run_ranks(_audit_rank, 2, rounds, block, batch, timeout=3600)[0]
-    by_round = {n: split_rounds(v, rounds) for n, v in got.items()}
+    and tolerant, and the tolerant's over the exact's: ratios of medians over the rounds of
+    ``launches`` launches pooled, and 90% bootstrap intervals over those rounds."""
+    launches = max(1, min(launches, rounds))
+    per = [rounds // launches + (i < rounds % launches) for i in range(launches)]
+    got: dict[str, list[tuple[bool, float]]] = {}
+    by_round: dict[str, list[list[tuple[bool, float]]]] = {}
+    for n in per:
+        one = run_ranks(_audit_rank, 2, n, block, batch, timeout=3600)[0]
+        for name, samples in one.items():
+            got.setdefault(name, []).extend(samples)
+            by_round.setdefault(name, []).extend(split_rounds(samples, n))
 
     def ratio_of(mode: str, base: str) -> tuple[float, list[float]]:
         def ratio(pooled: dict[str, list[tuple[bool, float]]]) -> float:
@@ -396,7 +410,7 @@ def audit(rounds: int, block: int, batch: int) -> dict[str, Any]:
     exact, exact_ci = ratio_of("replay", "ideal")
     tolerant, tolerant_ci = ratio_of("tolerant", "ideal")
     over, over_ci = ratio_of("tolerant", "replay")
-    return {"every": AUDIT_EVERY, "rounds": rounds, "block": block,
+    return {"every": AUDIT_EVERY, "rounds": rounds, "launches": launches, "block": block,
             "replay_extra_ms": _audit_extra(got["replay"]) * 1e3,
             "ideal_extra_ms": _audit_extra(got["ideal"]) * 1e3,
             "ratio": exact, "interval": exact_ci,
@@ -649,8 +663,10 @@ def markdown(res: dict[str, Any]) -> list[str]:
 
 def audit_md(a: dict[str, Any]) -> list[str]:
     """``audit``'s section of FSDP.md (a run before the tolerant arm has the exact row only)."""
+    over = (f"{a['rounds']} rounds over {a['launches']} launches of the ranks, pooled"
+            if a.get("launches", 1) > 1 else f"a third two-rank run, {a['rounds']} rounds")
     lines = ["", "## The replay audit, per audit step", "",
-             f"A third two-rank run, {a['rounds']} rounds of blocks of {a['block']} steps, "
+             f"{over[0].upper()}{over[1:]}, blocks of {a['block']} steps, "
              f"rotated, a barrier around each step: the replay audit every {a['every']} "
              "steps (its other checks off), exact (deterministic kernels) and tolerant "
              "(`replay_mode=\"tolerant\"`, its trigger off), and their ideal: the guard with "

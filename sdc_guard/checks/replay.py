@@ -576,6 +576,10 @@ class ReplayAudit(Check, GradientListener):
         self._step_buffers: SavedBuffers = []
         """The module's buffers as this audit step began (after DDP's buffer broadcast, when
         the owner's forward makes one): what every replay of the step starts from."""
+        self._at_step_buffers = False
+        """The module's buffers hold ``_step_buffers``' values (saved, and no forward since
+        but recomputations, which put them back): a recomputation then starts from them as
+        they are and restores from the saved copies, without saving them again."""
         self._backend = backend
         # The fast path (module doc): the replayed words go to their owner point to point,
         # the owner compares and vetoes through the backend's containment channel.
@@ -711,8 +715,9 @@ class ReplayAudit(Check, GradientListener):
             # replay starts from the same broadcast. The owner's own broadcast then sends
             # the same values again.
             self.model._sync_buffers()  # type: ignore[no-untyped-call]
-        self._step_buffers = buffers_saved(self.module)
+        self._save_step_buffers()
         self._replayed = self._replay((self.rank + 1) % self.world, step, "replay")
+        self._at_step_buffers = False  # the owner's forward comes next
         if not self._buffers_checked:
             self._check_buffers()
         if self._exchanges:
@@ -842,18 +847,30 @@ class ReplayAudit(Check, GradientListener):
         return self._row_cache
 
     # -- recomputation ----------------------------------------------------------------------
+    def _save_step_buffers(self) -> None:
+        """Keep the module's buffers as the step begins, for every recomputation of it."""
+        self._step_buffers = buffers_saved(self.module)
+        self._at_step_buffers = True
+
+    def _buffers_for_replay(self) -> SavedBuffers:
+        """Before a recomputation: give the module the step's first buffers (an arbitration
+        runs after the owner's forward, which may have updated them); what to restore after
+        it (the buffers as they are now)."""
+        if self._at_step_buffers:
+            return self._step_buffers
+        buffers = buffers_saved(self.module)
+        buffers_set(self.module, self._step_buffers)
+        return buffers
+
     def _replay(self, rank: int, step: int, phase: str) -> Any:
         """What ``rank``'s micro-batches of ``step`` give here (``_words_of``: the loss and
         gradient fingerprints)."""
         self.phase = phase
         _refuse_post_accumulate_hooks(self._named)
-        buffers = buffers_saved(self.module)
+        buffers = self._buffers_for_replay()
         grads: list[torch.Tensor | None] = [None] * len(self.params)
         losses = []
         try:
-            # From the buffers as the step began: an arbitration runs after the forward,
-            # which may have updated them.
-            buffers_set(self.module, self._step_buffers)
             batches = fetch_micro_batches(self.batch_for, rank, step, self.micro)
             if not _probed(self.batch_for):
                 self._probe(batches, rank, step)

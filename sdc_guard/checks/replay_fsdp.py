@@ -71,7 +71,7 @@ from sdc_guard.checks.replay import (
 )
 from sdc_guard.checks.replay_tolerant import TolerantReplayAudit, _loss_sum
 from sdc_guard.collectives import all_gather_rows
-from sdc_guard.determinism import buffers_saved, buffers_set
+from sdc_guard.determinism import buffers_set
 from sdc_guard.fingerprints.digest import host_concat_digest, tensors_digest
 from sdc_guard.hostread import on_host
 from sdc_guard.parallel.base import Bucket
@@ -172,8 +172,9 @@ class FSDPReplayAudit(ReplayAudit):
         self._buckets = 0
         self.phase = "train"
         self._observing = False
-        self._step_buffers = buffers_saved(self.module)
+        self._save_step_buffers()
         self._replayed = self._replay((self.rank + 1) % self.world, step, "replay")
+        self._at_step_buffers = False  # the owner's forward comes next
         self._observing = True
         if not self._buffers_checked:
             self._check_buffers()
@@ -185,10 +186,9 @@ class FSDPReplayAudit(ReplayAudit):
         gradient words), recomputed by every rank together (collective: each rank passes the
         owner it replays)."""
         self.phase = phase
-        buffers = buffers_saved(self.module)
+        buffers = self._buffers_for_replay()
         self._replay_start()
         try:
-            buffers_set(self.module, self._step_buffers)
             batches = fetch_micro_batches(self.batch_for, rank, step, self.micro)
             if not _probed(self.batch_for):
                 self._probe(batches, rank, step)

@@ -105,7 +105,7 @@ from sdc_guard.checks.sketch import (
     distance,
 )
 from sdc_guard.collectives import STEPS_FIX, PendingSum, all_gather_rows, steps_disagree
-from sdc_guard.determinism import buffers_saved, derive_seed
+from sdc_guard.determinism import derive_seed
 from sdc_guard.hostread import StepRead, on_host
 from sdc_guard.parallel.base import Bucket, bucket_gradients
 from sdc_guard.report import Detection
@@ -546,9 +546,10 @@ class TolerantReplayAudit(ReplayAudit):
         is withheld whatever the audit finds."""
         self.triggered.append(step)
         nxt = (self.rank + 1) % self.world
-        self._step_buffers = buffers_saved(self.module)
+        self._save_step_buffers()
         again = self._replay(self.rank, step, "arbitrate")
         self._replayed = self._replay(nxt, step, "replay")
+        self._at_step_buffers = False
         self._own_sketch, self._calibration = again, []
         vote = self._vote
         self._extra = [math.nan if norm is None else norm,
