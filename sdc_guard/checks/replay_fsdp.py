@@ -140,6 +140,9 @@ class FSDPReplayAudit(ReplayAudit):
                                                      self.device))
         elif self._observing:
             self._buckets += 1
+            if self._send_due:  # the exchange waited for the step's first reduce-scatter
+                self._send_due = False
+                self._send_replayed()
             self._add_own(chunk_word(bucket.buffer(), bucket.index(), self.device))
         return None
 
@@ -161,7 +164,9 @@ class FSDPReplayAudit(ReplayAudit):
     def begin_step(self, step: int) -> None:
         """Every rank replays its neighbour's micro-batches of ``step`` at once, through the
         sharded model, from the pre-step weights; then watches its own losses and local
-        gradients. The replayed words go to their owner right away (point to point)."""
+        gradients. The replayed words go to their owner (point to point) with the step's
+        first reduce-scatter, as under DDP with its first bucket (``_send_replayed``), or
+        right away when the model is one ``fully_shard`` module (the first is the last)."""
         self._own_grad = None
         self._own_losses = []
         self._replayed = None
@@ -179,7 +184,10 @@ class FSDPReplayAudit(ReplayAudit):
         if not self._buffers_checked:
             self._check_buffers()
         if self._exchanges:
-            self._send_replayed()
+            if self._many_buckets and self.exchange_with_first_bucket:
+                self._send_due = True
+            else:
+                self._send_replayed()
 
     def _replay(self, rank: int, step: int, phase: str) -> Any:
         """What ``rank``'s micro-batches of ``step`` give here (``_replay_result``: the loss and

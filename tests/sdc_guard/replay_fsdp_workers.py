@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from sdc_guard import GuardConfig, SDCGuard
+from sdc_guard.checks.replay import ReplayAudit
 from tests.sdc_guard.fsdp_workers import batch_for, collectives_issued, local_state, mesh_for
 
 
@@ -54,7 +55,8 @@ def train(rank: int, world: int, shape: tuple[int, ...], steps: int, *, interval
     given, one fault armed through ``injectors``. Returns the steps withheld, the detections
     (check, step, suspects), the fault's records on this rank, whether the ranks holding
     each shard hold it alike at the end, and this rank's shards of the weights and the
-    optimizer state (as lists, for bit-for-bit comparison across runs)."""
+    optimizer state (as lists, for bit-for-bit comparison across runs), and the steps whose
+    ring exchange was posted with the step's first reduce-scatter (``"sent_with_first_chunk"``)."""
     from injectors import Fault, arm
 
     model = build(shape)
@@ -65,8 +67,17 @@ def train(rank: int, world: int, shape: tuple[int, ...], steps: int, *, interval
     withheld, seen, records = [], [], 0
     withheld_by: list[tuple[str, ...]] = []
     armed = arm(Fault(**fault), guard=guard) if fault else None
+    in_hook: list[int] = []
+    current = [-1]
+    for audit in (c for c in guard.checks if isinstance(c, ReplayAudit)):
+        def send(audit: ReplayAudit = audit, real: Any = audit._send_replayed) -> None:
+            if audit._buckets:  # a chunk of the step was seen: posted from its reduce-scatter
+                in_hook.append(current[0])
+            real()
+        audit._send_replayed = send  # type: ignore[method-assign]
     try:
         for step in range(steps):
+            current[0] = step
             report = guard.step(step)
             if report.skipped:
                 withheld.append(step)
@@ -86,7 +97,7 @@ def train(rank: int, world: int, shape: tuple[int, ...], steps: int, *, interval
             "detections": [(d.check, d.step, tuple(d.suspect_ranks)) for d in seen],
             "evidence": [d.evidence for d in seen],
             "alike": all(rows[r] == rows[s[0]] for s in layout.sets for r in s),
-            "state": mine}
+            "state": mine, "sent_with_first_chunk": in_hook}
 
 
 def replicate_collectives_in_replay(rank: int, world: int, micro: int) -> list[int]:

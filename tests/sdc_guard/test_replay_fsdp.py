@@ -56,6 +56,9 @@ def test_a_flip_in_one_ranks_step_is_named_and_withheld_on_every_rank(
     results = run_ranks(w.train, world, shape, 6, micro=micro, fault=_flip(target, 4))
     assert results[target]["records"] == micro  # the flip hit each micro-batch of step 4
     for res in results:
+        # the first audit step posts the ring exchange after its replay, not yet knowing the
+        # model's reduce-scatters; the later ones with the step's first (several modules)
+        assert res["sent_with_first_chunk"] == [1, 2, 3, 4, 5]
         assert res["detections"] == [("replay", 4, (target,))]
         assert res["withheld"] == [4]
         assert res["withheld_by"] == [("replay",)]  # (the non-finite check took part: no veto)
