@@ -23,6 +23,10 @@ Parts (each one run of the three ranks, faults armed one per step at the step's 
   step), named (the suspects are exactly the faulty rank) and named transient, for both
   modes on the same faults.
 - **bits**: ``--per-bit`` flips of each bit 0..31 per site, both modes: what escapes, by bit.
+- **bits in bfloat16**: the same sweep on the model under ``torch.autocast`` in bfloat16
+  (``bf16_bits``: every bit of a bfloat16 activation and of a float32 local gradient), the
+  testbed's noise in each linear product's float32 accumulator, after ``BF16_WARMUP`` clean
+  audits (the tolerance then off its half-precision ceiling).
 - **trigger**: the same bit sweep with the audit every ``TRIGGER_INTERVAL`` steps and the
   faults on the steps between: what the norm trigger catches (and what it misses), and how
   often it fires on the clean steps between.
@@ -39,10 +43,11 @@ Parts (each one run of the three ranks, faults armed one per step at the step's 
 Results: ``bench/tolerant.json`` and ``bench/TOLERANT.md``::
 
     python -m bench.tolerant [--clean N] [--exponent N] [--per-bit N] [--cost-rounds N]
-                             [--only-cost | --only-side-by-side] [--out bench]
+                             [--only-cost | --only-side-by-side | --only-bf16] [--out bench]
 
 ``--only-cost`` measures the cost part alone and amends ``OUT/tolerant.json`` (and the
-table) of an earlier full run; ``--only-side-by-side`` its side-by-side run alone.
+table) of an earlier full run; ``--only-side-by-side`` its side-by-side run alone;
+``--only-bf16`` the bfloat16 sweep alone.
 """
 
 from __future__ import annotations
@@ -112,19 +117,32 @@ def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     return F.cross_entropy(model(x), y)
 
 
+def bf16_loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``loss_fn`` under ``torch.autocast`` in bfloat16, as DDP trains in mixed precision: the
+    linear products and what follows them in bfloat16, the weights and gradients in float32."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return loss_fn(model, batch)
+
+
 def _rank(rank: int, world: int, mode: str, steps: int, interval: int,
-          faults: list[dict[str, Any] | None], act: str = "gelu") -> dict[str, Any]:
-    """One rank of one part: ``steps`` guarded steps, ``faults[s]`` (or None) armed at step s."""
+          faults: list[dict[str, Any] | None], act: str = "gelu",
+          bf16: bool = False) -> dict[str, Any]:
+    """One rank of one part: ``steps`` guarded steps, ``faults[s]`` (or None) armed at step s.
+    ``bf16``: under ``torch.autocast`` in bfloat16, the testbed's noise in the float32
+    accumulator of each linear product before its rounding (as a GPU's reduction order moves
+    it: 4 bfloat16 ulps on every output would be far more)."""
     tolerant = mode == "tolerant"
     torch.set_num_threads(THREADS[rank % len(THREADS)] if tolerant else 1)
     torch.manual_seed(0)
     model = DDP(TestbedMLP(act))
     if tolerant:
-        LinearNoise(model.module, ulps=ULPS, seed=11, rank=rank)
+        LinearNoise(model.module, ulps=ULPS, seed=11, rank=rank,
+                    where="accumulator" if bf16 else "output")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg = GuardConfig(replay_interval=interval, replay_mode=mode, deterministic=not tolerant,
                       nonfinite=False, weights_interval=0, repair_window_steps=1)
-    guard = SDCGuard(model, opt, loss_fn=loss_fn, batch_for=batch_for, config=cfg)
+    guard = SDCGuard(model, opt, loss_fn=bf16_loss_fn if bf16 else loss_fn,
+                     batch_for=batch_for, config=cfg)
     armed: list[InjectionHandle | None] = [None]
     injections: list[dict[str, Any]] = []
 
@@ -201,9 +219,10 @@ def _rates(rows: list[dict[str, Any]], key: str = "detected") -> dict[str, float
 
 
 def _part(mode: str, faults: list[dict[str, Any] | None], interval: int = 1,
-          act: str = "gelu") -> dict[str, Any]:
+          act: str = "gelu", bf16: bool = False) -> dict[str, Any]:
     t0 = time.perf_counter()
-    res = run_ranks(_rank, WORLD, mode, len(faults), interval, faults, act, timeout=7200)
+    res = run_ranks(_rank, WORLD, mode, len(faults), interval, faults, act, bf16,
+                    timeout=7200)
     rows = _score(faults, res)
     gaps = sorted(g for r in res for g in r["gaps"])
     return {"rows": rows, "seconds": time.perf_counter() - t0,
@@ -253,11 +272,46 @@ def tolerant_bench(clean: int, exponent: int, per_bit: int, cost_rounds: int) ->
                                       "triggered": sum(r["triggered"] for r in sel) / max(1, len(sel)),
                                       "named": sum(r["named"] for r in sel) / max(1, len(sel))}
                              for b in range(32)} for site in SITES}
+    out["bits_bf16"] = bf16_bits(per_bit)
     calm_trig = _part("tolerant", [None] * clean, interval=TRIGGER_INTERVAL)
     out["trigger_clean"] = {"steps": clean - 1, "triggered": len(calm_trig["triggered"]),
                             "false_positives": calm_trig["detections"]}
     if cost_rounds:
         out["cost"] = cost(cost_rounds)
+    return out
+
+
+BF16_WARMUP = 160
+"""Clean audited steps before the bfloat16 sweep's faults: in half precision the tolerance
+leaves its ceiling at the rolling update that closes ``HALF_WINDOWS`` windows of clean audits
+(128), and the sweep measures the tolerance a run settles at."""
+BF16_BITS = {"activation": 16, "gradient_before_allreduce": 32}
+"""Under autocast the activations are bfloat16 and the gradients float32."""
+
+
+def bf16_bits(per_bit: int, warmup: int = BF16_WARMUP) -> dict[str, Any]:
+    """Every bit of a bfloat16 activation and of a float32 local gradient, ``per_bit`` flips
+    each, on audited steps of the model under ``torch.autocast`` after ``warmup`` clean ones,
+    both modes on the same faults: the share detected and named, by bit."""
+    sweep = [(site, b) for site, n in BF16_BITS.items() for b in range(n)
+             for _ in range(per_bit)]
+    out: dict[str, Any] = {"per_bit": per_bit, "warmup": warmup}
+    for mode in ("tolerant", "exact"):
+        faults: list[dict[str, Any] | None] = [None] * (warmup + 1)
+        for i, (site, b) in enumerate(sweep):
+            names = SITES[site]
+            faults.append({"site": site, "target": names[i % len(names)], "rank": i % WORLD,
+                           "step": warmup + 1 + i, "bits": (b,), "seed": 30_000 + i})
+        part = _part(mode, faults, bf16=True)
+        rows = part["rows"]
+        out[mode] = {site: {str(b): _rates([r for r in rows if r["site"] == site
+                                            and r["bit"] == b]) for b in range(n)}
+                     for site, n in BF16_BITS.items()}
+        out[mode]["injections"] = part["injections"]
+        if mode == "tolerant":
+            out["tolerance"] = part["tolerance"]
+            out["warmup_detections"] = sum(len(v) for k, v in part["found"].items()
+                                           if int(k) <= warmup)
     return out
 
 
@@ -573,8 +627,36 @@ def markdown(res: dict[str, Any]) -> list[str]:
               "a rank has a history of norms to vote against, included), the share of them "
               "that the norm trigger audited (each trigger's audit named the faulty rank or "
               "nobody)."]
+    if "bits_bf16" in res:
+        lines += _bf16_md(res["bits_bf16"])
     if "cost" in res:
         lines += _cost_md(res["cost"])
+    return lines
+
+
+def _bf16_md(b: dict[str, Any]) -> list[str]:
+    """``bf16_bits``' section of TOLERANT.md."""
+    lines = ["", "## Detected, by bit, in bfloat16 (autocast)", "",
+             "The GELU model under `torch.autocast` in bfloat16 (the linear products and the "
+             "activations after them in bfloat16, the weights and local gradients in float32), "
+             "the testbed's noise in the float32 accumulator of each linear product before its "
+             f"rounding (`LinearNoise(where=\"accumulator\")`); {b['warmup']} clean audited "
+             "steps first, so that the tolerance has left its half-precision ceiling "
+             f"({b['warmup_detections']} detections among them; the tolerance then: "
+             f"{b['tolerance']:.3g}), then one flip per audited step, both modes on the same "
+             f"faults, {b['per_bit']} per bit and site. bfloat16: bit 15 the sign, 7-14 the "
+             "exponent, 0-6 the mantissa.", "",
+             "| bit | activation (bfloat16): tolerant detected | named | exact detected | "
+             "gradient (float32): tolerant detected | named | exact detected |",
+             "|---|---|---|---|---|---|---|"]
+    for bit in range(max(BF16_BITS.values())):
+        cells = []
+        for site in SITES:
+            tol = b["tolerant"][site].get(str(bit))
+            cells += (["", "", ""] if tol is None else
+                      [_pct(tol["detected"]), _pct(tol["named"]),
+                       _pct(b["exact"][site][str(bit)]["detected"])])
+        lines.append(f"| {bit} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -589,6 +671,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="rounds of each mode's cost run (12; 0: none)")
     ap.add_argument("--only-cost", action="store_true",
                     help="the cost part alone, amending OUT/tolerant.json")
+    ap.add_argument("--only-bf16", action="store_true",
+                    help="the bfloat16 bit sweep alone, amending OUT/tolerant.json")
     ap.add_argument("--only-side-by-side", action="store_true",
                     help="the cost part's side-by-side run alone, amending OUT/tolerant.json")
     ap.add_argument("--keep-cost", action="store_true",
@@ -598,12 +682,12 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.clean, args.exponent, args.per_bit) < 1 or args.cost_rounds < 0:
         ap.error("--clean, --exponent and --per-bit must be at least 1, --cost-rounds at "
                  "least 0")
-    if sum((args.only_cost, args.only_side_by_side, args.keep_cost)) > 1:
-        ap.error("--only-cost, --only-side-by-side and --keep-cost each amend another part: "
-                 "give one of them")
-    if args.only_cost or args.only_side_by_side or args.keep_cost:
-        flag = ("--only-cost" if args.only_cost else "--only-side-by-side"
-                if args.only_side_by_side else "--keep-cost")
+    amend = {"--only-cost": args.only_cost, "--only-side-by-side": args.only_side_by_side,
+             "--keep-cost": args.keep_cost, "--only-bf16": args.only_bf16}
+    if sum(amend.values()) > 1:
+        ap.error(f"{', '.join(amend)} each amend another part: give one of them")
+    if any(amend.values()):
+        flag = next(k for k, v in amend.items() if v)
         path = Path(args.out) / "tolerant.json"
         try:
             res = json.loads(path.read_text())
@@ -613,7 +697,9 @@ def main(argv: list[str] | None = None) -> int:
         if res.get("cpu") != cpu_name():
             ap.error(f"{flag}: {path} was measured on {res.get('cpu')}, this is "
                      f"{cpu_name()}: run the whole benchmark here")
-        if args.keep_cost:
+        if args.only_bf16:
+            res["bits_bf16"] = bf16_bits(args.per_bit)
+        elif args.keep_cost:
             if not isinstance(res.get("cost"), dict):
                 ap.error(f"{flag} keeps the cost part of {path}, which has none: run without "
                          f"{flag}")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench.timing import cpu_name
-from bench.tolerant import SIDE_INTERVAL, _side_md, side_by_side
+from bench.tolerant import BF16_BITS, SIDE_INTERVAL, _bf16_md, _side_md, bf16_bits, side_by_side
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,6 +53,10 @@ def test_the_amending_flags_refuse_what_they_cannot_amend(tmp_path: Path) -> Non
     assert both.returncode == 2 and "give one of them" in both.stderr
     both = run("--keep-cost", "--only-cost")
     assert both.returncode == 2 and "give one of them" in both.stderr
+    both = run("--only-bf16", "--only-side-by-side")
+    assert both.returncode == 2 and "give one of them" in both.stderr
+    missing = run("--only-bf16")
+    assert missing.returncode == 2 and "--only-bf16 amends" in missing.stderr
     missing = run("--only-side-by-side")
     assert missing.returncode == 2 and "--only-side-by-side amends" in missing.stderr
     (tmp_path / "tolerant.json").write_text(json.dumps({"cpu": "another CPU"}))
@@ -61,3 +65,22 @@ def test_the_amending_flags_refuse_what_they_cannot_amend(tmp_path: Path) -> Non
     (tmp_path / "tolerant.json").write_text(json.dumps({"cpu": cpu_name()}))
     uncosted = run("--keep-cost")
     assert uncosted.returncode == 2 and "keeps the cost part" in uncosted.stderr
+
+
+@pytest.mark.timeout(300)
+def test_the_bfloat16_sweep_flips_every_bit_of_each_sites_dtype_in_both_modes() -> None:
+    # One flip per bit and site after a short clean start (the tolerance still at its
+    # half-precision ceiling): every float32 gradient flip changes the gradients, so the
+    # exact audit sees each one; a flip of a float32 gradient's top exponent bit makes a
+    # value of magnitude below 2 about 2**128 times larger, far beyond any tolerance.
+    res = bf16_bits(1, warmup=8)
+    assert res["warmup_detections"] == 0 and res["tolerance"] is not None
+    for mode in ("tolerant", "exact"):
+        for site, n in BF16_BITS.items():
+            assert sorted(res[mode][site], key=int) == [str(b) for b in range(n)]
+            assert all(r["n"] == 1 for r in res[mode][site].values())
+    assert all(r["detected"] == 1 for r in res["exact"]["gradient_before_allreduce"].values())
+    top = res["tolerant"]["gradient_before_allreduce"]["30"]
+    assert top["detected"] == 1 and top["named"] == 1
+    text = "\n".join(_bf16_md(res))
+    assert "in bfloat16 (autocast)" in text and "| 15 |" in text and "| 31 |" in text
