@@ -472,6 +472,28 @@ def own_batch_run(rank: int, world: int) -> dict[str, Any]:
     return _until_refused(guard, found, 3)
 
 
+def refused_then_audited_run(rank: int, world: int) -> dict[str, Any]:
+    """A replay refusal raised on every rank at the first audit step (a ``batch_for`` that
+    draws anew on every call), after the step posted its early receive; then a new guard on
+    the same process group audits three steps. Its error, and the new guard's detections."""
+    torch.manual_seed(0)
+    cfg = GuardConfig(replay_interval=1, deterministic=True)
+    model = DDP(make_mlp())
+    guard = SDCGuard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn=loss_fn,
+                     batch_for=lambda r, s: (torch.randn(8, 8), torch.randint(0, 4, (8,))),
+                     config=cfg)
+    try:
+        guard.step(0)
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    guard.close()
+    fine = DDP(make_mlp())
+    again = SDCGuard(fine, torch.optim.AdamW(fine.parameters(), lr=1e-2), loss_fn=loss_fn,
+                     batch_for=batch_for, config=cfg)
+    return {"error": error, "detections": [again.step(s).detections for s in range(3)]}
+
+
 class _ScalarReads(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Counts the tensor reads to the host (``.item()``, ``bool()``, ``.tolist()`` of a
     0-d tensor): on a GPU each waits for the queued work."""

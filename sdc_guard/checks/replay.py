@@ -589,6 +589,8 @@ class ReplayAudit(Check, GradientListener):
         self._answer: Containment | None = None
         """This step's containment answer (``vetoed``), when the veto was asked."""
         self._exchange: list[Any] = []
+        self._receiving: Any = None
+        """The receive ``_receive_early`` posted, until ``_post`` joins it to the exchange."""
         self._peer = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._sent: torch.Tensor | None = None
         self._send_buf = torch.zeros(2, dtype=torch.int64)
@@ -708,6 +710,15 @@ class ReplayAudit(Check, GradientListener):
         self._own_params = 0
         self.phase = "train"
         self._observing = True
+        self._receive_early()
+        try:
+            self._replay_first(step)
+        except BaseException:
+            self._match_early_receive()
+            raise
+
+    def _replay_first(self, step: int) -> None:
+        """``begin_step``'s recomputation of the neighbour's batch, and its exchange."""
         if self.micro == 1 and _buffers_synced_before_forward(self.model):
             # The owner's forward will compute with the authoritative rank's buffers (DDP
             # broadcasts them first); a buffer the training forward reads and updates (a
@@ -773,6 +784,31 @@ class ReplayAudit(Check, GradientListener):
             words = words_tensor(self._replayed, self.device)
         self._post(words)
 
+    def _receive_early(self) -> None:
+        """On the CPU, at an audit step's start: post the receive of the previous rank's
+        replay of this rank's batch, before anything of the step runs. gloo hands a message
+        over once its receiver has said it is ready; with the receive posted this early, the
+        peer's send (``_post``) finds it so and goes at once, rather than waiting in the
+        step for a readiness its communication thread has to be scheduled to send."""
+        if self._exchanges and self.device.type == "cpu" and self._receiving is None:
+            group = self.group if self.group is not None else dist.group.WORLD
+            assert group is not None
+            self._receiving = group.recv([self._peer], (self.rank - 1) % self.world, 0)
+
+    def _match_early_receive(self) -> None:
+        """An audit step that raised after ``_receive_early``: send the next rank the zeros
+        its early receive waits for, and wait for both, so that no receive is left posted
+        for a later exchange to be matched against. The replay's refusals are raised on
+        every rank alike; a rank that raises alone gets its receive from the previous
+        rank's step, which goes on to its exchange."""
+        receiving, self._receiving = self._receiving, None
+        if receiving is not None:
+            group = self.group if self.group is not None else dist.group.WORLD
+            assert group is not None
+            blank = torch.zeros_like(self._peer)
+            group.send([blank], (self.rank + 1) % self.world, 0).wait()
+            receiving.wait()
+
     def _post(self, words: torch.Tensor) -> None:
         """Send ``words`` to the next rank and receive the previous rank's into ``_peer``."""
         nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world
@@ -781,7 +817,9 @@ class ReplayAudit(Check, GradientListener):
             # both on the process group itself, without the Python wrappers' checks.
             group = self.group if self.group is not None else dist.group.WORLD
             assert group is not None
-            self._exchange = [group.send([words], nxt, 0), group.recv([self._peer], prv, 0)]
+            receiving, self._receiving = self._receiving, None
+            self._exchange = [group.send([words], nxt, 0),
+                              receiving or group.recv([self._peer], prv, 0)]
         else:  # NCCL pairs a ring of sends and receives only when they are coalesced
             if self.group is not None:
                 nxt = dist.get_global_rank(self.group, nxt)
@@ -790,6 +828,13 @@ class ReplayAudit(Check, GradientListener):
                 dist.P2POp(dist.isend, words, nxt, self.group),
                 dist.P2POp(dist.irecv, self._peer, prv, self.group)])
         self._sent = words  # alive until the send completes
+
+    def _post_due(self) -> None:
+        """The exchange waited for the step's first gradient bucket and none came (alike on
+        every rank): post it now, so that every receive posted early is matched."""
+        if self._send_due:
+            self._send_due = False
+            self._send_replayed()
 
     def _finish_exchange(self) -> None:
         for work in self._exchange:
@@ -935,6 +980,7 @@ class ReplayAudit(Check, GradientListener):
             if self._answer is not None:
                 self._answer.ask(read)
             return
+        self._post_due()
         self._finish_exchange()  # sent, but the hook never saw a last bucket
         if self._pending is None:  # (alike on every rank)
             self._send_words()
@@ -953,6 +999,7 @@ class ReplayAudit(Check, GradientListener):
                 answer, self._answer = self._answer, None
                 clean = answer is None or not answer.read()
             else:
+                self._post_due()
                 self._finish_exchange()  # (ask did it, unless it was not called)
                 if self._pending is None:  # (alike on every rank)
                     self._send_words()
@@ -965,7 +1012,7 @@ class ReplayAudit(Check, GradientListener):
         finally:
             self._observing = False
             self._veto_asked = False
-            self._send_due = False  # no bucket came (alike on every rank): nothing was posted
+            self._send_due = False
             self._many_buckets = self._buckets > 1
         if found:
             self.tainted()

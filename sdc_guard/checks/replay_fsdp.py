@@ -177,6 +177,15 @@ class FSDPReplayAudit(ReplayAudit):
         self._buckets = 0
         self.phase = "train"
         self._observing = False
+        self._receive_early()
+        try:
+            self._replay_first(step)
+        except BaseException:
+            self._match_early_receive()
+            raise
+
+    def _replay_first(self, step: int) -> None:
+        """``begin_step``'s recomputation of the neighbour's batch, and its exchange."""
         self._save_step_buffers()
         self._replayed = self._replay((self.rank + 1) % self.world, step, "replay")
         self._at_step_buffers = False  # the owner's forward comes next

@@ -812,6 +812,7 @@ class TolerantReplayAudit(ReplayAudit):
     def _send_words(self) -> None:
         if not self._observing or self._replayed is None or self._pending is not None:
             return
+        self._post_due()
         self._finish_exchange()
         self._pending = PendingSum(self._far().to(torch.int64).reshape(1), self.group)
 

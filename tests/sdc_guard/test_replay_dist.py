@@ -174,6 +174,16 @@ def test_a_batch_for_that_ignores_its_rank_is_named_not_every_rank_convicted() -
         assert "batch_for(rank, step) returns this process's batch whatever rank" in r["error"]
 
 
+@pytest.mark.timeout(120)
+def test_a_refusal_at_the_first_audit_leaves_no_receive_for_the_next_guard() -> None:
+    # The audit step posts the receive of its neighbour's replay before recomputing; a
+    # refusal raised on every rank then must not leave it posted, or the next audit's send
+    # would land in it and the next guard's own receive wait for ever.
+    for r in run_ranks(workers.refused_then_audited_run, 3):
+        assert "returned a different batch" in r["error"], r["error"]
+        assert r["detections"] == [[], [], []]
+
+
 def test_parameters_ddp_ignores_are_left_out_or_refused_never_a_detection() -> None:
     # DDP neither broadcasts nor all-reduces them: trained, each rank's drift apart. The
     # weights check convicted at every step, and the replay every rank at every audit step.
