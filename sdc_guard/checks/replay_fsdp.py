@@ -140,9 +140,7 @@ class FSDPReplayAudit(ReplayAudit):
                                                      self.device))
         elif self._observing:
             self._buckets += 1
-            if self._send_due:  # the exchange waited for the step's first reduce-scatter
-                self._send_due = False
-                self._send_replayed()
+            self._post_due()  # the exchange waits for the step's first reduce-scatter
             self._add_own(chunk_word(bucket.buffer(), bucket.index(), self.device))
         return None
 
@@ -271,6 +269,7 @@ class FSDPTolerantReplayAudit(TolerantReplayAudit, FSDPReplayAudit):
                 bucket.index(), bucket.buffer().reshape(-1))
         elif self._observing:
             self._buckets += 1
+            self._post_due()  # the exchange waits for the step's first reduce-scatter
             self._own_rows[bucket.index()] = self.sketch.row(
                 bucket.index(), bucket.buffer().reshape(-1))
         elif self.trigger and not self.due(self._backend.step):

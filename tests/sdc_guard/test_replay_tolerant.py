@@ -635,6 +635,10 @@ def test_under_fsdp2_a_clean_run_calibrates_once_and_never_fires(
         assert r["detections"] == [] and r["skipped"] == [] and r["alike"]
         assert r["tolerance"] == tol
         assert r["noise_calls"] >= 12 * 3 * 2 * micro  # own step and replay, 3 layers
+        # every audit step's edge is compared in the step's last reduce-scatter (the veto
+        # rides it): the first posts its exchange after the replay, the others with the
+        # step's first reduce-scatter
+        assert r["compared_in_hook"] == list(range(12)), r["compared_in_hook"]
     assert FLOOR < tol < CEILING
     (cal,) = tw.records(log, "replay_calibration")
     assert cal["accepted"] and cal["step"] == 0

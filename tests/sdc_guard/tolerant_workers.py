@@ -49,9 +49,20 @@ def tolerant_run(rank: int, world: int, steps: int, *, threads: tuple[int, ...] 
     guard = SDCGuard(model, optimizer, loss_fn=autocast_loss if bf16 else loss_fn, config=cfg,
                      batch_for=batch_for if odd_batch is None else OddBatch(*odd_batch))
     handle = arm(Fault(**fault), guard=guard) if fault and fault["rank"] == rank else None
+    audit: Any = next(c for c in guard.checks if c.name == "replay")
+    compared: list[int] = []
+    """The steps whose edge the owner compared in the hook (the veto asked, not None)."""
+    real_veto = audit.veto
+
+    def veto() -> Any:
+        answer = real_veto()
+        if answer is not None and audit.due(guard.backend.step):
+            compared.append(guard.backend.step)
+        return answer
+
+    audit.veto = veto
     reports = [guard.step(s) for s in range(steps)]
     found = [d for r in reports for d in r.detections] + guard.flush()
-    audit = next(c for c in guard.checks if c.name == "replay")
     out = {
         "detections": [(d.check, d.step, d.suspect_ranks, d.transient) for d in found],
         "details": [d.detail for d in found],
@@ -64,6 +75,7 @@ def tolerant_run(rank: int, world: int, steps: int, *, threads: tuple[int, ...] 
         "fused_sketches": guard.backend.fused_sketches, "native": sdc_guard.native_enabled(),
         "final": sdc_guard.fingerprint(list(model.module.parameters())),
         "injections": len(handle.records) if handle is not None else 0,
+        "compared_in_hook": compared,
     }
     if handle is not None:
         handle.remove()
@@ -135,7 +147,7 @@ def checkpoint_run(rank: int, world: int, ckpt_dir: str, log: str) -> dict[str, 
         cfg = GuardConfig(replay_interval=2, replay_mode="tolerant", event_log=log)
         guard = SDCGuard(model, optimizer, loss_fn=loss_fn, batch_for=batch_for, config=cfg,
                          checkpoints=ckpt)
-        audit = next(c for c in guard.checks if c.name == "replay")
+        audit: Any = next(c for c in guard.checks if c.name == "replay")
         start = 0 if life == "first" else ckpt.restore(model, optimizer)
         out[f"{life}_start_tolerance"] = getattr(audit, "tolerance", None)
         found = [d for s in range(start, start + 4) for d in guard.step(s).detections]
@@ -170,9 +182,20 @@ def fsdp_run(rank: int, world: int, shape: tuple[int, ...], steps: int, *,
     feed = rfw.micro_batches(micro) if odd_batch is None else OddBatch(*odd_batch, micro)
     guard = SDCGuard(model, optimizer, loss_fn=rfw.loss_fn, config=cfg, batch_for=feed)
     handle = arm(Fault(**fault), guard=guard) if fault and fault["rank"] == rank else None
+    audit: Any = next(c for c in guard.checks if c.name == "replay")
+    compared: list[int] = []
+    """The steps whose edge the owner compared in the hook (the veto asked, not None)."""
+    real_veto = audit.veto
+
+    def veto() -> Any:
+        answer = real_veto()
+        if answer is not None and audit.due(guard.backend.step):
+            compared.append(guard.backend.step)
+        return answer
+
+    audit.veto = veto
     reports = [guard.step(s) for s in range(steps)]
     found = [d for r in reports for d in r.detections] + guard.flush()
-    audit = next(c for c in guard.checks if c.name == "replay")
     mine = [t.reshape(-1).tolist() for t in local_state(model, optimizer)]
     rows: list[Any] = [None] * world
     dist.all_gather_object(rows, mine)
@@ -186,6 +209,7 @@ def fsdp_run(rank: int, world: int, shape: tuple[int, ...], steps: int, *,
         "noise_calls": noise.calls if noise else 0,
         "alike": all(rows[r] == rows[s[0]] for s in guard.backend.layout.sets for r in s),
         "injections": len(handle.records) if handle is not None else 0,
+        "compared_in_hook": compared,
     }
     if handle is not None:
         handle.remove()
