@@ -710,6 +710,11 @@ class ReplayAudit(Check, GradientListener):
         self._own_params = 0
         self.phase = "train"
         self._observing = True
+        self._replay_at_start(step)
+
+    def _replay_at_start(self, step: int) -> None:
+        """``_replay_first`` with the exchange's receive posted before it (``_receive_early``),
+        and matched should it raise (``_match_early_receive``)."""
         self._receive_early()
         try:
             self._replay_first(step)

@@ -175,12 +175,7 @@ class FSDPReplayAudit(ReplayAudit):
         self._buckets = 0
         self.phase = "train"
         self._observing = False
-        self._receive_early()
-        try:
-            self._replay_first(step)
-        except BaseException:
-            self._match_early_receive()
-            raise
+        self._replay_at_start(step)
 
     def _replay_first(self, step: int) -> None:
         """``begin_step``'s recomputation of the neighbour's batch, and its exchange."""

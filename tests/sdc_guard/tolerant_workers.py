@@ -24,6 +24,22 @@ from sdc_guard import GuardConfig, SDCGuard
 from tests.workers import DropMLP, batch_for, loss_fn
 
 
+def compared_in_hook(guard: SDCGuard, audit: Any) -> list[int]:
+    """The audit steps whose edge the owner compares in the hook (its veto asked, not None),
+    filled in as ``guard`` steps."""
+    compared: list[int] = []
+    real_veto = audit.veto
+
+    def veto() -> Any:
+        answer = real_veto()
+        if answer is not None and audit.due(guard.backend.step):
+            compared.append(guard.backend.step)
+        return answer
+
+    audit.veto = veto
+    return compared
+
+
 def tolerant_run(rank: int, world: int, steps: int, *, threads: tuple[int, ...] = (1, 2),
                  ulps: int = 4, fault: dict[str, Any] | None = None, interval: int = 1,
                  contain: bool = True, event_log: str | None = None,
@@ -50,17 +66,7 @@ def tolerant_run(rank: int, world: int, steps: int, *, threads: tuple[int, ...] 
                      batch_for=batch_for if odd_batch is None else OddBatch(*odd_batch))
     handle = arm(Fault(**fault), guard=guard) if fault and fault["rank"] == rank else None
     audit: Any = next(c for c in guard.checks if c.name == "replay")
-    compared: list[int] = []
-    """The steps whose edge the owner compared in the hook (the veto asked, not None)."""
-    real_veto = audit.veto
-
-    def veto() -> Any:
-        answer = real_veto()
-        if answer is not None and audit.due(guard.backend.step):
-            compared.append(guard.backend.step)
-        return answer
-
-    audit.veto = veto
+    compared = compared_in_hook(guard, audit)
     reports = [guard.step(s) for s in range(steps)]
     found = [d for r in reports for d in r.detections] + guard.flush()
     out = {
@@ -183,17 +189,7 @@ def fsdp_run(rank: int, world: int, shape: tuple[int, ...], steps: int, *,
     guard = SDCGuard(model, optimizer, loss_fn=rfw.loss_fn, config=cfg, batch_for=feed)
     handle = arm(Fault(**fault), guard=guard) if fault and fault["rank"] == rank else None
     audit: Any = next(c for c in guard.checks if c.name == "replay")
-    compared: list[int] = []
-    """The steps whose edge the owner compared in the hook (the veto asked, not None)."""
-    real_veto = audit.veto
-
-    def veto() -> Any:
-        answer = real_veto()
-        if answer is not None and audit.due(guard.backend.step):
-            compared.append(guard.backend.step)
-        return answer
-
-    audit.veto = veto
+    compared = compared_in_hook(guard, audit)
     reports = [guard.step(s) for s in range(steps)]
     found = [d for r in reports for d in r.detections] + guard.flush()
     mine = [t.reshape(-1).tolist() for t in local_state(model, optimizer)]
