@@ -647,9 +647,7 @@ class ReplayAudit(Check, GradientListener):
                 self._many_buckets = bucket.index() > 0
             return None
         self._buckets += 1
-        if self._send_due:
-            self._send_due = False
-            self._send_replayed()
+        self._post_due()
         idx = [self.index.get(id(p), -1) for p in bucket.parameters()]
         self._own_params += sum(i >= 0 for i in idx)
         return idx
@@ -835,8 +833,9 @@ class ReplayAudit(Check, GradientListener):
         self._sent = words  # alive until the send completes
 
     def _post_due(self) -> None:
-        """The exchange waited for the step's first gradient bucket and none came (alike on
-        every rank): post it now, so that every receive posted early is matched."""
+        """Post the exchange if it waits for the step's first gradient bucket: at that bucket,
+        or at the verdict when none came (alike on every rank), so that every receive
+        posted early is matched."""
         if self._send_due:
             self._send_due = False
             self._send_replayed()
